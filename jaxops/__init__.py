@@ -1,0 +1,36 @@
+"""jaxops: XLA FFI kernels for JAX on NVIDIA Hopper GPUs and on CPU.
+
+Public API (everything else is private):
+
+- :func:`rms_norm`, :func:`add_rms_norm` and their pure-JAX twins :func:`rms_norm_reference`,
+  :func:`add_rms_norm_reference`.
+- The implementation switch: :func:`set_default_impl`, :func:`get_default_impl`,
+  :func:`default_impl` (or the ``JAXOPS_IMPL=xla`` environment variable).
+- :func:`build_info`, :func:`cuda_available` and :class:`JaxlibVersionError`.
+- ``jaxops.parallel``: expert and pipeline parallelism, sharded checkpointing.
+"""
+
+from jaxops._config import default_impl, get_default_impl, set_default_impl
+from jaxops._ffi import JaxlibVersionError, build_info, cuda_available
+from jaxops._rms_norm import (
+    add_rms_norm,
+    add_rms_norm_reference,
+    rms_norm,
+    rms_norm_reference,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "JaxlibVersionError",
+    "__version__",
+    "add_rms_norm",
+    "add_rms_norm_reference",
+    "build_info",
+    "cuda_available",
+    "default_impl",
+    "get_default_impl",
+    "rms_norm",
+    "rms_norm_reference",
+    "set_default_impl",
+]

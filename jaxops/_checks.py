@@ -1,0 +1,74 @@
+"""Trace-time argument validation shared by every jaxops op.
+
+Each check raises a ValueError or TypeError naming the argument, what was expected and what came.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["FLOAT_DTYPES", "check_array", "check_bool", "check_positive_float", "dtype_name"]
+
+FLOAT_DTYPES: tuple[np.dtype, ...] = (
+    np.dtype(jnp.float32),
+    np.dtype(jnp.bfloat16),
+    np.dtype(jnp.float16),
+)
+
+
+def dtype_name(dtype: Any) -> str:
+    return np.dtype(dtype).name
+
+
+def check_array(
+    op: str,
+    name: str,
+    value: Any,
+    *,
+    dtypes: Sequence[np.dtype] = FLOAT_DTYPES,
+    min_rank: int = 0,
+) -> jax.Array:
+    """Returns `value` as a jax array after checking its dtype and rank.
+
+    Raises:
+      TypeError: if `value` is not an array or its dtype is not one of `dtypes`.
+      ValueError: if its rank is below `min_rank`.
+    """
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        if isinstance(value, (int, float, bool, complex)) or value is None:
+            raise TypeError(f"{op}: {name} must be an array, got {type(value).__name__}")
+        value = jnp.asarray(value)
+    dtype = np.dtype(value.dtype)
+    if dtype not in dtypes:
+        names = ", ".join(dtype_name(d) for d in dtypes)
+        raise TypeError(f"{op}: {name} must have dtype {names}; got {dtype_name(dtype)}")
+    if value.ndim < min_rank:
+        raise ValueError(
+            f"{op}: {name} must have rank >= {min_rank}, got shape {tuple(value.shape)}"
+        )
+    return value
+
+
+def check_positive_float(op: str, name: str, value: Any) -> float:
+    """A static, finite, strictly positive Python float."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{op}: {name} must be a static Python number, got a traced value")
+    try:
+        result = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{op}: {name} must be a number, got {type(value).__name__}") from None
+    if not math.isfinite(result) or result <= 0.0:
+        raise ValueError(f"{op}: {name} must be finite and > 0, got {value!r}")
+    return result
+
+
+def check_bool(op: str, name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__}")
+    return bool(value)

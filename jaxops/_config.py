@@ -1,0 +1,109 @@
+"""The global implementation switch: force the pure-JAX twins of every op.
+
+The switch is part of jax's configuration and of the jit cache key, so flipping it retraces
+jitted functions instead of silently reusing kernels traced before.
+
+- Environment: ``JAXOPS_IMPL=xla`` (read at import).
+- Python: ``jaxops.set_default_impl("xla")`` / ``jaxops.set_default_impl(None)``, or the context
+  manager ``with jaxops.default_impl("xla"): ...``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Literal
+
+import jax
+from jax._src import config as _jax_config
+
+__all__ = ["Impl", "default_impl", "get_default_impl", "resolve_impl", "set_default_impl"]
+
+Impl = Literal["ffi", "xla"]
+_CHOICES = ("auto", "ffi", "xla")
+
+
+def _env_default() -> str:
+    value = os.environ.get("JAXOPS_IMPL", "auto").strip().lower() or "auto"
+    if value not in _CHOICES:
+        raise ValueError(f"JAXOPS_IMPL must be one of {_CHOICES}, got {value!r}")
+    return value
+
+
+_impl_state = _jax_config.enum_state(
+    name="jaxops_impl",
+    enum_values=list(_CHOICES),
+    default=_env_default(),
+    help="jaxops: 'auto' uses the custom calls, 'xla' forces the pure-JAX twins, 'ffi' requires "
+    "the custom calls.",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
+
+
+def _check(impl: str | None, name: str = "impl") -> str:
+    value = "auto" if impl is None else impl
+    if value not in _CHOICES:
+        raise ValueError(f"{name} must be None, 'ffi' or 'xla', got {impl!r}")
+    return value
+
+
+def set_default_impl(impl: str | None) -> None:
+    """Sets the process-wide default implementation of every jaxops op.
+
+    Args:
+      impl: ``"xla"`` forces the pure-JAX twins everywhere, ``"ffi"`` requires the custom calls,
+        None restores automatic choice (custom calls where available).
+
+    Example:
+      >>> import jaxops
+      >>> jaxops.set_default_impl("xla")
+      >>> jaxops.get_default_impl()
+      'xla'
+      >>> jaxops.set_default_impl(None)
+    """
+    jax.config.update("jaxops_impl", _check(impl))
+
+
+def get_default_impl() -> str:
+    """The current default: ``"auto"``, ``"ffi"`` or ``"xla"``."""
+    return _impl_state.value
+
+
+@contextlib.contextmanager
+def default_impl(impl: str | None) -> Iterator[None]:
+    """Context manager form of :func:`set_default_impl`, local to the current thread.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxops
+      >>> with jaxops.default_impl("xla"):
+      ...     y = jaxops.rms_norm(jnp.ones((2, 8)))
+    """
+    with _impl_state(_check(impl)):
+        yield
+
+
+def resolve_impl(impl: str | None, *, kernel_available: bool) -> Impl:
+    """Picks the implementation of one call: its own `impl`, else the global default.
+
+    Args:
+      impl: the op's ``impl`` argument (None, "ffi" or "xla").
+      kernel_available: whether a custom call exists for the platform being traced for.
+
+    Raises:
+      ValueError: on an unknown `impl`, or "ffi" requested where no kernel exists.
+    """
+    choice = _check(impl)
+    if choice == "auto":
+        choice = _impl_state.value
+    if choice == "xla":
+        return "xla"
+    if not kernel_available:
+        if choice == "ffi":
+            raise ValueError(
+                "impl='ffi' was requested but jaxops has no custom call for this platform "
+                "(on GPU, jaxops must be built with CUDA; see jaxops.build_info())"
+            )
+        return "xla"
+    return "ffi"

@@ -1,0 +1,71 @@
+"""Helpers for the custom_partitioning rules of jaxops ops.
+
+Every op's partition callback reads the operand shardings XLA chose, decides which axes stay local
+and which need a collective inside the op (always a reduction of a small per-row or per-column
+partial, never a gather of the operand), and returns the lowering for one shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["SpecEntry", "axes_of", "named", "padded_spec", "result_sharding"]
+
+SpecEntry = str | tuple[str, ...] | None
+
+
+def padded_spec(sharding: Any, ndim: int) -> tuple[SpecEntry, ...]:
+    """The PartitionSpec of `sharding` as a tuple of exactly `ndim` entries (None = replicated)."""
+    spec = tuple(getattr(sharding, "spec", ()) or ())
+    spec = spec + (None,) * (ndim - len(spec))
+    return tuple(_normalize(entry) for entry in spec[:ndim])
+
+
+def _normalize(entry: Any) -> SpecEntry:
+    if entry is None or entry == ():
+        return None
+    if isinstance(entry, tuple):
+        return entry if len(entry) > 1 else entry[0]
+    if entry is P.UNCONSTRAINED:
+        return None
+    return entry
+
+
+def axes_of(entries: Sequence[SpecEntry]) -> tuple[str, ...]:
+    """The mesh axis names used by spec entries, in order, each once."""
+    names: list[str] = []
+    for entry in entries:
+        if entry is None:
+            continue
+        for name in entry if isinstance(entry, tuple) else (entry,):
+            if name not in names:
+                names.append(name)
+    return tuple(names)
+
+
+def named(mesh: Any, *entries: SpecEntry) -> NamedSharding:
+    """NamedSharding on `mesh` with the given spec entries."""
+    return NamedSharding(mesh, P(*entries))
+
+
+def result_sharding(x: jax.Array, ndim_dropped: int = 0) -> Any:
+    """The sharding a result derived row-wise from `x` should carry in its type.
+
+    On meshes with Explicit axes the sharding is part of the array's type, and a custom call
+    result typed as replicated would force XLA to gather. `ndim_dropped` trailing axes of `x` are
+    dropped (e.g. 1 for a per-row statistic). Returns None outside explicit sharding.
+    """
+    sharding = jax.typeof(x).sharding
+    spec = getattr(sharding, "spec", None)
+    mesh = getattr(sharding, "mesh", None)
+    if spec is None or mesh is None or getattr(mesh, "empty", True):
+        return None
+    entries = padded_spec(sharding, x.ndim)
+    if ndim_dropped:
+        entries = entries[: x.ndim - ndim_dropped]
+    return NamedSharding(mesh, P(*entries))

@@ -1,0 +1,15 @@
+"""jaxops.parallel: expert and pipeline parallelism and sharded checkpointing.
+
+The sources live in the repository's top-level ``parallel/`` folder and are installed as
+``jaxops.parallel``; there is no top-level module named ``parallel``. (An editable install puts
+the repository root on ``sys.path``, so the folder could be found as ``parallel``: importing it
+under that name is refused below instead of shadowing another package.)
+"""
+
+if __name__ != "jaxops.parallel":
+    raise ImportError(
+        f"this is jaxops.parallel and cannot be imported as {__name__!r}; "
+        "use `import jaxops.parallel`"
+    )
+
+__all__: list[str] = []

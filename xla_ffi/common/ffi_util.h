@@ -1,0 +1,75 @@
+// Host-side helpers for FFI handlers of every op family (CPU and CUDA dispatch code).
+#ifndef JAXOPS_XLA_FFI_COMMON_FFI_UTIL_H_
+#define JAXOPS_XLA_FFI_COMMON_FFI_UTIL_H_
+
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxops {
+
+namespace ffi = xla::ffi;
+
+inline ffi::Error InvalidArgument(const std::string& message) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, message);
+}
+
+inline ffi::Error Internal(const std::string& message) {
+  return ffi::Error(ffi::ErrorCode::kInternal, message);
+}
+
+inline const char* DataTypeName(ffi::DataType dtype) {
+  switch (dtype) {
+    case ffi::DataType::F32:
+      return "float32";
+    case ffi::DataType::BF16:
+      return "bfloat16";
+    case ffi::DataType::F16:
+      return "float16";
+    case ffi::DataType::F64:
+      return "float64";
+    case ffi::DataType::F8E4M3FN:
+      return "float8_e4m3fn";
+    case ffi::DataType::F8E5M2:
+      return "float8_e5m2";
+    case ffi::DataType::S32:
+      return "int32";
+    case ffi::DataType::S64:
+      return "int64";
+    default:
+      return "an unsupported dtype";
+  }
+}
+
+// Size of the last dimension, or 0 for a rank-0 buffer.
+inline int64_t LastDim(const ffi::AnyBuffer& buffer) {
+  auto dims = buffer.dimensions();
+  return dims.size() == 0 ? 0 : dims.back();
+}
+
+inline int64_t ElementCount(const ffi::AnyBuffer& buffer) {
+  return static_cast<int64_t>(buffer.element_count());
+}
+
+// Product of all but the last dimension (the "rows" of a row-wise op).
+inline int64_t LeadingCount(const ffi::AnyBuffer& buffer) {
+  int64_t rows = 1;
+  auto dims = buffer.dimensions();
+  for (size_t i = 0; i + 1 < dims.size(); ++i) rows *= dims[i];
+  return rows;
+}
+
+inline bool SameShape(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
+  auto da = a.dimensions();
+  auto db = b.dimensions();
+  if (da.size() != db.size()) return false;
+  for (size_t i = 0; i < da.size(); ++i) {
+    if (da[i] != db[i]) return false;
+  }
+  return true;
+}
+
+}  // namespace jaxops
+
+#endif  // JAXOPS_XLA_FFI_COMMON_FFI_UTIL_H_

@@ -1,0 +1,24 @@
+// The CPU nanobind module: exports every CPU FFI handler of jaxops.
+#include "xla_ffi/module_common.h"
+#include "xla_ffi/rms_norm/handlers.h"
+
+namespace jaxops {
+namespace {
+
+std::vector<Registration> Registrations() {
+  return {
+      Register("jaxops_rms_norm_fwd", RmsNormFwdCpu),
+      Register("jaxops_add_rms_norm_fwd", AddRmsNormFwdCpu),
+      Register("jaxops_rms_norm_bwd", RmsNormBwdCpu),
+  };
+}
+
+}  // namespace
+}  // namespace jaxops
+
+NB_MODULE(_jaxops_cpu, m) {
+  m.doc() = "jaxops CPU FFI handlers";
+  m.def("registrations", &jaxops::Registrations,
+        "List of (target name, handler capsule, stateful) for the CPU platform.");
+  m.def("build_info", [] { return jaxops::BuildInfo("cpu"); });
+}

@@ -1,0 +1,369 @@
+// RMSNorm CPU kernels: one pass per row (the row stays in L1/L2 between its two loops), rows split
+// over the XLA FFI thread pool, inner loops written so GCC vectorizes them (lane-blocked fp32
+// accumulators, branch-free 16-bit conversions) and compiled for AVX-512, AVX2 and the baseline.
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/common/cpu_memory.h"
+#include "xla_ffi/common/cpu_parallel.h"
+#include "xla_ffi/common/ffi_util.h"
+#include "xla_ffi/common/host_float.h"
+#include "xla_ffi/rms_norm/checks.h"
+#include "xla_ffi/rms_norm/handlers.h"
+#include "xla_ffi/rms_norm/rms_norm.h"
+
+namespace jaxops::rms_norm {
+namespace {
+
+// Independent fp32 accumulators per reduction: wide enough for two AVX-512 registers, and a fixed
+// summation order, so results do not depend on the instruction set the loader picked.
+constexpr int64_t kLanes = 32;
+// Smallest amount of work (elements) worth handing to another thread.
+constexpr int64_t kMinElementsPerTask = 32 * 1024;
+
+using Weights = std::shared_ptr<const std::vector<float>>;
+
+// ---------------------------------------------------------------------------------------------
+// Numeric functions: one row.
+
+template <typename X>
+JAXOPS_CPU_CLONES float RowSumSquares(const X* x, int64_t n) {
+  float lanes[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const float v = HostType<X>::Load(x[j + l]);
+      lanes[l] += v * v;
+    }
+  }
+  float sum = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
+  for (; j < n; ++j) {
+    const float v = HostType<X>::Load(x[j]);
+    sum += v * v;
+  }
+  return sum;
+}
+
+// h = round(x + residual); returns sum(h^2) of the rounded h.
+template <typename X>
+JAXOPS_CPU_CLONES float RowAddSumSquares(const X* x, const X* residual, X* h, int64_t n) {
+  float lanes[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const X rounded =
+          HostType<X>::Store(HostType<X>::Load(x[j + l]) + HostType<X>::Load(residual[j + l]));
+      h[j + l] = rounded;
+      const float v = HostType<X>::Load(rounded);
+      lanes[l] += v * v;
+    }
+  }
+  float sum = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
+  for (; j < n; ++j) {
+    const X rounded = HostType<X>::Store(HostType<X>::Load(x[j]) + HostType<X>::Load(residual[j]));
+    h[j] = rounded;
+    const float v = HostType<X>::Load(rounded);
+    sum += v * v;
+  }
+  return sum;
+}
+
+// y = x * rstd * w_eff (w_eff == nullptr: no weight).
+template <typename X>
+JAXOPS_CPU_CLONES void RowScale(const X* x, const float* w_eff, float rstd, X* y, int64_t n) {
+  if (w_eff == nullptr) {
+    for (int64_t j = 0; j < n; ++j) {
+      y[j] = HostType<X>::Store(Normalize(HostType<X>::Load(x[j]), rstd, 1.0f));
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      y[j] = HostType<X>::Store(Normalize(HostType<X>::Load(x[j]), rstd, w_eff[j]));
+    }
+  }
+}
+
+// sum_j dy[j] * w_eff[j] * x[j].
+template <typename X>
+JAXOPS_CPU_CLONES float RowGradDot(const X* dy, const X* x, const float* w_eff, int64_t n) {
+  float lanes[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const float w = w_eff == nullptr ? 1.0f : w_eff[j + l];
+      lanes[l] += HostType<X>::Load(dy[j + l]) * w * HostType<X>::Load(x[j + l]);
+    }
+  }
+  float sum = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
+  for (; j < n; ++j) {
+    const float w = w_eff == nullptr ? 1.0f : w_eff[j];
+    sum += HostType<X>::Load(dy[j]) * w * HostType<X>::Load(x[j]);
+  }
+  return sum;
+}
+
+// dx = rstd * dy * w_eff - coefficient * x (+ dh); dw_acc += dy * x * rstd (when given).
+template <typename X>
+JAXOPS_CPU_CLONES void RowGradInput(const X* dy, const X* x, const float* w_eff, const X* dh,
+                                    float rstd, float coefficient, X* dx, float* dw_acc,
+                                    int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float g = HostType<X>::Load(dy[j]) * (w_eff == nullptr ? 1.0f : w_eff[j]);
+    const float xv = HostType<X>::Load(x[j]);
+    float v = GradInput(g, xv, rstd, coefficient);
+    if (dh != nullptr) v += HostType<X>::Load(dh[j]);
+    dx[j] = HostType<X>::Store(v);
+  }
+  if (dw_acc != nullptr) {
+    for (int64_t j = 0; j < n; ++j) {
+      dw_acc[j] += HostType<X>::Load(dy[j]) * HostType<X>::Load(x[j]) * rstd;
+    }
+  }
+}
+
+// out[j] = sum_p partial[p * n + j], in order p = 0, 1, ...
+JAXOPS_CPU_CLONES void SumParts(const float* partial, int64_t parts, float* out, int64_t n) {
+  std::fill(out, out + n, 0.0f);
+  for (int64_t p = 0; p < parts; ++p) {
+    const float* row = partial + p * n;
+    for (int64_t j = 0; j < n; ++j) out[j] += row[j];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Typed implementations.
+
+int64_t MinRowsPerTask(int64_t hidden) {
+  return std::max<int64_t>(1, kMinElementsPerTask / hidden);
+}
+
+template <typename X>
+ffi::Future RmsNormFwdImpl(ffi::ThreadPool& pool, const RowShape& s, const X* x, Weights w,
+                           const float* rstd_in, X* y, float* rstd, float eps) {
+  const int64_t hidden = s.hidden;
+  return ParallelFor(pool, s.rows, MinRowsPerTask(hidden), [=](int64_t begin, int64_t end) {
+    const float* w_eff = w ? w->data() : nullptr;
+    for (int64_t r = begin; r < end; ++r) {
+      const X* xr = x + r * hidden;
+      const float inv = rstd_in ? rstd_in[r] : Rstd(RowSumSquares(xr, hidden), hidden, eps);
+      rstd[r] = inv;
+      RowScale(xr, w_eff, inv, y + r * hidden, hidden);
+    }
+  });
+}
+
+template <typename X>
+ffi::Future AddRmsNormFwdImpl(ffi::ThreadPool& pool, const RowShape& s, const X* x,
+                              const X* residual, Weights w, X* y, X* h, float* rstd, float eps) {
+  const int64_t hidden = s.hidden;
+  return ParallelFor(pool, s.rows, MinRowsPerTask(hidden), [=](int64_t begin, int64_t end) {
+    const float* w_eff = w ? w->data() : nullptr;
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t offset = r * hidden;
+      const float inv =
+          Rstd(RowAddSumSquares(x + offset, residual + offset, h + offset, hidden), hidden, eps);
+      rstd[r] = inv;
+      RowScale(h + offset, w_eff, inv, y + offset, hidden);
+    }
+  });
+}
+
+template <typename X>
+ffi::Future RmsNormBwdImpl(ffi::ThreadPool& pool, const BackwardShape& s, const X* dy, const X* x,
+                           Weights w, const float* rstd, const float* dot_in, const X* dh, X* dx,
+                           float* dw, float* dw_partial) {
+  const int64_t hidden = s.hidden;
+  const int64_t rows = s.rows;
+  const int64_t parts = s.parts;
+  const int64_t rows_per_part = std::max<int64_t>(1, rows / parts);
+  const int64_t min_parts = std::max<int64_t>(1, MinRowsPerTask(hidden) / rows_per_part);
+  auto body = [=](int64_t p_begin, int64_t p_end) {
+    const float* w_eff = w ? w->data() : nullptr;
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      float* acc = w ? dw_partial + p * hidden : nullptr;
+      if (acc != nullptr) std::fill(acc, acc + hidden, 0.0f);
+      const int64_t r_end = PartBegin(p + 1, rows, parts);
+      for (int64_t r = PartBegin(p, rows, parts); r < r_end; ++r) {
+        const int64_t offset = r * hidden;
+        const float dot = dot_in ? dot_in[r] : RowGradDot(dy + offset, x + offset, w_eff, hidden);
+        RowGradInput(dy + offset, x + offset, w_eff, dh ? dh + offset : nullptr, rstd[r],
+                     BackwardCoefficient(dot, rstd[r], hidden), dx + offset, acc, hidden);
+      }
+    }
+  };
+  auto finish = [=] {
+    if (w) SumParts(dw_partial, parts, dw, hidden);
+  };
+  return ParallelFor(pool, parts, min_parts, body, finish);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch: validation and the dtype switch.
+
+// The weight as fp32 w_eff (1 + w when zero-centered), or null when there is no weight.
+ffi::ErrorOr<Weights> EffectiveWeights(const ffi::AnyBuffer& weight, bool zero_centered) {
+  const int64_t n = ElementCount(weight);
+  if (n == 0) return Weights();
+  auto out = std::make_shared<std::vector<float>>(n);
+  auto fill = [&](auto typed) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
+    for (int64_t j = 0; j < n; ++j) {
+      (*out)[j] = EffectiveWeight(HostType<T>::Load(typed[j]), zero_centered);
+    }
+  };
+  switch (weight.element_type()) {
+    case ffi::DataType::F32:
+      fill(static_cast<const float*>(weight.untyped_data()));
+      break;
+    case ffi::DataType::BF16:
+      fill(static_cast<const BFloat16*>(weight.untyped_data()));
+      break;
+    case ffi::DataType::F16:
+      fill(static_cast<const Float16*>(weight.untyped_data()));
+      break;
+    default:
+      return ffi::Unexpected(InvalidArgument(
+          std::string("rms_norm: weight dtype must be float32, bfloat16 or float16, got ") +
+          DataTypeName(weight.element_type())));
+  }
+  return Weights(std::move(out));
+}
+
+template <typename X>
+const X* In(const ffi::AnyBuffer& b) {
+  return ElementCount(b) == 0 ? nullptr : static_cast<const X*>(b.untyped_data());
+}
+
+// A row-sized output, about to be written for the first time.
+template <typename X>
+X* Out(ffi::Result<ffi::AnyBuffer>& b) {
+  AdviseHugePages(b->untyped_data(), b->size_bytes());
+  return static_cast<X*>(b->untyped_data());
+}
+
+ffi::Error UnsupportedInput(const char* op, ffi::DataType dtype) {
+  return InvalidArgument(std::string(op) + ": x dtype must be float32, bfloat16 or float16, got " +
+                         DataTypeName(dtype));
+}
+
+ffi::Future RmsNormFwdDispatch(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer weight,
+                               ffi::Buffer<ffi::F32> rstd_in, ffi::Result<ffi::AnyBuffer> y,
+                               ffi::Result<ffi::Buffer<ffi::F32>> rstd, float eps,
+                               bool zero_centered_weight) {
+  auto shape = CheckForward(x, weight, rstd_in.element_count(), *y, rstd->element_count());
+  if (shape.has_error()) return ReadyFuture(shape.error());
+  auto w = EffectiveWeights(weight, zero_centered_weight);
+  if (w.has_error()) return ReadyFuture(w.error());
+  const float* given = shape->has_rstd_in ? rstd_in.typed_data() : nullptr;
+  switch (x.element_type()) {
+    case ffi::DataType::F32:
+      return RmsNormFwdImpl(pool, *shape, In<float>(x), *w, given, Out<float>(y),
+                            rstd->typed_data(), eps);
+    case ffi::DataType::BF16:
+      return RmsNormFwdImpl(pool, *shape, In<BFloat16>(x), *w, given, Out<BFloat16>(y),
+                            rstd->typed_data(), eps);
+    case ffi::DataType::F16:
+      return RmsNormFwdImpl(pool, *shape, In<Float16>(x), *w, given, Out<Float16>(y),
+                            rstd->typed_data(), eps);
+    default:
+      return ReadyFuture(UnsupportedInput("rms_norm", x.element_type()));
+  }
+}
+
+ffi::Future AddRmsNormFwdDispatch(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer residual,
+                                  ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> y,
+                                  ffi::Result<ffi::AnyBuffer> h,
+                                  ffi::Result<ffi::Buffer<ffi::F32>> rstd, float eps,
+                                  bool zero_centered_weight) {
+  auto shape = CheckAddForward(x, residual, weight, *y, *h, rstd->element_count());
+  if (shape.has_error()) return ReadyFuture(shape.error());
+  auto w = EffectiveWeights(weight, zero_centered_weight);
+  if (w.has_error()) return ReadyFuture(w.error());
+  switch (x.element_type()) {
+    case ffi::DataType::F32:
+      return AddRmsNormFwdImpl(pool, *shape, In<float>(x), In<float>(residual), *w, Out<float>(y),
+                               Out<float>(h), rstd->typed_data(), eps);
+    case ffi::DataType::BF16:
+      return AddRmsNormFwdImpl(pool, *shape, In<BFloat16>(x), In<BFloat16>(residual), *w,
+                               Out<BFloat16>(y), Out<BFloat16>(h), rstd->typed_data(), eps);
+    case ffi::DataType::F16:
+      return AddRmsNormFwdImpl(pool, *shape, In<Float16>(x), In<Float16>(residual), *w,
+                               Out<Float16>(y), Out<Float16>(h), rstd->typed_data(), eps);
+    default:
+      return ReadyFuture(UnsupportedInput("add_rms_norm", x.element_type()));
+  }
+}
+
+ffi::Future RmsNormBwdDispatch(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+                               ffi::AnyBuffer weight, ffi::Buffer<ffi::F32> rstd,
+                               ffi::Buffer<ffi::F32> dot_in, ffi::AnyBuffer dh,
+                               ffi::Result<ffi::AnyBuffer> dx,
+                               ffi::Result<ffi::Buffer<ffi::F32>> dw,
+                               ffi::Result<ffi::AnyBuffer> dw_partial, bool zero_centered_weight) {
+  auto shape = CheckBackward(dy, x, weight, rstd.element_count(), dot_in.element_count(), dh, *dx,
+                             dw->element_count(), *dw_partial);
+  if (shape.has_error()) return ReadyFuture(shape.error());
+  auto w = EffectiveWeights(weight, zero_centered_weight);
+  if (w.has_error()) return ReadyFuture(w.error());
+  const float* dot = shape->has_dot_in ? dot_in.typed_data() : nullptr;
+  float* dw_data = dw->typed_data();
+  float* partial = static_cast<float*>(dw_partial->untyped_data());
+  switch (x.element_type()) {
+    case ffi::DataType::F32:
+      return RmsNormBwdImpl(pool, *shape, In<float>(dy), In<float>(x), *w, rstd.typed_data(), dot,
+                            In<float>(dh), Out<float>(dx), dw_data, partial);
+    case ffi::DataType::BF16:
+      return RmsNormBwdImpl(pool, *shape, In<BFloat16>(dy), In<BFloat16>(x), *w, rstd.typed_data(),
+                            dot, In<BFloat16>(dh), Out<BFloat16>(dx), dw_data, partial);
+    case ffi::DataType::F16:
+      return RmsNormBwdImpl(pool, *shape, In<Float16>(dy), In<Float16>(x), *w, rstd.typed_data(),
+                            dot, In<Float16>(dh), Out<Float16>(dx), dw_data, partial);
+    default:
+      return ReadyFuture(UnsupportedInput("rms_norm backward", x.element_type()));
+  }
+}
+
+}  // namespace
+}  // namespace jaxops::rms_norm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormFwdCpu, jaxops::rms_norm::RmsNormFwdDispatch,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()             // pool
+                                  .Arg<xla::ffi::AnyBuffer>()              // x [..., H]
+                                  .Arg<xla::ffi::AnyBuffer>()              // weight [H] | [0]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_in [R] | [0]
+                                  .Ret<xla::ffi::AnyBuffer>()              // y [..., H]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd [R]
+                                  .Attr<float>("eps")                      // eps > 0
+                                  .Attr<bool>("zero_centered_weight"));    // w_eff = 1 + w
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AddRmsNormFwdCpu, jaxops::rms_norm::AddRmsNormFwdDispatch,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()             // pool
+                                  .Arg<xla::ffi::AnyBuffer>()              // x [..., H]
+                                  .Arg<xla::ffi::AnyBuffer>()              // residual [..., H]
+                                  .Arg<xla::ffi::AnyBuffer>()              // weight [H] | [0]
+                                  .Ret<xla::ffi::AnyBuffer>()              // y [..., H]
+                                  .Ret<xla::ffi::AnyBuffer>()              // h = x + residual
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd [R]
+                                  .Attr<float>("eps")                      // eps > 0
+                                  .Attr<bool>("zero_centered_weight"));    // w_eff = 1 + w
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RmsNormBwdCpu, jaxops::rms_norm::RmsNormBwdDispatch,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()             // pool
+                                  .Arg<xla::ffi::AnyBuffer>()              // dy [..., H]
+                                  .Arg<xla::ffi::AnyBuffer>()              // x (or h) [..., H]
+                                  .Arg<xla::ffi::AnyBuffer>()              // weight [H] | [0]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd [R]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // dot_in [R] | [0]
+                                  .Arg<xla::ffi::AnyBuffer>()              // dh [..., H] | [0]
+                                  .Ret<xla::ffi::AnyBuffer>()              // dx [..., H]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dw [H] | [0]
+                                  .Ret<xla::ffi::AnyBuffer>()              // dw_partial [P, H]
+                                  .Attr<bool>("zero_centered_weight"));    // w_eff = 1 + w
