@@ -1,0 +1,150 @@
+// Device helpers shared by the CUDA kernels of every op family (compiled by nvcc only).
+//
+//   * ToFloat / FromFloat: fp32 <-> float32 / bfloat16 / float16 (round to nearest even).
+//   * Pack<T, N>: N consecutive elements moved with the widest aligned accesses (16 bytes at most);
+//     ForgetValue keeps a register cache of packs packed.
+//   * WarpSum: butterfly sum over a warp; every lane gets the same bits.
+//   * IsAligned, LastLaunchError: host helpers for choosing the access width and for turning a
+//     failed kernel launch into an ffi::Error.
+#ifndef JAXOPS_XLA_FFI_COMMON_CUDA_UTIL_CUH_
+#define JAXOPS_XLA_FFI_COMMON_CUDA_UTIL_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "xla_ffi/common/ffi_util.h"
+
+namespace jaxops {
+
+inline constexpr unsigned kFullWarpMask = 0xffffffffu;
+inline constexpr int kWarpSize = 32;
+
+// ---------------------------------------------------------------------------------------------
+// Element conversions.
+
+__device__ __forceinline__ float ToFloat(float v) { return v; }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T FromFloat(float v);
+template <>
+__device__ __forceinline__ float FromFloat<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half FromFloat<__half>(float v) {
+  return __float2half_rn(v);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Vectorized memory access.
+
+// The widest single access (in bytes) used to move `bytes` contiguous bytes: 16 at most.
+__host__ __device__ constexpr int AccessBytes(int bytes) { return bytes < 16 ? bytes : 16; }
+
+template <int kBytes>
+struct RawWord;
+template <>
+struct RawWord<2> {
+  using type = unsigned short;
+};
+template <>
+struct RawWord<4> {
+  using type = unsigned int;
+};
+template <>
+struct RawWord<8> {
+  using type = uint2;
+};
+template <>
+struct RawWord<16> {
+  using type = uint4;
+};
+
+// N consecutive elements of T, aligned for the accesses that LoadPack / StorePack issue.
+template <typename T, int N>
+struct alignas(AccessBytes(static_cast<int>(sizeof(T)) * N)) Pack {
+  T v[N];
+};
+
+// Loads p[0, N). p must be aligned to AccessBytes(N * sizeof(T)) bytes.
+template <typename T, int N>
+__device__ __forceinline__ void LoadPack(const T* p, Pack<T, N>& out) {
+  constexpr int kBytes = static_cast<int>(sizeof(T)) * N;
+  using Word = typename RawWord<AccessBytes(kBytes)>::type;
+  const Word* src = reinterpret_cast<const Word*>(p);
+  Word* dst = reinterpret_cast<Word*>(&out);
+#pragma unroll
+  for (int i = 0; i < kBytes / AccessBytes(kBytes); ++i) dst[i] = src[i];
+}
+
+// Stores p[0, N). p must be aligned to AccessBytes(N * sizeof(T)) bytes.
+template <typename T, int N>
+__device__ __forceinline__ void StorePack(T* p, const Pack<T, N>& in) {
+  constexpr int kBytes = static_cast<int>(sizeof(T)) * N;
+  using Word = typename RawWord<AccessBytes(kBytes)>::type;
+  const Word* src = reinterpret_cast<const Word*>(&in);
+  Word* dst = reinterpret_cast<Word*>(p);
+#pragma unroll
+  for (int i = 0; i < kBytes / AccessBytes(kBytes); ++i) dst[i] = src[i];
+}
+
+// Hides the value of p from the optimizer at this point (an empty volatile asm that claims to
+// rewrite each 32-bit word; it emits no instruction). fp32 values converted from p before this
+// point cannot be reused after it, nor hoisted out of the enclosing loop, so code that reads a
+// register cache of 16-bit elements more than once keeps the packed words (two elements per
+// register) live instead of one fp32 register per element, and converts again when it reads
+// (one cheap integer op per element). This keeps the row caches of the RMSNorm kernels in
+// registers without spilling.
+template <typename T, int N>
+__device__ __forceinline__ void ForgetValue(Pack<T, N>& p) {
+  if constexpr (sizeof(Pack<T, N>) % sizeof(unsigned) == 0) {
+    unsigned* words = reinterpret_cast<unsigned*>(&p);
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(Pack<T, N>) / sizeof(unsigned)); ++i) {
+      asm volatile("" : "+r"(words[i]));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reductions.
+
+// Sum over the 32 lanes of a warp (all must call it). The butterfly adds the same operands on
+// every lane (addition is commutative), so all lanes return identical bits.
+__device__ __forceinline__ float WarpSum(float v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    v += __shfl_xor_sync(kFullWarpMask, v, offset);
+  }
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host helpers.
+
+inline bool IsAligned(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// Checks the launch that was just issued on this thread (launch configuration errors surface here;
+// the kernel itself runs asynchronously and is never waited for).
+inline ffi::Error LastLaunchError(const char* what) {
+  const cudaError_t status = cudaGetLastError();
+  if (status == cudaSuccess) return ffi::Error::Success();
+  return Internal(std::string(what) + " failed: " + cudaGetErrorName(status) + ": " +
+                  cudaGetErrorString(status));
+}
+
+}  // namespace jaxops
+
+#endif  // JAXOPS_XLA_FFI_COMMON_CUDA_UTIL_CUH_

@@ -1,0 +1,30 @@
+// The CUDA nanobind module: exports every CUDA FFI handler of jaxops. Compiled by the host
+// compiler; the handlers themselves live in the .cu files (see handlers.h of each family).
+#include "xla_ffi/module_common.h"
+#include "xla_ffi/rms_norm/handlers.h"
+
+namespace jaxops {
+namespace {
+
+std::vector<Registration> Registrations() {
+  return {
+      Register("jaxops_rms_norm_fwd", RmsNormFwdCuda),
+      Register("jaxops_add_rms_norm_fwd", AddRmsNormFwdCuda),
+      Register("jaxops_rms_norm_bwd", RmsNormBwdCuda),
+  };
+}
+
+}  // namespace
+}  // namespace jaxops
+
+NB_MODULE(_jaxops_cuda, m) {
+  m.doc() = "jaxops CUDA FFI handlers";
+  m.def("registrations", &jaxops::Registrations,
+        "List of (target name, handler capsule, stateful) for the CUDA platform.");
+  m.def("build_info", [] {
+    nanobind::dict info = jaxops::BuildInfo("CUDA");
+    info["cuda_version"] = JAXOPS_CUDA_VERSION;
+    info["cuda_architectures"] = JAXOPS_CUDA_ARCHITECTURES;
+    return info;
+  });
+}
