@@ -1,0 +1,56 @@
+"""Test configuration: 8 CPU devices, the installed jaxops, GPU marker handling."""
+
+from __future__ import annotations
+
+import os
+
+# Before jax initializes its backends: 8 CPU devices for the sharded tests.
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+
+import jax
+import pytest
+
+jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
+
+import jaxops  # noqa: E402
+
+
+def _gpu_ready() -> bool:
+    try:
+        return bool(jax.devices("gpu")) and jaxops.cuda_available()
+    except RuntimeError:
+        return False
+
+
+GPU_READY = _gpu_ready()
+
+
+def pytest_report_header(config):
+    return [
+        f"jaxops {jaxops.__version__} from {os.path.dirname(jaxops.__file__)}",
+        f"jaxops build: {jaxops.build_info()}",
+        f"jax {jax.__version__}, default backend {jax.default_backend()}, GPU tests: "
+        + ("run" if GPU_READY else "skipped (no GPU or no CUDA module)"),
+    ]
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU and jaxops built with CUDA")
+    for item in items:
+        if "gpu" in item.keywords and not GPU_READY:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _restore_default_impl():
+    before = jaxops.get_default_impl()
+    yield
+    jax.config.update("jaxops_impl", before)
+
+
+# Fuzzing: random in development, reproducible in CI (CI=true).
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
