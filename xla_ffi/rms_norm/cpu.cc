@@ -48,29 +48,12 @@ JAXOPS_CPU_CLONES float RowSumSquares(const X* x, int64_t n) {
   return sum;
 }
 
-// h = round(x + residual); returns sum(h^2) of the rounded h.
+// h = round(x + residual), elementwise (the row then stays in L1/L2 for its sum of squares).
 template <typename X>
-JAXOPS_CPU_CLONES float RowAddSumSquares(const X* x, const X* residual, X* h, int64_t n) {
-  float lanes[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) {
-      const X rounded =
-          HostType<X>::Store(HostType<X>::Load(x[j + l]) + HostType<X>::Load(residual[j + l]));
-      h[j + l] = rounded;
-      const float v = HostType<X>::Load(rounded);
-      lanes[l] += v * v;
-    }
+JAXOPS_CPU_CLONES void RowAdd(const X* x, const X* residual, X* h, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    h[j] = HostType<X>::Store(HostType<X>::Load(x[j]) + HostType<X>::Load(residual[j]));
   }
-  float sum = 0.0f;
-  for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
-  for (; j < n; ++j) {
-    const X rounded = HostType<X>::Store(HostType<X>::Load(x[j]) + HostType<X>::Load(residual[j]));
-    h[j] = rounded;
-    const float v = HostType<X>::Load(rounded);
-    sum += v * v;
-  }
-  return sum;
 }
 
 // y = x * rstd * w_eff (w_eff == nullptr: no weight).
@@ -87,42 +70,59 @@ JAXOPS_CPU_CLONES void RowScale(const X* x, const float* w_eff, float rstd, X* y
   }
 }
 
-// sum_j dy[j] * w_eff[j] * x[j].
-template <typename X>
+// sum_j dy[j] * w_eff[j] * x[j] (w_eff = 1 without a weight).
+template <typename X, bool kWeight>
 JAXOPS_CPU_CLONES float RowGradDot(const X* dy, const X* x, const float* w_eff, int64_t n) {
   float lanes[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
     for (int64_t l = 0; l < kLanes; ++l) {
-      const float w = w_eff == nullptr ? 1.0f : w_eff[j + l];
-      lanes[l] += HostType<X>::Load(dy[j + l]) * w * HostType<X>::Load(x[j + l]);
+      const float g = HostType<X>::Load(dy[j + l]) * (kWeight ? w_eff[j + l] : 1.0f);
+      lanes[l] += g * HostType<X>::Load(x[j + l]);
     }
   }
   float sum = 0.0f;
   for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
   for (; j < n; ++j) {
-    const float w = w_eff == nullptr ? 1.0f : w_eff[j];
-    sum += HostType<X>::Load(dy[j]) * w * HostType<X>::Load(x[j]);
+    sum += HostType<X>::Load(dy[j]) * (kWeight ? w_eff[j] : 1.0f) * HostType<X>::Load(x[j]);
   }
   return sum;
 }
 
-// dx = rstd * dy * w_eff - coefficient * x (+ dh); dw_acc += dy * x * rstd (when given).
-template <typename X>
+// dx = rstd * dy * w_eff - coefficient * x (+ dh); with a weight also dw_acc += dy * x * rstd.
+// One loop over the row for all of it; the variants are separate instantiations so the loop has
+// no branches.
+template <typename X, bool kWeight, bool kDh>
 JAXOPS_CPU_CLONES void RowGradInput(const X* dy, const X* x, const float* w_eff, const X* dh,
                                     float rstd, float coefficient, X* dx, float* dw_acc,
                                     int64_t n) {
   for (int64_t j = 0; j < n; ++j) {
-    const float g = HostType<X>::Load(dy[j]) * (w_eff == nullptr ? 1.0f : w_eff[j]);
+    const float dyv = HostType<X>::Load(dy[j]);
     const float xv = HostType<X>::Load(x[j]);
-    float v = GradInput(g, xv, rstd, coefficient);
-    if (dh != nullptr) v += HostType<X>::Load(dh[j]);
+    float v = GradInput(kWeight ? dyv * w_eff[j] : dyv, xv, rstd, coefficient);
+    if constexpr (kDh) v += HostType<X>::Load(dh[j]);
     dx[j] = HostType<X>::Store(v);
+    if constexpr (kWeight) dw_acc[j] += dyv * xv * rstd;
   }
-  if (dw_acc != nullptr) {
-    for (int64_t j = 0; j < n; ++j) {
-      dw_acc[j] += HostType<X>::Load(dy[j]) * HostType<X>::Load(x[j]) * rstd;
-    }
+}
+
+// The backward of one row: dot (unless given), then dx and the dweight partial.
+template <typename X>
+void RowBackward(const X* dy, const X* x, const float* w_eff, const X* dh, const float* dot_in,
+                 float rstd, X* dx, float* dw_acc, int64_t n) {
+  const bool weight = w_eff != nullptr;
+  const float dot = dot_in != nullptr ? *dot_in
+                    : weight          ? RowGradDot<X, true>(dy, x, w_eff, n)
+                                      : RowGradDot<X, false>(dy, x, w_eff, n);
+  const float c = BackwardCoefficient(dot, rstd, n);
+  if (weight && dh != nullptr) {
+    RowGradInput<X, true, true>(dy, x, w_eff, dh, rstd, c, dx, dw_acc, n);
+  } else if (weight) {
+    RowGradInput<X, true, false>(dy, x, w_eff, dh, rstd, c, dx, dw_acc, n);
+  } else if (dh != nullptr) {
+    RowGradInput<X, false, true>(dy, x, w_eff, dh, rstd, c, dx, dw_acc, n);
+  } else {
+    RowGradInput<X, false, false>(dy, x, w_eff, dh, rstd, c, dx, dw_acc, n);
   }
 }
 
@@ -165,8 +165,8 @@ ffi::Future AddRmsNormFwdImpl(ffi::ThreadPool& pool, const RowShape& s, const X*
     const float* w_eff = w ? w->data() : nullptr;
     for (int64_t r = begin; r < end; ++r) {
       const int64_t offset = r * hidden;
-      const float inv =
-          Rstd(RowAddSumSquares(x + offset, residual + offset, h + offset, hidden), hidden, eps);
+      RowAdd(x + offset, residual + offset, h + offset, hidden);
+      const float inv = Rstd(RowSumSquares(h + offset, hidden), hidden, eps);
       rstd[r] = inv;
       RowScale(h + offset, w_eff, inv, y + offset, hidden);
     }
@@ -190,9 +190,8 @@ ffi::Future RmsNormBwdImpl(ffi::ThreadPool& pool, const BackwardShape& s, const 
       const int64_t r_end = PartBegin(p + 1, rows, parts);
       for (int64_t r = PartBegin(p, rows, parts); r < r_end; ++r) {
         const int64_t offset = r * hidden;
-        const float dot = dot_in ? dot_in[r] : RowGradDot(dy + offset, x + offset, w_eff, hidden);
-        RowGradInput(dy + offset, x + offset, w_eff, dh ? dh + offset : nullptr, rstd[r],
-                     BackwardCoefficient(dot, rstd[r], hidden), dx + offset, acc, hidden);
+        RowBackward(dy + offset, x + offset, w_eff, dh ? dh + offset : nullptr,
+                    dot_in ? dot_in + r : nullptr, rstd[r], dx + offset, acc, hidden);
       }
     }
   };
