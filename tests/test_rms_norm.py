@@ -173,6 +173,22 @@ def test_large_hidden_and_many_rows_index_math():
         assert_allclose(y[row], np_rms_norm(x[row]), jnp.bfloat16)
 
 
+@pytest.mark.slow
+def test_more_than_2_pow_31_elements():
+    # 32769 x 65536 bfloat16 = 2^31 + 65536 elements (4.3 GB): row offsets must be 64-bit.
+    rows, hidden = 32769, 65536
+    make = jax.jit(
+        lambda: ((jnp.arange(rows)[:, None] + jnp.arange(hidden)[None, :]) % 7 + 1).astype(
+            jnp.bfloat16
+        )
+    )
+    y = jax.jit(lambda a: jaxops.rms_norm(a))(make())
+    for row in (0, 1, rows - 2, rows - 1):
+        expected = ((row + np.arange(hidden)) % 7 + 1).astype(np.float32)
+        assert_allclose(y[row], np_rms_norm(expected), jnp.bfloat16, err_msg=f"row {row}")
+    del y
+
+
 # -------------------------------------------------------------------------------------------------
 # Backward.
 
