@@ -933,6 +933,24 @@ ffi::DataType WeightDtype(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
   return has_weight ? weight.element_type() : x.element_type();
 }
 
+// The kernel arguments both forward handlers share.
+template <typename T, typename W>
+FwdArgs<T, W> MakeFwdArgs(const RowShape& shape, const ffi::AnyBuffer& x,
+                          const ffi::AnyBuffer& weight, ffi::Result<ffi::AnyBuffer>& y,
+                          ffi::Result<ffi::Buffer<ffi::F32>>& rstd, float eps,
+                          bool zero_centered_weight) {
+  FwdArgs<T, W> a;
+  a.x = static_cast<const T*>(x.untyped_data());
+  a.weight = shape.has_weight ? static_cast<const W*>(weight.untyped_data()) : nullptr;
+  a.y = static_cast<T*>(y->untyped_data());
+  a.rstd = rstd->typed_data();
+  a.rows = shape.rows;
+  a.hidden = shape.hidden;
+  a.eps = eps;
+  a.zero_centered = zero_centered_weight;
+  return a;
+}
+
 ffi::Error RmsNormFwdCudaDispatch(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight,
                                   ffi::Buffer<ffi::F32> rstd_in, ffi::Result<ffi::AnyBuffer> y,
                                   ffi::Result<ffi::Buffer<ffi::F32>> rstd, float eps,
@@ -940,23 +958,15 @@ ffi::Error RmsNormFwdCudaDispatch(cudaStream_t stream, ffi::AnyBuffer x, ffi::An
   const auto shape = CheckForward(x, weight, static_cast<int64_t>(rstd_in.element_count()), *y,
                                   static_cast<int64_t>(rstd->element_count()));
   if (shape.has_error()) return shape.error();
-  return DispatchFloatTypes(
-      "rms_norm", x.element_type(), WeightDtype(x, weight, shape->has_weight),
-      [&](auto x_tag, auto w_tag) -> ffi::Error {
-        using T = typename decltype(x_tag)::type;
-        using W = typename decltype(w_tag)::type;
-        FwdArgs<T, W> a;
-        a.x = static_cast<const T*>(x.untyped_data());
-        a.weight = shape->has_weight ? static_cast<const W*>(weight.untyped_data()) : nullptr;
-        a.rstd_in = shape->has_rstd_in ? rstd_in.typed_data() : nullptr;
-        a.y = static_cast<T*>(y->untyped_data());
-        a.rstd = rstd->typed_data();
-        a.rows = shape->rows;
-        a.hidden = shape->hidden;
-        a.eps = eps;
-        a.zero_centered = zero_centered_weight;
-        return RmsNormFwdTyped</*kAdd=*/false>(stream, a);
-      });
+  return DispatchFloatTypes("rms_norm", x.element_type(), WeightDtype(x, weight, shape->has_weight),
+                            [&](auto x_tag, auto w_tag) -> ffi::Error {
+                              using T = typename decltype(x_tag)::type;
+                              using W = typename decltype(w_tag)::type;
+                              FwdArgs<T, W> a = MakeFwdArgs<T, W>(*shape, x, weight, y, rstd, eps,
+                                                                  zero_centered_weight);
+                              a.rstd_in = shape->has_rstd_in ? rstd_in.typed_data() : nullptr;
+                              return RmsNormFwdTyped</*kAdd=*/false>(stream, a);
+                            });
 }
 
 ffi::Error AddRmsNormFwdCudaDispatch(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer residual,
@@ -972,17 +982,9 @@ ffi::Error AddRmsNormFwdCudaDispatch(cudaStream_t stream, ffi::AnyBuffer x, ffi:
       [&](auto x_tag, auto w_tag) -> ffi::Error {
         using T = typename decltype(x_tag)::type;
         using W = typename decltype(w_tag)::type;
-        FwdArgs<T, W> a;
-        a.x = static_cast<const T*>(x.untyped_data());
+        FwdArgs<T, W> a = MakeFwdArgs<T, W>(*shape, x, weight, y, rstd, eps, zero_centered_weight);
         a.residual = static_cast<const T*>(residual.untyped_data());
-        a.weight = shape->has_weight ? static_cast<const W*>(weight.untyped_data()) : nullptr;
-        a.y = static_cast<T*>(y->untyped_data());
         a.h = static_cast<T*>(h->untyped_data());
-        a.rstd = rstd->typed_data();
-        a.rows = shape->rows;
-        a.hidden = shape->hidden;
-        a.eps = eps;
-        a.zero_centered = zero_centered_weight;
         return RmsNormFwdTyped</*kAdd=*/true>(stream, a);
       });
 }
