@@ -211,6 +211,19 @@ __device__ __forceinline__ float WeightAt(const W* weight, const W& w, bool zero
   return weight != nullptr ? EffectiveWeight(ToFloat(w), zero_centered) : 1.0f;
 }
 
+// sum_k dy[k] * w_eff[k] * x[k] over one pack: a pack's share of the backward's row dot product.
+template <typename T, typename W, int kVec>
+__device__ __forceinline__ float PackGradDot(const Pack<T, kVec>& dy, const Pack<T, kVec>& x,
+                                             const Pack<W, kVec>& w, const W* weight,
+                                             bool zero_centered) {
+  float sum = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    sum += ToFloat(dy.v[k]) * WeightAt(weight, w.v[k], zero_centered) * ToFloat(x.v[k]);
+  }
+  return sum;
+}
+
 // The columns a thread owns in the cached designs, the same for every row it visits: access i
 // (0 <= i < count <= kIters) covers elements [first + i * stride, + kVec). Cached rows are at most
 // kBlockRowMaxHidden (16384) elements, so these in-row offsets are int; row offsets are int64_t.
@@ -523,11 +536,7 @@ __device__ __forceinline__ void BwdCachedRows(const BwdArgs<T, W>& a, int groups
 #pragma unroll
       for (int i = 0; i < kIters; ++i) {
         if (i < count) {
-#pragma unroll
-          for (int k = 0; k < kVec; ++k) {
-            const float g = ToFloat(dyv[i].v[k]) * WeightAt(a.weight, w[i].v[k], a.zero_centered);
-            partial += g * ToFloat(xv[i].v[k]);
-          }
+          partial += PackGradDot(dyv[i], xv[i], w[i], a.weight, a.zero_centered);
         }
       }
       dot = reducer.Sum(partial);
@@ -661,11 +670,7 @@ __global__ void __launch_bounds__(kBwdLongRowThreads) RmsNormBwdLongRowKernel(Bw
         for (int u = 0; u < kUnroll; ++u) {
           const int64_t v = v0 + static_cast<int64_t>(u) * blockDim.x;
           if (v < vecs) {
-#pragma unroll
-            for (int k = 0; k < kVec; ++k) {
-              const float g = ToFloat(dyv[u].v[k]) * WeightAt(a.weight, w[u].v[k], a.zero_centered);
-              partial += g * ToFloat(xv[u].v[k]);
-            }
+            partial += PackGradDot(dyv[u], xv[u], w[u], a.weight, a.zero_centered);
           }
         }
       }
