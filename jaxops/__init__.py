@@ -7,9 +7,12 @@ Public API (everything else is private):
 - The implementation switch: :func:`set_default_impl`, :func:`get_default_impl`,
   :func:`default_impl` (or the ``JAXOPS_IMPL=xla`` environment variable).
 - :func:`build_info`, :func:`cuda_available` and :class:`JaxlibVersionError`.
+- ``jaxops.fp8``: FP8 quantization (per-tensor, 1 x G and G x G blocks, fused transpose,
+  per-expert split transpose, fake quantization, delayed scaling).
 - ``jaxops.parallel``: expert and pipeline parallelism, sharded checkpointing.
 """
 
+from jaxops import fp8
 from jaxops._config import default_impl, get_default_impl, set_default_impl
 from jaxops._ffi import JaxlibVersionError, build_info, cuda_available
 from jaxops._rms_norm import (
@@ -29,6 +32,7 @@ __all__ = [
     "build_info",
     "cuda_available",
     "default_impl",
+    "fp8",
     "get_default_impl",
     "rms_norm",
     "rms_norm_reference",

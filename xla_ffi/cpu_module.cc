@@ -1,4 +1,5 @@
 // The CPU nanobind module: exports every CPU FFI handler of jaxops.
+#include "xla_ffi/fp8/handlers.h"
 #include "xla_ffi/module_common.h"
 #include "xla_ffi/rms_norm/handlers.h"
 
@@ -10,6 +11,9 @@ std::vector<Registration> Registrations() {
       Register("jaxops_rms_norm_fwd", RmsNormFwdCpu),
       Register("jaxops_add_rms_norm_fwd", AddRmsNormFwdCpu),
       Register("jaxops_rms_norm_bwd", RmsNormBwdCpu),
+      Register("jaxops_fp8_quantize", Fp8QuantizeCpu),
+      Register("jaxops_fp8_amax", Fp8AmaxCpu),
+      Register("jaxops_fp8_quantize_split_transpose", Fp8QuantizeSplitTransposeCpu),
   };
 }
 

@@ -1,0 +1,52 @@
+"""FP8 quantization for JAX: per-tensor, 1 x G and G x G block scaling, fused transpose.
+
+The public namespace ``jaxops.fp8``; the implementation lives in ``jaxops._fp8``.
+
+- :func:`quantize` / :func:`dequantize` and :class:`QuantizedArray`;
+- :func:`quantize_split_transpose` and :class:`SplitQuantized` (per-expert wgrad operands);
+- :func:`fake_quant` (straight-through quantize-dequantize);
+- delayed scaling: :class:`DelayedScaling`, :class:`Fp8Meta`, :func:`init_fp8_meta`,
+  :func:`quantize_delayed`, :func:`update_fp8_meta`, :func:`scale_from_amax_history`;
+- :func:`scale_from_amax`, :func:`max_finite`, :data:`AMAX_FLOOR`, and the pure-JAX twins
+  :func:`quantize_reference`, :func:`quantize_split_transpose_reference`.
+"""
+
+from jaxops._fp8 import (
+    AMAX_FLOOR,
+    DelayedScaling,
+    Fp8Meta,
+    QuantizedArray,
+    SplitQuantized,
+    dequantize,
+    fake_quant,
+    init_fp8_meta,
+    max_finite,
+    quantize,
+    quantize_delayed,
+    quantize_reference,
+    quantize_split_transpose,
+    quantize_split_transpose_reference,
+    scale_from_amax,
+    scale_from_amax_history,
+    update_fp8_meta,
+)
+
+__all__ = [
+    "AMAX_FLOOR",
+    "DelayedScaling",
+    "Fp8Meta",
+    "QuantizedArray",
+    "SplitQuantized",
+    "dequantize",
+    "fake_quant",
+    "init_fp8_meta",
+    "max_finite",
+    "quantize",
+    "quantize_delayed",
+    "quantize_reference",
+    "quantize_split_transpose",
+    "quantize_split_transpose_reference",
+    "scale_from_amax",
+    "scale_from_amax_history",
+    "update_fp8_meta",
+]
