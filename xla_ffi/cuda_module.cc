@@ -1,5 +1,6 @@
 // The CUDA nanobind module: exports every CUDA FFI handler of jaxops. Compiled by the host
 // compiler; the handlers themselves live in the .cu files (see handlers.h of each family).
+#include "xla_ffi/fp8/handlers.h"
 #include "xla_ffi/module_common.h"
 #include "xla_ffi/rms_norm/handlers.h"
 
@@ -11,6 +12,9 @@ std::vector<Registration> Registrations() {
       Register("jaxops_rms_norm_fwd", RmsNormFwdCuda),
       Register("jaxops_add_rms_norm_fwd", AddRmsNormFwdCuda),
       Register("jaxops_rms_norm_bwd", RmsNormBwdCuda),
+      Register("jaxops_fp8_quantize", Fp8QuantizeCuda),
+      Register("jaxops_fp8_amax", Fp8AmaxCuda),
+      Register("jaxops_fp8_quantize_split_transpose", Fp8QuantizeSplitTransposeCuda),
   };
 }
 
