@@ -20,6 +20,7 @@ from jax.test_util import check_grads
 
 import jaxops
 from jaxops import _ffi
+from jaxops._fp8 import TARGET_AMAX, TARGET_QUANTIZE, TARGET_SPLIT_TRANSPOSE
 from jaxops._rms_norm import TARGET_ADD_FWD, TARGET_BWD, TARGET_FWD
 from jaxops.testing import (
     assert_allclose,
@@ -28,6 +29,7 @@ from jaxops.testing import (
     tolerance,
 )
 
+FP8_TARGETS = (TARGET_AMAX, TARGET_QUANTIZE, TARGET_SPLIT_TRANSPOSE)
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 SHAPES = [(1,), (1, 1), (3, 1), (7, 33), (2, 3, 127), (5, 1024), (2, 4096), (1, 65536), (3, 70001)]
 
@@ -635,7 +637,7 @@ def test_installed_package_layout(tmp_path):
     assert lines == [
         "True",
         "jaxops.parallel",
-        str(sorted([TARGET_ADD_FWD, TARGET_BWD, TARGET_FWD])),
+        str(sorted([TARGET_ADD_FWD, TARGET_BWD, TARGET_FWD, *FP8_TARGETS])),
         "no top-level parallel",
     ]
 
