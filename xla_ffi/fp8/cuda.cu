@@ -104,20 +104,22 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Launch geometry.
 
-constexpr int kThreads = 256;          // CTA size of every kernel but the offsets scan.
-constexpr int kScanThreads = 1024;     // CTA size of Fp8SplitOffsetsKernel.
-constexpr int kMaxTile = 128;          // Largest G (rows and columns of a tile).
-constexpr int kPerTensorTile = 64;     // Tile of the per-tensor transpose.
-constexpr int kPerTensorTileLog2 = 6;  //
-constexpr int kSplitTileCols = 64;     // K columns per panel tile of the split transpose.
-constexpr int kSplitTileColsLog2 = 6;  //
-constexpr int kCodePad = 4;            // Row padding (bytes) of the shared code tile.
+__host__ __device__ constexpr int Log2(int n) { return n <= 1 ? 0 : 1 + Log2(n / 2); }
+
+constexpr int kThreads = 256;       // CTA size of every kernel but the offsets scan.
+constexpr int kScanThreads = 1024;  // CTA size of Fp8SplitOffsetsKernel.
+constexpr int kMaxTile = 128;       // Largest G (rows and columns of a tile).
+constexpr int kPerTensorTile = 64;  // Tile of the per-tensor transpose.
+constexpr int kPerTensorTileLog2 = Log2(kPerTensorTile);
+constexpr int kSplitTileCols = 64;  // K columns per panel tile of the split transpose.
+constexpr int kSplitTileColsLog2 = Log2(kSplitTileCols);
+constexpr int kCodePad = 4;  // Row padding (bytes) of the shared code tile.
 // Grid caps; the kernels loop (grid-stride), so the caps only bound the launch.
 constexpr int64_t kMaxGridCtas = int64_t{1} << 20;
-constexpr int64_t kAmaxMaxCtas = 1024;             // Bounds the global atomics of the amax kernel.
-constexpr int64_t kTailMaxCtas = 4096;             // Rows of K zeroed at once by the tail kernel.
-constexpr int64_t kSplitTargetCtas = 2048;         // Panels x K chunks the split kernel aims for.
-constexpr int64_t kMaxGridY = 65535;               // Hardware limit of gridDim.y.
+constexpr int64_t kAmaxMaxCtas = 2048;      // Kernels that atomicMax amax: one atomic per CTA.
+constexpr int64_t kTailMaxCtas = 4096;      // Rows of K zeroed at once by the tail kernel.
+constexpr int64_t kSplitTargetCtas = 2048;  // Panels x K chunks the split kernel aims for.
+constexpr int64_t kMaxGridY = 65535;        // Hardware limit of gridDim.y.
 constexpr size_t kDefaultSharedBytes = 48 * 1024;  // Dynamic shared memory without opting in.
 
 static_assert(kThreads % kMaxTile == 0 && kThreads >= 2 * kMaxTile,
@@ -132,12 +134,11 @@ constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
 template <typename T>
 constexpr int kTilePad = 4 / static_cast<int>(sizeof(T));
 
-__host__ __device__ constexpr int Log2(int n) { return n <= 1 ? 0 : 1 + Log2(n / 2); }
-
 // Bytes of a shared tile of `rows` x `cols` elements of T (padded rows), rounded to 16.
 template <typename T>
 __host__ __device__ __forceinline__ int64_t TileBytes(int64_t rows, int64_t cols) {
-  return RoundUp(rows * (cols + kTilePad<T>)*static_cast<int64_t>(sizeof(T)), 16);
+  const int64_t elements = rows * (cols + kTilePad<T>);
+  return RoundUp(elements * static_cast<int64_t>(sizeof(T)), 16);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -852,7 +853,8 @@ ffi::Error LaunchTiles(cudaStream_t stream, const TileArgs<T>& a) {
     }
   }
   const int64_t tiles = a.batch * a.mtiles * a.ktiles;
-  kernel<<<GridCtas(tiles, 1, kMaxGridCtas), kThreads, shared_bytes, stream>>>(a);
+  const int64_t max_ctas = a.mode == kPerTensor ? kAmaxMaxCtas : kMaxGridCtas;
+  kernel<<<GridCtas(tiles, 1, max_ctas), kThreads, shared_bytes, stream>>>(a);
   return LastLaunchError("fp8 quantize tile kernel");
 }
 
@@ -904,9 +906,9 @@ ffi::Error PerTensorTyped(cudaStream_t stream, const QuantizeShape& s, const Qua
     constexpr int kVec = kVecElems<T>;
     if (IsAligned(x, 16) && IsAligned(buf.data, 16)) {
       Fp8PerTensorKernel<F, kVec, T>
-          <<<GridCtas(CeilDiv(n, kVec), kThreads, kMaxGridCtas), kThreads, 0, stream>>>(a);
+          <<<GridCtas(CeilDiv(n, kVec), kThreads, kAmaxMaxCtas), kThreads, 0, stream>>>(a);
     } else {
-      Fp8PerTensorKernel<F, 1, T><<<GridCtas(n, kThreads, kMaxGridCtas), kThreads, 0, stream>>>(a);
+      Fp8PerTensorKernel<F, 1, T><<<GridCtas(n, kThreads, kAmaxMaxCtas), kThreads, 0, stream>>>(a);
     }
     return LastLaunchError("fp8 quantize per-tensor kernel");
   }
