@@ -11,6 +11,7 @@ running jaxlib, and an incompatible skew raises :class:`JaxlibVersionError` with
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import re
@@ -21,6 +22,8 @@ from typing import Any
 
 import jax
 import jaxlib.version
+
+from jaxops._config import resolve_impl
 
 __all__ = [
     "JaxlibVersionError",
@@ -131,6 +134,22 @@ def ensure_registered(name: str) -> None:
         for target in todo:
             _register(target)
             del _pending[(target.name, target.platform)]
+
+
+@functools.cache
+def kernel_available(backend: str) -> bool:
+    """Whether jaxops has custom calls for `backend` ("cpu", "gpu"/"cuda"; not ROCm)."""
+    if backend == "cpu":
+        return True
+    if backend in ("gpu", "cuda"):
+        platform_version = jax.devices(backend)[0].client.platform_version.lower()
+        return cuda_available() and "rocm" not in platform_version
+    return False
+
+
+def use_kernel(impl: str | None) -> bool:
+    """Whether an op called with `impl` runs its custom call on the default backend."""
+    return resolve_impl(impl, kernel_available=kernel_available(jax.default_backend())) == "ffi"
 
 
 def cuda_available() -> bool:

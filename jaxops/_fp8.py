@@ -33,7 +33,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxops import _checks, _ffi
-from jaxops._config import resolve_impl
 from jaxops._sharding import axes_of, padded_spec, result_sharding
 
 __all__ = [
@@ -649,20 +648,6 @@ def _partitioned_amax(ndim: int):
 # quantize.
 
 
-@functools.cache
-def _kernel_available(backend: str) -> bool:
-    if backend == "cpu":
-        return True
-    if backend in ("gpu", "cuda"):
-        platform_version = jax.devices(backend)[0].client.platform_version.lower()
-        return _ffi.cuda_available() and "rocm" not in platform_version
-    return False
-
-
-def _use_kernel(impl: str | None) -> bool:
-    return resolve_impl(impl, kernel_available=_kernel_available(jax.default_backend())) == "ffi"
-
-
 def _wrap(cfg: _Config, data, scale, data_t, scale_t):
     q = QuantizedArray(data, scale, cfg.block, False, cfg.layout)
     if not cfg.transpose:
@@ -922,7 +907,7 @@ def quantize(
     x, cfg = _make_config(
         "quantize", x, dtype, block, pow2_scale, transpose, scale_layout, amax_floor
     )
-    data, scale, data_t, scale_t, _ = _quantize_apply(cfg, x, None, _use_kernel(impl))
+    data, scale, data_t, scale_t, _ = _quantize_apply(cfg, x, None, _ffi.use_kernel(impl))
     return _wrap(cfg, data, scale, data_t, scale_t)
 
 
@@ -1004,7 +989,7 @@ def fake_quant(
       True
     """
     x, cfg = _make_config("fake_quant", x, dtype, block, pow2_scale, False, "row", amax_floor)
-    return _fake_quant(cfg, _use_kernel(impl), x)
+    return _fake_quant(cfg, _ffi.use_kernel(impl), x)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -1133,7 +1118,7 @@ def quantize_delayed(
     scale = jnp.asarray(meta.scale, jnp.float32)
     if scale.shape != ():
         raise ValueError(f"quantize_delayed: meta.scale must have shape (), got {scale.shape}")
-    data, scale, data_t, scale_t, amax = _quantize_apply(cfg, x, scale, _use_kernel(impl))
+    data, scale, data_t, scale_t, amax = _quantize_apply(cfg, x, scale, _ffi.use_kernel(impl))
     return _wrap(cfg, data, scale, data_t, scale_t), update_fp8_meta(meta, amax, recipe)
 
 
@@ -1372,7 +1357,7 @@ def quantize_split_transpose(
     columns, _ = _split_shapes(m, k, group_sizes.shape[0], cfg.group)
     if columns >= 2**31:
         raise ValueError(f"{op}: M + 15 E must stay below 2^31 columns, got M={m}")
-    if x.size == 0 or not _use_kernel(impl):
+    if x.size == 0 or not _ffi.use_kernel(impl):
         data, scale, col_offsets, scale_offsets = _split_reference(cfg, x, group_sizes)
     else:
         data, scale, col_offsets, scale_offsets = _partitioned_split(cfg)(x, group_sizes)

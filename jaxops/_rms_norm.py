@@ -24,7 +24,6 @@ from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 
 from jaxops import _checks, _ffi
-from jaxops._config import resolve_impl
 from jaxops._sharding import axes_of, named, padded_spec, result_sharding
 
 __all__ = [
@@ -519,20 +518,6 @@ _add_rms_norm.defvjp(_add_rms_norm_fwd, _add_rms_norm_bwd)
 # Public API.
 
 
-@functools.cache
-def _kernel_available(backend: str) -> bool:
-    if backend == "cpu":
-        return True
-    if backend in ("gpu", "cuda"):
-        platform_version = jax.devices(backend)[0].client.platform_version.lower()
-        return _ffi.cuda_available() and "rocm" not in platform_version
-    return False
-
-
-def _use_kernel(impl: str | None) -> bool:
-    return resolve_impl(impl, kernel_available=_kernel_available(jax.default_backend())) == "ffi"
-
-
 def _validate(op: str, x, weight, eps, zero_centered_weight) -> tuple[jax.Array, Any, _Config]:
     x = _checks.check_array(op, "x", x, min_rank=1)
     if x.shape[-1] < 1:
@@ -595,7 +580,7 @@ def rms_norm(
       True
     """
     x, weight, cfg = _validate("rms_norm", x, weight, eps, zero_centered_weight)
-    if not _use_kernel(impl):
+    if not _ffi.use_kernel(impl):
         return _reference_fwd(cfg, x, weight)[0]
     return _rms_norm(cfg, x, weight)
 
@@ -648,7 +633,7 @@ def add_rms_norm(
             f"add_rms_norm: residual must have x's shape {tuple(x.shape)}, "
             f"got {tuple(residual.shape)}"
         )
-    if not _use_kernel(impl):
+    if not _ffi.use_kernel(impl):
         return add_rms_norm_reference(
             x, residual, weight, eps=cfg.eps, zero_centered_weight=cfg.zero_centered
         )
