@@ -603,7 +603,7 @@ def test_bad_input_raises_at_trace_time(call, error, match):
 
 
 def test_handler_rejects_inconsistent_operands_instead_of_crashing():
-    def call(scale_shape, data_shape=(4, 256), mode=1, group=128, scale_in=(0,)):
+    def call(scale_shape, data_shape=(4, 256), mode=1, group=128, scale_in=(0,), floor=1e-4):
         out = (
             jax.ShapeDtypeStruct(data_shape, jnp.float8_e4m3fn),
             jax.ShapeDtypeStruct(scale_shape, jnp.float32),
@@ -621,7 +621,7 @@ def test_handler_rejects_inconsistent_operands_instead_of_crashing():
                 transpose=False,
                 col_tma=False,
                 pow2_scale=False,
-                amax_floor=np.float32(1e-4),
+                amax_floor=np.float32(floor),
             )
         )
 
@@ -631,6 +631,7 @@ def test_handler_rejects_inconsistent_operands_instead_of_crashing():
         (lambda: call((4, 2), group=100), "group must be 32, 64 or 128"),
         (lambda: call((4, 2), mode=7), "block_mode"),
         (lambda: call((), mode=0), "scale_in must have 1 elements"),
+        (lambda: call((4, 2), floor=0.0), "amax_floor must be > 0"),
     ]
     for fn, message in cases:
         with pytest.raises(jax.errors.JaxRuntimeError, match=message):

@@ -16,6 +16,19 @@
 #include <cstdint>
 #include <string>
 
+// The XLA FFI headers trip diagnostics of nvcc's front end and of the host compiler (a switch
+// covering every enumerator without a trailing return, always_inline on non-inline templates);
+// silence them for those headers only. Every .cu file includes
+// this header before anything else that includes ffi.h; later includes are no-ops.
+#pragma nv_diagnostic push
+#pragma nv_diag_suppress 940
+#pragma nv_diag_suppress 2473
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wreturn-type"
+#include "xla/ffi/api/ffi.h"
+#pragma GCC diagnostic pop
+#pragma nv_diagnostic pop
+
 #include "xla_ffi/common/ffi_util.h"
 
 namespace jaxops {

@@ -53,9 +53,8 @@ struct QuantizeShape {
   int64_t group = 0;
   BlockMode mode = kPerTensor;
   bool transpose = false;
-  bool has_scale_in = false;  // per-tensor only
-  ScaleGrid scale;            // per-tensor: unused
-  ScaleGrid scale_t;          // per-tensor or no transpose: unused
+  ScaleGrid scale;    // per-tensor: unused
+  ScaleGrid scale_t;  // per-tensor or no transpose: unused
 };
 
 struct SplitShape {
@@ -77,6 +76,12 @@ inline ffi::Error CheckCount(const char* op, const char* name, int64_t count, in
                          " elements, got " + std::to_string(count));
 }
 
+// amax_floor > 0 keeps every scale positive (and, from 1e-30 up, a normal float).
+inline ffi::Error CheckAmaxFloor(const char* op, float amax_floor) {
+  if (amax_floor > 0.0f) return ffi::Error::Success();
+  return InvalidArgument(std::string(op) + ": amax_floor must be > 0");
+}
+
 inline ffi::Error CheckGroup(const char* op, int64_t group) {
   if (group == 32 || group == 64 || group == 128) return ffi::Error::Success();
   return InvalidArgument(std::string(op) + ": group must be 32, 64 or 128, got " +
@@ -88,7 +93,7 @@ inline ffi::ErrorOr<QuantizeShape> CheckQuantize(const ffi::AnyBuffer& x, int64_
                                                  const ffi::AnyBuffer& data_t,
                                                  int64_t scale_t_count, int64_t amax_count,
                                                  int32_t block_mode, int64_t group, bool transpose,
-                                                 bool col_tma) {
+                                                 bool col_tma, float amax_floor) {
   constexpr const char* kOp = "fp8 quantize";
   QuantizeShape s;
   auto dims = x.dimensions();
@@ -99,6 +104,7 @@ inline ffi::ErrorOr<QuantizeShape> CheckQuantize(const ffi::AnyBuffer& x, int64_
                                            std::to_string(block_mode)));
   }
   if (auto e = CheckGroup(kOp, group); e.failure()) return ffi::Unexpected(std::move(e));
+  if (auto e = CheckAmaxFloor(kOp, amax_floor); e.failure()) return ffi::Unexpected(std::move(e));
   s.mode = static_cast<BlockMode>(block_mode);
   s.group = group;
   s.transpose = transpose;
@@ -132,7 +138,6 @@ inline ffi::ErrorOr<QuantizeShape> CheckQuantize(const ffi::AnyBuffer& x, int64_
     return ffi::Unexpected(std::move(e));
   if (auto e = CheckCount(kOp, "scale_in", scale_in_count, per_tensor ? 1 : 0); e.failure())
     return ffi::Unexpected(std::move(e));
-  s.has_scale_in = per_tensor;
   const int64_t expected_scale_t = transpose && !per_tensor ? s.scale_t.Count() : 0;
   if (auto e = CheckCount(kOp, "scale_t", scale_t_count, expected_scale_t); e.failure())
     return ffi::Unexpected(std::move(e));
@@ -158,11 +163,9 @@ inline ffi::Error CheckAmax(const ffi::AnyBuffer& x, int64_t amax_count) {
   return CheckCount("fp8 amax", "amax", amax_count, 1);
 }
 
-inline ffi::ErrorOr<SplitShape> CheckSplitTranspose(const ffi::AnyBuffer& x, int64_t experts,
-                                                    const ffi::AnyBuffer& data_t,
-                                                    int64_t scale_t_count,
-                                                    int64_t col_offsets_count,
-                                                    int64_t scale_offsets_count, int64_t group) {
+inline ffi::ErrorOr<SplitShape> CheckSplitTranspose(
+    const ffi::AnyBuffer& x, int64_t experts, const ffi::AnyBuffer& data_t, int64_t scale_t_count,
+    int64_t col_offsets_count, int64_t scale_offsets_count, int64_t group, float amax_floor) {
   constexpr const char* kOp = "fp8 quantize_split_transpose";
   auto dims = x.dimensions();
   if (dims.size() != 2) {
@@ -171,6 +174,7 @@ inline ffi::ErrorOr<SplitShape> CheckSplitTranspose(const ffi::AnyBuffer& x, int
                         std::to_string(dims.size())));
   }
   if (auto e = CheckGroup(kOp, group); e.failure()) return ffi::Unexpected(std::move(e));
+  if (auto e = CheckAmaxFloor(kOp, amax_floor); e.failure()) return ffi::Unexpected(std::move(e));
   SplitShape s;
   s.m = dims[0];
   s.k = dims[1];

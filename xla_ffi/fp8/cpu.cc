@@ -395,15 +395,13 @@ ffi::Future QuantizeDispatch(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer
                              float amax_floor) {
   auto shape = CheckQuantize(x, scale_in.element_count(), *data, scale->element_count(), *data_t,
                              scale_t->element_count(), amax->element_count(), block_mode, group,
-                             transpose, col_tma);
+                             transpose, col_tma, amax_floor);
   if (shape.has_error()) return ReadyFuture(shape.error());
-  if (!(amax_floor > 0.0f))
-    return ReadyFuture(InvalidArgument("fp8 quantize: amax_floor must be > 0"));
   QuantizeParams params;
   params.shape = *shape;
   params.amax_floor = amax_floor;
   params.pow2_scale = pow2_scale;
-  params.scale_in = shape->has_scale_in ? scale_in.typed_data()[0] : 0.0f;
+  params.scale_in = shape->mode == kPerTensor ? scale_in.typed_data()[0] : 0.0f;
   QuantizeOutputs out;
   out.data = Out<uint8_t>(data);
   out.scale = scale->typed_data();
@@ -450,13 +448,10 @@ ffi::Future SplitTransposeDispatch(ffi::ThreadPool pool, ffi::AnyBuffer x,
                                    ffi::Result<ffi::Buffer<ffi::S32>> scale_offsets, int32_t group,
                                    bool pow2_scale, float amax_floor) {
   const int64_t experts = group_sizes.element_count();
-  auto shape =
-      CheckSplitTranspose(x, experts, *data_t, scale_t->element_count(),
-                          col_offsets->element_count(), scale_offsets->element_count(), group);
+  auto shape = CheckSplitTranspose(x, experts, *data_t, scale_t->element_count(),
+                                   col_offsets->element_count(), scale_offsets->element_count(),
+                                   group, amax_floor);
   if (shape.has_error()) return ReadyFuture(shape.error());
-  if (!(amax_floor > 0.0f)) {
-    return ReadyFuture(InvalidArgument("fp8 quantize_split_transpose: amax_floor must be > 0"));
-  }
   auto layout = std::make_shared<SplitLayout>(MakeSplitLayout(*shape, group_sizes.typed_data()));
   for (int64_t e = 0; e <= experts; ++e) {
     col_offsets->typed_data()[e] = static_cast<int32_t>(layout->col_offset[e]);

@@ -79,18 +79,6 @@
 #include <initializer_list>
 #include <string>
 
-// The XLA FFI headers trip diagnostics of nvcc's front end and of the host compiler (a switch
-// covering every enumerator without a trailing return, always_inline on non-inline templates);
-// silence them for those headers only. Later includes of ffi.h are no-ops (include guard).
-#pragma nv_diagnostic push
-#pragma nv_diag_suppress 940
-#pragma nv_diag_suppress 2473
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wreturn-type"
-#include "xla/ffi/api/ffi.h"
-#pragma GCC diagnostic pop
-#pragma nv_diagnostic pop
-
 #include "xla_ffi/common/cuda_util.cuh"
 #include "xla_ffi/common/ffi_util.h"
 #include "xla_ffi/common/math.h"
@@ -1071,7 +1059,7 @@ ffi::Error Fp8QuantizeCudaDispatch(cudaStream_t stream, ffi::AnyBuffer x,
                                    static_cast<int64_t>(scale->element_count()), *data_t,
                                    static_cast<int64_t>(scale_t->element_count()),
                                    static_cast<int64_t>(amax->element_count()), block_mode, group,
-                                   transpose, col_tma);
+                                   transpose, col_tma, amax_floor);
   if (shape.has_error()) return shape.error();
   QuantizeBuffers buf;
   buf.x = x.untyped_data();
@@ -1110,11 +1098,8 @@ ffi::Error Fp8QuantizeSplitTransposeCudaDispatch(cudaStream_t stream, ffi::AnyBu
       CheckSplitTranspose(x, static_cast<int64_t>(group_sizes.element_count()), *data_t,
                           static_cast<int64_t>(scale_t->element_count()),
                           static_cast<int64_t>(col_offsets->element_count()),
-                          static_cast<int64_t>(scale_offsets->element_count()), group);
+                          static_cast<int64_t>(scale_offsets->element_count()), group, amax_floor);
   if (shape.has_error()) return shape.error();
-  if (!(amax_floor > 0.0f)) {
-    return InvalidArgument("fp8 quantize_split_transpose: amax_floor must be > 0");
-  }
   return DispatchTypes("fp8 quantize_split_transpose", x.element_type(), data_t->element_type(),
                        [&](auto x_tag, auto f_tag) -> ffi::Error {
                          using T = typename decltype(x_tag)::type;

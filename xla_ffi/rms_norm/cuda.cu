@@ -47,18 +47,6 @@
 #include <initializer_list>
 #include <string>
 
-// The XLA FFI headers trip diagnostics of nvcc's front end and of the host compiler (a switch
-// covering every enumerator without a trailing return, always_inline on non-inline templates);
-// silence them for those headers only. Later includes of ffi.h are no-ops (include guard).
-#pragma nv_diagnostic push
-#pragma nv_diag_suppress 940
-#pragma nv_diag_suppress 2473
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wreturn-type"
-#include "xla/ffi/api/ffi.h"
-#pragma GCC diagnostic pop
-#pragma nv_diagnostic pop
-
 #include "xla_ffi/common/cuda_util.cuh"
 #include "xla_ffi/common/ffi_util.h"
 #include "xla_ffi/common/math.h"
