@@ -24,12 +24,14 @@ import jax
 import jaxlib.version
 
 from jaxops._config import resolve_impl
+from jaxops._sharding import vary_like
 
 __all__ = [
     "JaxlibVersionError",
     "build_info",
     "cuda_available",
     "ensure_registered",
+    "ffi_call",
 ]
 
 _PLATFORM_OF_MODULE = {"_jaxops_cpu": "cpu", "_jaxops_cuda": "CUDA"}
@@ -150,6 +152,18 @@ def kernel_available(backend: str) -> bool:
 def use_kernel(impl: str | None) -> bool:
     """Whether an op called with `impl` runs its custom call on the default backend."""
     return resolve_impl(impl, kernel_available=kernel_available(jax.default_backend())) == "ffi"
+
+
+def ffi_call(
+    target: str, out_types: Any, *operands: Any, vmap_method: str = "sequential", **attrs: Any
+) -> Any:
+    """``jax.ffi.ffi_call(target, out_types)(*operands, **attrs)`` with shard_map-correct types.
+
+    Inside shard_map the results are marked varying over the axes the operands vary over (see
+    :func:`jaxops._sharding.vary_like`).
+    """
+    call = jax.ffi.ffi_call(target, out_types, vmap_method=vmap_method)
+    return vary_like(call(*operands, **attrs), *operands)
 
 
 def cuda_available() -> bool:

@@ -393,8 +393,9 @@ def _quantize_ffi(cfg: _Config, x: jax.Array, scale_in: jax.Array | None):
         ),
         jax.ShapeDtypeStruct(() if per_tensor else (0,), jnp.float32, sharding=sh[4]),
     )
-    call = jax.ffi.ffi_call(TARGET_QUANTIZE, out_types, vmap_method="sequential")
-    data, scale, data_t, scale_t, amax = call(
+    data, scale, data_t, scale_t, amax = _ffi.ffi_call(
+        TARGET_QUANTIZE,
+        out_types,
         x,
         jnp.reshape(scale_in, (1,)) if per_tensor else jnp.zeros((0,), jnp.float32),
         block_mode=np.int32(_BLOCK_MODE[cfg.mode]),
@@ -432,12 +433,7 @@ def _typed_shardings(cfg: _Config, x: jax.Array) -> list:
 def _amax_ffi(x: jax.Array) -> jax.Array:
     mesh = _explicit_mesh(x) if result_sharding(x) is not None else None
     sharding = None if mesh is None else NamedSharding(mesh, P())
-    call = jax.ffi.ffi_call(
-        TARGET_AMAX,
-        jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding),
-        vmap_method="sequential",
-    )
-    return call(x)
+    return _ffi.ffi_call(TARGET_AMAX, jax.ShapeDtypeStruct((), jnp.float32, sharding=sharding), x)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -1253,8 +1249,9 @@ def _split_ffi(cfg: _Config, x: jax.Array, group_sizes: jax.Array):
         jax.ShapeDtypeStruct((e + 1,), jnp.int32, sharding=flat_sh),
         jax.ShapeDtypeStruct((e + 1,), jnp.int32, sharding=flat_sh),
     )
-    call = jax.ffi.ffi_call(TARGET_SPLIT_TRANSPOSE, out_types, vmap_method="sequential")
-    return call(
+    return _ffi.ffi_call(
+        TARGET_SPLIT_TRANSPOSE,
+        out_types,
         x,
         group_sizes,
         group=np.int32(cfg.group),

@@ -24,7 +24,14 @@ from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 
 from jaxops import _checks, _ffi
-from jaxops._sharding import axes_of, named, padded_spec, result_sharding
+from jaxops._sharding import (
+    axes_of,
+    cotangent_like,
+    named,
+    padded_spec,
+    result_sharding,
+    vary_like,
+)
 
 __all__ = [
     "TARGET_ADD_FWD",
@@ -140,13 +147,15 @@ def _fwd_ffi(cfg: _Config, x, weight, rstd_in=None):
         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=result_sharding(x)),
         jax.ShapeDtypeStruct(rows, jnp.float32, sharding=result_sharding(x, 1)),
     )
-    call = jax.ffi.ffi_call(TARGET_FWD, out_types, vmap_method="broadcast_all")
-    return call(
+    return _ffi.ffi_call(
+        TARGET_FWD,
+        out_types,
         x,
         _weight_operand(weight, x.dtype),
         _empty(jnp.float32) if rstd_in is None else rstd_in,
         eps=np.float32(cfg.eps),
         zero_centered_weight=cfg.zero_centered,
+        vmap_method="broadcast_all",
     )
 
 
@@ -156,13 +165,15 @@ def _add_fwd_ffi(cfg: _Config, x, residual, weight):
         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=result_sharding(x)),
         jax.ShapeDtypeStruct(x.shape[:-1], jnp.float32, sharding=result_sharding(x, 1)),
     )
-    call = jax.ffi.ffi_call(TARGET_ADD_FWD, out_types, vmap_method="broadcast_all")
-    return call(
+    return _ffi.ffi_call(
+        TARGET_ADD_FWD,
+        out_types,
         x,
         residual,
         _weight_operand(weight, x.dtype),
         eps=np.float32(cfg.eps),
         zero_centered_weight=cfg.zero_centered,
+        vmap_method="broadcast_all",
     )
 
 
@@ -178,8 +189,9 @@ def _bwd_ffi(cfg: _Config, dy, x, rstd, weight, dh, dot_in=None):
         jax.ShapeDtypeStruct((weight_count,), jnp.float32, sharding=w_sharding),
         jax.ShapeDtypeStruct((_num_parts(rows, hidden), weight_count), jnp.float32),
     )
-    call = jax.ffi.ffi_call(TARGET_BWD, out_types, vmap_method="broadcast_all")
-    dx, dw, _ = call(
+    dx, dw, _ = _ffi.ffi_call(
+        TARGET_BWD,
+        out_types,
         dy,
         x,
         _weight_operand(weight, x.dtype),
@@ -187,6 +199,7 @@ def _bwd_ffi(cfg: _Config, dy, x, rstd, weight, dh, dot_in=None):
         _empty(jnp.float32) if dot_in is None else dot_in,
         _empty(x.dtype) if dh is None else dh,
         zero_centered_weight=cfg.zero_centered,
+        vmap_method="broadcast_all",
     )
     return dx, (dw if weight is not None else None)
 
@@ -487,7 +500,8 @@ def _rms_norm_fwd(cfg: _Config, x, weight):
 
 def _rms_norm_bwd(cfg: _Config, residuals, dy):
     x, weight, rstd = residuals
-    return _bwd_apply(cfg, dy, x, rstd, weight, None)
+    dx, dw = _bwd_apply(cfg, dy, x, rstd, weight, None)
+    return cotangent_like(dx, x), cotangent_like(dw, weight)
 
 
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
@@ -501,14 +515,20 @@ def _add_rms_norm(cfg: _Config, x, residual, weight):
 
 def _add_rms_norm_fwd(cfg: _Config, x, residual, weight):
     y, h, rstd = _add_fwd_apply(cfg, x, residual, weight)
-    return (y, h), (h, weight, rstd)
+    # Empty arrays that carry the shard_map varying axes of x and residual, for the cotangents.
+    markers = tuple(vary_like(jnp.zeros((0,), jnp.float32), v) for v in (x, residual))
+    return (y, h), (h, weight, rstd, markers)
 
 
 def _add_rms_norm_bwd(cfg: _Config, residuals, cotangents):
-    h, weight, rstd = residuals
+    h, weight, rstd, (x_marker, residual_marker) = residuals
     dy, dh = cotangents
     dx, dw = _bwd_apply(cfg, dy, h, rstd, weight, dh)
-    return dx, dx, dw
+    return (
+        cotangent_like(dx, x_marker),
+        cotangent_like(dx, residual_marker),
+        cotangent_like(dw, weight),
+    )
 
 
 _add_rms_norm.defvjp(_add_rms_norm_fwd, _add_rms_norm_bwd)

@@ -14,7 +14,16 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["SpecEntry", "axes_of", "named", "padded_spec", "result_sharding"]
+__all__ = [
+    "SpecEntry",
+    "axes_of",
+    "cotangent_like",
+    "named",
+    "padded_spec",
+    "result_sharding",
+    "vary_like",
+    "varying_axes",
+]
 
 SpecEntry = str | tuple[str, ...] | None
 
@@ -69,3 +78,52 @@ def result_sharding(x: jax.Array, ndim_dropped: int = 0) -> Any:
     if ndim_dropped:
         entries = entries[: x.ndim - ndim_dropped]
     return NamedSharding(mesh, P(*entries))
+
+
+# -------------------------------------------------------------------------------------------------
+# Inside shard_map: the manual axes a value varies over.
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """The shard_map axes over which `x` varies (empty outside shard_map or when invariant)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()) or ())
+    return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def vary_like(outputs: Any, *inputs: Any) -> Any:
+    """Marks custom-call `outputs` as varying over every shard_map axis any of `inputs` varies over.
+
+    A custom call's results carry no varying-axes type of their own; typed invariant, they would
+    fail the type check of a ``custom_vjp`` backward rule whose primal input varies.
+    """
+    axes: frozenset[str] = frozenset()
+    for x in jax.tree.leaves(inputs):
+        axes |= varying_axes(x)
+    if not axes:
+        return outputs
+
+    def mark(y):
+        missing = tuple(sorted(axes - varying_axes(y)))
+        return jax.lax.pcast(y, missing, to="varying") if missing else y
+
+    return jax.tree.map(mark, outputs)
+
+
+def cotangent_like(ct: Any, primal: Any) -> Any:
+    """`ct` given the varying axes of `primal`, as a ``custom_vjp`` backward rule must return it.
+
+    A primal that is invariant over a shard_map axis was used by every device: its cotangent is
+    the sum of the devices' partial cotangents (a ``psum`` over that axis).
+    """
+    if ct is None:
+        return None
+    want = varying_axes(primal)
+    have = varying_axes(ct)
+    extra = tuple(sorted(have - want))
+    if extra:
+        ct = jax.lax.psum(ct, extra)
+    missing = tuple(sorted(want - varying_axes(ct)))
+    return jax.lax.pcast(ct, missing, to="varying") if missing else ct

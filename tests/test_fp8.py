@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
@@ -545,6 +547,29 @@ def test_split_transpose_sharded_along_k_stays_local():
     data, scale, *_ = np_split_transpose(x, [100, 50, 150], 128, jnp.float8_e4m3fn)
     assert_fp8_equal(got[0], data)
     assert_scale_equal(got[1], scale)
+
+
+@pytest.mark.parametrize("block", [None, (1, 128)], ids=["tensor", "1x128"])
+def test_inside_shard_map_results_vary_over_the_mesh(block):
+    # Each device quantizes its own rows; the psum adds the devices' dequantized column sums.
+    mesh = _mesh((8,), ("d",), AxisType.Explicit)
+    x = rand((64, 256), jnp.float32, seed=25)
+
+    def local(a, impl):
+        q = fp8.quantize(a, block=block, impl=impl)
+        return jax.lax.psum(jnp.sum(q.dequantize(jnp.float32), axis=0), "d")
+
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("d")))
+        results = [
+            jax.jit(
+                jax.shard_map(
+                    functools.partial(local, impl=impl), mesh=mesh, in_specs=P("d"), out_specs=P()
+                )
+            )(xs)
+            for impl in ("ffi", "xla")
+        ]
+    np.testing.assert_allclose(np.asarray(results[0]), np.asarray(results[1]), rtol=1e-5, atol=1e-4)
 
 
 # -------------------------------------------------------------------------------------------------

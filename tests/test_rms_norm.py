@@ -439,6 +439,34 @@ def test_hidden_sharded_reduces_only_row_statistics(axis_type, spec):
         assert_grad_close(g, e, jnp.float32)
 
 
+def test_inside_shard_map_results_vary_and_grads_sum_over_devices():
+    # Kernel results inside shard_map vary over the mesh axes of their operands (jax's type check
+    # of the custom_vjp backward rule needs it), and the weight and residual that every device
+    # uses get the sum of the devices' gradients.
+    mesh = jax.make_mesh((8,), ("d",))
+    x = rand((64, 32), jnp.float32, seed=40)
+    r = rand((8, 32), jnp.float32, seed=41)
+    w = rand((32,), jnp.float32, seed=42)
+    xs = jax.device_put(x, NamedSharding(mesh, P("d")))
+
+    def loss(impl):
+        def local(a, res, b):
+            y, h = jaxops.add_rms_norm(a, res, b, impl=impl)
+            part = jnp.sum(jaxops.rms_norm(y, b, impl=impl) * jnp.cos(h))
+            return jax.lax.psum(part, "d")
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(P("d"), P(), P()), out_specs=P())
+
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.value_and_grad(loss(None), (0, 1, 2)))(xs, r, w)
+        text = jax.jit(loss(None)).lower(xs, r, w).compile().as_text()
+        want = jax.value_and_grad(loss("xla"), (0, 1, 2))(xs, r, w)
+    assert count_collectives(text) == {"all-reduce": 1}, text
+    assert_allclose(got[0], want[0], jnp.float32, scale=10)
+    for g, e in zip(got[1], want[1], strict=True):
+        assert_grad_close(g, e, jnp.float32)
+
+
 # -------------------------------------------------------------------------------------------------
 # Bad input: clear errors at trace time.
 
