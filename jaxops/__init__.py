@@ -9,10 +9,12 @@ Public API (everything else is private):
 - :func:`build_info`, :func:`cuda_available` and :class:`JaxlibVersionError`.
 - ``jaxops.fp8``: FP8 quantization (per-tensor, 1 x G and G x G blocks, fused transpose,
   per-expert split transpose, fake quantization, delayed scaling).
+- ``jaxops.moe``: MoE token permute / unpermute (any expert count, alignment padding, capacity,
+  FP8 scales, on device without host synchronization).
 - ``jaxops.parallel``: expert and pipeline parallelism, sharded checkpointing.
 """
 
-from jaxops import fp8
+from jaxops import fp8, moe
 from jaxops._config import default_impl, get_default_impl, set_default_impl
 from jaxops._ffi import JaxlibVersionError, build_info, cuda_available
 from jaxops._rms_norm import (
@@ -34,6 +36,7 @@ __all__ = [
     "default_impl",
     "fp8",
     "get_default_impl",
+    "moe",
     "rms_norm",
     "rms_norm_reference",
     "set_default_impl",

@@ -1,6 +1,7 @@
 // The CPU nanobind module: exports every CPU FFI handler of jaxops.
 #include "xla_ffi/fp8/handlers.h"
 #include "xla_ffi/module_common.h"
+#include "xla_ffi/moe/handlers.h"
 #include "xla_ffi/rms_norm/handlers.h"
 
 namespace jaxops {
@@ -14,6 +15,10 @@ std::vector<Registration> Registrations() {
       Register("jaxops_fp8_quantize", Fp8QuantizeCpu),
       Register("jaxops_fp8_amax", Fp8AmaxCpu),
       Register("jaxops_fp8_quantize_split_transpose", Fp8QuantizeSplitTransposeCpu),
+      Register("jaxops_moe_route", MoeRouteCpu),
+      Register("jaxops_moe_permute", MoePermuteCpu),
+      Register("jaxops_moe_unpermute", MoeUnpermuteCpu),
+      Register("jaxops_moe_unpermute_bwd", MoeUnpermuteBwdCpu),
   };
 }
 

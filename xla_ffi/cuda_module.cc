@@ -2,6 +2,7 @@
 // compiler; the handlers themselves live in the .cu files (see handlers.h of each family).
 #include "xla_ffi/fp8/handlers.h"
 #include "xla_ffi/module_common.h"
+#include "xla_ffi/moe/handlers.h"
 #include "xla_ffi/rms_norm/handlers.h"
 
 namespace jaxops {
@@ -15,6 +16,10 @@ std::vector<Registration> Registrations() {
       Register("jaxops_fp8_quantize", Fp8QuantizeCuda),
       Register("jaxops_fp8_amax", Fp8AmaxCuda),
       Register("jaxops_fp8_quantize_split_transpose", Fp8QuantizeSplitTransposeCuda),
+      Register("jaxops_moe_route", MoeRouteCuda),
+      Register("jaxops_moe_permute", MoePermuteCuda),
+      Register("jaxops_moe_unpermute", MoeUnpermuteCuda),
+      Register("jaxops_moe_unpermute_bwd", MoeUnpermuteBwdCuda),
   };
 }
 

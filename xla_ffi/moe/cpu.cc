@@ -1,0 +1,368 @@
+// MoE permutation CPU kernels. The layout arithmetic is moe.h's; the contracts are checks.h's.
+//
+//   * Route: one sequential counting sort over the T * K slots (O(T K + E), microseconds next to
+//     moving the rows): count per expert, take each slot's rank in slot order, then place it.
+//   * Permute: each output row is one memcpy of a token row (any dtype: bytes are moved, not
+//     converted), split over the XLA FFI thread pool by rows.
+//   * Unpermute: per token, the K rows are added in slot order into an fp32 tile of up to
+//     kTile columns that stays in L1, then rounded once.
+//   * Unpermute backward: per row, d_expert = probs * d_out[token] and the fp32 dot product of
+//     d_out[token] with the row (kLanes partial sums, so the loop vectorizes; fixed order).
+// Inner loops are contiguous fp32 / integer loops compiled for AVX-512, AVX2 and the baseline.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/common/cpu_memory.h"
+#include "xla_ffi/common/cpu_parallel.h"
+#include "xla_ffi/common/ffi_util.h"
+#include "xla_ffi/common/host_float.h"
+#include "xla_ffi/moe/checks.h"
+#include "xla_ffi/moe/handlers.h"
+#include "xla_ffi/moe/moe.h"
+
+namespace jaxops::moe {
+namespace {
+
+// Columns of the fp32 accumulator tile of the unpermute (16 KiB).
+constexpr int64_t kTile = 4096;
+// Partial sums of the dot products (one AVX-512 register of fp32 per 16).
+constexpr int64_t kLanes = 32;
+// Smallest amount of work (bytes moved) worth handing to another thread.
+constexpr int64_t kMinBytesPerTask = 256 * 1024;
+
+int64_t MinItems(int64_t bytes_per_item) {
+  return std::max<int64_t>(1, kMinBytesPerTask / std::max<int64_t>(1, bytes_per_item));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Numeric functions: one row span.
+
+// acc = w * x
+template <typename X>
+JAXOPS_CPU_CLONES void ScaleInto(const X* x, float w, float* acc, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) acc[j] = w * HostType<X>::Load(x[j]);
+}
+
+// acc += w * x
+template <typename X>
+JAXOPS_CPU_CLONES void AddScaled(const X* x, float w, float* acc, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) acc[j] += w * HostType<X>::Load(x[j]);
+}
+
+template <typename X>
+JAXOPS_CPU_CLONES void StoreRow(const float* acc, X* out, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] = HostType<X>::Store(acc[j]);
+}
+
+// out = round(w * x)
+template <typename X>
+JAXOPS_CPU_CLONES void ScaleRow(const X* x, float w, X* out, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] = HostType<X>::Store(w * HostType<X>::Load(x[j]));
+}
+
+// sum_j a[j] * b[j] in fp32, kLanes partial sums added in lane order.
+template <typename X>
+JAXOPS_CPU_CLONES float Dot(const X* a, const X* b, int64_t n) {
+  float lanes[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+      lanes[l] += HostType<X>::Load(a[j + l]) * HostType<X>::Load(b[j + l]);
+    }
+  }
+  float sum = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
+  for (; j < n; ++j) sum += HostType<X>::Load(a[j]) * HostType<X>::Load(b[j]);
+  return sum;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Typed implementations.
+
+struct RouteOutputs {
+  int32_t* row_map;
+  int32_t* source;
+  int32_t* group_sizes;
+  int32_t* group_offsets;
+  int32_t* num_rows;
+  int32_t* dropped;
+  int32_t* counts;  // workspace, E entries
+};
+
+void RouteImpl(const RouteShape& s, const int32_t* ids, const RouteOutputs& out) {
+  std::fill(out.counts, out.counts + s.experts, 0);
+  std::fill(out.source, out.source + s.rows, -1);
+  // Pass 1: each used slot's rank among the earlier slots of its expert.
+  for (int64_t slot = 0; slot < s.slots; ++slot) {
+    const int32_t e = ids[slot];
+    out.row_map[slot] = IsExpert(e, s.experts) ? out.counts[e]++ : -1;
+  }
+  // Group sizes and offsets.
+  int64_t offset = 0;
+  for (int64_t e = 0; e < s.experts; ++e) {
+    const int64_t kept = KeptSlots(out.counts[e], s.capacity);
+    const int64_t rows = GroupRows(out.counts[e], s.capacity, s.align);
+    out.group_offsets[e] = static_cast<int32_t>(offset);
+    out.group_sizes[e] = static_cast<int32_t>(rows);
+    out.dropped[e] = static_cast<int32_t>(out.counts[e] - kept);
+    offset += rows;
+  }
+  out.group_offsets[s.experts] = static_cast<int32_t>(offset);
+  out.num_rows[0] = static_cast<int32_t>(offset);
+  // Pass 2: rows of the kept slots.
+  for (int64_t slot = 0; slot < s.slots; ++slot) {
+    const int32_t rank = out.row_map[slot];
+    if (rank < 0) continue;
+    if (s.capacity >= 0 && rank >= s.capacity) {
+      out.row_map[slot] = -1;
+      continue;
+    }
+    const int32_t row = out.group_offsets[ids[slot]] + rank;
+    out.row_map[slot] = row;
+    out.source[row] = static_cast<int32_t>(slot);
+  }
+}
+
+struct PermuteArgs {
+  RowsShape shape;
+  const uint8_t* tokens;
+  int64_t element_bytes;
+  const int32_t* source;
+  const float* scales;  // nullptr: none
+  const float* probs;   // nullptr: none
+  uint8_t* out;
+  float* out_scales;
+  float* out_probs;
+};
+
+ffi::Future PermuteImpl(ffi::ThreadPool& pool, const PermuteArgs& a) {
+  const int64_t row_bytes = a.shape.hidden * a.element_bytes;
+  const int64_t scale_bytes = a.shape.scale_columns * static_cast<int64_t>(sizeof(float));
+  const int64_t slots = a.shape.tokens * a.shape.top_k;
+  auto body = [a, row_bytes, scale_bytes, slots](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t slot = a.source[r];
+      const bool used = slot >= 0 && slot < slots;
+      const int64_t t = used ? slot / a.shape.top_k : 0;
+      uint8_t* dst = a.out + r * row_bytes;
+      if (used) {
+        std::memcpy(dst, a.tokens + t * row_bytes, row_bytes);
+      } else {
+        std::memset(dst, 0, row_bytes);
+      }
+      if (a.scales != nullptr) {
+        float* sdst = a.out_scales + r * a.shape.scale_columns;
+        if (used) {
+          std::memcpy(sdst, a.scales + t * a.shape.scale_columns, scale_bytes);
+        } else {
+          std::memset(sdst, 0, scale_bytes);
+        }
+      }
+      if (a.probs != nullptr) a.out_probs[r] = used ? a.probs[slot] : 0.0f;
+    }
+  };
+  return ParallelFor(pool, a.shape.rows, MinItems(row_bytes + scale_bytes), body);
+}
+
+template <typename X>
+ffi::Future UnpermuteImpl(ffi::ThreadPool& pool, const RowsShape& s, const X* x,
+                          const int32_t* row_map, const float* probs, X* out) {
+  auto body = [=](int64_t begin, int64_t end) {
+    float acc[kTile];
+    for (int64_t t = begin; t < end; ++t) {
+      X* dst = out + t * s.hidden;
+      for (int64_t h0 = 0; h0 < s.hidden; h0 += kTile) {
+        const int64_t n = std::min(kTile, s.hidden - h0);
+        bool any = false;
+        for (int64_t k = 0; k < s.top_k; ++k) {
+          const int64_t slot = t * s.top_k + k;
+          const int64_t row = row_map[slot];
+          if (row < 0 || row >= s.rows) continue;
+          const float w = probs != nullptr ? probs[slot] : 1.0f;
+          const X* src = x + row * s.hidden + h0;
+          if (any) {
+            AddScaled(src, w, acc, n);
+          } else {
+            ScaleInto(src, w, acc, n);
+            any = true;
+          }
+        }
+        if (!any) std::fill(acc, acc + n, 0.0f);
+        StoreRow(acc, dst + h0, n);
+      }
+    }
+  };
+  return ParallelFor(pool, s.tokens, MinItems(s.hidden * s.top_k * sizeof(X)), body);
+}
+
+template <typename X>
+ffi::Future UnpermuteBwdImpl(ffi::ThreadPool& pool, const RowsShape& s, const X* d_out, const X* x,
+                             const int32_t* source, const float* probs, X* d_expert,
+                             float* d_probs) {
+  const int64_t slots = s.tokens * s.top_k;
+  std::fill(d_probs, d_probs + slots, 0.0f);
+  auto body = [=](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t slot = source[r];
+      X* dst = d_expert + r * s.hidden;
+      if (slot < 0 || slot >= slots) {
+        std::memset(static_cast<void*>(dst), 0, s.hidden * sizeof(X));
+        continue;
+      }
+      const X* g = d_out + (slot / s.top_k) * s.hidden;
+      ScaleRow(g, probs[slot], dst, s.hidden);
+      d_probs[slot] = Dot(g, x + r * s.hidden, s.hidden);
+    }
+  };
+  return ParallelFor(pool, s.rows, MinItems(3 * s.hidden * sizeof(X)), body);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch: validation and the dtype switches.
+
+template <typename X>
+const X* In(const ffi::AnyBuffer& b) {
+  return static_cast<const X*>(b.untyped_data());
+}
+
+// A large output about to be written for the first time.
+template <typename T>
+T* Out(ffi::Result<ffi::AnyBuffer>& b) {
+  AdviseHugePages(b->untyped_data(), b->size_bytes());
+  return static_cast<T*>(b->untyped_data());
+}
+
+ffi::Error UnsupportedFloat(const char* op, const char* name, ffi::DataType dtype) {
+  return InvalidArgument(std::string(op) + ": " + name +
+                         " dtype must be float32, bfloat16 or float16, got " + DataTypeName(dtype));
+}
+
+// Calls fn(X{}) with the storage type of a float32 / bfloat16 / float16 buffer.
+template <typename Fn>
+ffi::Future DispatchFloat(const char* op, const char* name, ffi::DataType dtype, Fn fn) {
+  switch (dtype) {
+    case ffi::DataType::F32:
+      return fn(float{});
+    case ffi::DataType::BF16:
+      return fn(BFloat16{});
+    case ffi::DataType::F16:
+      return fn(Float16{});
+    default:
+      return ReadyFuture(UnsupportedFloat(op, name, dtype));
+  }
+}
+
+ffi::Error RouteDispatch(ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::Buffer<ffi::S32>> row_map,
+                         ffi::Result<ffi::Buffer<ffi::S32>> source,
+                         ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
+                         ffi::Result<ffi::Buffer<ffi::S32>> group_offsets,
+                         ffi::Result<ffi::Buffer<ffi::S32>> num_rows,
+                         ffi::Result<ffi::Buffer<ffi::S32>> dropped,
+                         ffi::Result<ffi::Buffer<ffi::S32>> workspace, int64_t align,
+                         int64_t capacity) {
+  auto shape = CheckRoute(ids, *row_map, source->element_count(), group_sizes->element_count(),
+                          group_offsets->element_count(), num_rows->element_count(),
+                          dropped->element_count(), workspace->element_count(), align, capacity);
+  if (shape.has_error()) return shape.error();
+  RouteOutputs out{row_map->typed_data(),       source->typed_data(),   group_sizes->typed_data(),
+                   group_offsets->typed_data(), num_rows->typed_data(), dropped->typed_data(),
+                   workspace->typed_data()};
+  RouteImpl(*shape, ids.typed_data(), out);
+  return ffi::Error::Success();
+}
+
+ffi::Future PermuteDispatch(ffi::ThreadPool pool, ffi::AnyBuffer tokens,
+                            ffi::Buffer<ffi::S32> source, ffi::AnyBuffer scales,
+                            ffi::Buffer<ffi::F32> probs, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::AnyBuffer> out_scales,
+                            ffi::Result<ffi::Buffer<ffi::F32>> out_probs, int64_t top_k) {
+  auto shape = CheckPermute(tokens, source.element_count(), scales, probs.element_count(), *out,
+                            *out_scales, out_probs->element_count(), top_k);
+  if (shape.has_error()) return ReadyFuture(shape.error());
+  PermuteArgs a;
+  a.shape = *shape;
+  a.tokens = In<uint8_t>(tokens);
+  a.element_bytes = static_cast<int64_t>(ffi::ByteWidth(tokens.element_type()));
+  a.source = source.typed_data();
+  a.scales = shape->has_scales ? In<float>(scales) : nullptr;
+  a.probs = shape->has_probs ? probs.typed_data() : nullptr;
+  a.out = Out<uint8_t>(out);
+  a.out_scales = shape->has_scales ? static_cast<float*>(out_scales->untyped_data()) : nullptr;
+  a.out_probs = shape->has_probs ? out_probs->typed_data() : nullptr;
+  return PermuteImpl(pool, a);
+}
+
+ffi::Future UnpermuteDispatch(ffi::ThreadPool pool, ffi::AnyBuffer expert_out,
+                              ffi::Buffer<ffi::S32> row_map, ffi::Buffer<ffi::F32> probs,
+                              ffi::Result<ffi::AnyBuffer> out) {
+  auto shape = CheckUnpermute(expert_out, row_map, probs.element_count(), *out);
+  if (shape.has_error()) return ReadyFuture(shape.error());
+  const float* p = shape->has_probs ? probs.typed_data() : nullptr;
+  return DispatchFloat("moe unpermute", "expert_out", expert_out.element_type(), [&](auto tag) {
+    using X = decltype(tag);
+    return UnpermuteImpl<X>(pool, *shape, In<X>(expert_out), row_map.typed_data(), p, Out<X>(out));
+  });
+}
+
+ffi::Future UnpermuteBwdDispatch(ffi::ThreadPool pool, ffi::AnyBuffer d_out,
+                                 ffi::AnyBuffer expert_out, ffi::Buffer<ffi::S32> source,
+                                 ffi::Buffer<ffi::F32> probs, ffi::Result<ffi::AnyBuffer> d_expert,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> d_probs) {
+  auto shape =
+      CheckUnpermuteBwd(d_out, expert_out, source.element_count(), probs, *d_expert, *d_probs);
+  if (shape.has_error()) return ReadyFuture(shape.error());
+  return DispatchFloat("moe unpermute_bwd", "d_out", d_out.element_type(), [&](auto tag) {
+    using X = decltype(tag);
+    return UnpermuteBwdImpl<X>(pool, *shape, In<X>(d_out), In<X>(expert_out), source.typed_data(),
+                               probs.typed_data(), Out<X>(d_expert), d_probs->typed_data());
+  });
+}
+
+}  // namespace
+}  // namespace jaxops::moe
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeRouteCpu, jaxops::moe::RouteDispatch,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // expert_ids [T, K]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // row_map [T, K]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // source [R]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // group_sizes [E]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // group_offsets [E+1]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // num_rows []
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // dropped [E]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // workspace [C, E]
+                                  .Attr<int64_t>("align")                  // group row multiple
+                                  .Attr<int64_t>("capacity"));             // slots/expert or -1
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePermuteCpu, jaxops::moe::PermuteDispatch,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()             // pool
+                                  .Arg<xla::ffi::AnyBuffer>()              // tokens [T, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // source [R]
+                                  .Arg<xla::ffi::AnyBuffer>()  // scales f32 [T, S] | [0]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // probs [T, K] | [0]
+                                  .Ret<xla::ffi::AnyBuffer>()              // out [R, H]
+                                  .Ret<xla::ffi::AnyBuffer>()  // out_scales [R, S] | [0]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // out_probs [R] | [0]
+                                  .Attr<int64_t>("top_k"));                // K
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermuteCpu, jaxops::moe::UnpermuteDispatch,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()             // pool
+                                  .Arg<xla::ffi::AnyBuffer>()              // expert_out [R, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // row_map [T, K]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // probs [T, K] | [0]
+                                  .Ret<xla::ffi::AnyBuffer>());            // out [T, H]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermuteBwdCpu, jaxops::moe::UnpermuteBwdDispatch,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()               // pool
+                                  .Arg<xla::ffi::AnyBuffer>()                // d_out [T, H]
+                                  .Arg<xla::ffi::AnyBuffer>()                // expert_out [R, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // source [R]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // probs [T, K]
+                                  .Ret<xla::ffi::AnyBuffer>()                // d_expert [R, H]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // d_probs [T, K]
