@@ -484,6 +484,25 @@ def write_results(
 
 
 # -------------------------------------------------------------------------------------------------
+# Goals.
+
+
+@dataclasses.dataclass(frozen=True)
+class Goal:
+    """One performance goal and its verdict on this run (None: not measured)."""
+
+    text: str
+    value: str
+    met: bool | None
+
+    def line(self) -> str:
+        """``goal <text>: <value> met`` / ``NOT met`` / ``not measured``."""
+        if self.met is None:
+            return f"goal {self.text}: not measured ({self.value})"
+        return f"goal {self.text}: {self.value} {'met' if self.met else 'NOT met'}"
+
+
+# -------------------------------------------------------------------------------------------------
 # Command-line helpers.
 
 

@@ -65,17 +65,6 @@ COLUMNS = [
 ]
 
 
-@dataclasses.dataclass
-class Goal:
-    text: str
-    value: str
-    met: bool | None
-
-    def line(self) -> str:
-        status = "n/a" if self.met is None else ("MET" if self.met else "NOT MET")
-        return f"goal {self.text}: {self.value} -> {status}"
-
-
 def _sizes(m: int) -> np.ndarray:
     """8 uneven expert sizes summing to m (one empty expert)."""
     weights = np.array([5, 1, 0, 9, 3, 7, 2, 4], np.float64)
@@ -97,7 +86,7 @@ def _bytes(outs: Sequence[jax.Array], x: jax.Array) -> int:
     return int(x.nbytes) + sum(int(o.nbytes) for o in outs)
 
 
-def run(args) -> tuple[list[dict[str, Any]], H.CopyBandwidth, list[Goal]]:
+def run(args) -> tuple[list[dict[str, Any]], H.CopyBandwidth, list[H.Goal]]:
     copy = H.copy_bandwidth()
     gpu = H.is_gpu()
     rows = []
@@ -137,12 +126,12 @@ def run(args) -> tuple[list[dict[str, Any]], H.CopyBandwidth, list[Goal]]:
     goal_rows = [r for r in rows if r["shape"] in GOAL_SHAPES and r["dtype"] == "bfloat16"]
     goals = []
     if not goal_rows:
-        goals.append(Goal("xla/ffi on the goal shapes", "goal shapes not run", None))
+        goals.append(H.Goal("xla/ffi on the goal shapes", "goal shapes not run", None))
     else:
         worst = min(goal_rows, key=lambda r: r["speedup"])
         ratio = GPU_GOAL_RATIO if gpu else CPU_GOAL_RATIO
         goals.append(
-            Goal(
+            H.Goal(
                 f"xla/ffi >= {ratio} on {'/'.join(GOAL_SHAPES)} bf16 (every mode)",
                 f"worst {worst['speedup']:.2f}x ({worst['mode']} {worst['shape']})",
                 worst["speedup"] >= ratio,
@@ -151,7 +140,7 @@ def run(args) -> tuple[list[dict[str, Any]], H.CopyBandwidth, list[Goal]]:
         if gpu:
             slow = min(goal_rows, key=lambda r: r["ffi_gbps"])
             goals.append(
-                Goal(
+                H.Goal(
                     f"ffi >= {GPU_GOAL_GBPS:.0f} GB/s on the goal shapes",
                     f"worst {slow['ffi_gbps']:.0f} GB/s ({slow['mode']} {slow['shape']})",
                     slow["ffi_gbps"] >= GPU_GOAL_GBPS,

@@ -260,21 +260,6 @@ def check_agreement(op: Op, dtype_name: str, shape: tuple[int, ...], ffi_out, xl
 # Goals.
 
 
-@dataclasses.dataclass(frozen=True)
-class Goal:
-    """One performance goal and its verdict on this run (None: not measured)."""
-
-    text: str
-    value: str
-    met: bool | None
-
-    def line(self) -> str:
-        """``goal <text>: <value> met`` / ``NOT met`` / ``not measured``."""
-        if self.met is None:
-            return f"goal {self.text}: not measured ({self.value})"
-        return f"goal {self.text}: {self.value} {'met' if self.met else 'NOT met'}"
-
-
 def _find(rows: Sequence[dict[str, Any]], op: str, dtype: str, shape: tuple[int, ...]):
     for row in rows:
         if row["op_name"] == op and row["dtype"] == dtype and tuple(row["shape_tuple"]) == shape:
@@ -284,11 +269,11 @@ def _find(rows: Sequence[dict[str, Any]], op: str, dtype: str, shape: tuple[int,
 
 def evaluate_goals(
     rows: Sequence[dict[str, Any]], gpu: bool, ops: Sequence[str], weight_same: bool
-) -> list[Goal]:
+) -> list[H.Goal]:
     """The project's goals for this platform, judged on the rows measured."""
     hint = "run with the default shapes"
     if not weight_same:
-        return [Goal("(all)", "goals are stated for weight dtype = input dtype", None)]
+        return [H.Goal("(all)", "goals are stated for weight dtype = input dtype", None)]
     goals = []
     if not gpu:
         shape_text = "x".join(map(str, CPU_GOAL_SHAPE))
@@ -297,10 +282,10 @@ def evaluate_goals(
                 text = f"{OPS[op].label} {SHORT[dtype]} {shape_text} >= {CPU_GOAL_SPEEDUP}x XLA"
                 row = _find(rows, op, dtype, CPU_GOAL_SHAPE)
                 if row is None:
-                    goals.append(Goal(text, hint, None))
+                    goals.append(H.Goal(text, hint, None))
                 else:
                     speedup = row["speedup"]
-                    goals.append(Goal(text, f"{speedup:.2f}x", speedup >= CPU_GOAL_SPEEDUP))
+                    goals.append(H.Goal(text, f"{speedup:.2f}x", speedup >= CPU_GOAL_SPEEDUP))
         return goals
     for op in GPU_GOAL_OPS:
         for shape in GPU_GOAL_SHAPES:
@@ -309,19 +294,19 @@ def evaluate_goals(
             row = _find(rows, op, "bfloat16", shape) if op in ops else None
             pct = int(GPU_GOAL_COPY_FRACTION * 100)
             if row is None:
-                goals.append(Goal(f"{prefix} >= {pct}% of copy bandwidth", hint, None))
-                goals.append(Goal(f"{prefix} faster than XLA", hint, None))
+                goals.append(H.Goal(f"{prefix} >= {pct}% of copy bandwidth", hint, None))
+                goals.append(H.Goal(f"{prefix} faster than XLA", hint, None))
                 continue
             frac = row["ffi_copy_frac"]
             goals.append(
-                Goal(
+                H.Goal(
                     f"{prefix} >= {pct}% of copy bandwidth",
                     f"{100 * frac:.1f}% ({row['ffi_gbps']:.0f} of {row['copy_gbps']:.0f} GB/s)",
                     frac >= GPU_GOAL_COPY_FRACTION,
                 )
             )
             goals.append(
-                Goal(f"{prefix} faster than XLA", f"{row['speedup']:.2f}x", row["speedup"] > 1.0)
+                H.Goal(f"{prefix} faster than XLA", f"{row['speedup']:.2f}x", row["speedup"] > 1.0)
             )
     return goals
 
@@ -421,7 +406,7 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], H.CopyBandwidth, list[Goal]]:
+def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], H.CopyBandwidth, list[H.Goal]]:
     """Checks and times every (op, dtype, shape); returns the rows, copy bandwidth and goals."""
     gpu = H.is_gpu()
     if gpu and not jaxops.cuda_available():

@@ -292,7 +292,7 @@ def _route_ffi(cfg: _Route, ids: jax.Array):
     return tuple(outs[:6])
 
 
-def _permute_ffi(top_k: int, tokens, source, scales, probs):
+def _permute_ffi(tokens, source, row_map, scales, probs):
     rows = source.shape[0]
     mesh = _explicit(tokens)
     out_types = (
@@ -317,9 +317,9 @@ def _permute_ffi(top_k: int, tokens, source, scales, probs):
         out_types,
         tokens,
         source,
+        row_map,
         scales if scales is not None else _empty_f32(),
         probs if probs is not None else _empty_f32(),
-        top_k=np.int64(top_k),
     )
     return (
         out,
@@ -404,27 +404,28 @@ def _route_op(cfg: _Route):
 
 
 @functools.cache
-def _permute_op(top_k: int, has_scales: bool, has_probs: bool):
+def _permute_op(has_scales: bool, has_probs: bool):
     def unpack(operands):
-        tokens, source, *rest = operands
+        tokens, source, row_map, *rest = operands
         scales = rest.pop(0) if has_scales else None
         probs = rest.pop(0) if has_probs else None
-        return tokens, source, scales, probs
+        return tokens, source, row_map, scales, probs
 
     def call(*operands):
-        out, out_scales, out_probs = _permute_ffi(top_k, *unpack(operands))
+        out, out_scales, out_probs = _permute_ffi(*unpack(operands))
         return (out,) + ((out_scales,) if has_scales else ()) + ((out_probs,) if has_probs else ())
 
     def shardings(mesh, arg_shapes):
         specs = _specs(arg_shapes)
         _local_axis("permute", "tokens", specs[0][0], "token")
         _local_axis("permute", "source", specs[1][0], "row")
+        _local_axis("permute", "row_map", axes_of(specs[2]) or None, "token")
         h = specs[0][1]
-        args = [NamedSharding(mesh, P(None, h)), _rep(mesh, 1)]
+        args = [NamedSharding(mesh, P(None, h)), _rep(mesh, 1), _rep(mesh, 2)]
         outs = [NamedSharding(mesh, P(None, h))]
         if has_scales:
-            _local_axis("permute", "scales", specs[2][0], "token")
-            s = specs[2][1]
+            _local_axis("permute", "scales", specs[3][0], "token")
+            s = specs[3][1]
             args.append(NamedSharding(mesh, P(None, s)))
             outs.append(NamedSharding(mesh, P(None, s)))
         if has_probs:
@@ -439,7 +440,7 @@ def _permute_op(top_k: int, has_scales: bool, has_probs: bool):
     def infer(mesh, arg_shapes, result_shape):
         return shardings(mesh, arg_shapes)[0]
 
-    rule_in = ["t h", "r"] + (["t s"] if has_scales else []) + (["t k"] if has_probs else [])
+    rule_in = ["t h", "r", "t k"] + (["t s"] if has_scales else []) + (["t k"] if has_probs else [])
     rule_out = ["u h"] + (["u s"] if has_scales else []) + (["u"] if has_probs else [])
     fn = custom_partitioning(call)
     fn.def_partition(
@@ -545,11 +546,11 @@ def _unpermute_kernel(expert_out, row_map, probs):
     return _unpermute_op(probs is not None)(*operands).astype(expert_out.dtype)
 
 
-def _permute_kernel(top_k: int, tokens, source, scales, probs):
-    operands = (tokens, source)
+def _permute_kernel(tokens, source, row_map, scales, probs):
+    operands = (tokens, source, row_map)
     operands += (scales,) if scales is not None else ()
     operands += (probs,) if probs is not None else ()
-    outs = list(_permute_op(top_k, scales is not None, probs is not None)(*operands))
+    outs = list(_permute_op(scales is not None, probs is not None)(*operands))
     out = outs.pop(0)
     out_scales = outs.pop(0) if scales is not None else None
     out_probs = outs.pop(0) if probs is not None else None
@@ -563,7 +564,7 @@ def _permute_vjp(cfg: _Route, tokens, expert_ids, probs, scales):
 
 def _permute_vjp_fwd(cfg: _Route, tokens, expert_ids, probs, scales):
     row_map, source, sizes, offsets, num_rows, dropped = _route_op(cfg)(expert_ids)
-    out, out_scales, out_probs = _permute_kernel(expert_ids.shape[1], tokens, source, scales, probs)
+    out, out_scales, out_probs = _permute_kernel(tokens, source, row_map, scales, probs)
     routing = (row_map, source, sizes, offsets, num_rows, dropped)
     return (out, out_scales, out_probs, routing), (row_map, tokens, probs, scales)
 
@@ -597,11 +598,10 @@ def _unpermute_vjp_fwd(expert_out, row_map, source, probs):
 
 def _unpermute_vjp_bwd(residuals, d_out):
     expert_out, row_map, source, probs = residuals
-    top_k = row_map.shape[1]
     if probs is None:
         if expert_out.dtype in _FP8_DTYPES:
             d_out = d_out.astype(jnp.float32)
-        d_expert = _permute_kernel(top_k, d_out, source, None, None)[0]
+        d_expert = _permute_kernel(d_out, source, row_map, None, None)[0]
         d_probs = None
     else:
         d_expert, d_probs = _unpermute_bwd_op()(

@@ -603,9 +603,11 @@ def test_handlers_reject_inconsistent_operands_instead_of_crashing():
     )
     z = jnp.zeros((0,), jnp.float32)
     with pytest.raises(jax.errors.JaxRuntimeError, match="out must have shape"):
-        jax.block_until_ready(permute(_X, jnp.zeros((5,), i32), z, z, top_k=np.int64(2)))
+        jax.block_until_ready(permute(_X, jnp.zeros((5,), i32), _IDS, z, z))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="row_map must have shape"):
+        jax.block_until_ready(permute(_X, jnp.zeros((6,), i32), _IDS[:3], z, z))
     with pytest.raises(jax.errors.JaxRuntimeError, match="probs must have"):
-        jax.block_until_ready(permute(_X, jnp.zeros((6,), i32), z, jnp.ones(3), top_k=np.int64(2)))
+        jax.block_until_ready(permute(_X, jnp.zeros((6,), i32), _IDS, z, jnp.ones(3)))
     unpermute = jax.ffi.ffi_call(TARGET_UNPERMUTE, jax.ShapeDtypeStruct((4, 8), jnp.int32))
     with pytest.raises(jax.errors.JaxRuntimeError, match="out must have shape"):
         jax.block_until_ready(unpermute(_X, _IDS, z))

@@ -16,11 +16,13 @@
 //   attributes align in [1, kMaxAlign], capacity >= 0 or -1 (none).
 //   R >= PermutedRows(T * K, E, align, capacity) and every count below 2^31.
 //
-// jaxops_moe_permute: out[r] = tokens[source[r] / K] (zero if source[r] is -1).
+// jaxops_moe_permute: out[r] = tokens[s / K] for s = source[r] if row_map[s] == r (a consistent
+// pair, as jaxops_moe_route writes them); every other row is zero. The CPU kernel walks tokens
+// (each token row is read once and written to its rows), the CUDA kernel walks rows.
 //   operands  tokens (f32 | bf16 | f16 | f8e4m3fn | f8e5m2) [T, H], source int32 [R],
-//             scales f32 [T, S] | [0], probs f32 [T, K] | [0]
+//             row_map int32 [T, K], scales f32 [T, S] | [0], probs f32 [T, K] | [0]
 //   results   out tokens' dtype [R, H], out_scales f32 [R, S] | [0], out_probs f32 [R] | [0]
-//   attributes top_k K >= 1.
+//             (scales and probs move with their rows; zero on the zero rows)
 //
 // jaxops_moe_unpermute: out[t] = sum_k w[t, k] * expert_out[row_map[t, k]] (fp32 accumulation;
 // w = probs, or 1 without probs; rows < 0 contribute nothing).
@@ -180,10 +182,11 @@ inline ffi::Error CheckProbs(const char* op, int64_t probs_count, int64_t tokens
 }
 
 inline ffi::ErrorOr<RowsShape> CheckPermute(const ffi::AnyBuffer& tokens, int64_t source_count,
+                                            const ffi::Buffer<ffi::S32>& row_map,
                                             const ffi::AnyBuffer& scales, int64_t probs_count,
                                             const ffi::AnyBuffer& out,
                                             const ffi::AnyBuffer& out_scales,
-                                            int64_t out_probs_count, int64_t top_k) {
+                                            int64_t out_probs_count) {
   const char* op = "moe permute";
   if (!IsTokenType(tokens.element_type())) {
     return Bad(std::string(op) +
@@ -198,10 +201,15 @@ inline ffi::ErrorOr<RowsShape> CheckPermute(const ffi::AnyBuffer& tokens, int64_
   s.tokens = tokens.dimensions()[0];
   s.hidden = tokens.dimensions()[1];
   s.rows = source_count;
-  s.top_k = top_k;
-  if (top_k < 1 || top_k > kMaxRows || s.tokens * top_k > kMaxRows) {
-    return Bad(std::string(op) + ": top_k must be >= 1 with T * K < 2^31, got " +
-               std::to_string(top_k));
+  auto map_dims = row_map.dimensions();
+  if (map_dims.size() != 2 || map_dims[0] != s.tokens || map_dims[1] < 1) {
+    return ShapeError(op, "row_map", "[T, K] with T = " + std::to_string(s.tokens) + ", K >= 1",
+                      ShapeString(row_map));
+  }
+  s.top_k = map_dims[1];
+  if (s.tokens * s.top_k > kMaxRows) {
+    return Bad(std::string(op) + ": T * K must be below 2^31, got " +
+               std::to_string(s.tokens * s.top_k));
   }
   if (out.element_type() != tokens.element_type() || !Is2d(out, s.rows, s.hidden)) {
     return ShapeError(op, "out", Dims(s.rows, s.hidden) + " of tokens' dtype", ShapeString(out));
@@ -223,7 +231,7 @@ inline ffi::ErrorOr<RowsShape> CheckPermute(const ffi::AnyBuffer& tokens, int64_
   } else if (ElementCount(out_scales) != 0) {
     return ShapeError(op, "out_scales", "[0] without scales", ShapeString(out_scales));
   }
-  if (auto e = CheckProbs(op, probs_count, s.tokens, top_k, &s.has_probs); e.failure()) {
+  if (auto e = CheckProbs(op, probs_count, s.tokens, s.top_k, &s.has_probs); e.failure()) {
     return ffi::Unexpected<ffi::Error>(std::move(e));
   }
   if (out_probs_count != (s.has_probs ? s.rows : 0)) {

@@ -2,10 +2,11 @@
 //
 //   * Route: one sequential counting sort over the T * K slots (O(T K + E), microseconds next to
 //     moving the rows): count per expert, take each slot's rank in slot order, then place it.
-//   * Permute: each output row is one memcpy of a token row (any dtype: bytes are moved, not
-//     converted), split over the XLA FFI thread pool by rows.
+//   * Permute: tasks own ranges of tokens; each token row is read once and copied (bytes, any
+//     dtype) to the rows of its slots, then the task zeroes the rows of its share of [0, R)
+//     that hold no slot. Rows go out with streaming stores (no read-for-ownership).
 //   * Unpermute: per token, the K rows are added in slot order into an fp32 tile of up to
-//     kTile columns that stays in L1, then rounded once.
+//     kTile columns that stays in L1, then rounded once and streamed out.
 //   * Unpermute backward: per row, d_expert = probs * d_out[token] and the fp32 dot product of
 //     d_out[token] with the row (kLanes partial sums, so the loop vectorizes; fixed order).
 // Inner loops are contiguous fp32 / integer loops compiled for AVX-512, AVX2 and the baseline.
@@ -13,6 +14,10 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/common/cpu_memory.h"
@@ -35,6 +40,50 @@ constexpr int64_t kMinBytesPerTask = 256 * 1024;
 
 int64_t MinItems(int64_t bytes_per_item) {
   return std::max<int64_t>(1, kMinBytesPerTask / std::max<int64_t>(1, bytes_per_item));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Streaming stores: rows of the (large, freshly allocated) outputs are written once and not read
+// back soon, so they bypass the cache (no read-for-ownership of the destination lines). Callers
+// end their task with StreamFence().
+
+void StreamCopy(void* dst, const void* src, int64_t n) {
+  auto* d = static_cast<uint8_t*>(dst);
+  const auto* s = static_cast<const uint8_t*>(src);
+  int64_t i = 0;
+#if defined(__SSE2__)
+  if (reinterpret_cast<uintptr_t>(d) % 16 == 0) {
+    for (; i + 64 <= n; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+      const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
+    }
+  }
+#endif
+  std::memcpy(d + i, s + i, n - i);
+}
+
+void StreamZero(void* dst, int64_t n) {
+  auto* d = static_cast<uint8_t*>(dst);
+  int64_t i = 0;
+#if defined(__SSE2__)
+  if (reinterpret_cast<uintptr_t>(d) % 16 == 0) {
+    const __m128i zero = _mm_setzero_si128();
+    for (; i + 16 <= n; i += 16) _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), zero);
+  }
+#endif
+  std::memset(d + i, 0, n - i);
+}
+
+void StreamFence() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -131,6 +180,7 @@ struct PermuteArgs {
   const uint8_t* tokens;
   int64_t element_bytes;
   const int32_t* source;
+  const int32_t* row_map;
   const float* scales;  // nullptr: none
   const float* probs;   // nullptr: none
   uint8_t* out;
@@ -138,33 +188,44 @@ struct PermuteArgs {
   float* out_probs;
 };
 
+// Whether row r holds slot `slot` (a consistent source / row_map pair).
+inline bool Holds(const PermuteArgs& a, int64_t r, int64_t slot) {
+  return slot >= 0 && slot < a.shape.tokens * a.shape.top_k && a.row_map[slot] == r;
+}
+
+// Task [begin, end) of tokens: writes the rows of those tokens' slots (each token row is read
+// once while it is in L1) and zeroes the rows in the matching share of [0, R) that hold no slot.
 ffi::Future PermuteImpl(ffi::ThreadPool& pool, const PermuteArgs& a) {
   const int64_t row_bytes = a.shape.hidden * a.element_bytes;
-  const int64_t scale_bytes = a.shape.scale_columns * static_cast<int64_t>(sizeof(float));
-  const int64_t slots = a.shape.tokens * a.shape.top_k;
-  auto body = [a, row_bytes, scale_bytes, slots](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t slot = a.source[r];
-      const bool used = slot >= 0 && slot < slots;
-      const int64_t t = used ? slot / a.shape.top_k : 0;
-      uint8_t* dst = a.out + r * row_bytes;
-      if (used) {
-        std::memcpy(dst, a.tokens + t * row_bytes, row_bytes);
-      } else {
-        std::memset(dst, 0, row_bytes);
-      }
-      if (a.scales != nullptr) {
-        float* sdst = a.out_scales + r * a.shape.scale_columns;
-        if (used) {
-          std::memcpy(sdst, a.scales + t * a.shape.scale_columns, scale_bytes);
-        } else {
-          std::memset(sdst, 0, scale_bytes);
+  const int64_t columns = a.shape.scale_columns;
+  const int64_t scale_bytes = columns * static_cast<int64_t>(sizeof(float));
+  auto body = [a, row_bytes, columns, scale_bytes](int64_t begin, int64_t end) {
+    const int64_t k_count = a.shape.top_k;
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t k = 0; k < k_count; ++k) {
+        const int64_t slot = t * k_count + k;
+        const int64_t r = a.row_map[slot];
+        if (r < 0 || r >= a.shape.rows || a.source[r] != slot) continue;
+        StreamCopy(a.out + r * row_bytes, a.tokens + t * row_bytes, row_bytes);
+        if (a.scales != nullptr) {
+          std::memcpy(a.out_scales + r * columns, a.scales + t * columns, scale_bytes);
         }
+        if (a.probs != nullptr) a.out_probs[r] = a.probs[slot];
       }
-      if (a.probs != nullptr) a.out_probs[r] = used ? a.probs[slot] : 0.0f;
     }
+    const int64_t tokens = a.shape.tokens;
+    const int64_t first = a.shape.rows * begin / tokens;
+    const int64_t last = end == tokens ? a.shape.rows : a.shape.rows * end / tokens;
+    for (int64_t r = first; r < last; ++r) {
+      if (Holds(a, r, a.source[r])) continue;
+      StreamZero(a.out + r * row_bytes, row_bytes);
+      if (a.scales != nullptr) std::memset(a.out_scales + r * columns, 0, scale_bytes);
+      if (a.probs != nullptr) a.out_probs[r] = 0.0f;
+    }
+    StreamFence();
   };
-  return ParallelFor(pool, a.shape.rows, MinItems(row_bytes + scale_bytes), body);
+  const int64_t per_token = (a.shape.top_k + 1) * (row_bytes + scale_bytes);
+  return ParallelFor(pool, a.shape.tokens, MinItems(per_token), body);
 }
 
 template <typename X>
@@ -172,6 +233,7 @@ ffi::Future UnpermuteImpl(ffi::ThreadPool& pool, const RowsShape& s, const X* x,
                           const int32_t* row_map, const float* probs, X* out) {
   auto body = [=](int64_t begin, int64_t end) {
     float acc[kTile];
+    X rounded[kTile];
     for (int64_t t = begin; t < end; ++t) {
       X* dst = out + t * s.hidden;
       for (int64_t h0 = 0; h0 < s.hidden; h0 += kTile) {
@@ -191,9 +253,11 @@ ffi::Future UnpermuteImpl(ffi::ThreadPool& pool, const RowsShape& s, const X* x,
           }
         }
         if (!any) std::fill(acc, acc + n, 0.0f);
-        StoreRow(acc, dst + h0, n);
+        StoreRow(acc, rounded, n);
+        StreamCopy(dst + h0, rounded, n * static_cast<int64_t>(sizeof(X)));
       }
     }
+    StreamFence();
   };
   return ParallelFor(pool, s.tokens, MinItems(s.hidden * s.top_k * sizeof(X)), body);
 }
@@ -205,17 +269,23 @@ ffi::Future UnpermuteBwdImpl(ffi::ThreadPool& pool, const RowsShape& s, const X*
   const int64_t slots = s.tokens * s.top_k;
   std::fill(d_probs, d_probs + slots, 0.0f);
   auto body = [=](int64_t begin, int64_t end) {
+    X scaled[kTile];
     for (int64_t r = begin; r < end; ++r) {
       const int64_t slot = source[r];
       X* dst = d_expert + r * s.hidden;
       if (slot < 0 || slot >= slots) {
-        std::memset(static_cast<void*>(dst), 0, s.hidden * sizeof(X));
+        StreamZero(dst, s.hidden * static_cast<int64_t>(sizeof(X)));
         continue;
       }
       const X* g = d_out + (slot / s.top_k) * s.hidden;
-      ScaleRow(g, probs[slot], dst, s.hidden);
+      for (int64_t h0 = 0; h0 < s.hidden; h0 += kTile) {
+        const int64_t n = std::min(kTile, s.hidden - h0);
+        ScaleRow(g + h0, probs[slot], scaled, n);
+        StreamCopy(dst + h0, scaled, n * static_cast<int64_t>(sizeof(X)));
+      }
       d_probs[slot] = Dot(g, x + r * s.hidden, s.hidden);
     }
+    StreamFence();
   };
   return ParallelFor(pool, s.rows, MinItems(3 * s.hidden * sizeof(X)), body);
 }
@@ -275,18 +345,25 @@ ffi::Error RouteDispatch(ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::Buffer<ffi:
 }
 
 ffi::Future PermuteDispatch(ffi::ThreadPool pool, ffi::AnyBuffer tokens,
-                            ffi::Buffer<ffi::S32> source, ffi::AnyBuffer scales,
-                            ffi::Buffer<ffi::F32> probs, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::AnyBuffer> out_scales,
-                            ffi::Result<ffi::Buffer<ffi::F32>> out_probs, int64_t top_k) {
-  auto shape = CheckPermute(tokens, source.element_count(), scales, probs.element_count(), *out,
-                            *out_scales, out_probs->element_count(), top_k);
+                            ffi::Buffer<ffi::S32> source, ffi::Buffer<ffi::S32> row_map,
+                            ffi::AnyBuffer scales, ffi::Buffer<ffi::F32> probs,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> out_scales,
+                            ffi::Result<ffi::Buffer<ffi::F32>> out_probs) {
+  auto shape = CheckPermute(tokens, source.element_count(), row_map, scales, probs.element_count(),
+                            *out, *out_scales, out_probs->element_count());
   if (shape.has_error()) return ReadyFuture(shape.error());
+  if (shape->tokens == 0) {  // no token rows: every output row is zero
+    std::memset(out->untyped_data(), 0, out->size_bytes());
+    std::memset(out_scales->untyped_data(), 0, out_scales->size_bytes());
+    std::memset(out_probs->untyped_data(), 0, out_probs->size_bytes());
+    return ReadyFuture();
+  }
   PermuteArgs a;
   a.shape = *shape;
   a.tokens = In<uint8_t>(tokens);
   a.element_bytes = static_cast<int64_t>(ffi::ByteWidth(tokens.element_type()));
   a.source = source.typed_data();
+  a.row_map = row_map.typed_data();
   a.scales = shape->has_scales ? In<float>(scales) : nullptr;
   a.probs = shape->has_probs ? probs.typed_data() : nullptr;
   a.out = Out<uint8_t>(out);
@@ -342,12 +419,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MoePermuteCpu, jaxops::moe::PermuteDispatch,
                                   .Ctx<xla::ffi::ThreadPool>()             // pool
                                   .Arg<xla::ffi::AnyBuffer>()              // tokens [T, H]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // source [R]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // row_map [T, K]
                                   .Arg<xla::ffi::AnyBuffer>()  // scales f32 [T, S] | [0]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // probs [T, K] | [0]
                                   .Ret<xla::ffi::AnyBuffer>()              // out [R, H]
                                   .Ret<xla::ffi::AnyBuffer>()  // out_scales [R, S] | [0]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // out_probs [R] | [0]
-                                  .Attr<int64_t>("top_k"));                // K
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // out_probs [R] | [0]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MoeUnpermuteCpu, jaxops::moe::UnpermuteDispatch,
                               xla::ffi::Ffi::Bind()

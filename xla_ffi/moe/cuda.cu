@@ -41,8 +41,9 @@
 //   * Permute: one CTA per output row (grid-stride). Rows are moved as raw bytes (any token
 //     dtype) in 16-byte words when a row is a multiple of 16 bytes and both base pointers are
 //     16-byte aligned, else in the widest of 8 / 4 / 2 / 1-byte words that fits; each thread
-//     keeps kRowUnroll words in flight. A source outside [0, T * K) gives a zero row (and zero
-//     scales / prob). The scales row and the prob of the slot ride along.
+//     keeps kRowUnroll words in flight. A source outside [0, T * K), or one whose row_map entry
+//     is not this row, gives a zero row (and zero scales / prob). The scales row and the prob of
+//     the slot ride along.
 //
 //   * Unpermute: one CTA per token (grid-stride); each thread owns kRowUnroll 16-byte packs of
 //     columns (strided by the CTA, so accesses are coalesced) and adds the K rows in slot order
@@ -121,11 +122,12 @@ struct RouteArgs {
 struct PermuteArgs {
   const void* tokens = nullptr;  // [T, row_words] words
   const int32_t* source = nullptr;
-  const float* scales = nullptr;  // [T, S]
-  const float* probs = nullptr;   // [T * K]
-  void* out = nullptr;            // [R, row_words] words
-  float* out_scales = nullptr;    // [R, S]
-  float* out_probs = nullptr;     // [R]
+  const int32_t* row_map = nullptr;  // [T * K]: a row is used if row_map[source[r]] == r
+  const float* scales = nullptr;     // [T, S]
+  const float* probs = nullptr;      // [T * K]
+  void* out = nullptr;               // [R, row_words] words
+  float* out_scales = nullptr;       // [R, S]
+  float* out_probs = nullptr;        // [R]
   int64_t rows = 0;
   int64_t row_words = 0;  // Words of the kernel's Word per row.
   int64_t slots = 0;
@@ -385,7 +387,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) MoePermuteKernel(PermuteArgs a
   const int64_t n = a.row_words;
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
     const int64_t slot = a.source[r];
-    const bool used = slot >= 0 && slot < a.slots;
+    const bool used = slot >= 0 && slot < a.slots && a.row_map[slot] == r;
     const int64_t t = used ? TokenOf(slot, a.top_k) : 0;
     const Word* src = tokens + t * n;
     Word* dst = out + r * n;
@@ -736,19 +738,21 @@ ffi::Error MoeRouteCudaDispatch(
 }
 
 ffi::Error MoePermuteCudaDispatch(cudaStream_t stream, ffi::AnyBuffer tokens,
-                                  ffi::Buffer<ffi::S32> source, ffi::AnyBuffer scales,
-                                  ffi::Buffer<ffi::F32> probs, ffi::Result<ffi::AnyBuffer> out,
+                                  ffi::Buffer<ffi::S32> source, ffi::Buffer<ffi::S32> row_map,
+                                  ffi::AnyBuffer scales, ffi::Buffer<ffi::F32> probs,
+                                  ffi::Result<ffi::AnyBuffer> out,
                                   ffi::Result<ffi::AnyBuffer> out_scales,
-                                  ffi::Result<ffi::Buffer<ffi::F32>> out_probs, int64_t top_k) {
-  const auto shape = CheckPermute(tokens, static_cast<int64_t>(source.element_count()), scales,
-                                  static_cast<int64_t>(probs.element_count()), *out, *out_scales,
-                                  static_cast<int64_t>(out_probs->element_count()), top_k);
+                                  ffi::Result<ffi::Buffer<ffi::F32>> out_probs) {
+  const auto shape = CheckPermute(tokens, static_cast<int64_t>(source.element_count()), row_map,
+                                  scales, static_cast<int64_t>(probs.element_count()), *out,
+                                  *out_scales, static_cast<int64_t>(out_probs->element_count()));
   if (shape.has_error()) return shape.error();
   int64_t element_bytes = 0;
   if (auto e = TokenElementBytes(tokens.element_type(), &element_bytes); e.failure()) return e;
   PermuteArgs a;
   a.tokens = tokens.untyped_data();
   a.source = source.typed_data();
+  a.row_map = row_map.typed_data();
   a.scales = shape->has_scales ? static_cast<const float*>(scales.untyped_data()) : nullptr;
   a.probs = shape->has_probs ? probs.typed_data() : nullptr;
   a.out = out->untyped_data();
@@ -836,12 +840,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream: the XLA compute stream
         .Arg<ffi::AnyBuffer>()                     // tokens [T, H]
         .Arg<ffi::Buffer<ffi::S32>>()              // source [R]
+        .Arg<ffi::Buffer<ffi::S32>>()              // row_map [T, K]
         .Arg<ffi::AnyBuffer>()                     // scales f32 [T, S] | [0]
         .Arg<ffi::Buffer<ffi::F32>>()              // probs [T, K] | [0]
         .Ret<ffi::AnyBuffer>()                     // out [R, H]
         .Ret<ffi::AnyBuffer>()                     // out_scales [R, S] | [0]
-        .Ret<ffi::Buffer<ffi::F32>>()              // out_probs [R] | [0]
-        .Attr<int64_t>("top_k"),                   // K
+        .Ret<ffi::Buffer<ffi::F32>>(),             // out_probs [R] | [0]
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
