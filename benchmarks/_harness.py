@@ -502,6 +502,41 @@ class Goal:
         return f"goal {self.text}: {self.value} {'met' if self.met else 'NOT met'}"
 
 
+def report(
+    args: Any,
+    rows: Sequence[Mapping[str, Any]],
+    columns: Sequence[Column],
+    copy: CopyBandwidth,
+    goals: Sequence[Goal],
+    copy_line: str,
+) -> None:
+    """Prints the table, `copy_line` and the goals; writes ``args.out/args.name`` files if asked.
+
+    `args` is the script's argparse namespace (``out``, ``name``; its other fields, except the
+    parsed ``*_list`` ones, are saved as the settings).
+    """
+    print(format_table(rows, columns))
+    print(copy_line)
+    for goal in goals:
+        print(goal.line())
+    if not args.out:
+        return
+    settings = {k: v for k, v in vars(args).items() if not k.endswith("_list")}
+    md, js = write_results(
+        args.out,
+        args.name,
+        rows,
+        columns,
+        extra={
+            "settings": settings,
+            "copy_bandwidth": copy.to_json(),
+            "goals": [dataclasses.asdict(g) for g in goals],
+        },
+        notes=[copy_line, "", *[f"- {g.line()}" for g in goals]],
+    )
+    print(f"wrote {md} and {js}", file=sys.stderr)
+
+
 # -------------------------------------------------------------------------------------------------
 # Command-line helpers.
 

@@ -27,7 +27,6 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -241,25 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"copy bandwidth: {copy.gbps:.1f} GB/s; times are medians of {args.repeats} samples; "
         "GB/s counts the rows each op reads and writes once (see bench_moe.py)"
     )
-    print(H.format_table(rows, COLUMNS))
-    print(copy_line)
-    for goal in goals:
-        print(goal.line())
-    if args.out:
-        settings = {k: v for k, v in vars(args).items() if not k.endswith("_list")}
-        md, js = H.write_results(
-            args.out,
-            args.name,
-            rows,
-            COLUMNS,
-            extra={
-                "settings": settings,
-                "copy_bandwidth": copy.to_json(),
-                "goals": [dataclasses.asdict(g) for g in goals],
-            },
-            notes=[copy_line, "", *[f"- {g.line()}" for g in goals]],
-        )
-        print(f"wrote {md} and {js}", file=sys.stderr)
+    H.report(args, rows, COLUMNS, copy, goals, copy_line)
     return 0
 
 

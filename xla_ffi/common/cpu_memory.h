@@ -1,4 +1,4 @@
-// Memory hints for large CPU outputs.
+// Memory hints for large CPU outputs, and typed views of FFI buffers for CPU kernels.
 #ifndef JAXOPS_XLA_FFI_COMMON_CPU_MEMORY_H_
 #define JAXOPS_XLA_FFI_COMMON_CPU_MEMORY_H_
 
@@ -8,6 +8,8 @@
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
+
+#include "xla/ffi/api/ffi.h"
 
 namespace jaxops {
 
@@ -26,6 +28,19 @@ inline void AdviseHugePages(void* data, size_t bytes) {
   (void)data;
   (void)bytes;
 #endif
+}
+
+// Typed views of FFI buffers for CPU kernels.
+template <typename X>
+const X* In(const xla::ffi::AnyBuffer& b) {
+  return static_cast<const X*>(b.untyped_data());
+}
+
+// A large output about to be written for the first time (hinted for huge pages).
+template <typename T>
+T* Out(xla::ffi::Result<xla::ffi::AnyBuffer>& b) {
+  AdviseHugePages(b->untyped_data(), b->size_bytes());
+  return static_cast<T*>(b->untyped_data());
 }
 
 }  // namespace jaxops

@@ -3,7 +3,8 @@
 //   * ToFloat / FromFloat: fp32 <-> float32 / bfloat16 / float16 (round to nearest even).
 //   * Pack<T, N>: N consecutive elements moved with the widest aligned accesses (16 bytes at most);
 //     ForgetValue keeps a register cache of packs packed.
-//   * WarpSum: butterfly sum over a warp; every lane gets the same bits.
+//   * WarpSum: butterfly sum over a warp; every lane gets the same bits. BlockInclusiveScan:
+//     prefix sums over a CTA.
 //   * IsAligned, LastLaunchError: host helpers for choosing the access width and for turning a
 //     failed kernel launch into an ffi::Error.
 #ifndef JAXOPS_XLA_FFI_COMMON_CUDA_UTIL_CUH_
@@ -140,6 +141,32 @@ __device__ __forceinline__ float WarpSum(float v) {
     v += __shfl_xor_sync(kFullWarpMask, v, offset);
   }
   return v;
+}
+
+// Inclusive prefix sum over the CTA (all threads call it, blockDim.x a multiple of 32); `total`
+// gets the CTA's sum. warp_totals holds blockDim.x / 32 entries and may be reused by the next
+// call.
+__device__ __forceinline__ long long BlockInclusiveScan(long long v, long long* warp_totals,
+                                                        long long& total) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+#pragma unroll
+  for (int offset = 1; offset < kWarpSize; offset *= 2) {
+    const long long other = __shfl_up_sync(kFullWarpMask, v, offset);
+    if (lane >= offset) v += other;
+  }
+  __syncthreads();  // The previous call's readers are done with warp_totals.
+  if (lane == kWarpSize - 1) warp_totals[warp] = v;
+  __syncthreads();
+  long long before = 0;
+  long long sum = 0;
+  for (int w = 0; w < static_cast<int>(blockDim.x) / kWarpSize; ++w) {
+    const long long t = warp_totals[w];
+    if (w < warp) before += t;
+    sum += t;
+  }
+  total = sum;
+  return v + before;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -350,18 +350,6 @@ ffi::Future SplitTransposeImpl(ffi::ThreadPool& pool, const SplitShape& s, const
 // ---------------------------------------------------------------------------------------------
 // Dispatch: validation and the dtype switches.
 
-template <typename X>
-const X* In(const ffi::AnyBuffer& b) {
-  return static_cast<const X*>(b.untyped_data());
-}
-
-// A large output about to be written for the first time.
-template <typename T>
-T* Out(ffi::Result<ffi::AnyBuffer>& b) {
-  AdviseHugePages(b->untyped_data(), b->size_bytes());
-  return static_cast<T*>(b->untyped_data());
-}
-
 ffi::Error UnsupportedInput(const char* op, ffi::DataType dtype) {
   return InvalidArgument(std::string(op) + ": x dtype must be float32, bfloat16 or float16, got " +
                          DataTypeName(dtype));

@@ -337,31 +337,6 @@ __device__ __forceinline__ long long BlockSum(long long v, long long* partial) {
   return total;
 }
 
-// Inclusive prefix sum over the CTA (all threads call it); `total` gets the CTA's sum.
-// warp_totals holds blockDim.x / 32 entries and may be reused by the next call.
-__device__ __forceinline__ long long BlockInclusiveScan(long long v, long long* warp_totals,
-                                                        long long& total) {
-  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
-#pragma unroll
-  for (int offset = 1; offset < kWarpSize; offset *= 2) {
-    const long long other = __shfl_up_sync(kFullWarpMask, v, offset);
-    if (lane >= offset) v += other;
-  }
-  __syncthreads();  // The previous call's readers are done with warp_totals.
-  if (lane == kWarpSize - 1) warp_totals[warp] = v;
-  __syncthreads();
-  long long before = 0;
-  long long sum = 0;
-  for (int w = 0; w < static_cast<int>(blockDim.x) / kWarpSize; ++w) {
-    const long long t = warp_totals[w];
-    if (w < warp) before += t;
-    sum += t;
-  }
-  total = sum;
-  return v + before;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Kernel arguments.
 

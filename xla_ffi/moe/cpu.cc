@@ -293,18 +293,6 @@ ffi::Future UnpermuteBwdImpl(ffi::ThreadPool& pool, const RowsShape& s, const X*
 // ---------------------------------------------------------------------------------------------
 // Dispatch: validation and the dtype switches.
 
-template <typename X>
-const X* In(const ffi::AnyBuffer& b) {
-  return static_cast<const X*>(b.untyped_data());
-}
-
-// A large output about to be written for the first time.
-template <typename T>
-T* Out(ffi::Result<ffi::AnyBuffer>& b) {
-  AdviseHugePages(b->untyped_data(), b->size_bytes());
-  return static_cast<T*>(b->untyped_data());
-}
-
 ffi::Error UnsupportedFloat(const char* op, const char* name, ffi::DataType dtype) {
   return InvalidArgument(std::string(op) + ": " + name +
                          " dtype must be float32, bfloat16 or float16, got " + DataTypeName(dtype));

@@ -233,16 +233,10 @@ ffi::ErrorOr<Weights> EffectiveWeights(const ffi::AnyBuffer& weight, bool zero_c
   return Weights(std::move(out));
 }
 
+// Like jaxops::In, but nullptr for an empty buffer (an absent weight or dh).
 template <typename X>
 const X* In(const ffi::AnyBuffer& b) {
   return ElementCount(b) == 0 ? nullptr : static_cast<const X*>(b.untyped_data());
-}
-
-// A row-sized output, about to be written for the first time.
-template <typename X>
-X* Out(ffi::Result<ffi::AnyBuffer>& b) {
-  AdviseHugePages(b->untyped_data(), b->size_bytes());
-  return static_cast<X*>(b->untyped_data());
 }
 
 ffi::Error UnsupportedInput(const char* op, ffi::DataType dtype) {
