@@ -5,6 +5,7 @@
 //     ForgetValue keeps a register cache of packs packed.
 //   * WarpSum: butterfly sum over a warp; every lane gets the same bits. BlockInclusiveScan:
 //     prefix sums over a CTA.
+//   * TypeTag, DispatchFloat: the switch from a float32 / bfloat16 / float16 dtype to a type.
 //   * IsAligned, LastLaunchError: host helpers for choosing the access width and for turning a
 //     failed kernel launch into an ffi::Error.
 #ifndef JAXOPS_XLA_FFI_COMMON_CUDA_UTIL_CUH_
@@ -171,6 +172,30 @@ __device__ __forceinline__ long long BlockInclusiveScan(long long v, long long* 
 
 // ---------------------------------------------------------------------------------------------
 // Host helpers.
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// The one place where a float dtype becomes a template argument: calls launch(TypeTag<T>{}) for
+// float32, bfloat16 or float16.
+template <typename Launch>
+ffi::Error DispatchFloat(const char* op, const char* operand, ffi::DataType dtype,
+                         Launch&& launch) {
+  switch (dtype) {
+    case ffi::DataType::F32:
+      return launch(TypeTag<float>{});
+    case ffi::DataType::BF16:
+      return launch(TypeTag<__nv_bfloat16>{});
+    case ffi::DataType::F16:
+      return launch(TypeTag<__half>{});
+    default:
+      return InvalidArgument(std::string(op) + ": " + operand +
+                             " dtype must be float32, bfloat16 or float16, got " +
+                             DataTypeName(dtype));
+  }
+}
 
 inline bool IsAligned(const void* p, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;

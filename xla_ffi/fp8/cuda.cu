@@ -8,7 +8,7 @@
 //      (elements per load: 16 bytes of T, or 1 for the scalar fallback).
 //   2. Typed implementations (QuantizeTyped<F, T>, SplitTransposeTyped<F, T>) that pick the
 //      kernels, launch them on the XLA stream and turn launch failures into errors.
-//   3. One dispatch per handler: validates with checks.h, then DispatchInput / DispatchTypes
+//   3. One dispatch per handler: validates with checks.h, then DispatchFloat / DispatchTypes
 //      turn the runtime dtypes of x and of the fp8 output into T and F (the only dtype switches).
 //
 // Every value goes through fp8.h (FiniteAbsBits, ScaleFromAmax, EncodeFp8, DivRn), so the bits
@@ -980,35 +980,12 @@ ffi::Error SplitTransposeTyped(cudaStream_t stream, const SplitShape& s, SplitAr
 // ---------------------------------------------------------------------------------------------
 // Dispatch.
 
-template <typename T>
-struct TypeTag {
-  using type = T;
-};
-
-// The one place where x's runtime dtype becomes a template argument: calls
-// launch(TypeTag<T>{}) for float32, bfloat16 or float16.
-template <typename Launch>
-ffi::Error DispatchInput(const char* op, ffi::DataType x_dtype, Launch&& launch) {
-  switch (x_dtype) {
-    case ffi::DataType::F32:
-      return launch(TypeTag<float>{});
-    case ffi::DataType::BF16:
-      return launch(TypeTag<__nv_bfloat16>{});
-    case ffi::DataType::F16:
-      return launch(TypeTag<__half>{});
-    default:
-      return InvalidArgument(std::string(op) +
-                             ": x dtype must be float32, bfloat16 or float16, got " +
-                             DataTypeName(x_dtype));
-  }
-}
-
 // ... and with the fp8 format of the output: launch(TypeTag<T>{}, TypeTag<F>{}), F = E4M3 for
 // float8_e4m3fn, E5M2 for float8_e5m2.
 template <typename Launch>
 ffi::Error DispatchTypes(const char* op, ffi::DataType x_dtype, ffi::DataType fp8_dtype,
                          Launch&& launch) {
-  return DispatchInput(op, x_dtype, [&](auto x_tag) -> ffi::Error {
+  return DispatchFloat(op, "x", x_dtype, [&](auto x_tag) -> ffi::Error {
     switch (fp8_dtype) {
       case ffi::DataType::F8E4M3FN:
         return launch(x_tag, TypeTag<E4M3>{});
@@ -1055,7 +1032,7 @@ ffi::Error Fp8QuantizeCudaDispatch(cudaStream_t stream, ffi::AnyBuffer x,
 ffi::Error Fp8AmaxCudaDispatch(cudaStream_t stream, ffi::AnyBuffer x,
                                ffi::Result<ffi::Buffer<ffi::F32>> amax) {
   if (auto e = CheckAmax(x, static_cast<int64_t>(amax->element_count())); e.failure()) return e;
-  return DispatchInput("fp8 amax", x.element_type(), [&](auto x_tag) -> ffi::Error {
+  return DispatchFloat("fp8 amax", "x", x.element_type(), [&](auto x_tag) -> ffi::Error {
     using T = typename decltype(x_tag)::type;
     return AmaxTyped(stream, static_cast<const T*>(x.untyped_data()), ElementCount(x),
                      amax->typed_data());

@@ -634,30 +634,6 @@ ffi::Error UnpermuteBwdTyped(cudaStream_t stream, const UnpermuteBwdArgs<T>& a) 
 // ---------------------------------------------------------------------------------------------
 // Dispatch.
 
-template <typename T>
-struct TypeTag {
-  using type = T;
-};
-
-// The one place where a float dtype becomes a template argument: calls launch(TypeTag<T>{}) for
-// float32, bfloat16 or float16.
-template <typename Launch>
-ffi::Error DispatchFloat(const char* op, const char* operand, ffi::DataType dtype,
-                         Launch&& launch) {
-  switch (dtype) {
-    case ffi::DataType::F32:
-      return launch(TypeTag<float>{});
-    case ffi::DataType::BF16:
-      return launch(TypeTag<__nv_bfloat16>{});
-    case ffi::DataType::F16:
-      return launch(TypeTag<__half>{});
-    default:
-      return InvalidArgument(std::string(op) + ": " + operand +
-                             " dtype must be float32, bfloat16 or float16, got " +
-                             DataTypeName(dtype));
-  }
-}
-
 // The permute's one dtype switch: the bytes of a token element (rows are moved as raw bytes).
 ffi::Error TokenElementBytes(ffi::DataType dtype, int64_t* bytes) {
   switch (dtype) {

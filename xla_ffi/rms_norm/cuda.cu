@@ -881,11 +881,6 @@ ffi::Error RmsNormBwdTyped(cudaStream_t stream, const BwdArgs<T, W>& a, float* d
 // ---------------------------------------------------------------------------------------------
 // Dispatch.
 
-template <typename T>
-struct TypeTag {
-  using type = T;
-};
-
 ffi::Error UnsupportedDtype(const char* op, const char* operand, ffi::DataType dtype) {
   return InvalidArgument(std::string(op) + ": unsupported " + operand + " dtype " +
                          DataTypeName(dtype) + "; supported dtypes are float32, bfloat16, float16");
