@@ -6,9 +6,14 @@ Public API (everything else is private):
   :func:`add_rms_norm_reference`.
 - The implementation switch: :func:`set_default_impl`, :func:`get_default_impl`,
   :func:`default_impl` (or the ``JAXOPS_IMPL=xla`` environment variable).
+- :func:`gemm` (GEMM with fused bias and activation, cuBLASLt on CUDA) and its twin
+  :func:`gemm_reference`.
+- Matmul precision: :func:`precision` (context manager and decorator), :func:`current_precision`,
+  :func:`precision_report` (or the ``JAXOPS_MATMUL_PRECISION`` environment variable).
 - :func:`build_info`, :func:`cuda_available` and :class:`JaxlibVersionError`.
 - ``jaxops.fp8``: FP8 quantization (per-tensor, 1 x G and G x G blocks, fused transpose,
-  per-expert split transpose, fake quantization, delayed scaling).
+  per-expert split transpose, fake quantization, delayed scaling), FP8 GEMM (per-tensor and
+  block-scaled) and the differentiable FP8 layer ``jaxops.fp8.linear``.
 - ``jaxops.moe``: MoE token permute / unpermute (any expert count, alignment padding, capacity,
   FP8 scales, on device without host synchronization).
 - ``jaxops.parallel``: expert and pipeline parallelism, sharded checkpointing.
@@ -17,6 +22,8 @@ Public API (everything else is private):
 from jaxops import fp8, moe
 from jaxops._config import default_impl, get_default_impl, set_default_impl
 from jaxops._ffi import JaxlibVersionError, build_info, cuda_available
+from jaxops._gemm import gemm, gemm_reference
+from jaxops._precision import current_precision, precision, precision_report
 from jaxops._rms_norm import (
     add_rms_norm,
     add_rms_norm_reference,
@@ -33,10 +40,15 @@ __all__ = [
     "add_rms_norm_reference",
     "build_info",
     "cuda_available",
+    "current_precision",
     "default_impl",
     "fp8",
+    "gemm",
+    "gemm_reference",
     "get_default_impl",
     "moe",
+    "precision",
+    "precision_report",
     "rms_norm",
     "rms_norm_reference",
     "set_default_impl",

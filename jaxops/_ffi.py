@@ -1,9 +1,10 @@
 """The one registration point of jaxops' XLA FFI targets.
 
 Every compiled module (``_jaxops_cpu`` always, ``_jaxops_cuda`` when CUDA was built) lists its
-handlers as ``(target name, capsule, stateful)``. Stateless targets are registered at import for
-platform ``"cpu"`` and ``"CUDA"``; stateful ones (which need the backend to exist first) are
-registered on first use through :func:`ensure_registered`.
+handlers as ``(target name, capsule or dict of stage capsules, stateful)`` and the types of their
+state. Stateless targets are registered at import for platform ``"cpu"`` and ``"CUDA"``; stateful
+ones, and before them their state types (which need the backend to exist first), on first use
+through :func:`ensure_registered`.
 
 At import the FFI C API version the modules were compiled against is compared with the one of the
 running jaxlib, and an incompatible skew raises :class:`JaxlibVersionError` with both versions.
@@ -16,6 +17,7 @@ import importlib
 import os
 import re
 import threading
+import warnings
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -96,12 +98,23 @@ def _load(name: str) -> ModuleType | None:
                 "jaxops' compiled CPU module is missing: jaxops must be installed with pip "
                 "(pip install .), not imported from its source tree"
             ) from e
+        if isinstance(e, ModuleNotFoundError) and e.name == f"jaxops.{name}":
+            return None  # not built
+        # Built but not loadable, e.g. the cuBLASLt it links is missing (pip install nvidia-cublas,
+        # which jax[cuda13] installs).
+        warnings.warn(
+            f"jaxops: the compiled module {name} failed to load ({e}); its kernels are "
+            "unavailable and the pure-JAX implementations run instead",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
 
 
 _lock = threading.Lock()
 _modules: dict[str, ModuleType] = {}
 _pending: dict[tuple[str, str], _Target] = {}
+_pending_types: dict[str, list[tuple[str, Any]]] = {}  # by platform
 _registered: set[tuple[str, str]] = set()
 
 
@@ -118,6 +131,7 @@ def _initialize() -> None:
             continue
         check_compatibility(module.build_info(), runtime)
         _modules[platform] = module
+        _pending_types[platform] = list(module.types())
         for target_name, capsule, stateful in module.registrations():
             target = _Target(target_name, platform, capsule, stateful)
             if stateful:
@@ -134,6 +148,8 @@ def ensure_registered(name: str) -> None:
             return
         jax.devices()  # backends first: FFI types must be registered after backend start-up
         for target in todo:
+            for type_name, registration in _pending_types.pop(target.platform, []):
+                jax.ffi.register_ffi_type(type_name, registration, platform=target.platform)
             _register(target)
             del _pending[(target.name, target.platform)]
 

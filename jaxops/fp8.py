@@ -8,7 +8,9 @@ The public namespace ``jaxops.fp8``; the implementation lives in ``jaxops._fp8``
 - delayed scaling: :class:`DelayedScaling`, :class:`Fp8Meta`, :func:`init_fp8_meta`,
   :func:`quantize_delayed`, :func:`update_fp8_meta`, :func:`scale_from_amax_history`;
 - :func:`scale_from_amax`, :func:`max_finite`, :data:`AMAX_FLOOR`, and the pure-JAX twins
-  :func:`quantize_reference`, :func:`quantize_split_transpose_reference`.
+  :func:`quantize_reference`, :func:`quantize_split_transpose_reference`;
+- FP8 GEMM: :func:`gemm` (per-tensor or block-scaled operands, cuBLASLt on CUDA) and its twin
+  :func:`gemm_reference`, and the differentiable layer :func:`linear`.
 """
 
 from jaxops._fp8 import (
@@ -30,6 +32,9 @@ from jaxops._fp8 import (
     scale_from_amax_history,
     update_fp8_meta,
 )
+from jaxops._gemm import fp8_gemm as gemm
+from jaxops._gemm import fp8_gemm_reference as gemm_reference
+from jaxops._gemm import fp8_linear as linear
 
 __all__ = [
     "AMAX_FLOOR",
@@ -39,7 +44,10 @@ __all__ = [
     "SplitQuantized",
     "dequantize",
     "fake_quant",
+    "gemm",
+    "gemm_reference",
     "init_fp8_meta",
+    "linear",
     "max_finite",
     "quantize",
     "quantize_delayed",

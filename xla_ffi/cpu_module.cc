@@ -29,5 +29,8 @@ NB_MODULE(_jaxops_cpu, m) {
   m.doc() = "jaxops CPU FFI handlers";
   m.def("registrations", &jaxops::Registrations,
         "List of (target name, handler capsule, stateful) for the CPU platform.");
+  m.def(
+      "types", [] { return std::vector<jaxops::TypeRegistration>{}; },
+      "List of (type name, jax.ffi.register_ffi_type registration): none on CPU.");
   m.def("build_info", [] { return jaxops::BuildInfo("cpu"); });
 }

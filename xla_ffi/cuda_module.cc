@@ -1,6 +1,9 @@
 // The CUDA nanobind module: exports every CUDA FFI handler of jaxops. Compiled by the host
 // compiler; the handlers themselves live in the .cu files (see handlers.h of each family).
 #include "xla_ffi/fp8/handlers.h"
+#ifdef JAXOPS_HAVE_CUBLASLT
+#include "xla_ffi/gemm/handlers.h"
+#endif
 #include "xla_ffi/module_common.h"
 #include "xla_ffi/moe/handlers.h"
 #include "xla_ffi/rms_norm/handlers.h"
@@ -9,7 +12,7 @@ namespace jaxops {
 namespace {
 
 std::vector<Registration> Registrations() {
-  return {
+  std::vector<Registration> registrations = {
       Register("jaxops_rms_norm_fwd", RmsNormFwdCuda),
       Register("jaxops_add_rms_norm_fwd", AddRmsNormFwdCuda),
       Register("jaxops_rms_norm_bwd", RmsNormBwdCuda),
@@ -21,6 +24,19 @@ std::vector<Registration> Registrations() {
       Register("jaxops_moe_unpermute", MoeUnpermuteCuda),
       Register("jaxops_moe_unpermute_bwd", MoeUnpermuteBwdCuda),
   };
+#ifdef JAXOPS_HAVE_CUBLASLT
+  registrations.push_back(RegisterStateful("jaxops_gemm", GemmInstantiateCuda, GemmCuda));
+  registrations.push_back(RegisterStateful("jaxops_gemm_fp8", GemmInstantiateCuda, GemmFp8Cuda));
+#endif
+  return registrations;
+}
+
+std::vector<TypeRegistration> Types() {
+#ifdef JAXOPS_HAVE_CUBLASLT
+  return {RegisterType(gemm::kStateTypeName, gemm::GemmStateTypeId(), gemm::GemmStateTypeInfo())};
+#else
+  return {};
+#endif
 }
 
 }  // namespace
@@ -29,11 +45,18 @@ std::vector<Registration> Registrations() {
 NB_MODULE(_jaxops_cuda, m) {
   m.doc() = "jaxops CUDA FFI handlers";
   m.def("registrations", &jaxops::Registrations,
-        "List of (target name, handler capsule, stateful) for the CUDA platform.");
+        "List of (target name, handler capsule or stage dict, stateful) for the CUDA platform.");
+  m.def("types", &jaxops::Types,
+        "List of (type name, jax.ffi.register_ffi_type registration) of the handlers' state.");
   m.def("build_info", [] {
     nanobind::dict info = jaxops::BuildInfo("CUDA");
     info["cuda_version"] = JAXOPS_CUDA_VERSION;
     info["cuda_architectures"] = JAXOPS_CUDA_ARCHITECTURES;
+#ifdef JAXOPS_HAVE_CUBLASLT
+    info["cublaslt"] = JAXOPS_CUBLASLT_SOURCE;
+#else
+    info["cublaslt"] = nanobind::none();
+#endif
     return info;
   });
 }

@@ -70,6 +70,20 @@ inline bool SameShape(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
   return true;
 }
 
+// "[d0, d1, ...]" of an ffi::AnyBuffer or ffi::Buffer<T>, for error messages.
+template <typename BufferT>
+inline std::string ShapeString(const BufferT& b) {
+  std::string s = "[";
+  auto dims = b.dimensions();
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+// The failure of a Check* function that returns an ErrorOr.
+inline ffi::Unexpected<ffi::Error> Bad(const std::string& message) {
+  return ffi::Unexpected<ffi::Error>(InvalidArgument(message));
+}
+
 }  // namespace jaxops
 
 #endif  // JAXOPS_XLA_FFI_COMMON_FFI_UTIL_H_

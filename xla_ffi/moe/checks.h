@@ -68,26 +68,6 @@ struct RowsShape {
   bool has_probs = false;
 };
 
-inline std::string ShapeString(const ffi::AnyBuffer& b) {
-  std::string s = "[";
-  auto dims = b.dimensions();
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-template <ffi::DataType kType>
-inline std::string ShapeString(const ffi::Buffer<kType>& b) {
-  std::string s = "[";
-  auto dims = b.dimensions();
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-// The failure of a Check* function that returns an ErrorOr.
-inline ffi::Unexpected<ffi::Error> Bad(const std::string& message) {
-  return ffi::Unexpected<ffi::Error>(InvalidArgument(message));
-}
-
 inline ffi::Unexpected<ffi::Error> ShapeError(const char* op, const char* name,
                                               const std::string& expected, const std::string& got) {
   return Bad(std::string(op) + ": " + name + " must have shape " + expected + ", got " + got);
