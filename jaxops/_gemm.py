@@ -136,11 +136,11 @@ def _lt_gemm(
     b,
     bias,
     *,
-    transpose_a: bool,
-    transpose_b: bool,
-    activation: str | None,
-    aux: bool,
-    bias_grad: bool,
+    transpose_a: bool = False,
+    transpose_b: bool = False,
+    activation: str | None = None,
+    aux: bool = False,
+    bias_grad: bool = False,
 ):
     """One ``jaxops_gemm`` custom call; returns (d, aux | None, bias_grad | None)."""
     _ffi.ensure_registered(TARGET_GEMM)
@@ -189,30 +189,12 @@ def _forward(cfg: _Config, x, w, bias, save: bool):
     if fused:
         with_aux = save and act == "gelu_tanh"
         y, h, _ = _lt_gemm(
-            cfg,
-            x,
-            w,
-            bias,
-            transpose_a=False,
-            transpose_b=cfg.transpose_w,
-            activation=act,
-            aux=with_aux,
-            bias_grad=False,
+            cfg, x, w, bias, transpose_b=cfg.transpose_w, activation=act, aux=with_aux
         )
         if not save:
             return y, None
         return y, (y if act == "relu" else h)
-    h, _, _ = _lt_gemm(
-        cfg,
-        x,
-        w,
-        bias,
-        transpose_a=False,
-        transpose_b=cfg.transpose_w,
-        activation=None,
-        aux=False,
-        bias_grad=False,
-    )
+    h, _, _ = _lt_gemm(cfg, x, w, bias, transpose_b=cfg.transpose_w)
     if act is None:
         return h, None
     y = _activate(act, h.astype(jnp.float32)).astype(x.dtype)
@@ -236,43 +218,13 @@ def _backward(cfg: _Config, x, w, has_bias: bool, residual, dy):
         else:
             dw = _matmul_reference(cfg.mode, x, dh, True, False)
         db = jnp.sum(dh.astype(jnp.float32), axis=0) if has_bias else None
-        return dx, dw.astype(w.dtype), None if db is None else db
-    dx, _, _ = _lt_gemm(
-        cfg,
-        dh,
-        w,
-        None,
-        transpose_a=False,
-        transpose_b=not cfg.transpose_w,
-        activation=None,
-        aux=False,
-        bias_grad=False,
-    )
+        return dx, dw.astype(w.dtype), db
+    dx, _, _ = _lt_gemm(cfg, dh, w, None, transpose_b=not cfg.transpose_w)
     if cfg.transpose_w:  # dw [N, K] = dh^T x; the bias gradient as an XLA reduction
-        dw, _, _ = _lt_gemm(
-            cfg,
-            dh,
-            x,
-            None,
-            transpose_a=True,
-            transpose_b=False,
-            activation=None,
-            aux=False,
-            bias_grad=False,
-        )
+        dw, _, _ = _lt_gemm(cfg, dh, x, None, transpose_a=True)
         db = jnp.sum(dh.astype(jnp.float32), axis=0) if has_bias else None
     else:  # dw [K, N] = x^T dh, the bias gradient (sum of dh over rows) fused as BGRADA
-        dw, _, db = _lt_gemm(
-            cfg,
-            x,
-            dh,
-            None,
-            transpose_a=True,
-            transpose_b=False,
-            activation=None,
-            aux=False,
-            bias_grad=has_bias,
-        )
+        dw, _, db = _lt_gemm(cfg, x, dh, None, transpose_a=True, bias_grad=has_bias)
     return dx, dw, db
 
 
