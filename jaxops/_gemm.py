@@ -484,15 +484,6 @@ def gemm_reference(
 # FP8 GEMM.
 
 
-@dataclasses.dataclass(frozen=True)
-class _Fp8Operand:
-    """An FP8 operand in the kernel's layout: data [rows, K] (K contiguous) and scales."""
-
-    mode: str  # "tensor", "rows" or "tiles"
-    data: jax.Array
-    scale: jax.Array
-
-
 def _operand_mode(op: str, name: str, q: QuantizedArray, k_axis_of_data: int) -> str:
     """The scaling mode of `q` along the contraction, or a clear error."""
     if q.block is None:

@@ -282,12 +282,16 @@ def test_gemm_partition_rule_locality_and_k_refusal():
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     cfg = _gemm._Config("relu", False, "fp32", kernel=False)
     op = _gemm._partitioned_forward(cfg, True, False, 1)
+    no_bias = _gemm._partitioned_forward(cfg, False, False, 1)
     x, w, b = _inputs((16,), 32, 24, jnp.float32)
     shard = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
     xs, ws, bs = shard(x, P("data", None)), shard(w, P(None, "model")), shard(b, P("model"))
     f = jax.jit(lambda x, w, b: op(x, w, b)[0])
     assert count_collectives(f.lower(xs, ws, bs).compile().as_text()) == {}
     assert_allclose(f(xs, ws, bs), _np_gemm(x, w, b, "relu"), scale=4)
+    g = jax.jit(lambda x, w: no_bias(x, w, jnp.zeros((0,), x.dtype))[0])
+    assert count_collectives(g.lower(xs, ws).compile().as_text()) == {}
+    assert_allclose(g(xs, ws), _np_gemm(x, w, None, "relu"), scale=4)
     # Raised by the partitioner at compile time (jax wraps it in a JaxRuntimeError).
     with pytest.raises((ValueError, jax.errors.JaxRuntimeError), match="axis K is sharded"):
         f.lower(shard(x, P(None, "model")), shard(w, P("model", None)), bs).compile()
