@@ -1,0 +1,696 @@
+"""Expert-parallel MoE layer in ``shard_map``: router, permute, exchange, grouped FFN, combine.
+
+One jitted layer over a mesh with an expert axis (and optional data axes). The token batch is
+sharded over ``(*data_axes, expert_axis)``; expert weights are sharded over the expert axis
+(device j of the expert axis holds experts ``j * L .. (j + 1) * L - 1``, ``L = E / N``) and
+replicated over the data axes. On every device::
+
+    router (fp32 logits, top-k)          [T, H] -> expert_ids, probs [T, K]
+    jaxops.moe.permute                   tokens grouped by expert          [T*K, H]
+    exchange along the expert axis       each expert's rows to its device  [R_recv, H]
+    grouped FFN (jax.lax.ragged_dot)     every local expert at once        [R_recv, H]
+    exchange back                        rows to the devices they came from
+    jaxops.moe.unpermute(probs)          weighted sum per token            [T, H]
+
+The exchange needs no host synchronization: one all-gather of the ``[E]`` int32 row counts along
+the expert axis gives every device every offset. Each device then sends, per local expert of each
+peer, one slice, and the receiver's buffer comes out already grouped by local expert (expert l's
+rows from sender 0, then sender 1, ..., zero-padded to a multiple of ``align``): no second sort
+before the grouped GEMM. On GPU the exchange is ``jax.lax.ragged_all_to_all``; XLA:CPU has no
+ragged all-to-all, so there :func:`_ragged_all_to_all_dense` reproduces its exact semantics with a
+dense ``all_to_all`` of per-destination chunks plus a scatter. One function picks by platform.
+
+Buffer sizes are static and never overflow (``Tl`` tokens per device, N devices on the expert
+axis, L local experts; top-k experts of a token are distinct, so a token sends at most
+``min(K, L)`` rows to one device)::
+
+    chunk  = Tl * min(K, L)                               rows one device sends another (bound)
+    R_recv = N * chunk + L * (align - 1)                  rows one device receives (dropless)
+    with a capacity C:  chunk <= L * min(C, Tl),  R_recv <= L * round_up(min(C, N * Tl), align)
+
+Capacity (``capacity_factor``): ``C = ceil(capacity_factor * T * K / E)`` for the global batch of
+T tokens, and expert e keeps its first C slots in global slot order ``t * K + k`` -- exactly the
+slots a single device (``jaxops.moe.permute(..., capacity=C)``) keeps, whatever the mesh. The
+per-device prefix counts come from one more all-gather of ``[E]`` int32 over the token axes.
+Dropped slots contribute zero to their token's output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxops import _checks
+from jaxops import moe as _moe
+from jaxops._fp8 import dequantize, quantize, quantize_split_transpose
+from jaxops._gemm import _GRAD_AMAX_FLOOR
+
+__all__ = [
+    "ACTIVATIONS",
+    "EXCHANGES",
+    "ROUTERS",
+    "MoEAux",
+    "MoEConfig",
+    "exchange_bounds",
+    "init_moe_params",
+    "moe_layer",
+    "moe_layer_reference",
+    "moe_param_specs",
+]
+
+ACTIVATIONS = ("swiglu", "gelu", "silu")
+ROUTERS = ("softmax", "sigmoid")
+EXCHANGES = ("auto", "ragged", "dense")
+_FP8_RECIPES = (None, "block")
+_FP8_BLOCK = 128
+
+
+def _round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def _static_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"MoEConfig: {name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"MoEConfig: {name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _choice(name: str, value: Any, choices: tuple) -> Any:
+    if value not in choices:
+        raise ValueError(f"MoEConfig: {name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def _nonneg_float(name: str, value: Any) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"MoEConfig: {name} must be a float, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"MoEConfig: {name} must be finite and >= 0, got {value}")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Static configuration of :func:`moe_layer` (hashable: use it as a jit static argument).
+
+    Attributes:
+      num_experts: E >= 1.
+      top_k: K, 1 <= K <= E: experts per token.
+      hidden: H, the model width (x's last axis).
+      ffn_hidden: F, each expert's inner width.
+      activation: "swiglu" (``silu(x W_gate) * (x W_up)``, w_in holds ``[W_gate | W_up]``),
+        "gelu" (exact, erf) or "silu".
+      router: "softmax" (top-k of softmax(logits)) or "sigmoid" (top-k of sigmoid(logits),
+        DeepSeek-V3 style).
+      normalize_probs: divide each token's top-k probabilities by their sum.
+      capacity_factor: None (dropless) or > 0: ``C = ceil(capacity_factor * T * K / E)`` slots per
+        expert over the global batch (see the module docstring).
+      aux_loss_coef: weight of the load-balancing loss in ``MoEAux.loss``.
+      z_loss_coef: weight of the router z-loss in ``MoEAux.loss``.
+      align: each local expert's group of received rows is padded to a multiple of this
+        (8 or 16 suit grouped GEMMs; 1 to 4096).
+      expert_axis: the mesh axis the experts are sharded over.
+      data_axes: mesh axes (a name or a tuple of names) the batch is sharded over besides the
+        expert axis; () for none.
+      dtype: compute dtype of the experts (float32, bfloat16 or float16). The router runs in
+        float32.
+      fp8: None or "block": expert GEMMs with DeepSeek-V3 block-scaled FP8 numerics (tokens and
+        gradients in 1 x 128 groups, weights in 128 x 128 tiles, wgrad operands in 128-token
+        groups per expert, float8_e4m3fn, fp32 accumulation).
+      exchange: "auto" (ragged_all_to_all on GPU, the dense all_to_all form elsewhere),
+        "ragged" or "dense".
+    """
+
+    num_experts: int
+    top_k: int
+    hidden: int
+    ffn_hidden: int
+    activation: str = "swiglu"
+    router: str = "softmax"
+    normalize_probs: bool = True
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 1e-2
+    z_loss_coef: float = 1e-3
+    align: int = 8
+    expert_axis: str = "expert"
+    data_axes: tuple[str, ...] = ("data",)
+    dtype: Any = jnp.bfloat16
+    fp8: str | None = None
+    exchange: str = "auto"
+
+    def __post_init__(self):
+        e = _static_int("num_experts", self.num_experts, 1)
+        k = _static_int("top_k", self.top_k, 1)
+        if k > e:
+            raise ValueError(f"MoEConfig: top_k must be <= num_experts = {e}, got {k}")
+        _static_int("hidden", self.hidden, 1)
+        _static_int("ffn_hidden", self.ffn_hidden, 1)
+        align = _static_int("align", self.align, 1)
+        if align > _moe.MAX_ALIGN:
+            raise ValueError(f"MoEConfig: align must be <= {_moe.MAX_ALIGN}, got {align}")
+        _choice("activation", self.activation, ACTIVATIONS)
+        _choice("router", self.router, ROUTERS)
+        _choice("fp8", self.fp8, _FP8_RECIPES)
+        _choice("exchange", self.exchange, EXCHANGES)
+        _checks.check_bool("MoEConfig", "normalize_probs", self.normalize_probs)
+        if self.capacity_factor is not None:
+            cf = _nonneg_float("capacity_factor", self.capacity_factor)
+            if cf == 0:
+                raise ValueError("MoEConfig: capacity_factor must be > 0 or None (dropless)")
+            object.__setattr__(self, "capacity_factor", cf)
+        object.__setattr__(
+            self, "aux_loss_coef", _nonneg_float("aux_loss_coef", self.aux_loss_coef)
+        )
+        object.__setattr__(self, "z_loss_coef", _nonneg_float("z_loss_coef", self.z_loss_coef))
+        if not isinstance(self.expert_axis, str):
+            raise TypeError(
+                f"MoEConfig: expert_axis must be a mesh axis name (str), got {self.expert_axis!r}"
+            )
+        data_axes = self.data_axes
+        data_axes = (
+            () if data_axes is None else (data_axes,) if isinstance(data_axes, str) else data_axes
+        )
+        if not all(isinstance(a, str) for a in data_axes) or self.expert_axis in data_axes:
+            raise ValueError(
+                "MoEConfig: data_axes must be mesh axis names other than expert_axis "
+                f"{self.expert_axis!r}, got {self.data_axes!r}"
+            )
+        object.__setattr__(self, "data_axes", tuple(data_axes))
+        dtype = np.dtype(self.dtype)
+        if dtype not in _checks.FLOAT_DTYPES:
+            raise TypeError(
+                f"MoEConfig: dtype must be float32, bfloat16 or float16, got {dtype.name}"
+            )
+        object.__setattr__(self, "dtype", dtype)
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """The mesh axes the token batch is sharded over: ``(*data_axes, expert_axis)``."""
+        return (*self.data_axes, self.expert_axis)
+
+    def capacity(self, num_tokens: int) -> int | None:
+        """C for a global batch of `num_tokens` tokens, or None (dropless)."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+
+    @property
+    def w_in_width(self) -> int:
+        return 2 * self.ffn_hidden if self.activation == "swiglu" else self.ffn_hidden
+
+
+class MoEAux(NamedTuple):
+    """What :func:`moe_layer` reports besides its output (global values, replicated).
+
+    Attributes:
+      loss: ``aux_loss_coef * load_balancing_loss + z_loss_coef * z_loss`` (float32 scalar): add
+        it to the training loss.
+      load_balancing_loss: ``E * sum_e f_e * p_e`` with f_e the fraction of the T*K slots routed
+        to expert e (before drops) and p_e the mean over tokens of the router's probability of e
+        (softmax, or sigmoid scores normalized over the experts).
+      z_loss: ``mean_t logsumexp(logits_t) ** 2``.
+      tokens_per_expert: int32 ``[E]``, slots routed to each expert (before drops).
+      dropped: int32 scalar, slots dropped by the capacity.
+    """
+
+    loss: jax.Array
+    load_balancing_loss: jax.Array
+    z_loss: jax.Array
+    tokens_per_expert: jax.Array
+    dropped: jax.Array
+
+
+def init_moe_params(key: jax.Array, cfg: MoEConfig) -> dict[str, jax.Array]:
+    """float32 parameters: ``router [H, E]``, ``w_in [E, H, F']``, ``w_out [E, F, H]``.
+
+    ``F' = 2F`` for swiglu (gate and up projections side by side), else F. Scaled normal
+    initialization (1 / sqrt(fan_in)). Place them with :func:`moe_param_specs`.
+
+    Example:
+      >>> import jax
+      >>> from jaxops.parallel.expert import MoEConfig, init_moe_params
+      >>> cfg = MoEConfig(num_experts=8, top_k=2, hidden=64, ffn_hidden=128)
+      >>> {k: v.shape for k, v in init_moe_params(jax.random.key(0), cfg).items()}
+      {'router': (64, 8), 'w_in': (8, 64, 256), 'w_out': (8, 128, 64)}
+    """
+    if not isinstance(cfg, MoEConfig):
+        raise TypeError(f"init_moe_params: cfg must be a MoEConfig, got {type(cfg).__name__}")
+    kr, ki, ko = jax.random.split(key, 3)
+    e, h, f = cfg.num_experts, cfg.hidden, cfg.ffn_hidden
+    return {
+        "router": jax.random.normal(kr, (h, e), jnp.float32) / math.sqrt(h),
+        "w_in": jax.random.normal(ki, (e, h, cfg.w_in_width), jnp.float32) / math.sqrt(h),
+        "w_out": jax.random.normal(ko, (e, f, h), jnp.float32) / math.sqrt(f),
+    }
+
+
+def moe_param_specs(cfg: MoEConfig) -> dict[str, P]:
+    """PartitionSpecs of the parameters: router replicated, experts over the expert axis."""
+    return {"router": P(), "w_in": P(cfg.expert_axis), "w_out": P(cfg.expert_axis)}
+
+
+# -------------------------------------------------------------------------------------------------
+# Router and expert math, shared by the layer and its dense reference.
+
+
+def _router(cfg: MoEConfig, tokens: jax.Array, w_router: jax.Array):
+    """(logits, probabilities over experts, expert_ids [T, K], top-k probs [T, K]), float32."""
+    logits = jnp.dot(
+        tokens.astype(jnp.float32),
+        w_router.astype(jnp.float32),
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    if cfg.router == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+        dist = scores
+    else:
+        scores = jax.nn.sigmoid(logits)
+        dist = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    top, ids = jax.lax.top_k(scores, cfg.top_k)
+    if cfg.normalize_probs:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return logits, dist, ids.astype(jnp.int32), top
+
+
+def _aux(cfg: MoEConfig, counts, dist_sum, lse_sq_sum, dropped, num_tokens: int) -> MoEAux:
+    """MoEAux from global sums: counts [E] int32, dist_sum [E], lse_sq_sum [] (float32)."""
+    f = counts.astype(jnp.float32) / (num_tokens * cfg.top_k)
+    p = dist_sum / num_tokens
+    lb = cfg.num_experts * jnp.sum(f * p)
+    z = lse_sq_sum / num_tokens
+    loss = cfg.aux_loss_coef * lb + cfg.z_loss_coef * z
+    return MoEAux(loss, lb, z, counts, dropped)
+
+
+def _activate(cfg: MoEConfig, h: jax.Array) -> jax.Array:
+    if cfg.activation == "swiglu":
+        gate, up = jnp.split(h, 2, axis=-1)
+        return jax.nn.silu(gate) * up
+    if cfg.activation == "gelu":
+        return jax.nn.gelu(h, approximate=False)
+    return jax.nn.silu(h)
+
+
+def _ragged_dot(x, w, group_sizes):
+    return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_grouped(impl, x, w, group_sizes):
+    return _fp8_grouped_fwd(impl, x, w, group_sizes)[0]
+
+
+def _fp8_grouped_fwd(impl, x, w, group_sizes):
+    xq = dequantize(quantize(x, block=(1, _FP8_BLOCK), impl=impl), jnp.float32)
+    wq = dequantize(quantize(w, block=(_FP8_BLOCK, _FP8_BLOCK), impl=impl), jnp.float32)
+    return _ragged_dot(xq, wq, group_sizes), (x, wq, group_sizes)
+
+
+def _fp8_grouped_bwd(impl, saved, dy):
+    x, wq, group_sizes = saved
+    dyq = quantize(dy, block=(1, _FP8_BLOCK), amax_floor=_GRAD_AMAX_FLOOR, impl=impl)
+    # dgrad: dy @ w_e^T; 128 x 128 tiles read transposed are the tiles of w_e^T.
+    dx = _ragged_dot(dequantize(dyq, jnp.float32), jnp.swapaxes(wq, 1, 2), group_sizes)
+    # wgrad: x_e^T @ dy_e from per-expert transposes quantized in 128-token groups.
+    xs = quantize_split_transpose(x, group_sizes, impl=impl).dequantize(jnp.float32)
+    dys = quantize_split_transpose(
+        dy, group_sizes, amax_floor=_GRAD_AMAX_FLOOR, impl=impl
+    ).dequantize(jnp.float32)
+    _, vjp = jax.vjp(lambda w: _ragged_dot(xs, w, group_sizes), wq)
+    (dw,) = vjp(dys)
+    return dx.astype(x.dtype), dw.astype(x.dtype), None
+
+
+_fp8_grouped.defvjp(_fp8_grouped_fwd, _fp8_grouped_bwd)
+
+
+def _grouped_ffn(cfg: MoEConfig, impl, rows, w_in, w_out, group_sizes) -> jax.Array:
+    """Each group of rows through its expert's FFN: ``[R, H] -> [R, H]`` in cfg.dtype."""
+    w_in = w_in.astype(cfg.dtype)
+    w_out = w_out.astype(cfg.dtype)
+    if cfg.fp8 == "block":
+        h = _fp8_grouped(impl, rows, w_in, group_sizes)
+        a = _activate(cfg, h).astype(cfg.dtype)
+        return _fp8_grouped(impl, a, w_out, group_sizes).astype(cfg.dtype)
+    h = _ragged_dot(rows, w_in, group_sizes)
+    a = _activate(cfg, h).astype(cfg.dtype)
+    return _ragged_dot(a, w_out, group_sizes).astype(cfg.dtype)
+
+
+# -------------------------------------------------------------------------------------------------
+# The exchange.
+
+
+def _exclusive_cumsum(x: jax.Array, axis: int) -> jax.Array:
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def _slice_of_row(sizes: jax.Array, chunk: int):
+    """For chunks packing slices back to back (sizes [n, L]): (slice index [n, chunk], its start
+    [n, chunk], valid [n, chunk])."""
+    ends = jnp.cumsum(sizes, axis=1)
+    s = jnp.arange(chunk, dtype=jnp.int32)
+    idx = jax.vmap(lambda e: jnp.searchsorted(e, s, side="right"))(ends).astype(jnp.int32)
+    valid = idx < sizes.shape[1]
+    idx = jnp.minimum(idx, sizes.shape[1] - 1)
+    start = jnp.take_along_axis(ends - sizes, idx, axis=1)
+    return idx, start, valid
+
+
+def _ragged_all_to_all_dense(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, chunk
+):
+    """``jax.lax.ragged_all_to_all``'s semantics from a dense ``all_to_all`` (for XLA:CPU).
+
+    Same arguments (``L = len(input_offsets) / axis size`` slices per peer); `chunk` (static)
+    bounds the rows one device sends another. Each device packs the slices for peer j back to back
+    into ``[chunk, ...]``, one all_to_all moves the ``[n, chunk, ...]`` blocks and the output
+    offsets, and the receiver scatters each row to ``output_offsets + position`` in its slice.
+    Rows beyond `chunk` would be lost: callers size it with :func:`exchange_bounds`.
+    """
+    n = jax.lax.axis_size(axis_name)
+    slices = input_offsets.shape[0] // n
+    sizes = send_sizes.reshape(n, slices)
+    idx, start, valid = _slice_of_row(sizes, chunk)
+    s = jnp.arange(chunk, dtype=jnp.int32)
+    src = jnp.take_along_axis(input_offsets.reshape(n, slices), idx, axis=1) + s - start
+    rows = operand[jnp.where(valid, src, 0)]
+    mask = valid.reshape(valid.shape + (1,) * (operand.ndim - 1))
+    packed = jnp.where(mask, rows, jnp.zeros((), operand.dtype))
+    received = jax.lax.all_to_all(packed, axis_name, 0, 0, tiled=False)
+    their_offsets = jax.lax.all_to_all(
+        output_offsets.reshape(n, slices), axis_name, 0, 0, tiled=False
+    )
+    idx, start, valid = _slice_of_row(recv_sizes.reshape(n, slices), chunk)
+    dst = jnp.take_along_axis(their_offsets, idx, axis=1) + s - start
+    dst = jnp.where(valid, dst, output.shape[0])  # out of range: dropped by the scatter
+    return output.at[dst.reshape(-1)].set(
+        received.reshape(n * chunk, *operand.shape[1:]), mode="drop"
+    )
+
+
+def exchange_bounds(
+    cfg: MoEConfig, tokens_per_device: int, expert_axis_size: int, num_tokens: int | None = None
+) -> tuple[int, int]:
+    """``(chunk, recv_rows)``: the static bounds of the exchange (see the module docstring).
+
+    `num_tokens` is the global batch (for the capacity); default ``tokens_per_device`` times the
+    expert axis size.
+
+    Example:
+      >>> from jaxops.parallel.expert import MoEConfig, exchange_bounds
+      >>> cfg = MoEConfig(num_experts=64, top_k=8, hidden=1024, ffn_hidden=512, align=16)
+      >>> exchange_bounds(cfg, tokens_per_device=4096, expert_axis_size=8)
+      (32768, 262264)
+    """
+    n, tl = expert_axis_size, tokens_per_device
+    local = cfg.num_experts // n
+    num_tokens = tl * n if num_tokens is None else num_tokens
+    chunk = tl * min(cfg.top_k, local)
+    recv = n * chunk + local * (cfg.align - 1)
+    c = cfg.capacity(num_tokens)
+    if c is not None:
+        chunk = min(chunk, local * min(c, tl))
+        recv = min(recv, local * _round_up(min(c, n * tl), cfg.align))
+    return max(chunk, 1), max(recv, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    n: int  # expert axis size
+    local: int  # experts per device
+    num_tokens: int  # global T
+    capacity: int | None
+    chunk: int
+    recv_rows: int
+    ragged: bool
+
+
+def _exchange(plan: _Plan, axis: str, operand, output, offsets):
+    """One exchange: ragged_all_to_all on GPU, its dense form elsewhere."""
+    if plan.ragged:
+        return jax.lax.ragged_all_to_all(operand, output, *offsets, axis_name=axis)
+    return _ragged_all_to_all_dense(operand, output, *offsets, axis_name=axis, chunk=plan.chunk)
+
+
+def _offsets(plan: _Plan, align: int, me, counts_all, kept_all):
+    """Forward and backward exchange arguments and the receiver's group sizes.
+
+    counts_all / kept_all: int32 ``[N, E]``, every expert-axis peer's routed and kept slots per
+    expert. G[i, j, l] = rows peer i sends to peer j's local expert l.
+    """
+    n, lx = plan.n, plan.local
+    g = kept_all.reshape(n, n, lx)
+    # Sender i's permuted buffer (align 1): expert groups in order, dropped slots at group ends.
+    send_base = _exclusive_cumsum(counts_all, axis=1).reshape(n, n, lx)
+    # Receiver j: local expert l's group starts at base[j, l]; within it, sender i's rows.
+    totals = jnp.sum(g, axis=0)  # [j, l]
+    padded = (totals + align - 1) // align * align
+    base = _exclusive_cumsum(padded, axis=1)
+    recv_at = base[None] + _exclusive_cumsum(g, axis=0)  # [i, j, l]
+    forward = (
+        send_base[me].reshape(-1),
+        g[me].reshape(-1),
+        recv_at[me].reshape(-1),
+        g[:, me].reshape(-1),
+    )
+    backward = (
+        recv_at[:, me].reshape(-1),
+        g[:, me].reshape(-1),
+        send_base[:, me].reshape(-1),
+        g[me].reshape(-1),
+    )
+    return forward, backward, padded[me]
+
+
+# -------------------------------------------------------------------------------------------------
+# The layer.
+
+
+def _local_layer(cfg: MoEConfig, plan: _Plan, impl, params, x):
+    """The per-device body of :func:`moe_layer` (inside shard_map)."""
+    h = x.shape[-1]
+    tokens = x.reshape(-1, h)
+    e, axis, token_axes = cfg.num_experts, cfg.expert_axis, cfg.token_axes
+    logits, dist, ids, probs = _router(cfg, tokens, params["router"])
+    counts = jnp.zeros((e,), jnp.int32).at[ids.reshape(-1)].add(1)
+    if plan.capacity is None:
+        kept = counts
+    else:
+        before = jax.lax.all_gather(counts, token_axes)  # [shards, E], global token order
+        me_global = jax.lax.axis_index(token_axes)
+        mask = (jnp.arange(before.shape[0]) < me_global)[:, None]
+        prefix = jnp.sum(jnp.where(mask, before, 0), axis=0)
+        kept = jnp.clip(plan.capacity - prefix, 0, counts)
+    stats = jax.lax.psum(
+        (
+            counts,
+            jnp.sum(dist, axis=0),
+            jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
+            jnp.sum(counts - kept),
+        ),
+        token_axes,
+    )
+    aux = _aux(cfg, *stats, plan.num_tokens)
+
+    permuted = _moe.permute(tokens.astype(cfg.dtype), ids, e, impl=impl)
+    both = jax.lax.all_gather(jnp.stack([counts, kept]), axis)  # [N, 2, E]
+    me = jax.lax.axis_index(axis)
+    forward, backward, group_sizes = _offsets(plan, cfg.align, me, both[:, 0], both[:, 1])
+    recv = jnp.zeros((plan.recv_rows, h), cfg.dtype)
+    rows = _exchange(plan, axis, permuted.tokens, recv, forward)
+    out = _grouped_ffn(cfg, impl, rows, params["w_in"], params["w_out"], group_sizes)
+    back = jnp.zeros(permuted.tokens.shape, cfg.dtype)
+    returned = _exchange(plan, axis, out, back, backward)
+    y = _moe.unpermute(returned, permuted, probs=probs, impl=impl)
+    return y.astype(x.dtype).reshape(x.shape), aux
+
+
+def _check_params(op: str, params: Any, cfg: MoEConfig) -> dict[str, jax.Array]:
+    e, h, f = cfg.num_experts, cfg.hidden, cfg.ffn_hidden
+    want = {"router": (h, e), "w_in": (e, h, cfg.w_in_width), "w_out": (e, f, h)}
+    if not isinstance(params, dict) or set(params) != set(want):
+        got = sorted(params) if isinstance(params, dict) else type(params).__name__
+        raise ValueError(f"{op}: params must be a dict with keys {sorted(want)}, got {got}")
+    for name, shape in want.items():
+        arr = _checks.check_array(op, f"params[{name!r}]", params[name])
+        if tuple(arr.shape) != shape:
+            raise ValueError(
+                f"{op}: params[{name!r}] must have shape {shape} for {cfg}, got {tuple(arr.shape)}"
+            )
+    return params
+
+
+def _check_mesh(op: str, mesh: Any, cfg: MoEConfig) -> tuple[int, int]:
+    """(expert axis size N, token shards D) after checking that the mesh fits the config."""
+    if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+        raise TypeError(f"{op}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    shape = dict(mesh.shape)
+    for name in cfg.token_axes:
+        if name not in shape:
+            role = "expert_axis" if name == cfg.expert_axis else "data_axes"
+            raise ValueError(
+                f"{op}: the mesh has no axis {name!r} (cfg.{role}); its axes are "
+                f"{tuple(shape)}. Set MoEConfig(expert_axis=..., data_axes=...) to its names."
+            )
+    n = shape[cfg.expert_axis]
+    if cfg.num_experts % n:
+        raise ValueError(
+            f"{op}: num_experts = {cfg.num_experts} must be divisible by the size {n} of the "
+            f"expert axis {cfg.expert_axis!r}"
+        )
+    return n, math.prod(shape[a] for a in cfg.token_axes)
+
+
+def _platform(mesh) -> str:
+    devices = getattr(mesh, "devices", None)
+    if devices is not None and devices.size:
+        return devices.flat[0].platform
+    return jax.default_backend()
+
+
+def _place(tree, mesh, specs):
+    """jax.reshard onto the specs on meshes with Explicit axes (shard_map wants them matched)."""
+    if not any(t == AxisType.Explicit for t in mesh.axis_types):
+        return tree
+    return jax.tree.map(lambda a, s: jax.reshard(a, NamedSharding(mesh, s)), tree, specs)
+
+
+def moe_layer(
+    params: dict[str, jax.Array],
+    x: jax.Array,
+    cfg: MoEConfig,
+    *,
+    mesh: jax.sharding.Mesh,
+    impl: str | None = None,
+) -> tuple[jax.Array, MoEAux]:
+    """The expert-parallel MoE layer: ``y[t] = sum_k probs[t, k] * FFN_{ids[t, k]}(x[t])``.
+
+    Runs as one ``shard_map`` over `mesh` (see the module docstring for the data flow, buffer
+    bounds and capacity semantics). Differentiable in params and x (router gradients come through
+    the probabilities and the auxiliary losses). Call it under ``jax.jit``.
+
+    Args:
+      params: from :func:`init_moe_params` (float32 or cfg.dtype; any placement, resharded to
+        :func:`moe_param_specs`).
+      x: ``[B, ..., H]`` float32, bfloat16 or float16; B divisible by the number of devices on
+        the token axes ``(*cfg.data_axes, cfg.expert_axis)``, over which B is sharded.
+      cfg: a :class:`MoEConfig`.
+      mesh: the mesh holding cfg's axes (other axes hold replicas).
+      impl: None, "ffi" or "xla": which implementation of jaxops' kernels (permute, unpermute,
+        FP8 quantization) to use; "xla" runs their pure-JAX twins.
+
+    Returns:
+      ``(y, aux)``: y like x, and a :class:`MoEAux`.
+
+    Raises:
+      TypeError / ValueError: bad params, x, mesh or config (named, with what was expected).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxops.parallel.expert import MoEConfig, init_moe_params, moe_layer
+      >>> mesh = jax.make_mesh((len(jax.devices()),), ("expert",))
+      >>> cfg = MoEConfig(num_experts=8, top_k=2, hidden=64, ffn_hidden=128, data_axes=())
+      >>> params = init_moe_params(jax.random.key(0), cfg)
+      >>> x = jax.random.normal(jax.random.key(1), (8, 16, 64), jnp.bfloat16)
+      >>> y, aux = jax.jit(lambda p, x: moe_layer(p, x, cfg, mesh=mesh))(params, x)
+      >>> y.shape, y.dtype, int(aux.tokens_per_expert.sum())
+      ((8, 16, 64), dtype(bfloat16), 256)
+    """
+    op = "jaxops.parallel.expert.moe_layer"
+    if not isinstance(cfg, MoEConfig):
+        raise TypeError(f"{op}: cfg must be a MoEConfig, got {type(cfg).__name__}")
+    params = _check_params(op, params, cfg)
+    x = _checks.check_array(op, "x", x, min_rank=2)
+    if x.shape[-1] != cfg.hidden:
+        raise ValueError(
+            f"{op}: x must have shape (B, ..., H) with H = cfg.hidden = {cfg.hidden}, "
+            f"got {tuple(x.shape)}"
+        )
+    n, shards = _check_mesh(op, mesh, cfg)
+    if x.shape[0] % shards:
+        raise ValueError(
+            f"{op}: x's leading axis ({x.shape[0]}) must be divisible by the {shards} devices "
+            f"of the token axes {cfg.token_axes}"
+        )
+    num_tokens = math.prod(x.shape[:-1])
+    tokens_per_device = num_tokens // shards
+    ragged = cfg.exchange == "ragged" or (cfg.exchange == "auto" and _platform(mesh) == "gpu")
+    chunk, recv_rows = exchange_bounds(cfg, tokens_per_device, n, num_tokens)
+    plan = _Plan(
+        n, cfg.num_experts // n, num_tokens, cfg.capacity(num_tokens), chunk, recv_rows, ragged
+    )
+    x_spec = P(cfg.token_axes)
+    specs = moe_param_specs(cfg)
+    params = _place(params, mesh, specs)
+    x = _place(x, mesh, x_spec)
+    aux_specs = MoEAux(P(), P(), P(), P(), P())
+    body = functools.partial(_local_layer, cfg, plan, impl)
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(specs, x_spec), out_specs=(x_spec, aux_specs), check_vma=True
+    )(params, x)
+
+
+def moe_layer_reference(
+    params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig
+) -> tuple[jax.Array, MoEAux]:
+    """The dense single-device twin of :func:`moe_layer`: every expert on every token, masked.
+
+    Loops over the experts explicitly: ``y += w_e[t] * FFN_e(x[t])`` with ``w_e[t]`` the
+    token's routing probability of e if e is among its top-k and the slot is kept (capacity: an
+    expert keeps its first C slots in slot order). With cfg.fp8 each expert's projections are
+    ``jaxops.fp8.linear(recipe="block")``. The oracle of the tests and the "dense" baseline of
+    the benchmark (under jit with sharded tokens it computes all E experts on every device).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxops.parallel.expert import MoEConfig, init_moe_params, moe_layer_reference
+      >>> cfg = MoEConfig(num_experts=4, top_k=2, hidden=32, ffn_hidden=16, dtype=jnp.float32)
+      >>> params = init_moe_params(jax.random.key(0), cfg)
+      >>> y, aux = moe_layer_reference(params, jnp.ones((3, 32)), cfg)
+      >>> y.shape, aux.tokens_per_expert.tolist()
+      ((3, 32), [0, 3, 0, 3])
+    """
+    from jaxops._gemm import fp8_linear
+
+    op = "jaxops.parallel.expert.moe_layer_reference"
+    params = _check_params(op, params, cfg)
+    x = _checks.check_array(op, "x", x, min_rank=1)
+    tokens = x.reshape(-1, cfg.hidden)
+    t, e, k = tokens.shape[0], cfg.num_experts, cfg.top_k
+    logits, dist, ids, probs = _router(cfg, tokens, params["router"])
+    slot_expert = ids.reshape(-1)
+    onehot = slot_expert[:, None] == jnp.arange(e)[None, :]  # [T*K, E], slot order
+    rank = jnp.cumsum(onehot, axis=0) - 1
+    cap = cfg.capacity(t)
+    keep = onehot if cap is None else onehot & (rank < cap)
+    weight = jnp.where(keep, probs.reshape(-1)[:, None], 0.0).reshape(t, k, e).sum(axis=1)
+    xs = tokens.astype(cfg.dtype)
+    y = jnp.zeros((t, cfg.hidden), jnp.float32)
+    for i in range(e):
+        w_in = params["w_in"][i].astype(cfg.dtype)
+        w_out = params["w_out"][i].astype(cfg.dtype)
+        if cfg.fp8 == "block":
+            hid = fp8_linear(xs, w_in).astype(jnp.float32)
+            out = fp8_linear(_activate(cfg, hid).astype(cfg.dtype), w_out)
+        else:
+            hid = jnp.dot(xs, w_in, preferred_element_type=jnp.float32)
+            out = jnp.dot(
+                _activate(cfg, hid).astype(cfg.dtype), w_out, preferred_element_type=jnp.float32
+            ).astype(cfg.dtype)
+        y = y + weight[:, i : i + 1] * out.astype(jnp.float32)
+    counts = jnp.sum(onehot, axis=0, dtype=jnp.int32)
+    dropped = jnp.sum(onehot & ~keep, dtype=jnp.int32)
+    lse_sq = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    aux = _aux(cfg, counts, jnp.sum(dist, axis=0), lse_sq, dropped, t)
+    return y.astype(x.dtype).reshape(x.shape), aux
