@@ -206,6 +206,7 @@ class MoEConfig:
 
     @property
     def w_in_width(self) -> int:
+        """F': the width of w_in (2F for swiglu's gate and up projections, else F)."""
         return 2 * self.ffn_hidden if self.activation == "swiglu" else self.ffn_hidden
 
 
@@ -356,8 +357,10 @@ def _exclusive_cumsum(x: jax.Array, axis: int) -> jax.Array:
 
 
 def _slice_of_row(sizes: jax.Array, chunk: int):
-    """For chunks packing slices back to back (sizes [n, L]): (slice index [n, chunk], its start
-    [n, chunk], valid [n, chunk])."""
+    """Which slice each row of a chunk belongs to, for chunks packing slices back to back.
+
+    sizes: ``[n, L]``. Returns (slice index, its start row, row in use), each ``[n, chunk]``.
+    """
     ends = jnp.cumsum(sizes, axis=1)
     s = jnp.arange(chunk, dtype=jnp.int32)
     idx = jax.vmap(lambda e: jnp.searchsorted(e, s, side="right"))(ends).astype(jnp.int32)
