@@ -1,7 +1,8 @@
-"""Testing helpers: per-dtype tolerances and collective counting in compiled HLO.
+"""Testing helpers: per-dtype tolerances, collective counting in compiled HLO, multi-process runs.
 
 Used by jaxops' own test suite and useful to check that user code built on jaxops stays local
-under sharding.
+under sharding. :func:`run_processes` runs a script in N local ``jax.distributed`` processes
+(gloo on 127.0.0.1) with a hard deadline, for multi-host code on one machine.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -13,12 +14,27 @@ Example:
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
 from typing import Any
 
 import numpy as np
 
-__all__ = ["COLLECTIVES", "assert_allclose", "collective_shapes", "count_collectives", "tolerance"]
+__all__ = [
+    "COLLECTIVES",
+    "assert_allclose",
+    "collective_shapes",
+    "count_collectives",
+    "free_port",
+    "run_processes",
+    "tolerance",
+]
 
 COLLECTIVES = (
     "all-reduce",
@@ -86,3 +102,97 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
 def collective_shapes(hlo_text: str, kind: str) -> list[str]:
     """Result shapes (e.g. ``"f32[16]{0}"``) of every `kind` collective in compiled HLO text."""
     return [m.group(1) for m in _OP.finditer(hlo_text) if m.group(2) == kind]
+
+
+# Multi-process runs.
+
+# Prepended to every script: initializes jax.distributed from argv (port, count, id, devices).
+_PRELUDE = """
+import sys
+import jax
+_port, NUM_PROCESSES, PROCESS_ID, _devices = map(int, sys.argv[1:5])
+ARGS = sys.argv[5:]
+jax.config.update("jax_num_cpu_devices", _devices)
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(
+    f"127.0.0.1:{_port}", NUM_PROCESSES, PROCESS_ID,
+    heartbeat_timeout_seconds=10, initialization_timeout=60, shutdown_timeout_seconds=10,
+)
+"""
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a jax.distributed coordinator)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def run_processes(
+    script: str,
+    num_processes: int,
+    devices_per_process: int,
+    *,
+    args: tuple[str, ...] = (),
+    timeout: float = 240.0,
+) -> list[str]:
+    """Runs `script` in `num_processes` processes; returns their outputs, or raises.
+
+    The script sees NUM_PROCESSES, PROCESS_ID and ARGS (extra argv strings), with
+    jax.distributed already initialized over gloo. Raises AssertionError if a process fails or
+    the deadline passes (every process is then killed), showing all outputs.
+
+    Example:
+      >>> from jaxops.testing import run_processes
+      >>> outs = run_processes("print(PROCESS_ID, jax.device_count())", 2, 2)
+      >>> [o.split() for o in outs]
+      [['0', '4'], ['1', '4']]
+    """
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env["JAX_PLATFORMS"] = "cpu"
+    code = _PRELUDE + textwrap.dedent(script)
+    argv = [sys.executable, "-c", code, str(port), str(num_processes)]
+    procs = [
+        subprocess.Popen(
+            [*argv, str(i), str(devices_per_process), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd="/",
+            start_new_session=True,
+        )
+        for i in range(num_processes)
+    ]
+    deadline = time.monotonic() + timeout
+    outputs: list[str] = []
+    try:
+        for p in procs:
+            left = max(deadline - time.monotonic(), 0.1)
+            try:
+                out, _ = p.communicate(timeout=left)
+            except subprocess.TimeoutExpired:
+                _kill(procs)
+                out = p.communicate()[0]
+                outputs.append(out)
+                rest = [q.communicate()[0] for q in procs[len(outputs) :]]
+                raise AssertionError(
+                    f"processes did not finish in {timeout} s:\n" + "\n----\n".join(outputs + rest)
+                ) from None
+            outputs.append(out)
+    finally:
+        _kill(procs)
+    codes = [p.returncode for p in procs]
+    if any(codes):
+        raise AssertionError(f"exit codes {codes}:\n" + "\n----\n".join(outputs))
+    return outputs

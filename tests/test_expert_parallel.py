@@ -1,0 +1,512 @@
+"""Expert-parallel MoE layer vs its dense single-device reference: 8 CPU devices, 2 processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+from jaxops.parallel import expert
+from jaxops.parallel.expert import (
+    MoEConfig,
+    exchange_bounds,
+    init_moe_params,
+    moe_layer,
+    moe_layer_reference,
+)
+
+import jaxops
+from jaxops.testing import (
+    assert_allclose,
+    collective_shapes,
+    count_collectives,
+    run_processes,
+)
+
+MESHES = {
+    "e8": ((8,), ("expert",), ()),
+    "d2e4": ((2, 4), ("data", "expert"), ("data",)),
+    "d4e2": ((4, 2), ("data", "expert"), ("data",)),
+}
+# (top_k, router, capacity_factor)
+ROUTINGS = [
+    (1, "softmax", None),
+    (2, "sigmoid", None),
+    (8, "softmax", None),
+    (2, "softmax", 0.5),
+    (8, "sigmoid", 1.0),
+]
+
+
+def _mesh(name):
+    shape, names, _ = MESHES[name]
+    return jax.make_mesh(shape, names)
+
+
+def _config(mesh_name, **kw):
+    kw.setdefault("data_axes", MESHES[mesh_name][2])
+    kw.setdefault("dtype", jnp.float32)
+    kw.setdefault("align", 4)
+    return MoEConfig(**{"num_experts": 16, "top_k": 2, "hidden": 32, "ffn_hidden": 24, **kw})
+
+
+def _weights(shape):
+    return jnp.sin(jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape) * 0.37)
+
+
+def _loss(layer):
+    """A scalar of the output and the aux loss, to differentiate both paths the same way."""
+
+    def loss(params, x):
+        y, aux = layer(params, x)
+        return jnp.sum(y.astype(jnp.float32) * _weights(y.shape)) + aux.loss
+
+    return loss
+
+
+def _run(cfg, mesh, params, x, impl=None):
+    layer = jax.jit(lambda p, x: moe_layer(p, x, cfg, mesh=mesh, impl=impl))
+    grad = jax.jit(
+        jax.grad(_loss(lambda p, x: moe_layer(p, x, cfg, mesh=mesh, impl=impl)), argnums=(0, 1))
+    )
+    return layer(params, x), grad(params, x)
+
+
+def _reference(cfg, params, x):
+    layer = jax.jit(lambda p, x: moe_layer_reference(p, x, cfg))
+    grad = jax.jit(jax.grad(_loss(lambda p, x: moe_layer_reference(p, x, cfg)), argnums=(0, 1)))
+    return layer(params, x), grad(params, x)
+
+
+def _compare(got, want, dtype=jnp.float32, scale=1.0):
+    (y, aux), grads = got
+    (y_ref, aux_ref), grads_ref = want
+    assert_allclose(y, y_ref, dtype, scale=scale, err_msg="y")
+    np.testing.assert_array_equal(aux.tokens_per_expert, aux_ref.tokens_per_expert)
+    assert int(aux.dropped) == int(aux_ref.dropped)
+    for name in ("loss", "load_balancing_loss", "z_loss"):
+        assert_allclose(getattr(aux, name), getattr(aux_ref, name), jnp.float32, err_msg=name)
+    flat, _ = jax.tree_util.tree_flatten_with_path(grads)
+    for (path, g), g_ref in zip(flat, jax.tree.leaves(grads_ref), strict=True):
+        assert_allclose(g, g_ref, dtype, scale=4 * scale, err_msg=f"grad {path}")
+
+
+# -------------------------------------------------------------------------------------------------
+# Router and config.
+
+
+@pytest.mark.parametrize("normalize", [True, False], ids=["normalized", "raw"])
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_router_matches_float64(router, normalize):
+    cfg = MoEConfig(
+        num_experts=6, top_k=3, hidden=5, ffn_hidden=4, router=router, normalize_probs=normalize
+    )
+    tokens = np.random.default_rng(0).normal(size=(7, 5))
+    w = np.random.default_rng(1).normal(size=(5, 6))
+    logits, dist, ids, probs = expert._router(cfg, jnp.asarray(tokens), jnp.asarray(w))
+    z = tokens @ w
+    scores = (
+        np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+        if router == "softmax"
+        else 1 / (1 + np.exp(-z))
+    )
+    want_ids = np.argsort(-scores, axis=-1, kind="stable")[:, :3]
+    top = np.take_along_axis(scores, want_ids, -1)
+    if normalize:
+        top = top / top.sum(-1, keepdims=True)
+    np.testing.assert_array_equal(ids, want_ids)
+    assert_allclose(probs, top, jnp.float32)
+    assert_allclose(dist, scores / scores.sum(-1, keepdims=True), jnp.float32)
+    assert_allclose(logits, z, jnp.float32)
+
+
+def test_aux_losses_match_their_formulas():
+    cfg = _config("e8", top_k=2, capacity_factor=0.5, aux_loss_coef=0.1, z_loss_coef=0.01)
+    params = init_moe_params(jax.random.key(0), cfg)
+    x = jax.random.normal(jax.random.key(1), (16, 3, 32))
+    (_, aux), _ = _run(cfg, _mesh("e8"), params, x)
+    tokens = np.asarray(x, np.float64).reshape(-1, 32)
+    z = tokens @ np.asarray(params["router"], np.float64)
+    soft = np.exp(z - z.max(-1, keepdims=True))
+    soft /= soft.sum(-1, keepdims=True)
+    ids = np.argsort(-soft, axis=-1, kind="stable")[:, :2]
+    counts = np.bincount(ids.reshape(-1), minlength=16)
+    lb = 16 * np.sum(counts / (48 * 2) * soft.mean(0))
+    lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+    zl = np.mean(lse**2)
+    capacity = int(np.ceil(0.5 * 48 * 2 / 16))
+    np.testing.assert_array_equal(aux.tokens_per_expert, counts)
+    assert int(aux.dropped) == int(np.sum(np.maximum(counts - capacity, 0)))
+    assert_allclose(aux.load_balancing_loss, lb, jnp.float32)
+    assert_allclose(aux.z_loss, zl, jnp.float32)
+    assert_allclose(aux.loss, 0.1 * lb + 0.01 * zl, jnp.float32)
+
+
+# -------------------------------------------------------------------------------------------------
+# The layer vs the dense reference.
+
+
+@pytest.mark.parametrize("routing", ROUTINGS, ids=[f"top{k}-{r}-cf{cf}" for k, r, cf in ROUTINGS])
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_layer_matches_dense_reference(mesh_name, routing):
+    k, router, cf = routing
+    cfg = _config(mesh_name, top_k=k, router=router, capacity_factor=cf)
+    params = init_moe_params(jax.random.key(0), cfg)
+    x = jax.random.normal(jax.random.key(1), (16, 5, 32))
+    got = _run(cfg, _mesh(mesh_name), params, x)
+    want = _reference(cfg, params, x)
+    _compare(got, want)
+    if cf is not None:
+        assert int(got[0][1].dropped) > 0, "the capacity case must drop slots"
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu", "silu"])
+@pytest.mark.parametrize("align", [1, 16])
+def test_activations_and_alignment(activation, align):
+    cfg = _config("d2e4", activation=activation, align=align)
+    params = init_moe_params(jax.random.key(2), cfg)
+    x = jax.random.normal(jax.random.key(3), (8, 3, 32))
+    _compare(_run(cfg, _mesh("d2e4"), params, x), _reference(cfg, params, x))
+
+
+def test_bfloat16():
+    cfg = _config("d4e2", dtype=jnp.bfloat16)
+    params = init_moe_params(jax.random.key(4), cfg)
+    x = jax.random.normal(jax.random.key(5), (8, 4, 32), jnp.bfloat16)
+    got = _run(cfg, _mesh("d4e2"), params, x)
+    assert got[0][0].dtype == jnp.bfloat16
+    _compare(got, _reference(cfg, params, x), jnp.bfloat16, scale=2)
+
+
+def test_nothing_routed_to_most_experts_and_devices():
+    """All tokens pick experts 0 and 1 (both on the first device of the expert axis)."""
+    cfg = _config("e8", num_experts=16, top_k=2)
+    params = init_moe_params(jax.random.key(6), cfg)
+    router = jnp.full((32, 16), -4.0).at[:, :2].set(4.0).at[:, 1].set(3.0)
+    params = {**params, "router": router}
+    x = jnp.abs(jax.random.normal(jax.random.key(7), (16, 2, 32))) + 0.1
+    got = _run(cfg, _mesh("e8"), params, x)
+    counts = np.asarray(got[0][1].tokens_per_expert)
+    assert counts[:2].tolist() == [32, 32] and not counts[2:].any()
+    _compare(got, _reference(cfg, params, x))
+    # Experts that saw no token get a zero gradient, not garbage.
+    assert not np.asarray(got[1][0]["w_in"])[2:].any()
+
+
+def test_tiny_capacity_drops_almost_everything():
+    cfg = _config("d2e4", top_k=2, capacity_factor=0.01)
+    assert cfg.capacity(64) == 1
+    params = init_moe_params(jax.random.key(8), cfg)
+    x = jax.random.normal(jax.random.key(9), (8, 8, 32))
+    got = _run(cfg, _mesh("d2e4"), params, x)
+    counts = np.asarray(got[0][1].tokens_per_expert)
+    assert int(got[0][1].dropped) == int(np.sum(np.maximum(counts - 1, 0))) > 0
+    _compare(got, _reference(cfg, params, x))
+
+
+def test_kernels_off_matches_kernels_on():
+    cfg = _config("d2e4", top_k=2)
+    params = init_moe_params(jax.random.key(10), cfg)
+    x = jax.random.normal(jax.random.key(11), (8, 3, 32))
+    mesh = _mesh("d2e4")
+    on = _run(cfg, mesh, params, x, impl="ffi")
+    off = _run(cfg, mesh, params, x, impl="xla")
+    _compare(on, off)
+    with jaxops.default_impl("xla"):
+        text = jax.jit(lambda p, x: moe_layer(p, x, cfg, mesh=mesh)).lower(params, x).as_text()
+    assert "jaxops_moe" not in text
+    text = jax.jit(lambda p, x: moe_layer(p, x, cfg, mesh=mesh)).lower(params, x).as_text()
+    assert "jaxops_moe_permute" in text and "jaxops_moe_unpermute" in text
+
+
+def test_fp8_block():
+    kw = {"hidden": 256, "ffn_hidden": 128, "fp8": "block"}
+    cfg = _config("d2e4", **kw)
+    params = init_moe_params(jax.random.key(12), cfg)
+    x = jax.random.normal(jax.random.key(13), (8, 10, 256))
+    (y, _), grads = _run(cfg, _mesh("d2e4"), params, x)
+    (y8, _), grads8 = _reference(cfg, params, x)
+    (y32, _), grads32 = _reference(dataclasses.replace(cfg, fp8=None), params, x)
+
+    def rel(a, b):
+        return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
+
+    # The forward quantizes rows and weight tiles exactly as fp8.linear does: same numbers.
+    assert rel(y, y8) < 1e-5
+    assert rel(y, y32) < 0.1
+    for g, g32 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads32), strict=True):
+        assert rel(g, g32) < 0.1
+    assert rel(grads[0]["router"], grads8[0]["router"]) < 1e-4
+    # And it is really quantized: far from the fp32 result at FP8's resolution.
+    assert rel(y, y32) > 1e-3
+
+
+# -------------------------------------------------------------------------------------------------
+# The exchange.
+
+
+def _np_ragged_all_to_all(operands, outputs, in_off, send, out_off, recv):
+    """jax.lax.ragged_all_to_all's documented semantics, per device, in numpy."""
+    n = len(operands)
+    slices = len(in_off[0]) // n
+    results = [o.copy() for o in outputs]
+    for src in range(n):
+        for i in range(n * slices):
+            dst = i // slices
+            piece = operands[src][in_off[src][i] : in_off[src][i] + send[src][i]]
+            j = src * slices + i % slices  # this slice's index on the receiver
+            assert recv[dst][j] == send[src][i]
+            results[dst][out_off[src][i] : out_off[src][i] + send[src][i]] = piece
+    return results
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), slices=st.sampled_from([1, 2, 3]))
+def test_dense_exchange_has_ragged_all_to_all_semantics(data, slices):
+    n, rows, chunk = 8, 40, 12
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    send = np.zeros((n, n * slices), np.int32)
+    in_off = np.zeros_like(send)
+    for d in range(n):  # each device: random slice sizes, laid out with gaps in its operand
+        total = data.draw(st.integers(0, chunk))
+        sizes = rng.multinomial(total, [1 / (n * slices)] * n * slices)
+        gaps = rng.integers(0, 2, n * slices)
+        send[d] = sizes
+        in_off[d] = np.cumsum(sizes + gaps) - sizes
+    recv = np.zeros_like(send)
+    out_off = np.zeros_like(send)
+    for dst in range(n):
+        pos = 0
+        for src in range(n):
+            for s in range(slices):
+                size = send[src, dst * slices + s]
+                recv[dst, src * slices + s] = size
+                out_off[src, dst * slices + s] = pos
+                pos += size + 1  # a gap between received slices
+    out_rows = int(max(out_off.max() + send.max(), 1)) + 1
+    operands = rng.normal(size=(n, rows, 3)).astype(np.float32)
+    outputs = np.full((n, out_rows, 3), -1.0, np.float32)
+    want = _np_ragged_all_to_all(operands, outputs, in_off, send, out_off, recv)
+    mesh = jax.make_mesh((n,), ("x",))
+
+    def body(op, out, a, b, c, d):
+        return expert._ragged_all_to_all_dense(
+            op[0], out[0], a[0], b[0], c[0], d[0], axis_name="x", chunk=chunk
+        )[None]
+
+    args = jax.device_put(
+        (operands, outputs, in_off, send, out_off, recv), jax.NamedSharding(mesh, P("x"))
+    )
+    got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(*args)
+    np.testing.assert_array_equal(np.asarray(got), np.stack(want))
+
+
+def test_exchange_bounds():
+    cfg = MoEConfig(num_experts=16, top_k=8, hidden=8, ffn_hidden=8, align=16)
+    # 4 local experts: a token sends at most 4 rows to one device.
+    assert exchange_bounds(cfg, 100, 4) == (400, 4 * 400 + 4 * 15)
+    capped = dataclasses.replace(cfg, capacity_factor=1.0)
+    c = capped.capacity(400)  # ceil(400 * 8 / 16) = 200
+    assert c == 200
+    assert exchange_bounds(capped, 100, 4) == (400, 4 * 208)
+    tiny = dataclasses.replace(cfg, capacity_factor=0.01)
+    assert exchange_bounds(tiny, 100, 4) == (4 * 2, 4 * 16)
+
+
+def test_ragged_exchange_lowers_on_cpu():
+    """XLA:CPU cannot compile ragged_all_to_all, but the GPU program must trace and lower."""
+    cfg = _config("d2e4", exchange="ragged")
+    params = init_moe_params(jax.random.key(14), cfg)
+    x = jax.random.normal(jax.random.key(15), (8, 3, 32))
+    mesh = _mesh("d2e4")
+    fwd = jax.jit(lambda p, x: moe_layer(p, x, cfg, mesh=mesh)).lower(params, x).as_text()
+    assert fwd.count("ragged_all_to_all") == 2
+    loss = _loss(lambda p, x: moe_layer(p, x, cfg, mesh=mesh))
+    bwd = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).as_text()
+    assert bwd.count("ragged_all_to_all") == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", ROUTINGS, ids=[f"top{k}-{r}-cf{cf}" for k, r, cf in ROUTINGS])
+def test_gpu_ragged_exchange_matches_reference(routing):
+    k, router, cf = routing
+    n = len(jax.devices())
+    mesh = jax.make_mesh((n,), ("expert",))
+    cfg = MoEConfig(
+        num_experts=8 * n, top_k=k, hidden=32, ffn_hidden=24, router=router,
+        capacity_factor=cf, data_axes=(), dtype=jnp.float32, exchange="ragged",
+    )  # fmt: skip
+    params = init_moe_params(jax.random.key(16), cfg)
+    x = jax.random.normal(jax.random.key(17), (4 * n, 5, 32))
+    _compare(_run(cfg, mesh, params, x), _reference(cfg, params, x), scale=4)
+
+
+# -------------------------------------------------------------------------------------------------
+# Compiled program: collectives, retracing.
+
+
+def test_compiled_collectives_move_no_tokens_but_by_all_to_all():
+    cfg = _config("d2e4", top_k=2)
+    params = init_moe_params(jax.random.key(18), cfg)
+    x = jax.random.normal(jax.random.key(19), (8, 5, 32))
+    mesh = _mesh("d2e4")
+    step = jax.jit(
+        jax.value_and_grad(_loss(lambda p, x: moe_layer(p, x, cfg, mesh=mesh)), argnums=(0, 1))
+    )
+    hlo = step.lower(params, x).compile().as_text()
+    counts = count_collectives(hlo)
+    # Forward: tokens out and back; backward: the two transposed exchanges; plus 2 offset
+    # exchanges (s32). Router gradient: one all-reduce over the token axes.
+    data = [s for s in collective_shapes(hlo, "all-to-all") if "f32" in s]
+    ints = [s for s in collective_shapes(hlo, "all-to-all") if "f32" not in s]
+    assert len(data) == 4 and len(ints) == 2, counts
+    # Only the [N, 2, E] int32 counts are gathered: no token all-gather.
+    assert all(re.fullmatch(r"s32\[4,2,16\]\S*", s) for s in collective_shapes(hlo, "all-gather"))
+    for shape in collective_shapes(hlo, "all-reduce"):
+        assert not re.search(r"\[\d+,32\]", shape), f"tokens all-reduced: {shape}"
+
+
+def test_jit_does_not_retrace_per_step():
+    cfg = _config("e8")
+    mesh = _mesh("e8")
+    traces = []
+
+    @jax.jit
+    def step(params, x):
+        traces.append(1)
+        return jax.grad(_loss(lambda p, x: moe_layer(p, x, cfg, mesh=mesh)))(params, x)
+
+    specs = expert.moe_param_specs(cfg)
+    params = jax.device_put(
+        init_moe_params(jax.random.key(20), cfg),
+        {k: jax.NamedSharding(mesh, s) for k, s in specs.items()},
+    )
+    for i in range(3):
+        x = jax.random.normal(jax.random.key(21 + i), (8, 4, 32))
+        params = jax.tree.map(lambda p, g: p - 0.1 * g, params, step(params, x))
+    assert len(traces) == 1
+    # An equal config built again hits the same cache entry.
+    assert hash(cfg) == hash(_config("e8"))
+
+
+# -------------------------------------------------------------------------------------------------
+# Bad input.
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"top_k": 17}, ValueError, "top_k must be <= num_experts = 16"),
+        ({"top_k": 0}, ValueError, "top_k must be >= 1"),
+        ({"activation": "relu"}, ValueError, "activation must be one of"),
+        ({"router": "argmax"}, ValueError, "router must be one of"),
+        ({"capacity_factor": 0.0}, ValueError, "capacity_factor must be > 0"),
+        ({"capacity_factor": -1.0}, ValueError, "capacity_factor must be finite and >= 0"),
+        ({"fp8": "tensor"}, ValueError, "fp8 must be one of"),
+        ({"align": 0}, ValueError, "align must be >= 1"),
+        ({"dtype": jnp.int32}, TypeError, "dtype must be float32, bfloat16 or float16"),
+        ({"data_axes": ("expert",)}, ValueError, "data_axes must be mesh axis names other"),
+        ({"num_experts": 2.0}, TypeError, "num_experts must be an int"),
+    ],
+    ids=lambda v: str(v)[:40] if isinstance(v, dict) else "",
+)
+def test_bad_config(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        _config("e8", **kwargs)
+
+
+def test_bad_layer_input():
+    mesh = _mesh("d2e4")
+    cfg = _config("d2e4")
+    params = init_moe_params(jax.random.key(0), cfg)
+    x = jnp.ones((8, 32))
+    with pytest.raises(ValueError, match=r"num_experts = 10 must be divisible by the size 4"):
+        bad = _config("d2e4", num_experts=10)
+        moe_layer(init_moe_params(jax.random.key(0), bad), x, bad, mesh=mesh)
+    with pytest.raises(ValueError, match=r"the mesh has no axis 'batch' \(cfg.data_axes\)"):
+        moe_layer(params, x, dataclasses.replace(cfg, data_axes=("batch",)), mesh=mesh)
+    with pytest.raises(ValueError, match=r"no axis 'experts' \(cfg.expert_axis\)"):
+        moe_layer(params, x, dataclasses.replace(cfg, expert_axis="experts"), mesh=mesh)
+    with pytest.raises(ValueError, match=r"leading axis \(6\) must be divisible by the 8 devices"):
+        moe_layer(params, jnp.ones((6, 32)), cfg, mesh=mesh)
+    with pytest.raises(ValueError, match=r"H = cfg.hidden = 32, got \(8, 16\)"):
+        moe_layer(params, jnp.ones((8, 16)), cfg, mesh=mesh)
+    with pytest.raises(ValueError, match=r"params\['w_in'\] must have shape \(16, 32, 48\)"):
+        moe_layer({**params, "w_in": params["w_in"][:, :, :24]}, x, cfg, mesh=mesh)
+    with pytest.raises(ValueError, match=r"params must be a dict with keys"):
+        moe_layer({"router": params["router"]}, x, cfg, mesh=mesh)
+    with pytest.raises(TypeError, match=r"x must have dtype"):
+        moe_layer(params, x.astype(jnp.int32), cfg, mesh=mesh)
+    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh"):
+        moe_layer(params, x, cfg, mesh="d2e4")
+    with pytest.raises(TypeError, match=r"cfg must be a MoEConfig"):
+        moe_layer(params, x, {"num_experts": 16}, mesh=mesh)
+
+
+# -------------------------------------------------------------------------------------------------
+# Two processes.
+
+_TWO_PROCESS_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxops.parallel.expert import (
+    MoEConfig, init_moe_params, moe_layer, moe_layer_reference, moe_param_specs)
+
+mesh = jax.make_mesh((2, 2), ("data", "expert"))
+cfg = MoEConfig(num_experts=8, top_k=2, hidden=32, ffn_hidden=24, dtype=jnp.float32,
+                capacity_factor=float(ARGS[0]) if ARGS[0] != "none" else None)
+params = jax.tree.map(np.asarray, init_moe_params(jax.random.key(0), cfg))
+x = np.asarray(jax.random.normal(jax.random.key(1), (8, 5, 32)))
+weights = np.sin(np.arange(x.size, dtype=np.float32).reshape(x.shape) * 0.37)
+
+def loss(layer):
+    def f(p, x):
+        y, aux = layer(p, x)
+        return jnp.sum(y * weights) + aux.loss, (y, aux)
+    return f
+
+def put(a, spec):
+    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
+
+specs = moe_param_specs(cfg)
+gp = {k: put(v, specs[k]) for k, v in params.items()}
+gx = put(x, P(("data", "expert")))
+def value_and_grad(layer):
+    return jax.jit(jax.value_and_grad(loss(layer), argnums=(0, 1), has_aux=True))
+
+step = value_and_grad(lambda p, x: moe_layer(p, x, cfg, mesh=mesh))
+(l, (y, aux)), (gparams, gxg) = step(gp, gx)
+ref = value_and_grad(lambda p, x: moe_layer_reference(p, x, cfg))
+local = jax.local_devices()[0]  # the reference runs on one device of this process
+(l_r, (y_r, aux_r)), (gparams_r, gx_r) = ref(*jax.device_put((params, x), local))
+
+def check(glob, want, name):
+    for shard in glob.addressable_shards:
+        np.testing.assert_allclose(np.asarray(shard.data), np.asarray(want)[shard.index],
+                                   rtol=1e-4, atol=1e-5, err_msg=name)
+
+check(y, y_r, "y")
+check(gxg, gx_r, "dx")
+for k in params:
+    check(gparams[k], gparams_r[k], k)
+check(aux.tokens_per_expert, aux_r.tokens_per_expert, "tokens_per_expert")
+check(aux.dropped, aux_r.dropped, "dropped")
+check(l, l_r, "loss")
+print("OK", PROCESS_ID, int(np.asarray(aux.dropped.addressable_shards[0].data)))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("capacity", ["none", "0.5"])
+def test_two_processes_match_reference(capacity):
+    outputs = run_processes(_TWO_PROCESS_SCRIPT, 2, 2, args=(capacity,), timeout=240)
+    for i, out in enumerate(outputs):
+        last = out.strip().splitlines()[-1].split()
+        assert last[:2] == ["OK", str(i)], out
+        assert (int(last[2]) > 0) == (capacity != "none"), out
