@@ -52,11 +52,13 @@ from jaxops import _checks
 from jaxops import moe as _moe
 from jaxops._fp8 import dequantize, quantize, quantize_split_transpose
 from jaxops._gemm import _GRAD_AMAX_FLOOR
+from jaxops._sharding import cotangent_like, vary_like
 
 __all__ = [
     "ACTIVATIONS",
     "EXCHANGES",
     "ROUTERS",
+    "STAGES",
     "MoEAux",
     "MoEConfig",
     "exchange_bounds",
@@ -302,50 +304,115 @@ def _activate(cfg: MoEConfig, h: jax.Array) -> jax.Array:
     return jax.nn.silu(h)
 
 
-def _ragged_dot(x, w, group_sizes):
-    return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+# Grouped GEMM. Rows arrive grouped by local expert, each group padded to a multiple of the
+# plan's alignment. On GPU: jax.lax.ragged_dot. XLA:CPU lowers ragged_dot to one dense dot over
+# every group for every row (masked), L times the work; there the groups are padded to multiples
+# of a row tile and a loop runs one [tile, K] x [K, N] GEMM per tile in use (a dynamic trip count:
+# the work follows the rows actually received, not the buffer's worst-case size).
+
+_CPU_TILE = 32
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fp8_grouped(impl, x, w, group_sizes):
-    return _fp8_grouped_fwd(impl, x, w, group_sizes)[0]
+def _gmm(tile: int, x, w, groups) -> jax.Array:
+    """``y[rows of group l] = x[rows] @ w[l]``, float32 ``[R, N]``; padding rows give zeros."""
+    group_sizes, tile_group, n_tiles = groups
+    if tile == 0:
+        return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+
+    def body(i, out):
+        rows = jax.lax.dynamic_slice_in_dim(x, i * tile, tile)
+        y = jnp.dot(rows, w[tile_group[i]], preferred_element_type=jnp.float32)
+        return jax.lax.dynamic_update_slice_in_dim(out, y, i * tile, 0)
+
+    out = vary_like(jnp.zeros((x.shape[0], w.shape[2]), jnp.float32), x, w, tile_group)
+    return jax.lax.fori_loop(0, n_tiles, body, out)
 
 
-def _fp8_grouped_fwd(impl, x, w, group_sizes):
-    xq = dequantize(quantize(x, block=(1, _FP8_BLOCK), impl=impl), jnp.float32)
-    wq = dequantize(quantize(w, block=(_FP8_BLOCK, _FP8_BLOCK), impl=impl), jnp.float32)
-    return _ragged_dot(xq, wq, group_sizes), (x, wq, group_sizes)
+def _gmm_wgrad(tile: int, x, dy, groups, num_groups: int) -> jax.Array:
+    """``dw[l] = x[rows of l]^T @ dy[rows of l]``, float32 ``[L, K, N]``."""
+    group_sizes, tile_group, n_tiles = groups
+    shape = (num_groups, x.shape[1], dy.shape[1])
+    if tile == 0:
+        _, vjp = jax.vjp(
+            lambda w: jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32),
+            jnp.zeros(shape, x.dtype),
+        )
+        return vjp(dy.astype(jnp.float32))[0].astype(jnp.float32)
+
+    def body(i, dw):
+        rows = jax.lax.dynamic_slice_in_dim(x, i * tile, tile)
+        grad = jax.lax.dynamic_slice_in_dim(dy, i * tile, tile)
+        g = tile_group[i]
+        return dw.at[g].add(jnp.dot(rows.T, grad, preferred_element_type=jnp.float32))
+
+    dw = vary_like(jnp.zeros(shape, jnp.float32), x, dy, tile_group)
+    return jax.lax.fori_loop(0, n_tiles, body, dw)
 
 
-def _fp8_grouped_bwd(impl, saved, dy):
-    x, wq, group_sizes = saved
-    dyq = quantize(dy, block=(1, _FP8_BLOCK), amax_floor=_GRAD_AMAX_FLOOR, impl=impl)
-    # dgrad: dy @ w_e^T; 128 x 128 tiles read transposed are the tiles of w_e^T.
-    dx = _ragged_dot(dequantize(dyq, jnp.float32), jnp.swapaxes(wq, 1, 2), group_sizes)
-    # wgrad: x_e^T @ dy_e from per-expert transposes quantized in 128-token groups.
-    xs = quantize_split_transpose(x, group_sizes, impl=impl).dequantize(jnp.float32)
-    dys = quantize_split_transpose(
-        dy, group_sizes, amax_floor=_GRAD_AMAX_FLOOR, impl=impl
-    ).dequantize(jnp.float32)
-    _, vjp = jax.vjp(lambda w: _ragged_dot(xs, w, group_sizes), wq)
-    (dw,) = vjp(dys)
-    return dx.astype(x.dtype), dw.astype(x.dtype), None
+def _fp8_rows(impl, x, grad: bool = False) -> jax.Array:
+    floor = _GRAD_AMAX_FLOOR if grad else 1e-4
+    q = quantize(x, block=(1, _FP8_BLOCK), amax_floor=floor, impl=impl)
+    return dequantize(q, jnp.float32)
 
 
-_fp8_grouped.defvjp(_fp8_grouped_fwd, _fp8_grouped_bwd)
+def _fp8_split(impl, x, group_sizes, grad: bool = False) -> jax.Array:
+    floor = _GRAD_AMAX_FLOOR if grad else 1e-4
+    q = quantize_split_transpose(x, group_sizes, amax_floor=floor, impl=impl)
+    return q.dequantize(jnp.float32)
 
 
-def _grouped_ffn(cfg: MoEConfig, impl, rows, w_in, w_out, group_sizes) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _grouped_linear(tile: int, fp8: bool, impl, x, w, groups):
+    return _grouped_linear_fwd(tile, fp8, impl, x, w, groups)[0]
+
+
+def _grouped_linear_fwd(tile: int, fp8: bool, impl, x, w, groups):
+    if fp8:
+        xq = _fp8_rows(impl, x)
+        w = dequantize(quantize(w, block=(_FP8_BLOCK, _FP8_BLOCK), impl=impl), jnp.float32)
+        return _gmm(tile, xq, w, groups), (x, w, groups)
+    return _gmm(tile, x, w, groups), (x, w, groups)
+
+
+def _grouped_linear_bwd(tile: int, fp8: bool, impl, saved, dy):
+    x, w, groups = saved
+    if fp8:
+        # dgrad from 1 x 128 gradient groups and w's tiles read transposed; wgrad from
+        # per-expert transposes quantized in 128-token groups (DeepSeek-V3's recipe).
+        dyq = _fp8_rows(impl, dy, grad=True)
+        xs = _fp8_split(impl, x, groups[0])
+        dys = _fp8_split(impl, dy, groups[0], grad=True)
+    else:
+        dyq = dys = dy.astype(x.dtype)
+        xs = x
+    dx = _gmm(tile, dyq, jnp.swapaxes(w, 1, 2), groups)
+    dw = _gmm_wgrad(tile, xs, dys, groups, w.shape[0])
+    dx = cotangent_like(dx.astype(x.dtype), x)
+    return dx, cotangent_like(dw.astype(w.dtype), w), None
+
+
+_grouped_linear.defvjp(_grouped_linear_fwd, _grouped_linear_bwd)
+
+
+def _groups(tile: int, group_sizes: jax.Array, rows: int):
+    """(group_sizes, the group of each row tile, tiles in use) for :func:`_gmm`."""
+    if tile == 0:
+        return group_sizes, jnp.zeros((1,), jnp.int32), jnp.zeros((), jnp.int32)
+    ends = jnp.cumsum(group_sizes)
+    starts = jnp.arange(rows // tile, dtype=jnp.int32) * tile
+    tile_group = jnp.searchsorted(ends, starts, side="right").astype(jnp.int32)
+    tile_group = jnp.minimum(tile_group, group_sizes.shape[0] - 1)
+    return group_sizes, tile_group, (ends[-1] // tile).astype(jnp.int32)
+
+
+def _grouped_ffn(cfg: MoEConfig, tile: int, impl, rows, w_in, w_out, group_sizes) -> jax.Array:
     """Each group of rows through its expert's FFN: ``[R, H] -> [R, H]`` in cfg.dtype."""
-    w_in = w_in.astype(cfg.dtype)
-    w_out = w_out.astype(cfg.dtype)
-    if cfg.fp8 == "block":
-        h = _fp8_grouped(impl, rows, w_in, group_sizes)
-        a = _activate(cfg, h).astype(cfg.dtype)
-        return _fp8_grouped(impl, a, w_out, group_sizes).astype(cfg.dtype)
-    h = _ragged_dot(rows, w_in, group_sizes)
+    groups = _groups(tile, group_sizes, rows.shape[0])
+    fp8 = cfg.fp8 == "block"
+    h = _grouped_linear(tile, fp8, impl, rows, w_in.astype(cfg.dtype), groups)
     a = _activate(cfg, h).astype(cfg.dtype)
-    return _ragged_dot(a, w_out, group_sizes).astype(cfg.dtype)
+    out = _grouped_linear(tile, fp8, impl, a, w_out.astype(cfg.dtype), groups)
+    return out.astype(cfg.dtype)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -403,12 +470,18 @@ def _ragged_all_to_all_dense(
 
 
 def exchange_bounds(
-    cfg: MoEConfig, tokens_per_device: int, expert_axis_size: int, num_tokens: int | None = None
+    cfg: MoEConfig,
+    tokens_per_device: int,
+    expert_axis_size: int,
+    num_tokens: int | None = None,
+    *,
+    align: int | None = None,
 ) -> tuple[int, int]:
     """``(chunk, recv_rows)``: the static bounds of the exchange (see the module docstring).
 
     `num_tokens` is the global batch (for the capacity); default ``tokens_per_device`` times the
-    expert axis size.
+    expert axis size. `align` is the receiver's group alignment (default cfg.align; off GPU the
+    layer uses ``lcm(cfg.align, 32)`` for its row-tiled grouped GEMM).
 
     Example:
       >>> from jaxops.parallel.expert import MoEConfig, exchange_bounds
@@ -417,14 +490,15 @@ def exchange_bounds(
       (32768, 262264)
     """
     n, tl = expert_axis_size, tokens_per_device
+    align = cfg.align if align is None else align
     local = cfg.num_experts // n
     num_tokens = tl * n if num_tokens is None else num_tokens
     chunk = tl * min(cfg.top_k, local)
-    recv = n * chunk + local * (cfg.align - 1)
+    recv = n * chunk + local * (align - 1)
     c = cfg.capacity(num_tokens)
     if c is not None:
         chunk = min(chunk, local * min(c, tl))
-        recv = min(recv, local * _round_up(min(c, n * tl), cfg.align))
+        recv = min(recv, local * _round_up(min(c, n * tl), align))
     return max(chunk, 1), max(recv, 1)
 
 
@@ -436,7 +510,9 @@ class _Plan:
     capacity: int | None
     chunk: int
     recv_rows: int
-    ragged: bool
+    ragged: bool  # ragged_all_to_all, else its dense form
+    align: int  # receiver's group alignment
+    tile: int  # row tile of the grouped GEMM loop; 0: jax.lax.ragged_dot
 
 
 def _exchange(plan: _Plan, axis: str, operand, output, offsets):
@@ -480,8 +556,21 @@ def _offsets(plan: _Plan, align: int, me, counts_all, kept_all):
 # The layer.
 
 
-def _local_layer(cfg: MoEConfig, plan: _Plan, impl, params, x):
-    """The per-device body of :func:`moe_layer` (inside shard_map)."""
+#: The layer's stages, in order (the benchmark's time split).
+STAGES = ("router", "permute", "exchange", "ffn", "combine")
+
+
+def _probe(*values) -> jax.Array:
+    """One float32 per device that depends on every value (the benchmark's stage cut)."""
+    return sum(jnp.sum(v.astype(jnp.float32)) for v in values).reshape(1)
+
+
+def _local_layer(cfg: MoEConfig, plan: _Plan, impl, params, x, upto: str = "combine"):
+    """The per-device body of :func:`moe_layer` (inside shard_map).
+
+    With `upto` before "combine" it stops after that stage and returns :func:`_probe` of the
+    stage's results (for the benchmark's time split).
+    """
     h = x.shape[-1]
     tokens = x.reshape(-1, h)
     e, axis, token_axes = cfg.num_experts, cfg.expert_axis, cfg.token_axes
@@ -505,14 +594,22 @@ def _local_layer(cfg: MoEConfig, plan: _Plan, impl, params, x):
         token_axes,
     )
     aux = _aux(cfg, *stats, plan.num_tokens)
+    if upto == "router":
+        return _probe(probs, aux.loss, kept)
 
     permuted = _moe.permute(tokens.astype(cfg.dtype), ids, e, impl=impl)
+    if upto == "permute":
+        return _probe(probs, aux.loss, kept, permuted.tokens)
     both = jax.lax.all_gather(jnp.stack([counts, kept]), axis)  # [N, 2, E]
     me = jax.lax.axis_index(axis)
-    forward, backward, group_sizes = _offsets(plan, cfg.align, me, both[:, 0], both[:, 1])
+    forward, backward, group_sizes = _offsets(plan, plan.align, me, both[:, 0], both[:, 1])
     recv = jnp.zeros((plan.recv_rows, h), cfg.dtype)
     rows = _exchange(plan, axis, permuted.tokens, recv, forward)
-    out = _grouped_ffn(cfg, impl, rows, params["w_in"], params["w_out"], group_sizes)
+    if upto == "exchange":
+        return _probe(probs, aux.loss, rows)
+    out = _grouped_ffn(cfg, plan.tile, impl, rows, params["w_in"], params["w_out"], group_sizes)
+    if upto == "ffn":
+        return _probe(probs, aux.loss, out)
     back = jnp.zeros(permuted.tokens.shape, cfg.dtype)
     returned = _exchange(plan, axis, out, back, backward)
     y = _moe.unpermute(returned, permuted, probs=probs, impl=impl)
@@ -569,6 +666,46 @@ def _place(tree, mesh, specs):
     return jax.tree.map(lambda a, s: jax.reshard(a, NamedSharding(mesh, s)), tree, specs)
 
 
+def _prepare(name: str, params, x, cfg: MoEConfig, mesh):
+    """Validates the layer's arguments; (params, x) placed for shard_map, the plan and specs."""
+    op = f"jaxops.parallel.expert.{name}"
+    if not isinstance(cfg, MoEConfig):
+        raise TypeError(f"{op}: cfg must be a MoEConfig, got {type(cfg).__name__}")
+    params = _check_params(op, params, cfg)
+    x = _checks.check_array(op, "x", x, min_rank=2)
+    if x.shape[-1] != cfg.hidden:
+        raise ValueError(
+            f"{op}: x must have shape (B, ..., H) with H = cfg.hidden = {cfg.hidden}, "
+            f"got {tuple(x.shape)}"
+        )
+    n, shards = _check_mesh(op, mesh, cfg)
+    if x.shape[0] % shards:
+        raise ValueError(
+            f"{op}: x's leading axis ({x.shape[0]}) must be divisible by the {shards} devices "
+            f"of the token axes {cfg.token_axes}"
+        )
+    num_tokens = math.prod(x.shape[:-1])
+    gpu = _platform(mesh) == "gpu"
+    ragged = cfg.exchange == "ragged" or (cfg.exchange == "auto" and gpu)
+    tile = 0 if gpu else _CPU_TILE
+    align = cfg.align if gpu else math.lcm(cfg.align, tile)
+    chunk, recv_rows = exchange_bounds(cfg, num_tokens // shards, n, num_tokens, align=align)
+    plan = _Plan(
+        n=n,
+        local=cfg.num_experts // n,
+        num_tokens=num_tokens,
+        capacity=cfg.capacity(num_tokens),
+        chunk=chunk,
+        recv_rows=_round_up(recv_rows, max(tile, 1)),
+        ragged=ragged,
+        align=align,
+        tile=tile,
+    )
+    x_spec = P(cfg.token_axes)
+    specs = moe_param_specs(cfg)
+    return _place(params, mesh, specs), _place(x, mesh, x_spec), plan, specs, x_spec
+
+
 def moe_layer(
     params: dict[str, jax.Array],
     x: jax.Array,
@@ -610,37 +747,30 @@ def moe_layer(
       >>> y.shape, y.dtype, int(aux.tokens_per_expert.sum())
       ((8, 16, 64), dtype(bfloat16), 256)
     """
-    op = "jaxops.parallel.expert.moe_layer"
-    if not isinstance(cfg, MoEConfig):
-        raise TypeError(f"{op}: cfg must be a MoEConfig, got {type(cfg).__name__}")
-    params = _check_params(op, params, cfg)
-    x = _checks.check_array(op, "x", x, min_rank=2)
-    if x.shape[-1] != cfg.hidden:
-        raise ValueError(
-            f"{op}: x must have shape (B, ..., H) with H = cfg.hidden = {cfg.hidden}, "
-            f"got {tuple(x.shape)}"
-        )
-    n, shards = _check_mesh(op, mesh, cfg)
-    if x.shape[0] % shards:
-        raise ValueError(
-            f"{op}: x's leading axis ({x.shape[0]}) must be divisible by the {shards} devices "
-            f"of the token axes {cfg.token_axes}"
-        )
-    num_tokens = math.prod(x.shape[:-1])
-    tokens_per_device = num_tokens // shards
-    ragged = cfg.exchange == "ragged" or (cfg.exchange == "auto" and _platform(mesh) == "gpu")
-    chunk, recv_rows = exchange_bounds(cfg, tokens_per_device, n, num_tokens)
-    plan = _Plan(
-        n, cfg.num_experts // n, num_tokens, cfg.capacity(num_tokens), chunk, recv_rows, ragged
-    )
-    x_spec = P(cfg.token_axes)
-    specs = moe_param_specs(cfg)
-    params = _place(params, mesh, specs)
-    x = _place(x, mesh, x_spec)
+    params, x, plan, specs, x_spec = _prepare("moe_layer", params, x, cfg, mesh)
     aux_specs = MoEAux(P(), P(), P(), P(), P())
     body = functools.partial(_local_layer, cfg, plan, impl)
     return jax.shard_map(
         body, mesh=mesh, in_specs=(specs, x_spec), out_specs=(x_spec, aux_specs), check_vma=True
+    )(params, x)
+
+
+def _stage_probe(params, x, cfg: MoEConfig, *, mesh, upto: str, impl: str | None = None):
+    """The layer cut after stage `upto` (one of :data:`STAGES`): a float32 per token shard.
+
+    For benchmarks: timing the cuts one after another splits the layer's time into router /
+    permute / exchange / FFN / combine (exchange back + unpermute).
+    """
+    if upto not in STAGES:
+        raise ValueError(f"_stage_probe: upto must be one of {STAGES}, got {upto!r}")
+    params, x, plan, specs, x_spec = _prepare("_stage_probe", params, x, cfg, mesh)
+
+    def body(p, x):
+        out = _local_layer(cfg, plan, impl, p, x, upto=upto)
+        return _probe(out[0]) if upto == "combine" else out  # the whole layer, reduced alike
+
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(specs, x_spec), out_specs=P(cfg.token_axes), check_vma=True
     )(params, x)
 
 
@@ -674,9 +804,8 @@ def moe_layer_reference(
     logits, dist, ids, probs = _router(cfg, tokens, params["router"])
     slot_expert = ids.reshape(-1)
     onehot = slot_expert[:, None] == jnp.arange(e)[None, :]  # [T*K, E], slot order
-    rank = jnp.cumsum(onehot, axis=0) - 1
     cap = cfg.capacity(t)
-    keep = onehot if cap is None else onehot & (rank < cap)
+    keep = onehot if cap is None else onehot & (jnp.cumsum(onehot, axis=0) <= cap)
     weight = jnp.where(keep, probs.reshape(-1)[:, None], 0.0).reshape(t, k, e).sum(axis=1)
     xs = tokens.astype(cfg.dtype)
     y = jnp.zeros((t, cfg.hidden), jnp.float32)
