@@ -8,7 +8,7 @@ replicated over the data axes. On every device::
     router (fp32 logits, top-k)          [T, H] -> expert_ids, probs [T, K]
     jaxops.moe.permute                   tokens grouped by expert          [T*K, H]
     exchange along the expert axis       each expert's rows to its device  [R_recv, H]
-    grouped FFN (jax.lax.ragged_dot)     every local expert at once        [R_recv, H]
+    grouped FFN (one grouped GEMM)       every local expert at once        [R_recv, H]
     exchange back                        rows to the devices they came from
     jaxops.moe.unpermute(probs)          weighted sum per token            [T, H]
 
@@ -19,6 +19,9 @@ rows from sender 0, then sender 1, ..., zero-padded to a multiple of ``align``):
 before the grouped GEMM. On GPU the exchange is ``jax.lax.ragged_all_to_all``; XLA:CPU has no
 ragged all-to-all, so there :func:`_ragged_all_to_all_dense` reproduces its exact semantics with a
 dense ``all_to_all`` of per-destination chunks plus a scatter. One function picks by platform.
+The grouped GEMM is ``jax.lax.ragged_dot`` on GPU; XLA:CPU's ragged_dot computes every group for
+every row (L times the work), so there groups are padded to 32-row tiles (``align`` becomes
+``lcm(align, 32)``) and a loop runs one GEMM per tile in use.
 
 Buffer sizes are static and never overflow (``Tl`` tokens per device, N devices on the expert
 axis, L local experts; top-k experts of a token are distinct, so a token sends at most
