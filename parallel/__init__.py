@@ -1,5 +1,8 @@
 """jaxops.parallel: expert and pipeline parallelism and sharded checkpointing.
 
+- :mod:`jaxops.parallel.expert`: the expert-parallel MoE layer (``MoEConfig``,
+  ``init_moe_params``, ``moe_layer``, its dense twin ``moe_layer_reference``).
+
 The sources live in the repository's top-level ``parallel/`` folder and are installed as
 ``jaxops.parallel``; there is no top-level module named ``parallel``. (An editable install puts
 the repository root on ``sys.path``, so the folder could be found as ``parallel``: importing it
@@ -12,4 +15,6 @@ if __name__ != "jaxops.parallel":
         "use `import jaxops.parallel`"
     )
 
-__all__: list[str] = []
+from jaxops.parallel import expert
+
+__all__ = ["expert"]
