@@ -55,6 +55,7 @@ from jaxops import _checks
 from jaxops import moe as _moe
 from jaxops._fp8 import dequantize, quantize, quantize_split_transpose
 from jaxops._gemm import _GRAD_AMAX_FLOOR
+from jaxops._moe import _round_up, _take_rows
 from jaxops._sharding import cotangent_like, vary_like
 
 __all__ = [
@@ -76,10 +77,6 @@ ROUTERS = ("softmax", "sigmoid")
 EXCHANGES = ("auto", "ragged", "dense")
 _FP8_RECIPES = (None, "block")
 _FP8_BLOCK = 128
-
-
-def _round_up(a: int, b: int) -> int:
-    return -(-a // b) * b
 
 
 def _static_int(name: str, value: Any, minimum: int) -> int:
@@ -457,9 +454,7 @@ def _ragged_all_to_all_dense(
     idx, start, valid = _slice_of_row(sizes, chunk)
     s = jnp.arange(chunk, dtype=jnp.int32)
     src = jnp.take_along_axis(input_offsets.reshape(n, slices), idx, axis=1) + s - start
-    rows = operand[jnp.where(valid, src, 0)]
-    mask = valid.reshape(valid.shape + (1,) * (operand.ndim - 1))
-    packed = jnp.where(mask, rows, jnp.zeros((), operand.dtype))
+    packed = _take_rows(operand, src, valid)
     received = jax.lax.all_to_all(packed, axis_name, 0, 0, tiled=False)
     their_offsets = jax.lax.all_to_all(
         output_offsets.reshape(n, slices), axis_name, 0, 0, tiled=False
