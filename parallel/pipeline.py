@@ -159,8 +159,10 @@ def _device_orders(
 
 
 def _simulate(orders: list[list[tuple[int, int, int]]], p: int, v: int) -> np.ndarray:
-    """``[T, P, 3]`` int32 (kind, microbatch, chunk): every device runs its next op as soon as its
-    input arrived (an activation or gradient sent at tick t can be used from tick t + 1).
+    """``[T, P, 3]`` int32 (kind, microbatch, chunk) of the schedule.
+
+    Every device runs its next op as soon as its input arrived (an activation or gradient sent
+    at tick t can be used from tick t + 1).
     """
     last = p * v - 1
     done: dict[tuple[int, int, int], int] = {}
@@ -424,8 +426,9 @@ _COLUMNS = 13
 
 
 def _allocate(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
-    """Slots for values written at the end of tick w and read during tick r > w (a slot is free
-    again for a value written at the end of tick r): the greedy interval colouring.
+    """Slots for values written at the end of tick w and read during tick r > w.
+
+    A slot is free again for a value written at the end of tick r: greedy interval colouring.
     """
     slot_free_after: list[int] = []
     slots: dict[Any, int] = {}
@@ -764,7 +767,9 @@ def _stage_vjp_fn(stage_fn: Callable, remat: Any) -> Callable:
 
 
 def _split_residuals(vjp_fn: Any, params: Any) -> tuple[list, Any, list[int | None]]:
-    """The vjp's residual leaves that are not the params themselves (those get stashed), its
+    """Splits a vjp function into what a stage stashes and how to rebuild it.
+
+    Returns the residual leaves that are not the params themselves (those get stashed), the
     treedef, and for each residual leaf the index of the param leaf it is (None: stashed).
     """
     leaves, treedef = jax.tree.flatten(vjp_fn)
