@@ -2,6 +2,9 @@
 
 - :mod:`jaxops.parallel.expert`: the expert-parallel MoE layer (``MoEConfig``,
   ``init_moe_params``, ``moe_layer``, its dense twin ``moe_layer_reference``).
+- :mod:`jaxops.parallel.pipeline`: pipeline parallelism in one jit (``pipeline_step`` with the
+  "gpipe", "1f1b" and "interleaved" schedules, ``pipeline_forward``, ``schedule_table``,
+  ``plot_schedule``).
 
 The sources live in the repository's top-level ``parallel/`` folder and are installed as
 ``jaxops.parallel``; there is no top-level module named ``parallel``. (An editable install puts
@@ -15,6 +18,6 @@ if __name__ != "jaxops.parallel":
         "use `import jaxops.parallel`"
     )
 
-from jaxops.parallel import expert
+from jaxops.parallel import expert, pipeline
 
-__all__ = ["expert"]
+__all__ = ["expert", "pipeline"]

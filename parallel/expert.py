@@ -664,31 +664,14 @@ def _place(tree, mesh, specs):
     return jax.tree.map(lambda a, s: jax.reshard(a, NamedSharding(mesh, s)), tree, specs)
 
 
-def _prepare(name: str, params, x, cfg: MoEConfig, mesh):
-    """Validates the layer's arguments; (params, x) placed for shard_map, the plan and specs."""
-    op = f"jaxops.parallel.expert.{name}"
-    if not isinstance(cfg, MoEConfig):
-        raise TypeError(f"{op}: cfg must be a MoEConfig, got {type(cfg).__name__}")
-    params = _check_params(op, params, cfg)
-    x = _checks.check_array(op, "x", x, min_rank=2)
-    if x.shape[-1] != cfg.hidden:
-        raise ValueError(
-            f"{op}: x must have shape (B, ..., H) with H = cfg.hidden = {cfg.hidden}, "
-            f"got {tuple(x.shape)}"
-        )
-    n, shards = _check_mesh(op, mesh, cfg)
-    if x.shape[0] % shards:
-        raise ValueError(
-            f"{op}: x's leading axis ({x.shape[0]}) must be divisible by the {shards} devices "
-            f"of the token axes {cfg.token_axes}"
-        )
-    num_tokens = math.prod(x.shape[:-1])
+def _plan(cfg: MoEConfig, mesh, n: int, shards: int, num_tokens: int) -> _Plan:
+    """Static buffer sizes and kernel choices for `num_tokens` tokens in all."""
     gpu = _platform(mesh) == "gpu"
     ragged = cfg.exchange == "ragged" or (cfg.exchange == "auto" and gpu)
     tile = 0 if gpu else _CPU_TILE
     align = cfg.align if gpu else math.lcm(cfg.align, tile)
     chunk, recv_rows = exchange_bounds(cfg, num_tokens // shards, n, num_tokens, align=align)
-    plan = _Plan(
+    return _Plan(
         n=n,
         local=cfg.num_experts // n,
         num_tokens=num_tokens,
@@ -699,9 +682,69 @@ def _prepare(name: str, params, x, cfg: MoEConfig, mesh):
         align=align,
         tile=tile,
     )
+
+
+def _check_x(op: str, x, cfg: MoEConfig) -> jax.Array:
+    x = _checks.check_array(op, "x", x, min_rank=2)
+    if x.shape[-1] != cfg.hidden:
+        raise ValueError(
+            f"{op}: x must have shape (B, ..., H) with H = cfg.hidden = {cfg.hidden}, "
+            f"got {tuple(x.shape)}"
+        )
+    return x
+
+
+def _prepare(name: str, params, x, cfg: MoEConfig, mesh):
+    """Validates the layer's arguments; (params, x) placed for shard_map, the plan and specs."""
+    op = f"jaxops.parallel.expert.{name}"
+    if not isinstance(cfg, MoEConfig):
+        raise TypeError(f"{op}: cfg must be a MoEConfig, got {type(cfg).__name__}")
+    params = _check_params(op, params, cfg)
+    x = _check_x(op, x, cfg)
+    n, shards = _check_mesh(op, mesh, cfg)
+    if x.shape[0] % shards:
+        raise ValueError(
+            f"{op}: x's leading axis ({x.shape[0]}) must be divisible by the {shards} devices "
+            f"of the token axes {cfg.token_axes}"
+        )
+    plan = _plan(cfg, mesh, n, shards, math.prod(x.shape[:-1]))
     x_spec = P(cfg.token_axes)
     specs = moe_param_specs(cfg)
     return _place(params, mesh, specs), _place(x, mesh, x_spec), plan, specs, x_spec
+
+
+def _inside_shard_map(cfg: MoEConfig) -> bool:
+    """Whether the layer is called where cfg's token axes are already manual (shard_map)."""
+    manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ()
+    inside = [a in manual for a in cfg.token_axes]
+    if any(inside) and not all(inside):
+        raise ValueError(
+            f"jaxops.parallel.expert.moe_layer: inside a shard_map, all of cfg's token axes "
+            f"{cfg.token_axes} must be manual, got manual axes {tuple(manual)}"
+        )
+    return all(inside)
+
+
+def _local_call(params, x, cfg: MoEConfig, mesh, impl):
+    """The layer on this device's shards, inside an enclosing shard_map over cfg's axes."""
+    op = "jaxops.parallel.expert.moe_layer"
+    n, shards = _check_mesh(op, mesh, cfg)
+    local = cfg.num_experts // n
+    for name, shape in {
+        "router": (cfg.hidden, cfg.num_experts),
+        "w_in": (local, cfg.hidden, cfg.w_in_width),
+        "w_out": (local, cfg.ffn_hidden, cfg.hidden),
+    }.items():
+        arr = params.get(name) if isinstance(params, dict) else None
+        if arr is None or tuple(arr.shape) != shape:
+            got = None if arr is None else tuple(arr.shape)
+            raise ValueError(
+                f"{op}: inside a shard_map over {cfg.token_axes}, params[{name!r}] must be this "
+                f"device's shard of shape {shape} (moe_param_specs), got {got}"
+            )
+    x = _check_x(op, x, cfg)
+    plan = _plan(cfg, mesh, n, shards, math.prod(x.shape[:-1]) * shards)
+    return _local_layer(cfg, plan, impl, params, x)
 
 
 def moe_layer(
@@ -717,6 +760,11 @@ def moe_layer(
     Runs as one ``shard_map`` over `mesh` (see the module docstring for the data flow, buffer
     bounds and capacity semantics). Differentiable in params and x (router gradients come through
     the probabilities and the auxiliary losses). Call it under ``jax.jit``.
+
+    Inside an enclosing ``shard_map`` in which cfg's token axes are already manual (a stage of
+    :func:`jaxops.parallel.pipeline.pipeline_step`, say), the layer runs directly on this
+    device's shards: `params` are then the shards of :func:`moe_param_specs` (``E / N`` local
+    experts) and `x` this device's tokens.
 
     Args:
       params: from :func:`init_moe_params` (float32 or cfg.dtype; any placement, resharded to
@@ -745,6 +793,8 @@ def moe_layer(
       >>> y.shape, y.dtype, int(aux.tokens_per_expert.sum())
       ((8, 16, 64), dtype(bfloat16), 256)
     """
+    if isinstance(cfg, MoEConfig) and _inside_shard_map(cfg):
+        return _local_call(params, x, cfg, mesh, impl)
     params, x, plan, specs, x_spec = _prepare("moe_layer", params, x, cfg, mesh)
     aux_specs = MoEAux(P(), P(), P(), P(), P())
     body = functools.partial(_local_layer, cfg, plan, impl)

@@ -66,6 +66,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxops import _checks
 from jaxops._sharding import vary_like
 
 __all__ = [
@@ -302,7 +303,7 @@ def schedule_table(
       (22, 0.273, 4)
       >>> print(schedule_table("1f1b", 2, 3))
       1f1b: P=2 M=3 V=1, 8 ticks, bubble 0.250
-      d0: F0 F1  .  B0 F2 B1  . B2
+      d0: F0 F1  . B0 F2 B1  . B2
       d1:  . F0 B0 F1 B1 F2 B2  .
     """
     args = _check_schedule(
@@ -575,8 +576,9 @@ class PipelineGrads(NamedTuple):
     Attributes:
       stage_params: like ``stage_params`` (same layout, dtypes and sharding).
       loss_params: like ``loss_params`` (None when it was None).
-      inputs: like ``inputs``.
-      targets: like ``targets``; integer leaves get ``float0`` zeros, as ``jax.grad`` gives them.
+      inputs: like ``inputs`` (None with ``input_grads=False``).
+      targets: like ``targets``; integer leaves get ``float0`` zeros, as ``jax.grad`` gives them
+        (None with ``input_grads=False`` or without targets).
     """
 
     stage_params: Any
@@ -690,11 +692,10 @@ def _setup(
                 f"PartitionSpec per leaf: {e}"
             ) from None
         for spec in jax.tree.leaves(param_specs, is_leaf=lambda s: isinstance(s, P)):
-            used = [a for e in spec[1:] for a in (e if isinstance(e, tuple) else (e,)) if a]
-            if set(used) & ({axis} | set(data_axes)):
+            if axis in _spec_axes(P(*spec[1:])):
                 raise ValueError(
-                    f"{op}: param_specs may shard a stage's params over mesh axes other than "
-                    f"the pipeline axis {axis!r} and data_axes {data_axes}; got {spec[1:]}"
+                    f"{op}: param_specs shard a stage's params within the stage, over mesh axes "
+                    f"other than the pipeline axis {axis!r}; got {P(*spec[1:])}"
                 )
     return _Setup(
         op=op,
@@ -816,6 +817,7 @@ def _run(
     loss_fn: Callable | None,
     remat: Any,
     has_aux: bool,
+    input_grads: bool,
     params: Any,
     loss_params: Any,
     inputs: Any,
@@ -973,10 +975,11 @@ def _run(
                 out["dp"],
             ),
             "dlp": jax.tree.map(jnp.add, c["dlp"], out["dlp"]),
-            "din": _put(c["din"], row[_IN_STORE], out["dx"]),
-            "dt": _put(c["dt"], row[_OUT_STORE], out["dt"]),
             "loss": c["loss"] + out["loss"],
         }
+        if input_grads:
+            new["din"] = _put(c["din"], row[_IN_STORE], out["dx"])
+            new["dt"] = _put(c["dt"], row[_OUT_STORE], out["dt"])
         return new, None
 
     init = {
@@ -985,10 +988,11 @@ def _run(
         "stash": _buffer(prog.stash_slots + 1, res0),
         "gacc": jax.tree.map(lambda a: jnp.zeros((v, *a.shape), a.dtype), types["dp"]),
         "dlp": zeros["dlp"],
-        "din": _buffer(m + 1, x0),
-        "dt": _buffer(m + 1, dt0),
         "loss": zeros["loss"],
     }
+    if input_grads:  # [M, ...]: these grow with the batch, like the inputs
+        init["din"] = _buffer(m + 1, x0)
+        init["dt"] = _buffer(m + 1, dt0)
     init["gacc"] = _conform(init["gacc"], jax.tree.map(lambda a: a[None], types["dp"]))
     final, _ = jax.lax.scan(tick, init, rows)
 
@@ -998,6 +1002,8 @@ def _run(
     )
     dlp = jax.lax.psum(final["dlp"], everywhere)
     # Input gradients live on the device of stage 0, target gradients on that of the last stage.
+    if not input_grads:
+        return loss, dparams, dlp
     din = jax.tree.map(lambda a: jnp.where(me == 0, a[:m], 0), final["din"])
     din = jax.lax.psum(din, axis)
     dt = jax.tree.map(lambda a: jnp.where(me == p - 1, a[:m], 0), final["dt"])
@@ -1055,6 +1061,7 @@ def pipeline_step(
     remat: bool | Callable = False,
     has_aux: bool = False,
     param_specs: Any = None,
+    input_grads: bool = True,
 ) -> tuple[jax.Array, PipelineGrads]:
     """Loss and gradients of a pipelined model, in one ``shard_map`` (call it under ``jax.jit``).
 
@@ -1087,7 +1094,12 @@ def pipeline_step(
       has_aux: stage_fn returns ``(x, aux_loss)``; the scalar aux losses of all stages are added
         to the loss (averaged over microbatches like it), e.g. MoE load-balancing losses.
       param_specs: pytree like one stage's params of PartitionSpecs for the dims after the
-        stage axis, over mesh axes other than `axis` and `data_axes` (default: replicated).
+        stage axis, over mesh axes other than `axis` (default: replicated). A leaf sharded over
+        a data axis is a different parameter on each device of it (the experts of an
+        expert-parallel layer, whose tokens are split over that axis too): its gradient is not
+        reduced over that axis; the gradients of leaves replicated over a data axis are.
+      input_grads: also return the gradients of inputs and targets. They are as large as the
+        batch (buffers that grow with M); without them the step's memory does not.
 
     Returns:
       ``(loss, grads)``: the float32 loss and a :class:`PipelineGrads` (``grads.stage_params``
@@ -1141,12 +1153,18 @@ def pipeline_step(
     dt_specs = [batch for _ in _float_leaves(targets)]
     out_specs = (P(), setup.param_specs, in_specs[1], in_specs[2], dt_specs)
     args = _place((stage_params, loss_params, inputs, targets), mesh, in_specs)
-    body = functools.partial(_run, setup, stage_fn, loss_fn, remat, has_aux)
-    loss, dparams, dlp, din, dt = jax.shard_map(
+    input_grads = _checks.check_bool(op, "input_grads", input_grads)
+    body = functools.partial(_run, setup, stage_fn, loss_fn, remat, has_aux, input_grads)
+    if not input_grads:
+        out_specs = out_specs[:3]
+    results = jax.shard_map(
         body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True
     )(*args)
     cast = functools.partial(jax.tree.map, lambda g, a: g.astype(a.dtype))
-    dparams, dlp, din = cast(dparams, stage_params), cast(dlp, loss_params), cast(din, inputs)
+    loss, dparams, dlp = results[0], cast(results[1], stage_params), cast(results[2], loss_params)
+    if not input_grads:
+        return loss, PipelineGrads(dparams, dlp, None, None)
+    din, dt = cast(results[3], inputs), results[4]
     dt = [g.astype(a.dtype) for g, a in zip(dt, _float_leaves(targets), strict=True)]
     dtargets = _float0_like(targets, dt) if targets is not None else None
     return loss, PipelineGrads(dparams, dlp, din, dtargets)
@@ -1218,7 +1236,7 @@ def pipeline_forward(
     args = _place((stage_params, inputs), mesh, in_specs)
 
     def body(params, inputs):
-        return _run(setup, stage_fn, None, False, has_aux, params, None, inputs, None)
+        return _run(setup, stage_fn, None, False, has_aux, False, params, None, inputs, None)
 
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=in_specs[1], check_vma=True)(
         *args
