@@ -361,11 +361,9 @@ def plot_schedule(
             "jaxops.parallel.pipeline.plot_schedule: table must be a ScheduleTable or a "
             f"schedule name, got {type(table).__name__}"
         )
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
+    import matplotlib  # a Figure without pyplot: no backend switch, nothing shown
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
+    from matplotlib.patches import Patch, Rectangle
 
     p, t = table.num_stages, table.num_ticks
     fig = Figure(figsize=(min(2 + 0.28 * t, 40), 1 + 0.45 * p), dpi=100)
@@ -381,7 +379,7 @@ def plot_schedule(
             else:
                 shade = 0.45 + 0.4 * int(table.chunk[tick, d]) / max(v - 1, 1)
                 color = (forward if k == FORWARD else backward)(shade)
-            ax.add_patch(matplotlib.patches.Rectangle((tick, d), 1, 1, color=color, lw=0))
+            ax.add_patch(Rectangle((tick, d), 1, 1, color=color, lw=0))
             if k != IDLE and t <= 80:
                 ax.text(
                     tick + 0.5,
