@@ -29,7 +29,7 @@ schedule        order on each device             stashed microbatches per device
 "1f1b"          warm-up ``P - d - 1`` forwards,  at most ``P`` (independent of M)
                 then one forward / one backward
 "interleaved"   Megatron-LM's interleaved 1F1B   at most ``2 (P - 1) + (V - 1) P + 1``
-                over V chunks per device         chunk inputs (independent of M)
+                over V chunks per device         microbatch-chunks (independent of M)
 ==============  ===============================  =====================================
 
 With P devices, M microbatches and V virtual stages every schedule takes ``2 (V M + P - 1)``
@@ -67,7 +67,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxops import _checks
-from jaxops._sharding import vary_like
+from jaxops._sharding import vary_like, varying_axes
 
 __all__ = [
     "SCHEDULES",
@@ -1011,8 +1011,6 @@ def _run(
 
 
 def _vma(x: Any) -> set[str]:
-    from jaxops._sharding import varying_axes
-
     return set(varying_axes(x))
 
 
