@@ -13,7 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["FLOAT_DTYPES", "check_array", "check_bool", "check_positive_float", "dtype_name"]
+__all__ = [
+    "FLOAT_DTYPES",
+    "check_array",
+    "check_bool",
+    "check_int",
+    "check_positive_float",
+    "dtype_name",
+]
 
 FLOAT_DTYPES: tuple[np.dtype, ...] = (
     np.dtype(jnp.float32),
@@ -66,6 +73,15 @@ def check_positive_float(op: str, name: str, value: Any) -> float:
     if not math.isfinite(result) or result <= 0.0:
         raise ValueError(f"{op}: {name} must be finite and > 0, got {value!r}")
     return result
+
+
+def check_int(op: str, name: str, value: Any, minimum: int) -> int:
+    """A static Python int (not a bool) >= `minimum`."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{op}: {name} must be >= {minimum}, got {value}")
+    return int(value)
 
 
 def check_bool(op: str, name: str, value: Any) -> bool:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "cotangent_like",
     "named",
     "padded_spec",
+    "place",
     "result_sharding",
     "vary_like",
     "varying_axes",
@@ -55,6 +56,23 @@ def axes_of(entries: Sequence[SpecEntry]) -> tuple[str, ...]:
             if name not in names:
                 names.append(name)
     return tuple(names)
+
+
+def place(tree: Any, mesh: Any, specs: Any) -> Any:
+    """`tree` resharded onto `specs`, a matching pytree of PartitionSpecs, on Explicit meshes.
+
+    shard_map wants its inputs to match its in_specs there; on other meshes `tree` is unchanged.
+    """
+    if not isinstance(mesh, jax.sharding.Mesh) or not any(
+        t == AxisType.Explicit for t in mesh.axis_types
+    ):
+        return tree
+    return jax.tree.map(
+        lambda a, s: jax.reshard(a, NamedSharding(mesh, s)),
+        tree,
+        specs,
+        is_leaf=lambda s: isinstance(s, P),
+    )
 
 
 def named(mesh: Any, *entries: SpecEntry) -> NamedSharding:

@@ -48,7 +48,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxops import _checks
@@ -56,7 +55,7 @@ from jaxops import moe as _moe
 from jaxops._fp8 import dequantize, quantize, quantize_split_transpose
 from jaxops._gemm import _GRAD_AMAX_FLOOR
 from jaxops._moe import _round_up, _take_rows
-from jaxops._sharding import cotangent_like, vary_like
+from jaxops._sharding import cotangent_like, place, vary_like
 
 __all__ = [
     "ACTIVATIONS",
@@ -77,14 +76,6 @@ ROUTERS = ("softmax", "sigmoid")
 EXCHANGES = ("auto", "ragged", "dense")
 _FP8_RECIPES = (None, "block")
 _FP8_BLOCK = 128
-
-
-def _static_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"MoEConfig: {name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"MoEConfig: {name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 def _choice(name: str, value: Any, choices: tuple) -> Any:
@@ -151,13 +142,13 @@ class MoEConfig:
     exchange: str = "auto"
 
     def __post_init__(self):
-        e = _static_int("num_experts", self.num_experts, 1)
-        k = _static_int("top_k", self.top_k, 1)
+        e = _checks.check_int("MoEConfig", "num_experts", self.num_experts, 1)
+        k = _checks.check_int("MoEConfig", "top_k", self.top_k, 1)
         if k > e:
             raise ValueError(f"MoEConfig: top_k must be <= num_experts = {e}, got {k}")
-        _static_int("hidden", self.hidden, 1)
-        _static_int("ffn_hidden", self.ffn_hidden, 1)
-        align = _static_int("align", self.align, 1)
+        _checks.check_int("MoEConfig", "hidden", self.hidden, 1)
+        _checks.check_int("MoEConfig", "ffn_hidden", self.ffn_hidden, 1)
+        align = _checks.check_int("MoEConfig", "align", self.align, 1)
         if align > _moe.MAX_ALIGN:
             raise ValueError(f"MoEConfig: align must be <= {_moe.MAX_ALIGN}, got {align}")
         _choice("activation", self.activation, ACTIVATIONS)
@@ -657,13 +648,6 @@ def _platform(mesh) -> str:
     return jax.default_backend()
 
 
-def _place(tree, mesh, specs):
-    """jax.reshard onto the specs on meshes with Explicit axes (shard_map wants them matched)."""
-    if not any(t == AxisType.Explicit for t in mesh.axis_types):
-        return tree
-    return jax.tree.map(lambda a, s: jax.reshard(a, NamedSharding(mesh, s)), tree, specs)
-
-
 def _plan(cfg: MoEConfig, mesh, n: int, shards: int, num_tokens: int) -> _Plan:
     """Static buffer sizes and kernel choices for `num_tokens` tokens in all."""
     gpu = _platform(mesh) == "gpu"
@@ -710,7 +694,7 @@ def _prepare(name: str, params, x, cfg: MoEConfig, mesh):
     plan = _plan(cfg, mesh, n, shards, math.prod(x.shape[:-1]))
     x_spec = P(cfg.token_axes)
     specs = moe_param_specs(cfg)
-    return _place(params, mesh, specs), _place(x, mesh, x_spec), plan, specs, x_spec
+    return place(params, mesh, specs), place(x, mesh, x_spec), plan, specs, x_spec
 
 
 def _inside_shard_map(cfg: MoEConfig) -> bool:

@@ -63,11 +63,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxops import _checks
-from jaxops._sharding import vary_like, varying_axes
+from jaxops._sharding import place, vary_like, varying_axes
 
 __all__ = [
     "SCHEDULES",
@@ -90,22 +90,14 @@ IDLE, FORWARD, BACKWARD = 0, 1, 2
 # Argument checks.
 
 
-def _int(op: str, name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{op}: {name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
 def _check_schedule(
     op: str, schedule: Any, num_stages: Any, num_microbatches: Any, virtual_stages: Any
 ) -> tuple[str, int, int, int]:
     if schedule not in SCHEDULES:
         raise ValueError(f"{op}: schedule must be one of {SCHEDULES}, got {schedule!r}")
-    p = _int(op, "num_stages", num_stages, 1)
-    m = _int(op, "num_microbatches", num_microbatches, 1)
-    v = _int(op, "virtual_stages", virtual_stages, 1)
+    p = _checks.check_int(op, "num_stages", num_stages, 1)
+    m = _checks.check_int(op, "num_microbatches", num_microbatches, 1)
+    v = _checks.check_int(op, "virtual_stages", virtual_stages, 1)
     if schedule == "1f1b" and v != 1:
         raise ValueError(
             f"{op}: schedule='1f1b' runs one stage per device (virtual_stages=1), got "
@@ -709,20 +701,6 @@ def _setup(
     )
 
 
-def _place(tree: Any, mesh: Any, specs: Any) -> Any:
-    """Puts `tree` on `specs` when the mesh has Explicit axes (shard_map wants them matched)."""
-    if not isinstance(mesh, jax.sharding.Mesh) or not any(
-        t == AxisType.Explicit for t in mesh.axis_types
-    ):
-        return tree
-    return jax.tree.map(
-        lambda a, s: jax.reshard(a, NamedSharding(mesh, s)),
-        tree,
-        specs,
-        is_leaf=lambda s: isinstance(s, P),
-    )
-
-
 def _microbatches(tree: Any, m: int) -> Any:
     return jax.tree.map(lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:]), tree)
 
@@ -739,13 +717,9 @@ def _put(tree: Any, i: jax.Array, value: Any) -> Any:
     )
 
 
-def _buffer(n: int, like: Any, *vary: Any) -> Any:
-    """``[n, *x.shape]`` zeros per leaf, varying like `like` and `vary`."""
-    return jax.tree.map(lambda x: vary_like(jnp.zeros((n, *x.shape), x.dtype), x, *vary), like)
-
-
-def _zeros_like(tree: Any) -> Any:
-    return jax.tree.map(lambda x: vary_like(jnp.zeros(x.shape, x.dtype), x), tree)
+def _buffer(n: int, like: Any) -> Any:
+    """``[n, *x.shape]`` zeros per leaf of `like`, varying like it."""
+    return jax.tree.map(lambda x: vary_like(jnp.zeros((n, *x.shape), x.dtype), x), like)
 
 
 def _is_float(x: Any) -> bool:
@@ -798,7 +772,7 @@ def _vary_over(tree: Any, axes: Sequence[str]) -> Any:
     """Each leaf marked varying over `axes` (those it does not vary over yet)."""
 
     def mark(a):
-        missing = tuple(sorted(set(axes) - _vma(a)))
+        missing = tuple(sorted(set(axes) - varying_axes(a)))
         return jax.lax.pcast(a, missing, to="varying") if missing else a
 
     return jax.tree.map(mark, tree)
@@ -1010,10 +984,6 @@ def _run(
     return loss, dparams, dlp, unbatch(din), unbatch(dt)
 
 
-def _vma(x: Any) -> set[str]:
-    return set(varying_axes(x))
-
-
 def _ppermute(tree: Any, axis: str, perm: list[tuple[int, int]]) -> Any:
     if not perm:
         return jax.tree.map(jnp.zeros_like, tree)
@@ -1148,7 +1118,7 @@ def pipeline_step(
     )
     dt_specs = [batch for _ in _float_leaves(targets)]
     out_specs = (P(), setup.param_specs, in_specs[1], in_specs[2], dt_specs)
-    args = _place((stage_params, loss_params, inputs, targets), mesh, in_specs)
+    args = place((stage_params, loss_params, inputs, targets), mesh, in_specs)
     input_grads = _checks.check_bool(op, "input_grads", input_grads)
     body = functools.partial(_run, setup, stage_fn, loss_fn, remat, has_aux, input_grads)
     if not input_grads:
@@ -1213,7 +1183,9 @@ def pipeline_forward(
     op = "jaxops.parallel.pipeline.pipeline_forward"
     if not callable(stage_fn):
         raise TypeError(f"{op}: stage_fn must be callable")
-    schedule = "interleaved" if _int(op, "virtual_stages", virtual_stages, 1) > 1 else "gpipe"
+    schedule = (
+        "interleaved" if _checks.check_int(op, "virtual_stages", virtual_stages, 1) > 1 else "gpipe"
+    )
     setup = _setup(
         op,
         stage_params,
@@ -1229,7 +1201,7 @@ def pipeline_forward(
         forward_only=True,
     )
     in_specs = (setup.param_specs, jax.tree.map(lambda _: setup.batch_spec, inputs))
-    args = _place((stage_params, inputs), mesh, in_specs)
+    args = place((stage_params, inputs), mesh, in_specs)
 
     def body(params, inputs):
         return _run(setup, stage_fn, None, False, has_aux, False, params, None, inputs, None)
