@@ -46,8 +46,8 @@ model order.
 
 The batch (``inputs``, ``targets``) is split over ``data_axes`` (by default every other mesh
 axis) and each device's share into ``num_microbatches`` microbatches. Gradients of the stage
-parameters and of ``loss_params`` are reduced over the data axes by the vjp itself (they are
-replicated there), so a data axis costs one all-reduce per parameter, as in plain data
+parameters and of ``loss_params`` accumulate locally over the microbatches and are all-reduced
+over the data axes (where they are replicated) once, after the loop, as in plain data
 parallelism. Other mesh axes may shard the stage parameters (``param_specs``) -- for example
 the expert axis of :func:`jaxops.parallel.expert.moe_layer` stages.
 """
