@@ -18,6 +18,6 @@ if __name__ != "jaxops.parallel":
         "use `import jaxops.parallel`"
     )
 
-from jaxops.parallel import expert, pipeline
+from jaxops.parallel import checkpoint, expert, pipeline
 
-__all__ = ["expert", "pipeline"]
+__all__ = ["checkpoint", "expert", "pipeline"]
