@@ -33,6 +33,7 @@ __all__ = [
     "count_collectives",
     "free_port",
     "run_processes",
+    "spawn_processes",
     "tolerance",
 ]
 
@@ -137,6 +138,57 @@ def _kill(procs) -> None:
                 pass
 
 
+def spawn_processes(
+    script: str,
+    num_processes: int,
+    devices_per_process: int,
+    *,
+    args: tuple[str, ...] = (),
+    timeout: float = 240.0,
+) -> list[tuple[int | None, str]]:
+    """Runs `script` in `num_processes` processes; returns (exit code, output) per process.
+
+    As :func:`run_processes`, but a failing process is not an error: the caller inspects the
+    exit codes. A process still running at the deadline is killed and reported with code None.
+
+    Example:
+      >>> from jaxops.testing import spawn_processes
+      >>> [code for code, _ in spawn_processes("sys.exit(PROCESS_ID)", 2, 1)]
+      [0, 1]
+    """
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env["JAX_PLATFORMS"] = "cpu"
+    code = _PRELUDE + textwrap.dedent(script)
+    argv = [sys.executable, "-c", code, str(port), str(num_processes)]
+    procs = [
+        subprocess.Popen(
+            [*argv, str(i), str(devices_per_process), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd="/",
+            start_new_session=True,
+        )
+        for i in range(num_processes)
+    ]
+    deadline = time.monotonic() + timeout
+    results: list[tuple[int | None, str]] = []
+    try:
+        for p in procs:
+            left = max(deadline - time.monotonic(), 0.1)
+            try:
+                out, _ = p.communicate(timeout=left)
+                results.append((p.returncode, out))
+            except subprocess.TimeoutExpired:
+                _kill([p])
+                results.append((None, p.communicate()[0]))
+    finally:
+        _kill(procs)
+    return results
+
+
 def run_processes(
     script: str,
     num_processes: int,
@@ -157,42 +209,15 @@ def run_processes(
       >>> [o.split() for o in outs]
       [['0', '4'], ['1', '4']]
     """
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    env["JAX_PLATFORMS"] = "cpu"
-    code = _PRELUDE + textwrap.dedent(script)
-    argv = [sys.executable, "-c", code, str(port), str(num_processes)]
-    procs = [
-        subprocess.Popen(
-            [*argv, str(i), str(devices_per_process), *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd="/",
-            start_new_session=True,
+    results = spawn_processes(
+        script, num_processes, devices_per_process, args=args, timeout=timeout
+    )
+    outputs = [out for _, out in results]
+    codes = [code for code, _ in results]
+    if None in codes:
+        raise AssertionError(
+            f"processes did not finish in {timeout} s:\n" + "\n----\n".join(outputs)
         )
-        for i in range(num_processes)
-    ]
-    deadline = time.monotonic() + timeout
-    outputs: list[str] = []
-    try:
-        for p in procs:
-            left = max(deadline - time.monotonic(), 0.1)
-            try:
-                out, _ = p.communicate(timeout=left)
-            except subprocess.TimeoutExpired:
-                _kill(procs)
-                out = p.communicate()[0]
-                outputs.append(out)
-                rest = [q.communicate()[0] for q in procs[len(outputs) :]]
-                raise AssertionError(
-                    f"processes did not finish in {timeout} s:\n" + "\n----\n".join(outputs + rest)
-                ) from None
-            outputs.append(out)
-    finally:
-        _kill(procs)
-    codes = [p.returncode for p in procs]
     if any(codes):
         raise AssertionError(f"exit codes {codes}:\n" + "\n----\n".join(outputs))
     return outputs

@@ -116,6 +116,11 @@ def _np_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+def _is_float(dtype: np.dtype) -> bool:
+    """Floating point, including ml_dtypes' bfloat16 and float8 (numpy's kind is "V" there)."""
+    return bool(jax.numpy.issubdtype(dtype, jax.numpy.floating))
+
+
 def _dtype_name(op: str, what: str, dtype: Any) -> str:
     name = np.dtype(dtype).name
     if name not in _ST_CODES:
@@ -1210,7 +1215,7 @@ class CheckpointManager:
         """Folds the snapshot into the host EMA and adds the EMA's blocks to the snapshot."""
         decay = self.ema_decay
         for key, info in list(snap.arrays.items()):
-            if self._ema_key(key) and np.issubdtype(_np_dtype(info["dtype"]), np.inexact):
+            if self._ema_key(key) and _is_float(_np_dtype(info["dtype"])):
                 snap.arrays["ema/" + key] = {"shape": info["shape"], "dtype": "float32"}
         extra = []
         for o in snap.owned:
@@ -1246,7 +1251,8 @@ class CheckpointManager:
         Args:
           step: the step, or None for the latest.
           target: as for :func:`restore`.
-          ema: restore the EMA of the target's leaves instead (cast to the target's dtypes).
+          ema: restore the EMA of the target's leaves instead, cast to the target's dtypes
+            (leaves without an EMA, such as integers, get their saved values).
           subtree: as for :func:`restore`.
         """
         self.wait()
@@ -1258,19 +1264,33 @@ class CheckpointManager:
                 )
         path = self.step_path(step)
         if ema:
-            as_f32 = jax.tree.map(
-                lambda t: jax.ShapeDtypeStruct(
-                    t.shape, np.float32, sharding=getattr(t, "sharding", None)
-                ),
-                target,
-            )
-            sub = f"ema/{subtree.strip('/')}" if subtree else "ema"
-            out = restore(path, as_f32, subtree=sub, progress=self.progress)
-            return jax.tree.map(lambda o, t: o.astype(t.dtype), out, target)
+            return self._restore_ema(path, target, subtree)
         out = restore(path, target, subtree=subtree, progress=self.progress)
         if self.ema_decay is not None:
             self._reload_ema(path, subtree, target)
         return out
+
+    def _restore_ema(self, path: Path, target: Any, subtree: str | None) -> Any:
+        """The EMA of each target leaf that has one (cast to its dtype), else its saved value."""
+        op = "CheckpointManager.restore"
+        index = _load_index(path)
+        keys, leaves, treedef = _flatten(op, target)
+        full, targets = [], []
+        for key, leaf in zip(keys, leaves, strict=True):
+            shape, dtype, sharding = _target_of(op, key, leaf)
+            stored = _prefixed(subtree, key)
+            if "ema/" + stored in index["arrays"]:
+                full.append("ema/" + stored)
+                targets.append((shape, np.dtype(np.float32), sharding))
+            else:
+                full.append(stored)
+                targets.append((shape, dtype, sharding))
+        values = _restore_leaves(op, path, index, full, targets, self.progress)
+        values = [
+            v.astype(_target_of(op, k, leaf)[1]) if k.startswith("ema/") else v
+            for v, k, leaf in zip(values, full, leaves, strict=True)
+        ]
+        return jax.tree_util.tree_unflatten(treedef, values)
 
     def _reload_ema(self, path: Path, subtree: str | None, target: Any) -> None:
         """Loads the EMA blocks this process will write, as the saved sharding assigns them."""
@@ -1546,7 +1566,7 @@ def export_safetensors(
         outs = []
         for name, arr in rule.to_theirs(key, probe):
             out_dt = arr.dtype
-            if cast is not None and rule.dtype is None and np.issubdtype(out_dt, np.floating):
+            if cast is not None and rule.dtype is None and _is_float(out_dt):
                 out_dt = cast
             name_dt = _dtype_name(op, f"tensor {name!r}", out_dt)
             if name in seen:
