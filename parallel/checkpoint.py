@@ -175,7 +175,11 @@ def _prefixed(subtree: str | None, key: str) -> str:
 
 
 class _Coordinator:
-    """Publishes and collects small strings between the processes of one save."""
+    """Publishes and collects small strings between the processes of one save.
+
+    Each instance takes the next number of a per-process counter for its keys: every process
+    requests its saves in the same order, so the numbers agree.
+    """
 
     _counter = 0
     _lock = threading.Lock()
@@ -493,10 +497,13 @@ def _write_checkpoint(
     step: int | None,
     metadata: Mapping[str, Any] | None,
     progress: bool | None,
-    timeout: float,
+    coord: _Coordinator,
 ) -> None:
-    """Writes `snap` (every process its own) and commits the directory atomically."""
-    coord = _Coordinator(timeout)
+    """Writes `snap` (every process its own) and commits the directory atomically.
+
+    `coord` is created in the calling thread when the save is requested, so that saves get the
+    same coordination keys on every process even when some are written in the background.
+    """
     pid, nproc = coord.process_id, coord.num_processes
     tmp = path.parent / f".{path.name}.partial"
 
@@ -659,8 +666,9 @@ def save(
     if metadata is not None:
         json.dumps(dict(metadata))  # raises TypeError early for non-JSON metadata
     snap = _snapshot("checkpoint.save", tree, copy=False)
+    coord = _Coordinator(timeout)
     _write_checkpoint(
-        Path(path), snap, step=step, metadata=metadata, progress=progress, timeout=timeout
+        Path(path), snap, step=step, metadata=metadata, progress=progress, coord=coord
     )
 
 
@@ -1188,16 +1196,23 @@ class CheckpointManager:
         ):
             raise ValueError(f"{op}: with ema_decay the tree must not have a top-level 'ema' key")
         snap = _snapshot(op, tree, copy=self.async_save)
+        coord = _Coordinator(self.timeout)
         if self.async_save:
-            self._pending = self._executor.submit(self._write, step, snap, metadata)
+            self._pending = self._executor.submit(self._write, step, snap, metadata, coord)
         else:
-            self._write(step, snap, metadata)
+            self._write(step, snap, metadata, coord)
 
     def _ema_key(self, key: str) -> bool:
         sub = self.ema_subtree
         return sub is None or key == sub or key.startswith(sub + "/")
 
-    def _write(self, step: int, snap: _Snapshot, metadata: Mapping[str, Any] | None) -> None:
+    def _write(
+        self,
+        step: int,
+        snap: _Snapshot,
+        metadata: Mapping[str, Any] | None,
+        coord: _Coordinator,
+    ) -> None:
         if self.ema_decay is not None:
             self._update_ema(snap)
         _write_checkpoint(
@@ -1206,7 +1221,7 @@ class CheckpointManager:
             step=step,
             metadata=metadata,
             progress=self.progress,
-            timeout=self.timeout,
+            coord=coord,
         )
         if jax.process_index() == 0:
             self._prune()
