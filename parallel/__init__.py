@@ -5,6 +5,9 @@
 - :mod:`jaxops.parallel.pipeline`: pipeline parallelism in one jit (``pipeline_step`` with the
   "gpipe", "1f1b" and "interleaved" schedules, ``pipeline_forward``, ``schedule_table``,
   ``plot_schedule``).
+- :mod:`jaxops.parallel.checkpoint`: sharded checkpoints in safetensors files (``save``,
+  ``restore`` with resharding, ``CheckpointManager`` with async save, retention and a host-side
+  EMA, ``export_safetensors`` / ``import_safetensors`` for Hugging Face layouts).
 
 The sources live in the repository's top-level ``parallel/`` folder and are installed as
 ``jaxops.parallel``; there is no top-level module named ``parallel``. (An editable install puts

@@ -41,7 +41,7 @@ Example:
   ...                                     sharding=NamedSharding(other, P(None, "data")))}
   >>> out = checkpoint.restore(f"{d}/step_1", target)
   >>> bool(np.array_equal(out["w"], w)), out["w"].sharding.spec
-  (True, PartitionSpec(None, 'data'))
+  (True, P(None, 'data'))
 """
 
 from __future__ import annotations
