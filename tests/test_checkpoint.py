@@ -733,3 +733,10 @@ def test_process_death_commits_nothing(tmp_path):
     assert not (tmp_path / "2").exists()
     out = ckpt.restore(tmp_path / "1", {"x": np.zeros((8, 8), np.float32)})
     assert np.array_equal(out["x"], np.ones((8, 8)))
+
+
+def test_docstring_examples():
+    import doctest
+
+    result = doctest.testmod(ckpt, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 40 and result.failed == 0, result
