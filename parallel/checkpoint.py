@@ -743,8 +743,8 @@ class _Reader:
         with self.lock:
             self.checked.add(tag)
 
-    def read_into(self, buf: memoryview, block: dict[str, Any], lo: int, hi: int) -> None:
-        """Reads bytes [lo, hi) of a stored block (chunk aligned) into `buf` and verifies them."""
+    def read(self, buf: memoryview, block: dict[str, Any], lo: int) -> None:
+        """Reads bytes [lo, lo + len(buf)) of a stored block into `buf`."""
         fd = self._fd(block["file"])
         pos = block["offset"] + lo
         view = buf
@@ -756,7 +756,11 @@ class _Reader:
                 )
             view = view[n:]
             pos += n
+
+    def verify(self, buf: memoryview, block: dict[str, Any], lo: int) -> None:
+        """Checks the CRCs of the chunks in `buf`: bytes [lo, lo + len(buf)), lo chunk aligned."""
         crcs = block["crc32"]
+        hi = lo + len(buf)
         for c in range(lo // self.chunk, -(-hi // self.chunk)):
             a = c * self.chunk - lo
             if zlib.crc32(buf[a : a + self.chunk]) != crcs[c]:
@@ -765,72 +769,209 @@ class _Reader:
                     f"bytes {c * self.chunk}..{min((c + 1) * self.chunk, block['nbytes'])}): "
                     "the checkpoint is corrupt"
                 )
-        with self.lock:
-            self.bytes_read += len(buf)
 
 
-def _fill(
-    reader: _Reader,
-    dest: np.ndarray,
-    dest_start: tuple[int, ...],
-    block: dict[str, Any],
-) -> int:
-    """Copies the part of a stored block that overlaps `dest` into it; returns elements copied.
+_SEGMENT_BYTES = 8 << 20  # bytes of a stored block read, verified and scattered as one piece
+_READ_BUFFERS = 6  # reusable segment buffers in flight
 
-    Reads only the checksum chunks that hold overlapping bytes: the runs of the overlap that are
-    contiguous in the stored block are rounded out to chunks and merged.
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
+    """np.empty, 64-byte aligned: jax.device_put on CPU then adopts the buffer without a copy."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    skip = -raw.ctypes.data % align
+    return raw[skip : skip + nbytes].view(dtype).reshape(shape)
+
+
+@dataclasses.dataclass
+class _Region:
+    """A region of an array this process needs, and how many of its elements were filled."""
+
+    start: tuple[int, ...]
+    dest: np.ndarray
+    filled: int = 0
+
+
+@dataclasses.dataclass
+class _Segment:
+    """Rows [r0, r1) (first dim) of a stored block and the region boxes that lie in them.
+
+    ``boxes`` holds (region, lo, hi): the box in block coordinates, rows clipped to the segment.
+    ``lo``/``hi`` are the byte range of the block to read (chunk aligned, spanning every chunk
+    the boxes touch) and ``span`` the byte range the buffer covers (also the whole rows).
     """
-    bstart, bshape = tuple(block["start"]), tuple(block["shape"])
-    lo = [max(a, b) for a, b in zip(dest_start, bstart, strict=True)]
-    hi = [
-        min(a + n, b + m) for a, n, b, m in zip(dest_start, dest.shape, bstart, bshape, strict=True)
-    ]
-    if any(h <= low for low, h in zip(lo, hi, strict=True)):
-        return 0
-    if dest.size == 0:
-        return 0
-    # Work in >= 1-D: a scalar is a block of one element.
-    shape = bshape or (1,)
-    rs = [a - b for a, b in zip(lo, bstart, strict=True)] or [0]
-    re_ = [a - b for a, b in zip(hi, bstart, strict=True)] or [1]
-    itemsize = dest.dtype.itemsize
-    row = math.prod(shape[1:]) * itemsize  # bytes per index of the first dimension
-    # The overlap is contiguous along the trailing dims it covers fully; k is the first dim
-    # (from the end) it does not, so each run spans (re[k] - rs[k]) * prod(shape[k+1:]) elements.
+
+    key: str
+    block: dict[str, Any]
+    r0: int
+    r1: int
+    boxes: list[tuple[_Region, list[int], list[int]]]
+    reads: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    span: tuple[int, int] = (0, 0)
+
+
+def _box_runs(shape: tuple[int, ...], lo: list[int], hi: list[int], itemsize: int):
+    """Byte offsets of the contiguous runs of box [lo, hi) in a row-major block, and run length."""
+    # The box is contiguous along the trailing dims it covers fully; k is the first dim (from the
+    # end) it does not, so each run spans (hi[k] - lo[k]) * prod(shape[k+1:]) elements.
     k = len(shape) - 1
-    while k > 0 and rs[k] == 0 and re_[k] == shape[k]:
+    while k > 0 and lo[k] == 0 and hi[k] == shape[k]:
         k -= 1
-    run = (re_[k] - rs[k]) * math.prod(shape[k + 1 :]) * itemsize
+    run = (hi[k] - lo[k]) * math.prod(shape[k + 1 :]) * itemsize
     strides = [math.prod(shape[d + 1 :]) * itemsize for d in range(len(shape))]
-    grids = np.meshgrid(*[np.arange(rs[d], re_[d]) for d in range(k)], indexing="ij")
-    starts = rs[k] * strides[k] + sum(
+    grids = np.meshgrid(*[np.arange(lo[d], hi[d]) for d in range(k)], indexing="ij")
+    starts = lo[k] * strides[k] + sum(
         (g.reshape(-1).astype(np.int64) * strides[d] for d, g in enumerate(grids)),
         start=np.zeros(1, np.int64),
     )
-    c = reader.chunk
-    nchunks = -(-block["nbytes"] // c)
-    need = np.zeros(nchunks + 1, np.int64)
-    np.add.at(need, starts // c, 1)
-    np.add.at(need, (starts + run - 1) // c + 1, -1)
-    wanted = np.cumsum(need)[:nchunks] > 0
-    # Buffer spanning the first-dim rows of the overlap and every chunk read.
-    chunk_ids = np.flatnonzero(wanted)
-    b_lo = min(int(chunk_ids[0]) * c, rs[0] * row)
-    b_hi = max(min((int(chunk_ids[-1]) + 1) * c, block["nbytes"]), re_[0] * row)
-    buf = np.empty(b_hi - b_lo, np.uint8)
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], wanted.astype(np.int8), [0]])))
-    for first, last in zip(edges[::2], edges[1::2], strict=True):
-        a, b = int(first) * c, min(int(last) * c, block["nbytes"])
-        reader.read_into(memoryview(buf)[a - b_lo : b - b_lo], block, a, b)
-    rows = buf[rs[0] * row - b_lo : re_[0] * row - b_lo].view(dest.dtype)
-    rows = rows.reshape((re_[0] - rs[0], *shape[1:]))
-    src = rows[(slice(None), *(slice(a, b) for a, b in zip(rs[1:], re_[1:], strict=True)))]
-    dsl = tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, dest_start, strict=True))
-    if dest.ndim == 0:
-        dest[()] = src.reshape(())
-    else:
-        dest[dsl] = src
-    return src.size
+    return starts, run
+
+
+def _segments(key: str, info: dict[str, Any], regions: list[_Region], chunk: int):
+    """The segments of the stored blocks of one array that overlap `regions`."""
+    itemsize = _np_dtype(info["dtype"]).itemsize
+    out = []
+    for block in info["blocks"]:
+        bstart, bshape = tuple(block["start"]), tuple(block["shape"])
+        boxes = []
+        for region in regions:
+            if region.dest.size == 0:
+                continue
+            shape = region.dest.shape
+            lo = [max(a, b) - b for a, b in zip(region.start, bstart, strict=True)]
+            hi = [
+                min(a + n, b + m) - b
+                for a, n, b, m in zip(region.start, shape, bstart, bshape, strict=True)
+            ]
+            if all(h > low for low, h in zip(lo, hi, strict=True)):
+                boxes.append((region, lo or [0], hi or [1]))  # a scalar: a block of one element
+        if not boxes:
+            continue
+        shape = bshape or (1,)
+        row = math.prod(shape[1:]) * itemsize
+        per = max(1, _SEGMENT_BYTES // max(row, 1))
+        first = min(lo[0] for _, lo, _ in boxes)
+        last = max(hi[0] for _, _, hi in boxes)
+        for r0 in range(first, last, per):
+            r1 = min(r0 + per, last)
+            clipped = [
+                (region, [max(lo[0], r0), *lo[1:]], [min(hi[0], r1), *hi[1:]])
+                for region, lo, hi in boxes
+                if lo[0] < r1 and hi[0] > r0
+            ]
+            if not clipped:
+                continue
+            seg = _Segment(key, block, r0, r1, clipped)
+            # The chunks holding bytes of any box, merged into contiguous reads.
+            c0, c1 = r0 * row // chunk, -(-r1 * row // chunk)
+            need = np.zeros(c1 - c0 + 1, np.int64)
+            for _, lo, hi in clipped:
+                starts, run = _box_runs(shape, lo, hi, itemsize)
+                np.add.at(need, starts // chunk - c0, 1)
+                np.add.at(need, (starts + run - 1) // chunk + 1 - c0, -1)
+            wanted = np.cumsum(need)[:-1] > 0
+            edges = np.flatnonzero(np.diff(np.concatenate([[0], wanted.astype(np.int8), [0]])))
+            seg.reads = [
+                ((c0 + int(a)) * chunk, min((c0 + int(b)) * chunk, block["nbytes"]))
+                for a, b in zip(edges[::2], edges[1::2], strict=True)
+            ]
+            seg.span = (
+                min(seg.reads[0][0], r0 * row),
+                max(seg.reads[-1][1], r1 * row),
+            )
+            out.append(seg)
+    return out
+
+
+def _scatter(reader: _Reader, seg: _Segment, buf: np.ndarray, dtype: np.dtype) -> None:
+    """Verifies the chunks read for `seg` and copies its boxes into their regions."""
+    base = seg.span[0]
+    view = memoryview(buf)
+    for a, b in seg.reads:
+        reader.verify(view[a - base : b - base], seg.block, a)
+    shape = tuple(seg.block["shape"]) or (1,)
+    row = math.prod(shape[1:]) * dtype.itemsize
+    rows = buf[seg.r0 * row - base : seg.r1 * row - base].view(dtype)
+    rows = rows.reshape((seg.r1 - seg.r0, *shape[1:]))
+    bstart = seg.block["start"]
+    for region, lo, hi in seg.boxes:
+        src = rows[(slice(lo[0] - seg.r0, hi[0] - seg.r0), *map(slice, lo[1:], hi[1:]))]
+        if region.dest.ndim == 0:
+            region.dest[()] = src.reshape(())
+        else:
+            at = tuple(
+                slice(b + low - s, b + h - s)
+                for low, h, b, s in zip(lo, hi, bstart, region.start, strict=True)
+            )
+            region.dest[at] = src
+        with reader.lock:
+            region.filled += src.size
+
+
+def _run_segments(
+    reader: _Reader,
+    segments: list[tuple[_Segment, np.dtype]],
+    pool: cf.Executor | None,
+    progress: Callable[[int], None],
+) -> None:
+    """Reads the segments in file order on this thread; `pool` verifies and scatters them.
+
+    One sequential stream of reads keeps the disk busy (concurrent reads were slower here), and
+    reusable buffers avoid fresh page faults for every piece.
+    """
+    segments = sorted(segments, key=lambda s: (s[0].block["file"], s[0].block["offset"], s[0].r0))
+    cap = _SEGMENT_BYTES + 2 * reader.chunk
+    free: list[np.ndarray] = []
+    slots = threading.Semaphore(_READ_BUFFERS)
+    futures = []
+
+    def work(seg: _Segment, buf: np.ndarray, dtype: np.dtype, raw: np.ndarray | None) -> None:
+        try:
+            _scatter(reader, seg, buf, dtype)
+        finally:
+            if raw is not None:
+                with reader.lock:
+                    free.append(raw)
+                slots.release()
+
+    for seg, dtype in segments:
+        size = seg.span[1] - seg.span[0]
+        raw = None
+        if pool is not None and size <= cap:
+            slots.acquire()
+            with reader.lock:
+                raw = free.pop() if free else np.empty(cap, np.uint8)
+            buf = raw[:size]
+        else:
+            buf = np.empty(size, np.uint8)
+        try:
+            view = memoryview(buf)
+            for a, b in seg.reads:
+                reader.read(view[a - seg.span[0] : b - seg.span[0]], seg.block, a)
+        except BaseException:
+            if raw is not None:
+                with reader.lock:
+                    free.append(raw)
+                slots.release()
+            for f in futures:  # let the workers finish before the caller closes the files
+                f.exception()
+            raise
+        progress(sum(b - a for a, b in seg.reads))
+        if pool is None:
+            _scatter(reader, seg, buf, dtype)
+        else:
+            futures.append(pool.submit(work, seg, buf, dtype, raw))
+    for f in futures:
+        f.result()
+
+
+def _check_filled(root: Path, key: str, regions: list[_Region]) -> None:
+    for r in regions:
+        if r.filled != r.dest.size:
+            raise CheckpointError(
+                f"{root}: the stored blocks of {key!r} cover {r.filled} of the {r.dest.size} "
+                f"elements of region start={list(r.start)} shape={list(r.dest.shape)}"
+            )
 
 
 def _read_region(
@@ -838,17 +979,13 @@ def _read_region(
 ) -> np.ndarray:
     """The region [start, start + shape) of a stored array, from every block overlapping it."""
     dtype = _np_dtype(info["dtype"])
-    dest = np.empty(shape, dtype)
-    copied = 0
+    region = _Region(start, _aligned_empty(shape, dtype))
     for block in info["blocks"]:
         reader.check_header(key, block, info["dtype"])
-        copied += _fill(reader, dest, start, block)
-    if copied != dest.size:
-        raise CheckpointError(
-            f"{reader.root}: the stored blocks of {key!r} cover {copied} of the {dest.size} "
-            f"elements of region start={list(start)} shape={list(shape)}"
-        )
-    return dest
+    segs = _segments(key, info, [region], reader.chunk)
+    _run_segments(reader, [(s, dtype) for s in segs], None, lambda n: None)
+    _check_filled(reader.root, key, [region])
+    return region.dest
 
 
 def _lookup(index: dict[str, Any], root: Path, key: str) -> dict[str, Any]:
@@ -898,7 +1035,7 @@ def _restore_leaves(
             )
         infos.append(info)
 
-    # Unique regions this process needs, per leaf.
+    # Unique regions this process needs, per leaf, and the devices that want each.
     jobs: list[list[tuple[_Block, list[Any]]]] = []
     for shape, _, sharding in targets:
         if sharding is None:
@@ -914,32 +1051,39 @@ def _restore_leaves(
     bar = _progress_bar(progress, total, f"restore {root.name}")
     reader = _Reader(root, index)
     out: list[Any] = []
+    workers = max(1, min(4, (os.cpu_count() or 2)))
     try:
-        with cf.ThreadPoolExecutor(min(8, 2 * (os.cpu_count() or 2))) as pool:
+        with cf.ThreadPoolExecutor(workers) as pool:
             i = 0
             while i < len(keys):  # batches of leaves, so host memory stays bounded
                 j, size = i, 0
                 while j < len(keys) and (j == i or size < _BATCH_BYTES):
                     size += sum(b.size * targets[j][1].itemsize for b, _ in jobs[j])
                     j += 1
-                futures = [
-                    [
-                        pool.submit(_read_region, reader, keys[n], infos[n], b.start, b.shape)
-                        for b, _ in jobs[n]
+                batch: list[list[_Region]] = []
+                segments: list[tuple[_Segment, np.dtype]] = []
+                for n in range(i, j):
+                    dtype = targets[n][1]
+                    regions_n = [
+                        _Region(b.start, _aligned_empty(b.shape, dtype)) for b, _ in jobs[n]
                     ]
-                    for n in range(i, j)
-                ]
-                for n, futs in zip(range(i, j), futures, strict=True):
+                    batch.append(regions_n)
+                    for block in infos[n]["blocks"]:
+                        reader.check_header(keys[n], block, infos[n]["dtype"])
+                    segs = _segments(keys[n], infos[n], regions_n, reader.chunk)
+                    segments.extend((seg, dtype) for seg in segs)
+                _run_segments(
+                    reader, segments, pool, bar.update if bar is not None else (lambda n: None)
+                )
+                for n, regions_n in zip(range(i, j), batch, strict=True):
+                    _check_filled(root, keys[n], regions_n)
                     shape, _, sharding = targets[n]
-                    parts = [f.result() for f in futs]
-                    if bar is not None:
-                        bar.update(sum(p.nbytes for p in parts))
                     if sharding is None:
-                        out.append(parts[0])
+                        out.append(regions_n[0].dest)
                         continue
                     arrays = [
-                        jax.device_put(p, d)
-                        for p, (_, devs) in zip(parts, jobs[n], strict=True)
+                        jax.device_put(r.dest, d)
+                        for r, (_, devs) in zip(regions_n, jobs[n], strict=True)
                         for d in devs
                     ]
                     out.append(jax.make_array_from_single_device_arrays(shape, sharding, arrays))

@@ -224,10 +224,22 @@ def test_restore_reads_only_overlapping_ranges(tmp_path, monkeypatch):
     assert _bits(out) == _bits(host)
     assert counter["bytes"] == host.nbytes  # 4 distinct row blocks of 64 KiB, each read once
     counter["bytes"] = 0
-    # Column blocks spanning rows: every row chunk is needed once per distinct column block.
+    # Column targets across the stored row blocks: each stored chunk is read once and scattered
+    # into both column regions.
     cols = NamedSharding(_mesh(), P(None, "a"))
     out = ckpt.restore(tmp_path / "c", {"w": _like(host, cols)})["w"]
-    assert _bits(out) == _bits(host) and counter["bytes"] == 2 * host.nbytes
+    assert _bits(out) == _bits(host) and counter["bytes"] == host.nbytes
+    counter["bytes"] = 0
+    # One region, rows 8..24 x columns 100..300, across two stored row blocks: per row only
+    # the 4 KiB chunk holding it (a row is one chunk here).
+    stored = json.loads((tmp_path / "c" / "index.json").read_text())["arrays"]["w"]["blocks"]
+    assert len(stored) == 8
+    reader = ckpt._Reader(tmp_path / "c", {"chunk_bytes": 4096})
+    info = {"dtype": "float32", "blocks": stored}
+    part = ckpt._read_region(reader, "w", info, (8, 100), (16, 200))
+    reader.close()
+    assert _bits(part) == _bits(host[8:24, 100:300])
+    assert counter["bytes"] == 16 * 4096
 
 
 # -------------------------------------------------------------------------------------------------
