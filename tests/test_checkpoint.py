@@ -242,6 +242,36 @@ def test_restore_reads_only_overlapping_ranges(tmp_path, monkeypatch):
     assert counter["bytes"] == 16 * 4096
 
 
+def _crc32c_reference(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def test_crc32c_known_answer():
+    from jaxops import _jaxops_cpu
+
+    assert _jaxops_cpu.crc32c_chunks(np.frombuffer(b"123456789", np.uint8), 4096) == [0xE3069283]
+    assert _jaxops_cpu.crc32c_chunks(np.zeros(0, np.uint8), 8) == []
+    with pytest.raises(ValueError, match="chunk must be > 0"):
+        _jaxops_cpu.crc32c_chunks(np.zeros(4, np.uint8), 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.binary(min_size=0, max_size=700), chunk=st.integers(1, 100), skip=st.integers(0, 7))
+def test_fuzz_crc32c_chunks(data, chunk, skip):
+    # Unaligned starts, odd chunk sizes, the 4-stream and the tail paths.
+    from jaxops import _jaxops_cpu
+
+    buf = np.frombuffer(bytes(skip) + data, np.uint8)[skip:]
+    got = _jaxops_cpu.crc32c_chunks(buf, chunk)
+    want = [_crc32c_reference(data[i : i + chunk]) for i in range(0, len(data), chunk)]
+    assert got == want
+
+
 # -------------------------------------------------------------------------------------------------
 # Format: safetensors files, the index, atomic commit
 

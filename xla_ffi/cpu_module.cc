@@ -1,4 +1,9 @@
-// The CPU nanobind module: exports every CPU FFI handler of jaxops.
+// The CPU nanobind module: exports every CPU FFI handler of jaxops, and the chunked CRC-32C that
+// jaxops.parallel.checkpoint uses.
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/vector.h>
+
+#include "xla_ffi/checkpoint/crc32c.h"
 #include "xla_ffi/fp8/handlers.h"
 #include "xla_ffi/module_common.h"
 #include "xla_ffi/moe/handlers.h"
@@ -25,6 +30,8 @@ std::vector<Registration> Registrations() {
 }  // namespace
 }  // namespace jaxops
 
+namespace nb = nanobind;
+
 NB_MODULE(_jaxops_cpu, m) {
   m.doc() = "jaxops CPU FFI handlers";
   m.def("registrations", &jaxops::Registrations,
@@ -33,4 +40,17 @@ NB_MODULE(_jaxops_cpu, m) {
       "types", [] { return std::vector<jaxops::TypeRegistration>{}; },
       "List of (type name, jax.ffi.register_ffi_type registration): none on CPU.");
   m.def("build_info", [] { return jaxops::BuildInfo("cpu"); });
+  m.def(
+      "crc32c_chunks",
+      [](nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> data,
+         size_t chunk) {
+        if (chunk == 0) throw nb::value_error("crc32c_chunks: chunk must be > 0, got 0");
+        nb::gil_scoped_release release;
+        return jaxops::Crc32cChunks(data.data(), data.shape(0), chunk);
+      },
+      nb::arg("data"), nb::arg("chunk"),
+      "CRC-32C of each `chunk`-byte piece of a contiguous 1-D uint8 host array (the last piece "
+      "may be shorter), as a list of ints. Releases the GIL.");
+  m.def("crc32c_hardware", &jaxops::Crc32cHardware,
+        "Whether crc32c_chunks uses the SSE4.2 crc32 instruction on this machine.");
 }
