@@ -324,20 +324,27 @@ def _plan(keys: list[str], leaves: list[Any], process_id: int) -> list[_Owned]:
 
 
 def _to_host(owned: list[_Owned], copy: bool) -> list[np.ndarray]:
-    """Host copies of the owned blocks (device-to-host copies all started before any is waited)."""
+    """Host copies of the owned blocks (device-to-host copies all started before any is waited).
+
+    With `copy`, blocks that could alias device memory (CPU devices, numpy leaves) are copied,
+    several at once: numpy copies release the GIL, so the copy runs on every core.
+    """
     for o in owned:
         if isinstance(o.source, jax.Shard):
             o.source.data.copy_to_host_async()
-    out = []
-    for o in owned:
+
+    def host(o: _Owned) -> np.ndarray:
         if isinstance(o.source, jax.Shard):
             data = o.source.data
             # On CPU devices np.asarray may alias the device buffer, which a donating step reuses.
             must_copy = copy and data.devices().pop().platform == "cpu"
-            out.append(np.array(data, copy=True) if must_copy else np.asarray(data))
-        else:
-            out.append(np.array(o.source, copy=True) if copy else np.asarray(o.source))
-    return out
+            return np.array(data, copy=True) if must_copy else np.asarray(data)
+        return np.array(o.source, copy=True) if copy else np.asarray(o.source)
+
+    if not copy or len(owned) < 2:
+        return [host(o) for o in owned]
+    with cf.ThreadPoolExecutor(min(len(owned), os.cpu_count() or 1, 8)) as pool:
+        return list(pool.map(host, owned))
 
 
 # ----------------------------------------------------------------------------------------------
