@@ -702,7 +702,44 @@ def _load_index(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{file}: not a {FORMAT} index")
     if index.get("version") != VERSION:
         raise CheckpointError(f"{file}: format version {index.get('version')}, expected {VERSION}")
+    if index.get("checksum") != "crc32c" or not isinstance(index.get("chunk_bytes"), int):
+        raise CheckpointError(f"{file}: unknown checksum {index.get('checksum')!r}")
+    arrays = index.get("arrays")
+    if not isinstance(arrays, dict):
+        raise CheckpointError(f"{file}: no 'arrays' object")
+    for key, info in arrays.items():
+        if not _valid_entry(info):
+            raise CheckpointError(f"{file}: malformed entry for {key!r}")
     return index
+
+
+def _ints(value: Any, n: int | None = None) -> bool:
+    return (
+        isinstance(value, list)
+        and all(isinstance(v, int) and v >= 0 for v in value)
+        and (n is None or len(value) == n)
+    )
+
+
+def _valid_entry(info: Any) -> bool:
+    """An index entry has the fields and types restore relies on."""
+    if not isinstance(info, dict) or info.get("dtype") not in _ST_CODES:
+        return False
+    if not _ints(info.get("shape")) or not isinstance(info.get("blocks"), list):
+        return False
+    ndim = len(info["shape"])
+    for b in info["blocks"]:
+        if not isinstance(b, dict) or not _ints(b.get("start"), ndim):
+            return False
+        if not _ints(b.get("shape"), ndim) or not _ints(b.get("crc32c")):
+            return False
+        if not all(isinstance(b.get(k), int) for k in ("offset", "nbytes")):
+            return False
+        if not isinstance(b.get("file"), str) or not isinstance(b.get("name"), str):
+            return False
+        if b["nbytes"] != math.prod(b["shape"]) * _np_dtype(info["dtype"]).itemsize:
+            return False
+    return True
 
 
 def _safe_file(root: Path, name: Any) -> Path:
@@ -721,7 +758,6 @@ class _Reader:
         self.fds: dict[str, int] = {}
         self.checked: set[str] = set()
         self.lock = threading.Lock()
-        self.bytes_read = 0
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -1395,10 +1431,10 @@ class CheckpointManager:
             if "ema/" + o.key not in snap.arrays:
                 continue
             tag = (o.key, o.block.start, o.block.shape)
-            value = o.source.astype(np.float32)
+            value = o.source.astype(np.float32)  # a fresh array (astype copies)
             ema = self._ema.get(tag)
             if ema is None:
-                ema = self._ema[tag] = value if value is not o.source else value.copy()
+                ema = self._ema[tag] = value
             else:
                 ema *= decay
                 ema += (1.0 - decay) * value

@@ -343,6 +343,27 @@ def test_truncated_file_and_header_mismatch(tmp_path):
         ckpt.restore(tmp_path / "c", target)
 
 
+def test_malformed_index_is_refused(tmp_path):
+    ckpt.save(tmp_path / "c", {"w": np.ones((2, 2), np.float32)})
+    index_path = tmp_path / "c" / "index.json"
+    good = index_path.read_text()
+    for mutate in (
+        lambda i: i["arrays"]["w"]["blocks"][0].pop("crc32c"),
+        lambda i: i["arrays"]["w"]["blocks"][0].update(nbytes=15),
+        lambda i: i["arrays"]["w"].update(shape=[2, "2"]),
+        lambda i: i["arrays"]["w"].update(dtype="complex64"),
+        lambda i: i.update(checksum="md5"),
+    ):
+        index = json.loads(good)
+        mutate(index)
+        index_path.write_text(json.dumps(index))
+        with pytest.raises(ckpt.CheckpointError, match=r"malformed entry for 'w'|unknown checksum"):
+            ckpt.restore(tmp_path / "c", {"w": np.zeros((2, 2), np.float32)})
+    index_path.write_text(good[: len(good) // 2])
+    with pytest.raises(ckpt.CheckpointError, match="not valid JSON"):
+        ckpt.restore(tmp_path / "c", {"w": np.zeros((2, 2), np.float32)})
+
+
 @pytest.mark.parametrize("name", ["../x.safetensors", "/etc/passwd", "a/../../b.safetensors", ".."])
 def test_index_file_names_cannot_escape(tmp_path, name):
     ckpt.save(tmp_path / "c", {"w": np.ones(4, np.float32)})
