@@ -426,9 +426,14 @@ def test_kill_during_save_never_leaves_a_bad_checkpoint(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     run = [sys.executable, "-c", _KILL_SCRIPT, str(tmp_path)]
-    subprocess.run([*run, "first"], check=True, env=env, timeout=120)
+    # cwd "/": `python -c` puts the working directory on sys.path, and the source tree's jaxops
+    # (without its compiled module) must not shadow the installed package.
+    opts = dict(env=env, cwd="/", timeout=120, capture_output=True, text=True)
+    first = subprocess.run([*run, "first"], **opts)
+    assert first.returncode == 0, first.stdout + first.stderr
     t0 = time.monotonic()
-    subprocess.run([*run, "second"], check=True, env=env, timeout=120, capture_output=True)
+    second = subprocess.run([*run, "second"], **opts)
+    assert second.returncode == 0, second.stdout + second.stderr
     duration = time.monotonic() - t0
     ckpt_target = {"x": np.zeros(16 << 20, np.float32), "y": np.zeros(16 << 20, np.float32)}
     expect = np.arange(16 << 20, dtype=np.float32)
@@ -439,7 +444,12 @@ def test_kill_during_save_never_leaves_a_bad_checkpoint(tmp_path):
 
         shutil.rmtree(tmp_path / "2", ignore_errors=True)
         proc = subprocess.Popen(
-            [*run, "second"], env=env, stdout=subprocess.PIPE, text=True, start_new_session=True
+            [*run, "second"],
+            env=env,
+            cwd="/",
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
         assert proc.stdout.readline().strip() == "saving"
         time.sleep(rng.uniform(0, duration * 0.8))
