@@ -756,7 +756,7 @@ class _Reader:
         self.root = root
         self.chunk = int(index.get("chunk_bytes", CHUNK_BYTES))
         self.fds: dict[str, int] = {}
-        self.checked: set[str] = set()
+        self.headers: dict[str, tuple[dict[str, Any], int]] = {}  # file -> (header, data start)
         self.lock = threading.Lock()
 
     def close(self) -> None:
@@ -772,10 +772,13 @@ class _Reader:
 
     def check_header(self, key: str, block: dict[str, Any], dtype: str) -> None:
         """The file's own header agrees with the index about this block."""
-        tag = f"{block['file']}:{block['name']}"
-        if tag in self.checked:
-            return
-        header, data_start = _read_header(_safe_file(self.root, block["file"]))
+        with self.lock:
+            cached = self.headers.get(block["file"])
+        if cached is None:  # each file's header is read and parsed once per restore
+            cached = _read_header(_safe_file(self.root, block["file"]))
+            with self.lock:
+                self.headers[block["file"]] = cached
+        header, data_start = cached
         entry = header.get(block["name"])
         expect = {
             "dtype": _ST_CODES[dtype],
@@ -790,8 +793,6 @@ class _Reader:
                 f"{self.root}: {block['file']} stores {block['name']!r} as {entry}, "
                 f"the index says {expect} (array {key!r})"
             )
-        with self.lock:
-            self.checked.add(tag)
 
     def read(self, buf: memoryview, block: dict[str, Any], lo: int) -> None:
         """Reads bytes [lo, lo + len(buf)) of a stored block into `buf`."""

@@ -343,6 +343,17 @@ def test_truncated_file_and_header_mismatch(tmp_path):
         ckpt.restore(tmp_path / "c", target)
 
 
+def test_each_file_header_is_read_once_per_restore(tmp_path, monkeypatch):
+    tree = {f"p{i}": np.full((4,), i, np.float32) for i in range(50)}
+    ckpt.save(tmp_path / "c", tree)
+    calls = []
+    real = ckpt._read_header
+    monkeypatch.setattr(ckpt, "_read_header", lambda path: calls.append(path) or real(path))
+    out = ckpt.restore(tmp_path / "c", {k: np.zeros(4, np.float32) for k in tree})
+    assert all(np.array_equal(out[k], tree[k]) for k in tree)
+    assert len(calls) == 1, calls  # one data file: its header parsed once, not once per tensor
+
+
 def test_malformed_index_is_refused(tmp_path):
     ckpt.save(tmp_path / "c", {"w": np.ones((2, 2), np.float32)})
     index_path = tmp_path / "c" / "index.json"
