@@ -6,11 +6,15 @@ sharded over ``(*data_axes, expert_axis)``; expert weights are sharded over the 
 replicated over the data axes. On every device::
 
     router (fp32 logits, top-k)          [T, H] -> expert_ids, probs [T, K]
+                                         (softmax or sigmoid scores, correction bias,
+                                          group-limited choice, scaling: Mixtral,
+                                          Qwen-MoE, DeepSeek-V3)
     jaxops.moe.permute                   tokens grouped by expert          [T*K, H]
     exchange along the expert axis       each expert's rows to its device  [R_recv, H]
     grouped FFN (one grouped GEMM)       every local expert at once        [R_recv, H]
     exchange back                        rows to the devices they came from
     jaxops.moe.unpermute(probs)          weighted sum per token            [T, H]
+    + shared expert (optional)           dense FFN on every token, gated or not
 
 The exchange needs no host synchronization: one all-gather of the ``[E]`` int32 row counts along
 the expert axis gives every device every offset. Each device then sends, per local expert of each
@@ -69,6 +73,7 @@ __all__ = [
     "moe_layer",
     "moe_layer_reference",
     "moe_param_specs",
+    "update_router_bias",
 ]
 
 ACTIVATIONS = ("swiglu", "gelu", "silu")
@@ -76,6 +81,7 @@ ROUTERS = ("softmax", "sigmoid")
 EXCHANGES = ("auto", "ragged", "dense")
 _FP8_RECIPES = (None, "block")
 _FP8_BLOCK = 128
+_COUNT_DTYPES = tuple(np.dtype(d) for d in ("int32", "int64", "uint32", "float32"))
 
 
 def _choice(name: str, value: Any, choices: tuple) -> Any:
@@ -103,9 +109,29 @@ class MoEConfig:
       ffn_hidden: F, each expert's inner width.
       activation: "swiglu" (``silu(x W_gate) * (x W_up)``, w_in holds ``[W_gate | W_up]``),
         "gelu" (exact, erf) or "silu".
-      router: "softmax" (top-k of softmax(logits)) or "sigmoid" (top-k of sigmoid(logits),
-        DeepSeek-V3 style).
-      normalize_probs: divide each token's top-k probabilities by their sum.
+      router: "softmax" (scores = softmax(logits), Mixtral / Qwen-MoE) or "sigmoid"
+        (scores = sigmoid(logits), DeepSeek-V3). The k experts are chosen by their scores (plus
+        the correction bias, within the chosen groups, see below) and weighted by their scores.
+      normalize_probs: divide each token's k weights by their sum (Mixtral: always; Qwen-MoE:
+        ``norm_topk_prob``; DeepSeek-V3: ``norm_topk_prob``).
+      router_bias: a per-expert correction bias (params["router_bias"], float32 ``[E]``,
+        DeepSeek-V3's ``e_score_correction_bias``) added to the scores for the choice of experts
+        only: the weights use the raw scores, and the bias gets no gradient. Update it between
+        steps with
+        :func:`update_router_bias` (auxiliary-loss-free balancing).
+      n_group: group-limited routing: the E experts form `n_group` groups of ``E / n_group``; a
+        group's score is the sum of its two best (biased) scores, and each token chooses its k
+        experts among the `topk_group` best groups only. 1: no groups.
+      topk_group: groups kept per token (1..n_group; None: all of them).
+      routed_scaling_factor: the k weights are multiplied by this after the normalization
+        (DeepSeek-V3: 2.5).
+      shared_ffn_hidden: width of the shared expert applied to every token besides the routed
+        ones (0: none). DeepSeek-V3's ``n_shared_experts`` shared experts are one FFN of width
+        ``n_shared_experts * moe_intermediate_size``; Qwen2-MoE's
+        ``shared_expert_intermediate_size``. Same activation as the routed experts; params
+        ``shared_w_in [H, F_s']``, ``shared_w_out [F_s, H]``.
+      shared_gate: scale the shared expert's output per token by
+        ``sigmoid(x @ params["shared_gate"])`` (Qwen2-MoE; ``shared_gate [H, 1]``).
       capacity_factor: None (dropless) or > 0: ``C = ceil(capacity_factor * T * K / E)`` slots per
         expert over the global batch (see the module docstring).
       aux_loss_coef: weight of the load-balancing loss in ``MoEAux.loss``.
@@ -131,6 +157,12 @@ class MoEConfig:
     activation: str = "swiglu"
     router: str = "softmax"
     normalize_probs: bool = True
+    router_bias: bool = False
+    n_group: int = 1
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    shared_ffn_hidden: int = 0
+    shared_gate: bool = False
     capacity_factor: float | None = None
     aux_loss_coef: float = 1e-2
     z_loss_coef: float = 1e-3
@@ -156,6 +188,35 @@ class MoEConfig:
         _choice("fp8", self.fp8, _FP8_RECIPES)
         _choice("exchange", self.exchange, EXCHANGES)
         _checks.check_bool("MoEConfig", "normalize_probs", self.normalize_probs)
+        _checks.check_bool("MoEConfig", "router_bias", self.router_bias)
+        _checks.check_bool("MoEConfig", "shared_gate", self.shared_gate)
+        groups = _checks.check_int("MoEConfig", "n_group", self.n_group, 1)
+        if e % groups:
+            raise ValueError(
+                f"MoEConfig: num_experts = {e} must be divisible by n_group, got n_group = {groups}"
+            )
+        if groups > 1 and e // groups < 2:
+            raise ValueError(
+                f"MoEConfig: n_group = {groups} leaves {e // groups} expert per group; a group's "
+                "score is the sum of its 2 best experts, so groups need at least 2"
+            )
+        kept = groups if self.topk_group is None else self.topk_group
+        kept = _checks.check_int("MoEConfig", "topk_group", kept, 1)
+        if kept > groups:
+            raise ValueError(f"MoEConfig: topk_group must be <= n_group = {groups}, got {kept}")
+        if k > kept * (e // groups):
+            raise ValueError(
+                f"MoEConfig: top_k = {k} exceeds the {kept * (e // groups)} experts of the "
+                f"topk_group = {kept} groups a token may use"
+            )
+        object.__setattr__(self, "topk_group", kept)
+        scale = _nonneg_float("routed_scaling_factor", self.routed_scaling_factor)
+        if scale == 0:
+            raise ValueError("MoEConfig: routed_scaling_factor must be > 0")
+        object.__setattr__(self, "routed_scaling_factor", scale)
+        _checks.check_int("MoEConfig", "shared_ffn_hidden", self.shared_ffn_hidden, 0)
+        if self.shared_gate and not self.shared_ffn_hidden:
+            raise ValueError("MoEConfig: shared_gate needs a shared expert (shared_ffn_hidden > 0)")
         if self.capacity_factor is not None:
             cf = _nonneg_float("capacity_factor", self.capacity_factor)
             if cf == 0:
@@ -202,6 +263,21 @@ class MoEConfig:
         """F': the width of w_in (2F for swiglu's gate and up projections, else F)."""
         return 2 * self.ffn_hidden if self.activation == "swiglu" else self.ffn_hidden
 
+    @property
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of every parameter :func:`init_moe_params` makes for this config."""
+        e, h, f = self.num_experts, self.hidden, self.ffn_hidden
+        shapes = {"router": (h, e), "w_in": (e, h, self.w_in_width), "w_out": (e, f, h)}
+        if self.router_bias:
+            shapes["router_bias"] = (e,)
+        if self.shared_ffn_hidden:
+            fs = self.shared_ffn_hidden
+            shapes["shared_w_in"] = (h, 2 * fs if self.activation == "swiglu" else fs)
+            shapes["shared_w_out"] = (fs, h)
+            if self.shared_gate:
+                shapes["shared_gate"] = (h, 1)
+        return shapes
+
 
 class MoEAux(NamedTuple):
     """What :func:`moe_layer` reports besides its output (global values, replicated).
@@ -228,7 +304,10 @@ def init_moe_params(key: jax.Array, cfg: MoEConfig) -> dict[str, jax.Array]:
     """float32 parameters: ``router [H, E]``, ``w_in [E, H, F']``, ``w_out [E, F, H]``.
 
     ``F' = 2F`` for swiglu (gate and up projections side by side), else F. Scaled normal
-    initialization (1 / sqrt(fan_in)). Place them with :func:`moe_param_specs`.
+    initialization (1 / sqrt(fan_in)). With ``cfg.router_bias`` also ``router_bias [E]`` (zeros);
+    with a shared expert ``shared_w_in [H, F_s']``, ``shared_w_out [F_s, H]`` and with
+    ``cfg.shared_gate`` ``shared_gate [H, 1]`` (:attr:`MoEConfig.param_shapes`). Place them with
+    :func:`moe_param_specs`.
 
     Example:
       >>> import jax
@@ -239,26 +318,83 @@ def init_moe_params(key: jax.Array, cfg: MoEConfig) -> dict[str, jax.Array]:
     """
     if not isinstance(cfg, MoEConfig):
         raise TypeError(f"init_moe_params: cfg must be a MoEConfig, got {type(cfg).__name__}")
+    shapes = cfg.param_shapes
     kr, ki, ko = jax.random.split(key, 3)
-    e, h, f = cfg.num_experts, cfg.hidden, cfg.ffn_hidden
-    return {
-        "router": jax.random.normal(kr, (h, e), jnp.float32) / math.sqrt(h),
-        "w_in": jax.random.normal(ki, (e, h, cfg.w_in_width), jnp.float32) / math.sqrt(h),
-        "w_out": jax.random.normal(ko, (e, f, h), jnp.float32) / math.sqrt(f),
-    }
+    ks = jax.random.split(jax.random.fold_in(key, 1), 3)
+    keys = {"router": kr, "w_in": ki, "w_out": ko, "shared_w_in": ks[0], "shared_w_out": ks[1]}
+    keys["shared_gate"] = ks[2]
+    params = {}
+    for name, shape in shapes.items():
+        if name == "router_bias":
+            params[name] = jnp.zeros(shape, jnp.float32)
+        else:  # [..., in, out]: scaled by 1 / sqrt(in)
+            params[name] = jax.random.normal(keys[name], shape, jnp.float32) / math.sqrt(shape[-2])
+    return params
 
 
 def moe_param_specs(cfg: MoEConfig) -> dict[str, P]:
-    """PartitionSpecs of the parameters: router replicated, experts over the expert axis."""
-    return {"router": P(), "w_in": P(cfg.expert_axis), "w_out": P(cfg.expert_axis)}
+    """PartitionSpecs of the parameters: experts over the expert axis, the rest replicated."""
+    return {
+        name: P(cfg.expert_axis) if name in ("w_in", "w_out") else P() for name in cfg.param_shapes
+    }
+
+
+def update_router_bias(
+    bias: jax.Array, tokens_per_expert: jax.Array, rate: float = 1e-3
+) -> jax.Array:
+    """Auxiliary-loss-free load balancing (DeepSeek-V3): one update of the correction bias.
+
+    ``bias + rate * sign(mean(load) - load)``: experts that received more than the mean number of
+    slots this step become less likely to be chosen, the others more. Jittable; works on stacked
+    layers (``[..., E]``, the mean taken over the last axis). Use it with
+    ``MoEConfig(router_bias=True)`` and ``MoEAux.tokens_per_expert`` (global counts), outside the
+    gradient (the bias has none).
+
+    Args:
+      bias: float32 ``[..., E]``, ``params["router_bias"]``.
+      tokens_per_expert: int ``[..., E]`` slots routed to each expert (before drops).
+      rate: the update speed gamma (DeepSeek-V3 used 1e-3).
+
+    Returns:
+      The updated bias, float32 ``[..., E]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxops.parallel.expert import update_router_bias
+      >>> update_router_bias(jnp.zeros(4), jnp.array([10, 2, 2, 2]), rate=0.1).tolist()
+      [-0.10000000149011612, 0.10000000149011612, 0.10000000149011612, 0.10000000149011612]
+    """
+    bias = _checks.check_array("update_router_bias", "bias", bias, min_rank=1)
+    load = _checks.check_array(
+        "update_router_bias",
+        "tokens_per_expert",
+        tokens_per_expert,
+        dtypes=_COUNT_DTYPES,
+        min_rank=1,
+    )
+    if load.shape != bias.shape:
+        raise ValueError(
+            "update_router_bias: tokens_per_expert must have bias's shape "
+            f"{tuple(bias.shape)}, got {tuple(load.shape)}"
+        )
+    load = load.astype(jnp.float32)
+    step = jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    return (bias + rate * step).astype(bias.dtype)
 
 
 # -------------------------------------------------------------------------------------------------
 # Router and expert math, shared by the layer and its dense reference.
 
 
-def _router(cfg: MoEConfig, tokens: jax.Array, w_router: jax.Array):
-    """(logits, probabilities over experts, expert_ids [T, K], top-k probs [T, K]), float32."""
+def _router(cfg: MoEConfig, tokens: jax.Array, w_router: jax.Array, bias=None):
+    """(logits, probabilities over experts, expert_ids [T, K], their weights [T, K]), float32.
+
+    Scores are softmax or sigmoid of the float32 logits. The choice: the scores plus the
+    correction bias (no gradient), limited to each token's `topk_group` best groups (a group's
+    score: the sum of its two best), then the top k. The weights: the chosen experts' raw scores,
+    normalized to sum 1 if asked (sigmoid: the sum plus 1e-20, as DeepSeek-V3), times
+    routed_scaling_factor.
+    """
     logits = jnp.dot(
         tokens.astype(jnp.float32),
         w_router.astype(jnp.float32),
@@ -270,9 +406,26 @@ def _router(cfg: MoEConfig, tokens: jax.Array, w_router: jax.Array):
     else:
         scores = jax.nn.sigmoid(logits)
         dist = scores / jnp.sum(scores, axis=-1, keepdims=True)
-    top, ids = jax.lax.top_k(scores, cfg.top_k)
+    choice = scores
+    if bias is not None:
+        choice = choice + jax.lax.stop_gradient(bias.astype(jnp.float32))
+    if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
+        t, g = tokens.shape[0], cfg.n_group
+        grouped = choice.reshape(t, g, cfg.num_experts // g)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
+        _, keep = jax.lax.top_k(group_scores, cfg.topk_group)
+        kept = jnp.any(keep[:, :, None] == jnp.arange(g)[None, None, :], axis=1)  # [T, G]
+        choice = jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(t, cfg.num_experts)
+    if bias is None and choice is scores:
+        top, ids = jax.lax.top_k(scores, cfg.top_k)
+    else:
+        _, ids = jax.lax.top_k(jax.lax.stop_gradient(choice), cfg.top_k)
+        top = jnp.take_along_axis(scores, ids, axis=-1)
     if cfg.normalize_probs:
-        top = top / jnp.sum(top, axis=-1, keepdims=True)
+        total = jnp.sum(top, axis=-1, keepdims=True)
+        top = top / (total if cfg.router == "softmax" else total + 1e-20)
+    if cfg.routed_scaling_factor != 1.0:
+        top = top * cfg.routed_scaling_factor
     return logits, dist, ids.astype(jnp.int32), top
 
 
@@ -404,6 +557,40 @@ def _grouped_ffn(cfg: MoEConfig, tile: int, impl, rows, w_in, w_out, group_sizes
     a = _activate(cfg, h).astype(cfg.dtype)
     out = _grouped_linear(tile, fp8, impl, a, w_out.astype(cfg.dtype), groups)
     return out.astype(cfg.dtype)
+
+
+def _shared_expert(cfg: MoEConfig, params, tokens: jax.Array) -> jax.Array | None:
+    """The shared expert on every token, float32 ``[T, H]`` (None without one).
+
+    Its projections are dense GEMMs in cfg.dtype with float32 accumulation (with cfg.fp8 the
+    block-scaled ``jaxops.fp8.linear``); the optional sigmoid gate is computed in float32.
+    """
+    if not cfg.shared_ffn_hidden:
+        return None
+    from jaxops._gemm import fp8_linear
+
+    xs = tokens.astype(cfg.dtype)
+    w_in = params["shared_w_in"].astype(cfg.dtype)
+    w_out = params["shared_w_out"].astype(cfg.dtype)
+    if cfg.fp8 == "block":
+        # Inside shard_map the weights are replicated and the tokens vary: mark the weights
+        # varying so fp8.linear's backward (a per-device weight gradient) types check; the
+        # cast's transpose sums the gradient over the devices.
+        w_in, w_out = vary_like((w_in, w_out), xs)
+        hid = fp8_linear(xs, w_in).astype(jnp.float32)
+        out = fp8_linear(_activate(cfg, hid).astype(cfg.dtype), w_out).astype(jnp.float32)
+    else:
+        hid = jnp.dot(xs, w_in, preferred_element_type=jnp.float32)
+        act = _activate(cfg, hid).astype(cfg.dtype)
+        out = jnp.dot(act, w_out, preferred_element_type=jnp.float32)
+    if cfg.shared_gate:
+        gate = jnp.dot(
+            tokens.astype(jnp.float32),
+            params["shared_gate"].astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST,
+        )
+        out = jax.nn.sigmoid(gate) * out
+    return out
 
 
 # -------------------------------------------------------------------------------------------------
@@ -563,7 +750,7 @@ def _local_layer(cfg: MoEConfig, plan: _Plan, impl, params, x, upto: str = "comb
     h = x.shape[-1]
     tokens = x.reshape(-1, h)
     e, axis, token_axes = cfg.num_experts, cfg.expert_axis, cfg.token_axes
-    logits, dist, ids, probs = _router(cfg, tokens, params["router"])
+    logits, dist, ids, probs = _router(cfg, tokens, params["router"], params.get("router_bias"))
     counts = jnp.zeros((e,), jnp.int32).at[ids.reshape(-1)].add(1)
     if plan.capacity is None:
         kept = counts
@@ -602,12 +789,14 @@ def _local_layer(cfg: MoEConfig, plan: _Plan, impl, params, x, upto: str = "comb
     back = jnp.zeros(permuted.tokens.shape, cfg.dtype)
     returned = _exchange(plan, axis, out, back, backward)
     y = _moe.unpermute(returned, permuted, probs=probs, impl=impl)
+    shared = _shared_expert(cfg, params, tokens)
+    if shared is not None:
+        y = y.astype(jnp.float32) + shared
     return y.astype(x.dtype).reshape(x.shape), aux
 
 
 def _check_params(op: str, params: Any, cfg: MoEConfig) -> dict[str, jax.Array]:
-    e, h, f = cfg.num_experts, cfg.hidden, cfg.ffn_hidden
-    want = {"router": (h, e), "w_in": (e, h, cfg.w_in_width), "w_out": (e, f, h)}
+    want = cfg.param_shapes
     if not isinstance(params, dict) or set(params) != set(want):
         got = sorted(params) if isinstance(params, dict) else type(params).__name__
         raise ValueError(f"{op}: params must be a dict with keys {sorted(want)}, got {got}")
@@ -714,11 +903,10 @@ def _local_call(params, x, cfg: MoEConfig, mesh, impl):
     op = "jaxops.parallel.expert.moe_layer"
     n, shards = _check_mesh(op, mesh, cfg)
     local = cfg.num_experts // n
-    for name, shape in {
-        "router": (cfg.hidden, cfg.num_experts),
-        "w_in": (local, cfg.hidden, cfg.w_in_width),
-        "w_out": (local, cfg.ffn_hidden, cfg.hidden),
-    }.items():
+    shapes = dict(cfg.param_shapes)
+    shapes["w_in"] = (local, *shapes["w_in"][1:])
+    shapes["w_out"] = (local, *shapes["w_out"][1:])
+    for name, shape in shapes.items():
         arr = params.get(name) if isinstance(params, dict) else None
         if arr is None or tuple(arr.shape) != shape:
             got = None if arr is None else tuple(arr.shape)
@@ -813,8 +1001,9 @@ def moe_layer_reference(
 
     Loops over the experts explicitly: ``y += w_e[t] * FFN_e(x[t])`` with ``w_e[t]`` the
     token's routing probability of e if e is among its top-k and the slot is kept (capacity: an
-    expert keeps its first C slots in slot order). With cfg.fp8 each expert's projections are
-    ``jaxops.fp8.linear(recipe="block")``. The oracle of the tests and the "dense" baseline of
+    expert keeps its first C slots in slot order), plus the shared expert if the config has
+    one. With cfg.fp8 each expert's projections are ``jaxops.fp8.linear(recipe="block")``. The
+    oracle of the tests and the "dense" baseline of
     the benchmark (under jit with sharded tokens it computes all E experts on every device).
 
     Example:
@@ -833,7 +1022,7 @@ def moe_layer_reference(
     x = _checks.check_array(op, "x", x, min_rank=1)
     tokens = x.reshape(-1, cfg.hidden)
     t, e, k = tokens.shape[0], cfg.num_experts, cfg.top_k
-    logits, dist, ids, probs = _router(cfg, tokens, params["router"])
+    logits, dist, ids, probs = _router(cfg, tokens, params["router"], params.get("router_bias"))
     slot_expert = ids.reshape(-1)
     onehot = slot_expert[:, None] == jnp.arange(e)[None, :]  # [T*K, E], slot order
     cap = cfg.capacity(t)
@@ -853,6 +1042,9 @@ def moe_layer_reference(
                 _activate(cfg, hid).astype(cfg.dtype), w_out, preferred_element_type=jnp.float32
             ).astype(cfg.dtype)
         y = y + weight[:, i : i + 1] * out.astype(jnp.float32)
+    shared = _shared_expert(cfg, params, tokens)
+    if shared is not None:
+        y = y.astype(cfg.dtype).astype(jnp.float32) + shared
     counts = jnp.sum(onehot, axis=0, dtype=jnp.int32)
     dropped = jnp.sum(onehot & ~keep, dtype=jnp.int32)
     lse_sq = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)

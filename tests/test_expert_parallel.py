@@ -148,6 +148,230 @@ def test_aux_losses_match_their_formulas():
     assert_allclose(aux.loss, 0.1 * lb + 0.01 * zl, jnp.float32)
 
 
+def _np_route(z, router, k, *, bias=None, n_group=1, topk_group=None, normalize=True, scale=1.0):
+    """Routing in float64 numpy, written from DeepSeek-V3's and Mixtral's descriptions."""
+    z = np.asarray(z, np.float64)
+    if router == "softmax":
+        scores = np.exp(z - z.max(-1, keepdims=True))
+        scores /= scores.sum(-1, keepdims=True)
+    else:
+        scores = 1 / (1 + np.exp(-z))
+    choice = scores + (0.0 if bias is None else np.asarray(bias, np.float64))
+    t, e = z.shape
+    if n_group > 1:
+        grouped = choice.reshape(t, n_group, e // n_group)
+        group_score = np.sort(grouped, axis=-1)[..., -2:].sum(-1)
+        keep = np.argsort(-group_score, axis=-1, kind="stable")[:, :topk_group]
+        allowed = np.zeros((t, n_group), bool)
+        np.put_along_axis(allowed, keep, True, axis=1)
+        choice = np.where(np.repeat(allowed, e // n_group, axis=1), choice, -np.inf)
+    ids = np.argsort(-choice, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(scores, ids, -1)
+    if normalize:
+        w = w / (w.sum(-1, keepdims=True) + (1e-20 if router == "sigmoid" else 0.0))
+    return ids, w * scale
+
+
+ROUTER_CASES = {
+    # name: (router, top_k, n_group, topk_group, bias, normalize, scale)
+    "mixtral": ("softmax", 2, 1, None, False, True, 1.0),
+    "qwen3-raw": ("softmax", 4, 1, None, False, False, 1.0),
+    "deepseek": ("sigmoid", 4, 4, 2, True, True, 2.5),
+    "deepseek-1group": ("sigmoid", 3, 4, 1, True, True, 1.0),
+    "sigmoid-bias": ("sigmoid", 2, 1, None, True, False, 1.0),
+    "softmax-groups": ("softmax", 2, 8, 1, False, True, 1.0),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUTER_CASES))
+def test_router_variants_match_float64(case):
+    router, k, groups, kept, has_bias, normalize, scale = ROUTER_CASES[case]
+    e = 16
+    cfg = MoEConfig(
+        num_experts=e,
+        top_k=k,
+        hidden=12,
+        ffn_hidden=4,
+        router=router,
+        n_group=groups,
+        topk_group=kept,
+        router_bias=has_bias,
+        normalize_probs=normalize,
+        routed_scaling_factor=scale,
+    )
+    rng = np.random.default_rng(3)
+    tokens = rng.normal(size=(64, 12)).astype(np.float32)
+    w = rng.normal(size=(12, e)).astype(np.float32)
+    bias = rng.normal(size=(e,)).astype(np.float32) * 0.3 if has_bias else None
+    _, _, ids, probs = expert._router(
+        cfg, jnp.asarray(tokens), jnp.asarray(w), None if bias is None else jnp.asarray(bias)
+    )
+    z = tokens.astype(np.float64) @ w.astype(np.float64)
+    want_ids, want_w = _np_route(
+        z,
+        router,
+        k,
+        bias=bias,
+        n_group=groups,
+        topk_group=kept,
+        normalize=normalize,
+        scale=scale,
+    )
+    np.testing.assert_array_equal(ids, want_ids)
+    assert_allclose(probs, want_w, jnp.float32)
+    if groups > 1:  # the groups must have decided something, else the case tests nothing
+        plain, _ = _np_route(z, router, k, bias=bias)
+        assert (np.sort(plain, -1) != np.sort(want_ids, -1)).any(axis=-1).mean() > 0.2
+    if has_bias:  # the bias changes the choice but not the weights of what is chosen
+        free, _ = _np_route(z, router, k, n_group=groups, topk_group=kept)
+        assert (np.sort(free, -1) != np.sort(want_ids, -1)).any()
+
+
+def test_router_bias_gets_no_gradient_and_weights_use_raw_scores():
+    cfg = MoEConfig(
+        num_experts=8,
+        top_k=2,
+        hidden=4,
+        ffn_hidden=4,
+        router="sigmoid",
+        router_bias=True,
+        normalize_probs=False,
+    )
+    tokens = jax.random.normal(jax.random.key(0), (16, 4))
+    w = jax.random.normal(jax.random.key(1), (4, 8))
+    bias = jnp.linspace(-1, 1, 8)
+
+    def f(w, bias):
+        return jnp.sum(expert._router(cfg, tokens, w, bias)[3])
+
+    gw, gb = jax.grad(f, argnums=(0, 1))(w, bias)
+    assert not np.asarray(gb).any() and np.asarray(gw).any()
+    _, _, ids, probs = expert._router(cfg, tokens, w, bias)
+    scores = jax.nn.sigmoid(tokens @ w)
+    np.testing.assert_allclose(probs, jnp.take_along_axis(scores, ids, -1), rtol=1e-6)
+
+
+# (name, MoEConfig keywords): DeepSeek-V3 and Qwen2-MoE blocks through the EP layer.
+SHARED_CASES = {
+    "deepseek": dict(
+        router="sigmoid",
+        router_bias=True,
+        n_group=4,
+        topk_group=2,
+        top_k=4,
+        routed_scaling_factor=2.5,
+        shared_ffn_hidden=40,
+    ),
+    "deepseek-capacity": dict(
+        router="sigmoid",
+        router_bias=True,
+        n_group=4,
+        topk_group=2,
+        top_k=4,
+        shared_ffn_hidden=16,
+        capacity_factor=0.5,
+    ),
+    "qwen2": dict(
+        router="softmax", normalize_probs=False, top_k=4, shared_ffn_hidden=48, shared_gate=True
+    ),
+    "qwen2-gelu": dict(
+        router="softmax", top_k=2, shared_ffn_hidden=8, shared_gate=True, activation="gelu"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SHARED_CASES))
+@pytest.mark.parametrize("mesh_name", ["e8", "d2e4"])
+def test_deepseek_and_qwen2_layers_match_dense_reference(mesh_name, case):
+    cfg = _config(mesh_name, **SHARED_CASES[case])
+    params = init_moe_params(jax.random.key(30), cfg)
+    if cfg.router_bias:
+        params["router_bias"] = jax.random.normal(jax.random.key(31), (16,)) * 0.2
+    x = jax.random.normal(jax.random.key(32), (16, 5, 32))
+    got = _run(cfg, _mesh(mesh_name), params, x)
+    _compare(got, _reference(cfg, params, x))
+    grads = got[1][0]
+    for name in params:
+        g = np.asarray(grads[name])
+        if name == "router_bias":
+            assert not g.any(), "the correction bias must get no gradient"
+        else:
+            assert np.isfinite(g).all() and g.any(), name
+    if cfg.capacity_factor is not None:
+        assert int(got[0][1].dropped) > 0
+
+
+def test_shared_experts_bf16_and_fp8():
+    cfg = _config("d2e4", **SHARED_CASES["deepseek"], dtype=jnp.bfloat16)
+    params = init_moe_params(jax.random.key(33), cfg)
+    x = jax.random.normal(jax.random.key(34), (8, 4, 32), jnp.bfloat16)
+    _compare(_run(cfg, _mesh("d2e4"), params, x), _reference(cfg, params, x), jnp.bfloat16, 2)
+
+    cfg8 = _config(
+        "d2e4",
+        **{**SHARED_CASES["qwen2"], "hidden": 256, "ffn_hidden": 128, "shared_ffn_hidden": 128},
+        fp8="block",
+    )
+    params = init_moe_params(jax.random.key(35), cfg8)
+    x = jax.random.normal(jax.random.key(36), (8, 6, 256))
+    (y, _), grads = _run(cfg8, _mesh("d2e4"), params, x)
+    (y8, _), _ = _reference(cfg8, params, x)
+    (y32, _), grads32 = _reference(dataclasses.replace(cfg8, fp8=None), params, x)
+
+    def rel(a, b):
+        return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
+
+    assert rel(y, y8) < 5e-5  # the same quantized operands; fp32 sums in another order
+    assert 1e-3 < rel(y, y32) < 0.1
+    for name in params:
+        assert rel(grads[0][name], grads32[0][name]) < 0.1, name
+
+
+def test_aux_loss_free_balancing_evens_a_skewed_router():
+    """DeepSeek-V3's bias update in a jitted train step: the load imbalance falls over steps."""
+    cfg = _config(
+        "e8", router="sigmoid", router_bias=True, top_k=2, aux_loss_coef=0.0, z_loss_coef=0.0
+    )
+    mesh = _mesh("e8")
+    params = init_moe_params(jax.random.key(40), cfg)
+    # Skewed: tokens share a positive component, and experts 0-3 score it far higher.
+    params["router"] = params["router"] * 0.1 + jnp.zeros((32, 16)).at[:, :4].set(0.05)
+
+    @jax.jit
+    def step(params, x):
+        def loss(p):
+            y, aux = moe_layer(p, x, cfg, mesh=mesh)
+            return jnp.mean(y.astype(jnp.float32) ** 2), aux
+
+        (_, aux), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        new = jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads)
+        new["router_bias"] = expert.update_router_bias(
+            params["router_bias"], aux.tokens_per_expert, rate=0.01
+        )
+        load = aux.tokens_per_expert.astype(jnp.float32)
+        return new, jnp.std(load) / jnp.mean(load)  # coefficient of variation of the load
+
+    imbalance = []
+    for i in range(50):
+        x = jax.random.normal(jax.random.key(100 + i), (32, 16, 32)) + 1.0
+        params, cv = step(params, x)
+        imbalance.append(round(float(cv), 3))
+    first, last = np.mean(imbalance[:3]), np.mean(imbalance[-10:])
+    assert first > 1.5, imbalance  # 4 of 16 experts take (nearly) every slot
+    assert last < 0.35 * first, imbalance
+    bias = np.asarray(params["router_bias"])
+    assert bias[:4].max() < bias[4:].min()  # the favoured experts were pushed down
+
+
+def test_update_router_bias_formula_and_errors():
+    bias = jnp.zeros((2, 4))
+    load = jnp.array([[5, 1, 1, 1], [2, 2, 2, 2]])
+    got = expert.update_router_bias(bias, load, rate=0.5)
+    np.testing.assert_array_equal(got, [[-0.5, 0.5, 0.5, 0.5], [0, 0, 0, 0]])
+    with pytest.raises(ValueError, match="tokens_per_expert must have bias's shape"):
+        expert.update_router_bias(jnp.zeros(4), jnp.zeros(5, jnp.int32))
+
+
 # -------------------------------------------------------------------------------------------------
 # The layer vs the dense reference.
 
@@ -413,6 +637,14 @@ def test_jit_does_not_retrace_per_step():
         ({"dtype": jnp.int32}, TypeError, "dtype must be float32, bfloat16 or float16"),
         ({"data_axes": ("expert",)}, ValueError, "data_axes must be mesh axis names other"),
         ({"num_experts": 2.0}, TypeError, "num_experts must be an int"),
+        ({"n_group": 3}, ValueError, "num_experts = 16 must be divisible by n_group"),
+        ({"n_group": 16}, ValueError, "leaves 1 expert per group"),
+        ({"n_group": 4, "topk_group": 5}, ValueError, "topk_group must be <= n_group = 4"),
+        ({"n_group": 4, "topk_group": 1, "top_k": 5}, ValueError, "top_k = 5 exceeds the 4"),
+        ({"routed_scaling_factor": 0.0}, ValueError, "routed_scaling_factor must be > 0"),
+        ({"shared_gate": True}, ValueError, "shared_gate needs a shared expert"),
+        ({"shared_ffn_hidden": -1}, ValueError, "shared_ffn_hidden must be >= 0"),
+        ({"router_bias": 1}, TypeError, "router_bias must be a bool"),
     ],
     ids=lambda v: str(v)[:40] if isinstance(v, dict) else "",
 )
