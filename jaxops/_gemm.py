@@ -118,15 +118,49 @@ class _Config:
     kernel: bool  # cuBLASLt custom calls (else the pure-JAX composition)
 
 
-def _matmul_reference(mode: str, a, b, transpose_a: bool, transpose_b: bool) -> jax.Array:
-    """op(a) @ op(b) in float32 (fp32 accumulation), XLA's dot with the mode's precision."""
+def _explicit_sharding(x) -> Any:
+    """`x`'s sharding when it lives on a mesh with Explicit axes (sharding in types), else None."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    types = getattr(mesh, "axis_types", ()) or ()
+    if not any(t == jax.sharding.AxisType.Explicit for t in types):
+        return None
+    return sharding
+
+
+def _wgrad_sharding(w, *operands) -> Any:
+    """The sharding of a weight gradient on an Explicit mesh (None elsewhere).
+
+    It contracts over the rows, which may be sharded; jax then needs the output sharding
+    spelled out: the weight's own, or replicated when only the operands are on the mesh.
+    """
+    own = _explicit_sharding(w)
+    if own is not None:
+        return own
+    for x in operands:
+        s = _explicit_sharding(x)
+        if s is not None:
+            return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec())
+    return None
+
+
+def _matmul_reference(
+    mode: str, a, b, transpose_a: bool, transpose_b: bool, like=None
+) -> jax.Array:
+    """op(a) @ op(b) in float32 (fp32 accumulation), XLA's dot with the mode's precision.
+
+    `like`: for a weight gradient, the weight (whose sharding the result takes on an Explicit
+    mesh).
+    """
     dims = (((0 if transpose_a else 1),), ((1 if transpose_b else 0),))
+    out = None if like is None else _wgrad_sharding(like, a, b)
     return jax.lax.dot_general(
         a,
         b,
         (dims, ((), ())),
         precision=dot_precision(mode, a.dtype),
         preferred_element_type=jnp.float32,
+        **({} if out is None else {"out_sharding": out}),
     )
 
 
@@ -214,9 +248,9 @@ def _backward(cfg: _Config, x, w, has_bias: bool, residual, dy):
     if not cfg.kernel:
         dx = _matmul_reference(cfg.mode, dh, w, False, not cfg.transpose_w).astype(x.dtype)
         if cfg.transpose_w:
-            dw = _matmul_reference(cfg.mode, dh, x, True, False)
+            dw = _matmul_reference(cfg.mode, dh, x, True, False, like=w)
         else:
-            dw = _matmul_reference(cfg.mode, x, dh, True, False)
+            dw = _matmul_reference(cfg.mode, x, dh, True, False, like=w)
         db = jnp.sum(dh.astype(jnp.float32), axis=0) if has_bias else None
         return dx, dw.astype(w.dtype), db
     dx, _, _ = _lt_gemm(cfg, dh, w, None, transpose_b=not cfg.transpose_w)

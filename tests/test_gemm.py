@@ -277,6 +277,30 @@ def test_gemm_sharded_rows_and_columns_stay_local():
     assert_allclose(y, _np_gemm(x, w, b, "gelu"), scale=4)
 
 
+@pytest.mark.parametrize("transpose_w", [False, True], ids=["w_kn", "w_nk"])
+@pytest.mark.parametrize("w_on_mesh", [True, False], ids=["w-sharded", "w-host"])
+def test_gemm_grads_with_batch_sharded_rows_on_explicit_mesh(transpose_w, w_on_mesh):
+    """The weight gradient contracts over sharded rows: its sharding is the weight's (or
+    replicated), and its value the sum over every shard (a data-parallel reduction)."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    x, w, b = _inputs((16,), 32, 24, jnp.float32)
+    if transpose_w:
+        w = w.T
+    xs = jax.device_put(x, NamedSharding(mesh, P(("data", "model"), None)))
+    ws = jax.device_put(w, NamedSharding(mesh, P())) if w_on_mesh else w
+
+    def loss(x, w, b):
+        y = jaxops.gemm(x, w, b, activation="gelu", transpose_w=transpose_w, precision="fp32")
+        return jnp.sum(y * y)
+
+    with jax.set_mesh(mesh):
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(xs, ws, b)
+    want = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, b)
+    for g, r in zip(grads, want, strict=True):
+        assert_allclose(g, r, scale=8)
+    assert grads[1].sharding.spec in (P(), P(None, None))
+
+
 def test_gemm_partition_rule_locality_and_k_refusal():
     """The custom_partitioning rule of the CUDA path, run with the twin as its local body."""
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
