@@ -517,8 +517,10 @@ def _sharding_rule(cfg: _Config, shape: tuple[int, ...]) -> str:
     m, k = (shape[-2] if ndim >= 2 else 1), shape[-1]
     blocked = cfg.mode != "tensor"
     m_grouped = cfg.mode == "tiles" or (cfg.mode == "rows" and cfg.transpose)
-    x_m = "(mg mq)" if (m_grouped and m % g == 0) else "m"
-    x_k = "(kg kq)" if (blocked and k % g == 0) else "k"
+    # A compound factor needs two blocks or more (Shardy refuses a size-1 factor in one); an axis
+    # of a single block cannot be split at block granularity anyway.
+    x_m = "(mg mq)" if (m_grouped and m % g == 0 and m > g) else "m"
+    x_k = "(kg kq)" if (blocked and k % g == 0 and k > g) else "k"
     m_grid = "mg" if x_m != "m" else next(fresh)
     k_grid = "kg" if x_k != "k" else next(fresh)
     x_axes = [*lead, *([x_m] if ndim >= 2 else []), x_k]
@@ -720,7 +722,7 @@ def _kernel_path(cfg: _Config, x: jax.Array, scale: jax.Array | None):
         arg = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.typeof(x).sharding)
         aligned = _x_entries(cfg, mesh, arg)
         if aligned != padded_spec(arg.sharding, x.ndim):
-            x = jax.sharding.reshard(x, P(*aligned))
+            x = jax.sharding.reshard(x, NamedSharding(mesh, P(*aligned)))
     operands = (x, scale) if cfg.mode == "tensor" else (x,)
     return _partitioned_quantize(cfg, tuple(x.shape))(*operands)
 

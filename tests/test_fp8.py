@@ -534,6 +534,26 @@ def test_unaligned_sharding_is_correct():
     assert_scale_equal(q.scale, scale)
 
 
+@pytest.mark.parametrize(
+    "shape,block", [((64, 128), (128, 128)), ((128, 64), (128, 128)), ((48, 128), (1, 128))],
+    ids=["tiles-K-one-block", "tiles-M-one-block", "rows-T-K-one-block"],
+)
+def test_unaligned_rows_outside_set_mesh(shape, block):
+    # Regressions: an axis of exactly one block made a Shardy rule with a size-1 factor (refused
+    # at lowering), and gathering unaligned rows needed a mesh context. Rows sharded 8 ways are
+    # not whole 128-blocks, and there is no jax.set_mesh here.
+    mesh = _mesh((8,), ("d",), AxisType.Explicit)
+    x = rand(shape, jnp.float32, seed=26)
+    xs = jax.device_put(x, NamedSharding(mesh, P("d", None)))
+    q = jax.jit(lambda a: fp8.quantize(a, block=block, transpose=True))(xs)
+    want = fp8.quantize(x, block=block, transpose=True, impl="xla")
+    for a, b in zip(jax.tree_util.tree_leaves(q), jax.tree_util.tree_leaves(want), strict=True):
+        if a.dtype == np.float32:
+            assert_scale_equal(a, b)
+        else:
+            assert_fp8_equal(a, b)
+
+
 def test_split_transpose_sharded_along_k_stays_local():
     mesh = _mesh((8,), ("d",), AxisType.Explicit)
     x = rand((300, 512), jnp.bfloat16, seed=24)
