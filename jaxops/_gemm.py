@@ -44,7 +44,7 @@ from jaxops import _checks, _ffi
 from jaxops._config import resolve_impl
 from jaxops._fp8 import QuantizedArray, dequantize, quantize
 from jaxops._precision import MODES, current_precision, dot_precision
-from jaxops._sharding import padded_spec
+from jaxops._sharding import cotangent_like, padded_spec, vary_like
 
 __all__ = [
     "ACTIVATIONS",
@@ -379,8 +379,10 @@ def _gemm_fwd(cfg: _Config, x, w, bias):
 def _gemm_bwd(cfg: _Config, saved, dy):
     x, w, bias, residual = saved
     dx, dw, db = _backward(cfg, x, w, bias is not None, residual, dy)
-    db = None if bias is None else db.astype(bias.dtype)
-    return dx, dw, db
+    db = None if bias is None else cotangent_like(db.astype(bias.dtype), bias)
+    # Inside shard_map, a weight shared by every device (invariant) gets the psum of the partial
+    # gradients; a cotangent takes its primal's varying axes.
+    return cotangent_like(dx, x), cotangent_like(dw, w), db
 
 
 _gemm.defvjp(_gemm_fwd, _gemm_bwd)
@@ -732,11 +734,13 @@ def _linear(cfg: _LinearConfig, x, w, bias):
 
 def _linear_fwd(cfg: _LinearConfig, x, w, bias):
     y, (qx_t, qw, h) = _linear_forward(cfg, x, w, bias)
-    return y, (qx_t, qw, h, bias)
+    # Empty arrays that carry the shard_map varying axes of x and w, for the cotangents.
+    markers = tuple(vary_like(jnp.zeros((0,), jnp.float32), v) for v in (x, w))
+    return y, (qx_t, qw, h, bias, markers)
 
 
 def _linear_bwd(cfg: _LinearConfig, saved, dy):
-    qx_t, qw, h, bias = saved
+    qx_t, qw, h, bias, (x_marker, w_marker) = saved
     dh = (dy.astype(jnp.float32) * _activation_grad(cfg.activation, h.astype(jnp.float32))).astype(
         dy.dtype
     )
@@ -751,7 +755,11 @@ def _linear_bwd(cfg: _LinearConfig, saved, dy):
     a_t = dataclasses.replace(qx_t, transposed=False)
     dw = fp8_gemm(a_t, qd_t, out_dtype=jnp.float32, impl=cfg.impl)
     db = None if bias is None else jnp.sum(dh.astype(jnp.float32), axis=0).astype(bias.dtype)
-    return dx.astype(dy.dtype), dw.astype(dy.dtype), db
+    return (
+        cotangent_like(dx.astype(dy.dtype), x_marker),
+        cotangent_like(dw.astype(dy.dtype), w_marker),
+        cotangent_like(db, bias),
+    )
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)

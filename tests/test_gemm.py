@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import subprocess
@@ -299,6 +300,41 @@ def test_gemm_grads_with_batch_sharded_rows_on_explicit_mesh(transpose_w, w_on_m
     for g, r in zip(grads, want, strict=True):
         assert_allclose(g, r, scale=8)
     assert grads[1].sharding.spec in (P(), P(None, None))
+
+
+@pytest.mark.parametrize("op", ["gemm", "fp8_linear"])
+def test_grads_of_a_replicated_weight_inside_shard_map(op):
+    """Rows split over a shard_map axis, weight and bias invariant (shared by every device):
+    their gradients are the psum of the devices' partial gradients, typed invariant, and equal
+    the gradients of the unsplit op (the block recipe's groups of 128 rows stay on one device:
+    64 rows per device of 2)."""
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    x, w, b = _inputs((128,), 128, 256, jnp.float32)
+
+    def fn(x, w, b):
+        if op == "gemm":
+            return jaxops.gemm(x, w, b, activation="gelu", precision="fp32")
+        return jaxops.fp8.linear(x, w, b, recipe="block")
+
+    def loss(f, x, w, b):
+        return jnp.sum(jnp.square(f(x, w, b)))
+
+    local = jax.shard_map(fn, mesh=mesh, in_specs=(P("data"), P(), P()), out_specs=P("data"))
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    grads = jax.jit(jax.grad(functools.partial(loss, local), argnums=(0, 1, 2)))(xs, w, b)
+    if op == "gemm":
+        want = jax.grad(functools.partial(loss, fn), argnums=(0, 1, 2))(x, w, b)
+    else:  # the same quantization, per device: the unsplit op on each half, summed
+        grad = jax.grad(functools.partial(loss, fn), argnums=(0, 1, 2))
+        halves = [grad(x[i * 64 : (i + 1) * 64], w, b) for i in (0, 1)]
+        want = (
+            jnp.concatenate([halves[0][0], halves[1][0]]),
+            halves[0][1] + halves[1][1],
+            halves[0][2] + halves[1][2],
+        )
+    for g, r in zip(grads, want, strict=True):
+        assert_allclose(g, r, scale=8)
+    assert float(jnp.abs(grads[1]).max()) > 0
 
 
 def test_gemm_partition_rule_locality_and_k_refusal():
