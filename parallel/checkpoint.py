@@ -1558,6 +1558,13 @@ class Rule:
 
     ``theirs=()`` drops the array on export (and nothing imports it).
 
+    Stacking (``stack``): placeholders of ``theirs`` that ``ours`` lacks, enumerated by our
+    array's leading axes. A Mixture-of-Experts model keeps one HF tensor per layer and expert but
+    one array ``[L, E, ...]`` per weight: ``stack=("i", "e")`` maps element ``[i, e]`` (our array
+    with the stacked axes indexed away) to the names with ``{i}`` and ``{e}`` filled in decimal.
+    ``transpose``, ``axis`` and ``sizes`` then apply to each element. Import takes the stacked
+    sizes from the target's shape and reads, per process, only the elements its shards hold.
+
     Attributes:
       ours: template of our "/"-separated tree key, e.g. ``"layers/{i}/attn/qkv/kernel"``.
       theirs: one template or several (a fused weight), e.g.
@@ -1567,6 +1574,7 @@ class Rule:
       axis: the axis (in their layout) along which fused parts are split and concatenated.
       sizes: sizes of the parts along ``axis`` (default: equal parts).
       dtype: dtype name written on export (e.g. ``"bfloat16"``); None keeps ours.
+      stack: placeholders of ``theirs`` enumerated by our leading axes, outermost first.
 
     Example:
       >>> from jaxops.parallel.checkpoint import Rule
@@ -1576,6 +1584,10 @@ class Rule:
       ...             transpose=(1, 0))
       >>> rule.their_names("layers/3/mlp/gate_up/kernel")
       ['model.layers.3.mlp.gate_proj.weight', 'model.layers.3.mlp.up_proj.weight']
+      >>> experts = Rule("layers/moe/w_out", "model.layers.{i}.mlp.experts.{e}.down_proj.weight",
+      ...                transpose=(1, 0), stack=("i", "e"))
+      >>> experts.their_names("layers/moe/w_out", stack_shape=(2, 2))[-1]
+      'model.layers.1.mlp.experts.1.down_proj.weight'
     """
 
     ours: str
@@ -1584,21 +1596,74 @@ class Rule:
     axis: int = 0
     sizes: Sequence[int] | None = None
     dtype: str | None = None
+    stack: Sequence[str] = ()
+
+    def __post_init__(self):
+        stack = (self.stack,) if isinstance(self.stack, str) else tuple(self.stack)
+        object.__setattr__(self, "stack", stack)
+        ours = {m.group(1) for m in _PLACEHOLDER.finditer(self.ours)}
+        theirs = {m.group(1) for t in self._theirs for m in _PLACEHOLDER.finditer(t)}
+        bad = [s for s in stack if s in ours or s not in theirs]
+        if bad or len(set(stack)) != len(stack):
+            raise ValueError(
+                f"Rule({self.ours!r}): stack {stack} must name distinct placeholders of theirs "
+                f"that ours does not have; ours has {sorted(ours)}, theirs {sorted(theirs)}"
+            )
 
     @property
     def _theirs(self) -> tuple[str, ...]:
         return (self.theirs,) if isinstance(self.theirs, str) else tuple(self.theirs)
 
-    def their_names(self, key: str) -> list[str] | None:
-        """Their tensor names for our `key`, or None if this rule does not match it."""
+    def matches(self, key: str) -> bool:
+        """Whether our `key` is this rule's."""
+        return _template_regex(self.ours, "/").fullmatch(key) is not None
+
+    def elements(self, key: str, stack_shape: Sequence[int] = ()) -> list[tuple[tuple, list[str]]]:
+        """``(index into our stacked axes, their names for that element)`` pairs, in order."""
         m = _template_regex(self.ours, "/").fullmatch(key)
         if m is None:
+            return []
+        groups = m.groupdict()
+        stack_shape = tuple(stack_shape)[: len(self.stack)]
+        out = []
+        for idx in np.ndindex(*stack_shape) if self.stack else [()]:
+            values = {**groups, **{s: str(i) for s, i in zip(self.stack, idx, strict=True)}}
+            out.append((tuple(idx), [_fill_template(t, values) for t in self._theirs]))
+        return out
+
+    def their_names(self, key: str, stack_shape: Sequence[int] = ()) -> list[str] | None:
+        """Their tensor names for our `key`, or None if this rule does not match it.
+
+        For a stacked rule: the names of every element of an array whose leading (stacked) axes
+        have the sizes `stack_shape`, element by element.
+        """
+        if not self.matches(key):
             return None
-        return [_fill_template(t, m.groupdict()) for t in self._theirs]
+        if self.stack and len(tuple(stack_shape)) < len(self.stack):
+            raise ValueError(
+                f"Rule({self.ours!r}): {key!r} stacks {self.stack}; give stack_shape, the sizes "
+                "of our leading axes"
+            )
+        return [n for _, names in self.elements(key, stack_shape) for n in names]
 
     def to_theirs(self, key: str, arr: np.ndarray) -> list[tuple[str, np.ndarray]]:
         """Export: our array -> their (name, tensor) pairs."""
+        if self.stack:
+            if arr.ndim < len(self.stack):
+                raise ValueError(
+                    f"export: {key!r} has shape {list(arr.shape)}, fewer axes than the stacked "
+                    f"placeholders {self.stack}"
+                )
+            pairs = []
+            for idx, names in self.elements(key, arr.shape):
+                pairs += self._element_to_theirs(key, names, arr[idx])
+            return pairs
         names = self.their_names(key) or []
+        return self._element_to_theirs(key, names, arr)
+
+    def _element_to_theirs(
+        self, key: str, names: list[str], arr: np.ndarray
+    ) -> list[tuple[str, np.ndarray]]:
         if not names:
             return []
         if self.transpose is not None:
@@ -1621,7 +1686,10 @@ class Rule:
         ]
 
     def to_ours(self, parts: list[np.ndarray]) -> np.ndarray:
-        """Import: their tensors (in template order) -> our array (before the dtype cast)."""
+        """Import: their tensors (in template order) -> our array (before the dtype cast).
+
+        For a stacked rule, `parts` are one element's tensors; see :meth:`elements`.
+        """
         arr = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=self.axis)
         if self.transpose is not None:
             arr = np.transpose(arr, np.argsort(self.transpose))
@@ -1630,7 +1698,7 @@ class Rule:
 
 def _rule_for(name_map: Sequence[Rule] | None, key: str) -> Rule:
     for rule in name_map or ():
-        if rule.their_names(key) is not None:
+        if rule.matches(key):
             return rule
     return Rule(key, key.replace("/", "."))
 
@@ -1693,6 +1761,8 @@ def export_safetensors(
     name_map: Sequence[Rule] | None = None,
     dtype: str | None = None,
     progress: bool | None = None,
+    config: Any = None,
+    generation_config: Any = None,
 ) -> list[str]:
     """Writes a consolidated Hugging Face safetensors layout from a checkpoint or a sharded tree.
 
@@ -1701,16 +1771,21 @@ def export_safetensors(
     metadata so ``transformers`` loads it. Streams: one array is consolidated on process 0 at a
     time (read from the checkpoint files, or gathered from the devices), so no process holds the
     whole model. Process 0 writes; with a tree every process must call it (the gathers are
-    collective). Files go to a temporary directory renamed to `out_dir` at the end.
+    collective). Files go to a temporary directory renamed to `out_dir` at the end. With
+    `config`, ``config.json`` is written too (and ``generation_config.json`` with
+    `generation_config`), so ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)`` works;
+    the index's metadata holds ``total_size`` and ``total_parameters`` as transformers writes them.
 
     Args:
       source: a checkpoint directory (from :func:`save`) or a pytree of arrays.
-      out_dir: the output directory; must not exist.
+      out_dir: the output directory; must not exist, or be an empty directory.
       max_shard_size: bytes per file, an int or a string like ``"5GB"`` or ``"500MiB"``.
       name_map: :class:`Rule` s mapping our keys to their names (first match wins); keys no
         rule matches are written with "/" replaced by ".".
       dtype: cast floating-point tensors that no rule gives a dtype to this dtype.
       progress: a tqdm progress bar (None: only on a terminal).
+      config: a Hugging Face config (a dict, or an object with ``to_dict()``) for config.json.
+      generation_config: likewise, for generation_config.json.
 
     Returns:
       The tensor names written, in order.
@@ -1802,9 +1877,14 @@ def export_safetensors(
     )
     writer = jax.process_index() == 0
     tmp = out.parent / f".{out.name}.partial"
+    configs = {
+        name: _config_dict(op, name, value)
+        for name, value in (("config.json", config), ("generation_config.json", generation_config))
+        if value is not None
+    }
     if writer:
-        if out.exists():
-            raise FileExistsError(f"{op}: {out} already exists")
+        if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+            raise FileExistsError(f"{op}: {out} already exists and is not an empty directory")
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -1844,9 +1924,17 @@ def export_safetensors(
                 weight_map.update({e[0]: fname for e in entries})
         if writer:
             if count > 1:
-                index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+                params = sum(math.prod(e[2]) for _, _, outs in planned for e in outs)
+                index_json = {
+                    "metadata": {"total_parameters": params, "total_size": total},
+                    "weight_map": weight_map,
+                }
                 (tmp / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
+            for name, value in configs.items():
+                (tmp / name).write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
             _fsync_dir(tmp)
+            if out.exists():  # an empty directory: replace it
+                out.rmdir()
             os.rename(tmp, out)
     except BaseException:
         if writer:
@@ -1858,6 +1946,18 @@ def export_safetensors(
         if bar is not None:
             bar.close()
     return names
+
+
+def _config_dict(op: str, name: str, value: Any) -> dict[str, Any]:
+    if hasattr(value, "to_dict"):
+        value = value.to_dict()
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{op}: the value for {name} must be a dict, got {type(value).__name__}")
+    try:
+        json.dumps(dict(value))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{op}: the value for {name} is not JSON-serializable: {e}") from None
+    return dict(value)
 
 
 def _hf_tensors(src: Path) -> dict[str, tuple[Path, dict[str, Any], int]]:
@@ -1903,6 +2003,49 @@ def _read_hf_tensor(name: str, file: Path, entry: dict[str, Any], start: int) ->
         if f.readinto(memoryview(buf)) != hi - lo:
             raise CheckpointError(f"{file}: truncated (tensor {name!r})")
     return buf.view(dtype).reshape(shape)
+
+
+def _import_stacked(op, src, table, key, rule: Rule, shape, dtype, sharding):
+    """One stacked target leaf: each process reads only the elements its shards hold."""
+    n = len(rule.stack)
+    if len(shape) < n:
+        raise CheckpointError(
+            f"{op}: {key!r} stacks {rule.stack} but the target has shape {list(shape)}"
+        )
+    elements = dict(rule.elements(key, shape[:n]))
+    missing = [name for names in elements.values() for name in names if name not in table]
+    if missing:
+        raise CheckpointError(
+            f"{op}: {key!r} needs {missing[:3]}{' ...' if len(missing) > 3 else ''} "
+            f"({len(missing)} missing) in {src}; it has e.g. {list(table)[:5]}"
+        )
+    cache: dict[tuple, np.ndarray] = {}
+
+    def element(idx: tuple) -> np.ndarray:
+        if idx not in cache:
+            names = elements[idx]
+            arr = rule.to_ours([_read_hf_tensor(name, *table[name]) for name in names])
+            if tuple(arr.shape) != tuple(shape[n:]):
+                raise CheckpointError(
+                    f"{op}: {key!r}[{', '.join(map(str, idx))}] from {names} has shape "
+                    f"{list(arr.shape)}, the target element {list(shape[n:])}"
+                )
+            cache[idx] = arr.astype(dtype, copy=False)
+        return cache[idx]
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        ranges = [range(*sl.indices(dim)) for sl, dim in zip(index[:n], shape[:n], strict=True)]
+        out = np.empty([len(r) for r in ranges] + [len(range(*sl.indices(d))) for sl, d in
+                       zip(index[n:], shape[n:], strict=True)], dtype)  # fmt: skip
+        for pos in np.ndindex(*[len(r) for r in ranges]):
+            idx = tuple(r[i] for r, i in zip(ranges, pos, strict=True))
+            out[pos] = element(idx)[index[n:]]
+        return out
+
+    if sharding is None:
+        return block((slice(None),) * len(shape))
+    return jax.make_array_from_callback(shape, sharding, block)
 
 
 def import_safetensors(
@@ -1956,6 +2099,11 @@ def import_safetensors(
     try:
         for key, (shape, dtype, sharding) in zip(keys, targets, strict=True):
             rule = _rule_for(name_map, key)
+            if rule.stack:
+                values.append(_import_stacked(op, src, table, key, rule, shape, dtype, sharding))
+                if bar is not None:
+                    bar.update(math.prod(shape) * dtype.itemsize)
+                continue
             names = rule.their_names(key) or []
             missing = [n for n in names if n not in table]
             if not names or missing:
