@@ -1,0 +1,232 @@
+"""MoE blocks of published models as ``jaxops.parallel.expert`` layers.
+
+DeepSeek-V3, Qwen-MoE and Mixtral: the router, routed experts and shared experts of one layer,
+read from Hugging Face files.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxops.models._config import ConfigError, _get, _positive
+from jaxops.parallel import checkpoint
+from jaxops.parallel import expert as ep
+from jaxops.parallel.checkpoint import Rule
+
+__all__ = ["BLOCK_MODEL_TYPES", "is_moe_layer", "load_moe_block", "moe_block_config"]
+
+#: model_type values whose MoE block :func:`moe_block_config` reads.
+BLOCK_MODEL_TYPES = ("deepseek_v3", "qwen2_moe", "qwen3_moe", "mixtral")
+
+
+def _model_type(hf: Any) -> str:
+    if not isinstance(hf, dict):
+        raise ConfigError(f"config must be a dict (config.json), got {type(hf).__name__}")
+    kind = hf.get("model_type")
+    if kind not in BLOCK_MODEL_TYPES:
+        raise ConfigError(
+            f"config.json: model_type {kind!r} has no MoE block here; supported: "
+            f"{', '.join(BLOCK_MODEL_TYPES)}"
+        )
+    return kind
+
+
+def is_moe_layer(hf: dict[str, Any], layer: int) -> bool:
+    """Whether layer `layer` of the model is an MoE layer.
+
+    DeepSeek-V3's first ``first_k_dense_replace`` layers are dense FFNs; so are Qwen's
+    ``mlp_only_layers`` and the layers ``decoder_sparse_step`` skips.
+
+    Example:
+      >>> from jaxops.models import is_moe_layer
+      >>> [is_moe_layer({"model_type": "deepseek_v3", "first_k_dense_replace": 3}, i)
+      ...  for i in range(5)]
+      [False, False, False, True, True]
+    """
+    kind = _model_type(hf)
+    if kind == "deepseek_v3":
+        return layer >= _get(hf, "first_k_dense_replace", int, 3)
+    if kind in ("qwen2_moe", "qwen3_moe"):
+        step = _get(hf, "decoder_sparse_step", int, 1)
+        return layer not in _get(hf, "mlp_only_layers", list, []) and (layer + 1) % step == 0
+    return True
+
+
+def moe_block_config(
+    hf: dict[str, Any],
+    *,
+    expert_axis: str = "expert",
+    data_axes: tuple[str, ...] = (),
+    dtype: Any = jnp.float32,
+    **overrides: Any,
+) -> ep.MoEConfig:
+    """The :class:`~jaxops.parallel.expert.MoEConfig` of a published model's MoE block.
+
+    - DeepSeek-V3: sigmoid scores, the ``e_score_correction_bias`` for the choice only,
+      ``n_group`` / ``topk_group`` group-limited choice, ``norm_topk_prob``,
+      ``routed_scaling_factor``, ``n_shared_experts`` shared experts as one FFN of width
+      ``n_shared_experts * moe_intermediate_size``.
+    - Qwen2-MoE: softmax, ``norm_topk_prob``, a shared expert of width
+      ``shared_expert_intermediate_size`` behind a sigmoid gate. Qwen3-MoE: softmax,
+      ``norm_topk_prob``. Mixtral: softmax, renormalized.
+
+    Args:
+      hf: the config.json dict.
+      expert_axis: the mesh axis of the experts.
+      data_axes: further mesh axes the tokens are split over.
+      dtype: the experts' compute dtype.
+      **overrides: other MoEConfig fields (capacity_factor, fp8, aux_loss_coef, ...).
+
+    Example:
+      >>> from jaxops.models import moe_block_config
+      >>> cfg = moe_block_config({"model_type": "deepseek_v3", "hidden_size": 64,
+      ...     "moe_intermediate_size": 32, "n_routed_experts": 16, "num_experts_per_tok": 4,
+      ...     "n_group": 4, "topk_group": 2, "n_shared_experts": 2})
+      >>> cfg.router, cfg.router_bias, cfg.routed_scaling_factor, cfg.shared_ffn_hidden
+      ('sigmoid', True, 2.5, 64)
+    """
+    kind = _model_type(hf)
+    act = _get(hf, "hidden_act", str, "silu")
+    if act != "silu":
+        raise ConfigError(f"config.json: hidden_act {act!r} is not supported; supported: silu")
+    kw: dict[str, Any] = {
+        "hidden": _positive(hf, "hidden_size"),
+        "top_k": _positive(hf, "num_experts_per_tok"),
+        "activation": "swiglu",
+        "expert_axis": expert_axis,
+        "data_axes": data_axes,
+        "dtype": dtype,
+        "aux_loss_coef": 0.0,
+        "z_loss_coef": 0.0,
+    }
+    if kind == "deepseek_v3":
+        f = _positive(hf, "moe_intermediate_size")
+        kw.update(
+            num_experts=_positive(hf, "n_routed_experts"),
+            ffn_hidden=f,
+            router="sigmoid",
+            router_bias=True,
+            # Absent keys take transformers' DeepseekV3Config defaults.
+            n_group=_positive(hf, "n_group", 8),
+            topk_group=_positive(hf, "topk_group", 4),
+            normalize_probs=_get(hf, "norm_topk_prob", bool, True),
+            routed_scaling_factor=_get(hf, "routed_scaling_factor", float, 2.5),
+            shared_ffn_hidden=_get(hf, "n_shared_experts", int, 1) * f,
+        )
+    elif kind == "mixtral":
+        kw.update(
+            num_experts=_positive(hf, "num_local_experts"),
+            ffn_hidden=_positive(hf, "intermediate_size"),
+            normalize_probs=True,
+        )
+    else:
+        key = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
+        kw.update(
+            num_experts=_positive(hf, key if hf.get(key) is not None else "num_experts"),
+            ffn_hidden=_positive(hf, "moe_intermediate_size"),
+            normalize_probs=_get(hf, "norm_topk_prob", bool, False),
+        )
+        if kind == "qwen2_moe":
+            shared = _get(hf, "shared_expert_intermediate_size", int, 0)
+            kw.update(shared_ffn_hidden=shared, shared_gate=shared > 0)
+    kw.update(overrides)
+    return ep.MoEConfig(**kw)
+
+
+def _block_rules(kind: str, layer: int, cfg: ep.MoEConfig) -> list[Rule]:
+    pre = f"model.layers.{layer}."
+    t = (1, 0)
+    if kind == "mixtral":
+        moe, gate, up, down = "block_sparse_moe", "w1", "w3", "w2"
+    else:
+        moe, gate, up, down = "mlp", "gate_proj", "up_proj", "down_proj"
+    experts = pre + f"{moe}.experts.{{e}}."
+    rules = [
+        Rule("router", pre + f"{moe}.gate.weight", transpose=t),
+        Rule(
+            "w_in",
+            (experts + f"{gate}.weight", experts + f"{up}.weight"),
+            transpose=t,
+            stack=("e",),
+        ),
+        Rule("w_out", experts + f"{down}.weight", transpose=t, stack=("e",)),
+    ]
+    if cfg.router_bias:
+        rules.append(Rule("router_bias", pre + f"{moe}.gate.e_score_correction_bias"))
+    if cfg.shared_ffn_hidden:
+        shared = pre + ("mlp.shared_experts." if kind == "deepseek_v3" else "mlp.shared_expert.")
+        rules += [
+            Rule(
+                "shared_w_in", (shared + "gate_proj.weight", shared + "up_proj.weight"), transpose=t
+            ),
+            Rule("shared_w_out", shared + "down_proj.weight", transpose=t),
+        ]
+        if cfg.shared_gate:
+            rules.append(Rule("shared_gate", pre + "mlp.shared_expert_gate.weight", transpose=t))
+    return rules
+
+
+def load_moe_block(
+    path: str | os.PathLike,
+    layer: int,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    dtype: Any = jnp.float32,
+    **config_options: Any,
+) -> tuple[ep.MoEConfig, dict[str, jax.Array]]:
+    """The MoE block of one layer of a Hugging Face model directory, as a ``moe_layer``.
+
+    Returns ``(cfg, params)`` for :func:`jaxops.parallel.expert.moe_layer`, params sharded on
+    `mesh`.
+
+    The router bias (DeepSeek-V3's ``e_score_correction_bias``) is kept in float32.
+
+    Args:
+      path: the model directory (config.json + safetensors).
+      layer: the layer index; a dense layer (:func:`is_moe_layer` false) raises.
+      mesh: where the experts go (``cfg.expert_axis`` must be an axis; default one device).
+      dtype: parameter dtype.
+      **config_options: passed to :func:`moe_block_config`.
+
+    Example:
+      >>> from jaxops.models import load_moe_block  # doctest: +SKIP
+      >>> cfg, params = load_moe_block("DeepSeek-V3", 3, mesh=mesh)  # doctest: +SKIP
+      >>> y, aux = moe_layer(params, x, cfg, mesh=mesh)  # doctest: +SKIP
+    """
+    import json
+
+    root = Path(path)
+    try:
+        hf = json.loads((root / "config.json").read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{root}: no config.json") from None
+    kind = _model_type(hf)
+    layers = _positive(hf, "num_hidden_layers")
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
+        raise ValueError(f"load_moe_block: layer must be an int in [0, {layers}), got {layer!r}")
+    if not is_moe_layer(hf, layer):
+        raise ValueError(
+            f"load_moe_block: layer {layer} of {root} is a dense layer (first_k_dense_replace / "
+            "mlp_only_layers / decoder_sparse_step in config.json)"
+        )
+    cfg = moe_block_config(hf, **config_options)
+    if mesh is None:
+        mesh = jax.make_mesh((1,), (cfg.expert_axis,), devices=jax.devices()[:1])
+    specs = ep.moe_param_specs(cfg)
+    target = {
+        name: jax.ShapeDtypeStruct(
+            shape,
+            np.float32 if name == "router_bias" else np.dtype(jnp.dtype(dtype)),
+            sharding=NamedSharding(mesh, specs[name]),
+        )
+        for name, shape in cfg.param_shapes.items()
+    }
+    params = checkpoint.import_safetensors(root, target, name_map=_block_rules(kind, layer, cfg))
+    return cfg, params

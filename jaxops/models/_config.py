@@ -1,0 +1,342 @@
+"""The architecture of a Hugging Face MoE decoder, read from its ``config.json``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MODEL_TYPES", "ConfigError", "DecoderConfig", "read_config"]
+
+#: The ``model_type`` values :class:`DecoderConfig` reads (the decoder covers them end to end).
+MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe")
+
+_ARCHITECTURES = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+}
+
+
+class ConfigError(ValueError):
+    """A config.json the decoder cannot build (names the key, what it needs and what came)."""
+
+
+def _get(cfg: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    if key not in cfg or cfg[key] is None:
+        if default is ...:
+            raise ConfigError(
+                f"config.json: missing {key!r} (model_type {cfg.get('model_type')!r})"
+            )
+        return default
+    value = cfg[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds:
+        raise ConfigError(f"config.json: {key!r} must be {kinds[0].__name__}, got {value!r}")
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kinds):
+        raise ConfigError(f"config.json: {key!r} must be {kinds[0].__name__}, got {value!r}")
+    return value
+
+
+def _positive(cfg: dict[str, Any], key: str, default: Any = ...) -> int:
+    value = _get(cfg, key, int, default)
+    if value < 1:
+        raise ConfigError(f"config.json: {key!r} must be >= 1, got {value}")
+    return value
+
+
+# transformers' defaults for keys a config.json leaves out: (rms_norm_eps, rope_theta).
+_DEFAULTS = {
+    "mixtral": (1e-5, 1e6),
+    "qwen3_moe": (1e-6, 10000.0),
+    "qwen2_moe": (1e-6, 10000.0),
+}
+
+
+def _rope_theta(cfg: dict[str, Any], default: float = 10000.0) -> float:
+    """rope_theta from ``rope_parameters`` (transformers >= 5) or the older top-level keys."""
+    params = cfg.get("rope_parameters")
+    if params is None:
+        scaling = cfg.get("rope_scaling")
+        if scaling not in (None, {}) and scaling.get("rope_type", scaling.get("type")) != "default":
+            raise ConfigError(
+                f"config.json: rope_scaling {scaling!r} is not supported (only the default RoPE)"
+            )
+        return _get(cfg, "rope_theta", float, default)
+    if not isinstance(params, dict):
+        raise ConfigError(f"config.json: 'rope_parameters' must be an object, got {params!r}")
+    kind = params.get("rope_type", "default")
+    if kind != "default":
+        raise ConfigError(
+            f"config.json: rope_parameters.rope_type = {kind!r} is not supported; "
+            "supported: 'default'"
+        )
+    return _get(params, "rope_theta", float, default)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """A decoder-only MoE transformer: Mixtral, Qwen3-MoE or Qwen2-MoE.
+
+    Every layer is ``h += attention(rms_norm(h))`` then ``h += moe(rms_norm(h))`` with GQA
+    attention (rotary embeddings in the rotate-half layout, an optional causal sliding window,
+    Qwen3's per-head q/k RMSNorm, Qwen2's q/k/v biases) and the expert-parallel MoE layer
+    (SwiGLU experts; Qwen2-MoE adds a gated shared expert). Build it with :meth:`from_hf`.
+
+    Attributes:
+      model_type: one of :data:`MODEL_TYPES`.
+      vocab_size: V.
+      hidden_size: D.
+      num_layers: L.
+      num_heads: query heads.
+      num_kv_heads: key/value heads (GQA; divides num_heads).
+      head_dim: per-head width.
+      num_experts: E routed experts per layer.
+      top_k: experts per token.
+      expert_ffn: each routed expert's inner width.
+      normalize_topk: renormalize the k router weights (Mixtral always; Qwen ``norm_topk_prob``).
+      shared_ffn: the shared expert's inner width (Qwen2-MoE), 0 for none.
+      qk_norm: Qwen3's RMSNorm of each query and key head before RoPE.
+      qkv_bias: biases on the q, k and v projections (Qwen2).
+      o_bias: a bias on the output projection (Qwen3 ``attention_bias``).
+      rms_norm_eps: epsilon of every RMSNorm.
+      rope_theta: RoPE base.
+      sliding_window: causal attention over the last this many positions (None: all).
+      tie_word_embeddings: the output projection is the embedding table transposed.
+      router_aux_loss_coef: weight of the load-balancing loss (the config's own).
+      hf: the config.json dict it came from (written back by ``save_pretrained``), not compared.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    expert_ffn: int
+    normalize_topk: bool = True
+    shared_ffn: int = 0
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    sliding_window: int | None = None
+    tie_word_embeddings: bool = False
+    router_aux_loss_coef: float = 1e-3
+    hf: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.model_type not in MODEL_TYPES:
+            raise ConfigError(
+                f"DecoderConfig: model_type must be one of {MODEL_TYPES}, got {self.model_type!r}"
+            )
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "num_experts", "top_k", "expert_ffn"):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"DecoderConfig: {name} must be an int >= 1, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"DecoderConfig: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.top_k > self.num_experts:
+            raise ConfigError(
+                f"DecoderConfig: top_k ({self.top_k}) must be <= num_experts ({self.num_experts})"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"DecoderConfig: head_dim must be even for RoPE, got {self.head_dim}")
+        if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
+            raise ConfigError(f"DecoderConfig: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(
+                f"DecoderConfig: sliding_window must be >= 1 or None, got {self.sliding_window}"
+            )
+
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection, ``num_heads * head_dim``."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the key (and of the value) projection, ``num_kv_heads * head_dim``."""
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
+        """Reads a Hugging Face config dict (config.json of Mixtral, Qwen3-MoE or Qwen2-MoE).
+
+        Raises:
+          ConfigError (a ValueError): an unsupported model_type or feature (naming the key and
+            what is supported), a missing or mistyped key.
+
+        Example:
+          >>> from jaxops.models import DecoderConfig
+          >>> cfg = DecoderConfig.from_hf({
+          ...     "model_type": "mixtral", "vocab_size": 128, "hidden_size": 64,
+          ...     "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+          ...     "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2})
+          >>> cfg.head_dim, cfg.kv_size, cfg.num_experts, cfg.normalize_topk
+          (16, 32, 8, True)
+        """
+        if not isinstance(hf, dict):
+            raise ConfigError(f"config.json must hold an object, got {type(hf).__name__}")
+        model_type = hf.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ConfigError(
+                f"config.json: model_type {model_type!r} is not supported; supported: "
+                f"{', '.join(MODEL_TYPES)} (DeepSeek-V3's MoE block: "
+                "jaxops.models.moe_block_config)"
+            )
+        act = _get(hf, "hidden_act", str, "silu")
+        if act != "silu":
+            raise ConfigError(f"config.json: hidden_act {act!r} is not supported; supported: silu")
+        hidden = _positive(hf, "hidden_size")
+        heads = _positive(hf, "num_attention_heads")
+        head_dim = _get(hf, "head_dim", int, None)
+        if head_dim is None:
+            if hidden % heads:
+                raise ConfigError(
+                    f"config.json: hidden_size ({hidden}) is not a multiple of "
+                    f"num_attention_heads ({heads}) and no head_dim is given"
+                )
+            head_dim = hidden // heads
+        kw: dict[str, Any] = {}
+        if model_type == "mixtral":
+            experts = _positive(hf, "num_local_experts")
+            kw["expert_ffn"] = _positive(hf, "intermediate_size")
+            kw["normalize_topk"] = True
+            jitter = _get(hf, "router_jitter_noise", float, 0.0)
+            if jitter:
+                raise ConfigError(
+                    f"config.json: router_jitter_noise = {jitter} is not supported (only 0.0)"
+                )
+            kw["sliding_window"] = _get(hf, "sliding_window", int, None)
+        else:
+            # transformers 5 writes num_local_experts for Qwen too (num_experts is its alias).
+            key = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
+            if hf.get(key) is None:
+                key = "num_experts"
+            experts = _positive(hf, key)
+            kw["expert_ffn"] = _positive(hf, "moe_intermediate_size")
+            kw["normalize_topk"] = _get(hf, "norm_topk_prob", bool, False)
+            if _get(hf, "decoder_sparse_step", int, 1) != 1 or _get(
+                hf, "mlp_only_layers", list, []
+            ):
+                raise ConfigError(
+                    "config.json: decoder_sparse_step != 1 or a non-empty mlp_only_layers (dense "
+                    "layers between MoE layers) is not supported; every layer must be MoE"
+                )
+            if _get(hf, "use_sliding_window", bool, False):
+                raise ConfigError(
+                    "config.json: use_sliding_window = true is not supported for "
+                    f"{model_type} (its per-layer windows); only false"
+                )
+            if model_type == "qwen3_moe":
+                kw["qk_norm"] = True
+                bias = _get(hf, "attention_bias", bool, False)
+                kw["qkv_bias"] = kw["o_bias"] = bias
+            else:
+                kw["qkv_bias"] = _get(hf, "qkv_bias", bool, True)
+                kw["shared_ffn"] = _get(hf, "shared_expert_intermediate_size", int, 0)
+        return cls(
+            model_type=model_type,
+            vocab_size=_positive(hf, "vocab_size"),
+            hidden_size=hidden,
+            num_layers=_positive(hf, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=_positive(hf, "num_key_value_heads", heads),
+            head_dim=head_dim,
+            num_experts=experts,
+            top_k=_positive(hf, "num_experts_per_tok"),
+            rms_norm_eps=_get(hf, "rms_norm_eps", float, _DEFAULTS[model_type][0]),
+            rope_theta=_rope_theta(hf, _DEFAULTS[model_type][1]),
+            tie_word_embeddings=_get(hf, "tie_word_embeddings", bool, False),
+            router_aux_loss_coef=_get(hf, "router_aux_loss_coef", float, 1e-3),
+            hf=dict(hf),
+            **kw,
+        )
+
+    def to_hf(self, dtype: Any = None) -> dict[str, Any]:
+        """The config.json dict: the one read (if any) with this config's values and `dtype`.
+
+        Example:
+          >>> from jaxops.models import DecoderConfig
+          >>> cfg = DecoderConfig("qwen3_moe", 128, 64, 2, 4, 2, 16, 8, 2, 32, qk_norm=True)
+          >>> d = cfg.to_hf("bfloat16")
+          >>> d["architectures"], d["num_experts"], d["dtype"], DecoderConfig.from_hf(d) == cfg
+          (['Qwen3MoeForCausalLM'], 8, 'bfloat16', True)
+        """
+        out = dict(self.hf)
+        out.update(
+            model_type=self.model_type,
+            architectures=[_ARCHITECTURES[self.model_type]],
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            num_experts_per_tok=self.top_k,
+            hidden_act="silu",
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            router_aux_loss_coef=self.router_aux_loss_coef,
+        )
+        out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        out.pop("rope_theta", None)
+        out.pop("rope_scaling", None)
+        if self.model_type == "mixtral":
+            out.update(
+                num_local_experts=self.num_experts,
+                intermediate_size=self.expert_ffn,
+                sliding_window=self.sliding_window,
+            )
+        else:
+            out.update(
+                num_experts=self.num_experts,
+                moe_intermediate_size=self.expert_ffn,
+                norm_topk_prob=self.normalize_topk,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                use_sliding_window=False,
+            )
+            out.pop("num_local_experts", None)
+            if self.model_type == "qwen3_moe":
+                out["attention_bias"] = self.qkv_bias
+            else:
+                out["qkv_bias"] = self.qkv_bias
+                out["shared_expert_intermediate_size"] = self.shared_ffn
+        if dtype is not None:
+            import numpy as np
+
+            name = np.dtype(dtype).name
+            out["dtype"] = name
+            out.pop("torch_dtype", None)
+        return out
+
+
+def read_config(path: str | os.PathLike) -> DecoderConfig:
+    """:class:`DecoderConfig` from a model directory's config.json (or the file itself)."""
+    p = Path(path)
+    f = p / "config.json" if p.is_dir() else p
+    try:
+        hf = json.loads(f.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{f}: no config.json (a Hugging Face model directory has one)") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{f}: not valid JSON ({e})") from None
+    try:
+        return DecoderConfig.from_hf(hf)
+    except ConfigError as e:
+        raise ConfigError(f"{f}: {e}") from None

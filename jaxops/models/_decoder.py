@@ -1,0 +1,537 @@
+"""The MoE decoder on jaxops' kernels and parallel layers: Mixtral, Qwen3-MoE, Qwen2-MoE."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxops
+from jaxops import _checks
+from jaxops._sharding import place
+from jaxops.models._config import DecoderConfig
+from jaxops.parallel import expert as ep
+from jaxops.parallel import pipeline as pl
+
+__all__ = ["MOE_IMPLS", "SCHEDULES", "MoEDecoder"]
+
+#: Pipeline schedules the decoder trains with (one stage per device of the pipe axis).
+SCHEDULES = ("1f1b", "gpipe")
+#: MoE implementations: the expert-parallel layer or its dense masked twin.
+MOE_IMPLS = ("ep", "dense")
+_INIT_STD = 0.02  # transformers' initializer_range for these models
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def _rotate_half(x: jax.Array) -> jax.Array:
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEDecoder:
+    """A decoder-only MoE transformer laid out on a mesh: parameters, forward, loss, gradients.
+
+    Per layer (``L`` of them, parameters stacked on a leading layer axis)::
+
+        a = attention(rms_norm(h))                   jaxops.rms_norm, jaxops.gemm projections
+        y, h = add_rms_norm(a, h)                    jaxops.add_rms_norm (residual + norm)
+        h = h + moe(y)                               jaxops.parallel.expert.moe_layer
+
+    then ``rms_norm`` and the output projection (``jaxops.gemm``; the embedding table with tied
+    embeddings). Attention is grouped-query causal attention in plain jnp with rotary position
+    embeddings (rotate-half layout), float32 softmax, Qwen3's q/k RMSNorm and an optional
+    sliding window, as transformers computes it.
+
+    The mesh: experts over `expert_axis` (which must exist; size 1 on one device), layers over
+    `pipe_axis` when the mesh has it with size > 1 (``L / P`` consecutive layers per pipeline
+    stage, trained with :func:`jaxops.parallel.pipeline.pipeline_step`), the batch over every
+    other axis and the expert axis. Without a pipe axis the layers run in one ``lax.scan``.
+
+    Attributes:
+      config: the architecture (:class:`DecoderConfig`).
+      mesh: the device mesh.
+      expert_axis: the mesh axis the experts are split over.
+      pipe_axis: the pipeline mesh axis (ignored when the mesh has none or it has size 1).
+      microbatches: microbatches per data shard in the pipeline (>= the pipe size is efficient).
+      schedule: "1f1b" or "gpipe".
+      remat: recompute each layer's forward in the backward (``jax.checkpoint``).
+      dtype: compute dtype (float32, bfloat16 or float16); parameters may be stored in another.
+      capacity_factor: None (dropless, as transformers) or the MoE layer's capacity factor.
+      fp8: None or "block": DeepSeek-V3 block-scaled FP8 numerics in the expert GEMMs and the
+        attention projections (``jaxops.fp8.linear``); embedding, output projection, attention
+        scores and norms stay in the compute dtype, as in DeepSeek-V3's recipe. Each device
+        quantizes its own tokens.
+      aux_loss_coef: weight of each layer's load-balancing loss (None: the config's
+        ``router_aux_loss_coef``).
+      z_loss_coef: weight of each layer's router z-loss.
+      align: the MoE layer's group alignment.
+      impl: None, "ffi" or "xla": jaxops' kernels or their pure-JAX twins.
+      moe_impl: "ep": the expert-parallel layer; "dense": its dense twin
+        ``moe_layer_reference`` (every expert on every token, experts replicated; no pipeline),
+        the baseline of benchmarks/bench_models.py.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxops.models import DecoderConfig, MoEDecoder
+      >>> cfg = DecoderConfig("mixtral", vocab_size=64, hidden_size=32, num_layers=2,
+      ...                     num_heads=4, num_kv_heads=2, head_dim=8, num_experts=4, top_k=2,
+      ...                     expert_ffn=16)
+      >>> model = MoEDecoder(cfg, jax.make_mesh((1,), ("expert",)))
+      >>> params = model.init(jax.random.key(0))
+      >>> tokens = jnp.zeros((2, 8), jnp.int32)
+      >>> jax.jit(model.logits)(params, tokens).shape
+      (2, 8, 64)
+    """
+
+    config: DecoderConfig
+    mesh: jax.sharding.Mesh
+    expert_axis: str = "expert"
+    pipe_axis: str = "pipe"
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    remat: bool = False
+    dtype: Any = jnp.float32
+    capacity_factor: float | None = None
+    fp8: str | None = None
+    aux_loss_coef: float | None = None
+    z_loss_coef: float = 0.0
+    align: int = 8
+    impl: str | None = None
+    moe_impl: str = "ep"
+
+    def __post_init__(self):
+        op = "MoEDecoder"
+        if not isinstance(self.config, DecoderConfig):
+            raise TypeError(
+                f"{op}: config must be a DecoderConfig, got {type(self.config).__name__}"
+            )
+        if not isinstance(self.mesh, jax.sharding.Mesh):
+            raise TypeError(
+                f"{op}: mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}"
+            )
+        shape = dict(self.mesh.shape)
+        if self.expert_axis not in shape:
+            raise ValueError(
+                f"{op}: the mesh has no axis {self.expert_axis!r} (expert_axis); its axes are "
+                f"{tuple(shape)}. On one device use jax.make_mesh((1,), ('expert',))"
+            )
+        if self.config.num_experts % shape[self.expert_axis]:
+            raise ValueError(
+                f"{op}: num_experts = {self.config.num_experts} must be divisible by the size "
+                f"{shape[self.expert_axis]} of the expert axis {self.expert_axis!r}"
+            )
+        if self.config.num_layers % self.pipe:
+            raise ValueError(
+                f"{op}: num_layers = {self.config.num_layers} must be divisible by the size "
+                f"{self.pipe} of the pipe axis {self.pipe_axis!r}"
+            )
+        _checks.check_int(op, "microbatches", self.microbatches, 1)
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"{op}: moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+        if self.moe_impl == "dense" and self.pipe > 1:
+            raise ValueError(f"{op}: moe_impl='dense' runs without a pipeline (pipe axis size 1)")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"{op}: schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        dtype = np.dtype(self.dtype)
+        if dtype not in _checks.FLOAT_DTYPES:
+            raise TypeError(f"{op}: dtype must be float32, bfloat16 or float16, got {dtype.name}")
+        object.__setattr__(self, "dtype", dtype)
+        self.moe  # noqa: B018 -- validates the MoE settings now
+
+    # ---------------------------------------------------------------------------------------------
+    # Layout.
+
+    @property
+    def pipe(self) -> int:
+        """Pipeline stages: the size of the pipe axis (1 without one)."""
+        return dict(self.mesh.shape).get(self.pipe_axis, 1)
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """Mesh axes the batch is split over besides the expert axis (all but expert and pipe)."""
+        return tuple(a for a in self.mesh.axis_names if a not in (self.expert_axis, self.pipe_axis))
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """All mesh axes the batch is split over: ``(*data_axes, expert_axis)``."""
+        return (*self.data_axes, self.expert_axis)
+
+    @functools.cached_property
+    def moe(self) -> ep.MoEConfig:
+        """The MoE layer's config (SwiGLU experts, softmax router, the shared expert if any)."""
+        c = self.config
+        coef = c.router_aux_loss_coef if self.aux_loss_coef is None else self.aux_loss_coef
+        return ep.MoEConfig(
+            num_experts=c.num_experts,
+            top_k=c.top_k,
+            hidden=c.hidden_size,
+            ffn_hidden=c.expert_ffn,
+            activation="swiglu",
+            router="softmax",
+            normalize_probs=c.normalize_topk,
+            capacity_factor=self.capacity_factor,
+            aux_loss_coef=coef,
+            z_loss_coef=self.z_loss_coef,
+            align=self.align,
+            expert_axis=self.expert_axis,
+            data_axes=self.data_axes,
+            dtype=self.dtype,
+            fp8=self.fp8,
+            shared_ffn_hidden=c.shared_ffn,
+            shared_gate=c.shared_ffn > 0,
+        )
+
+    def param_shapes(self) -> dict[str, Any]:
+        """The parameter tree's shapes (``layers`` leaves stacked ``[L, ...]``).
+
+        ``embed [V, D]``; per layer ``attn_norm [D]``, ``w_qkv [D, (Hq + 2 Hkv) Dh]`` (q, k, v
+        side by side), ``b_qkv`` (Qwen2), ``q_norm, k_norm [Dh]`` (Qwen3), ``w_o [Hq Dh, D]``,
+        ``b_o`` (Qwen3 attention_bias), ``mlp_norm [D]``, ``moe`` (``MoEConfig.param_shapes``:
+        ``router [D, E]``, ``w_in [E, D, 2F]`` (gate, up), ``w_out [E, F, D]``, the shared
+        expert); then ``final_norm [D]`` and ``lm_head [D, V]`` (absent with tied embeddings).
+        Kernels are ``[in, out]``.
+        """
+        c = self.config
+        d, qkv = c.hidden_size, c.q_size + 2 * c.kv_size
+        layer: dict[str, Any] = {"attn_norm": (d,), "w_qkv": (d, qkv)}
+        if c.qkv_bias:
+            layer["b_qkv"] = (qkv,)
+        if c.qk_norm:
+            layer["q_norm"] = (c.head_dim,)
+            layer["k_norm"] = (c.head_dim,)
+        layer["w_o"] = (c.q_size, d)
+        if c.o_bias:
+            layer["b_o"] = (d,)
+        layer["mlp_norm"] = (d,)
+        layer["moe"] = dict(self.moe.param_shapes)
+        stacked = jax.tree.map(
+            lambda s: (c.num_layers, *s), layer, is_leaf=lambda s: isinstance(s, tuple)
+        )
+        tree = {"embed": (c.vocab_size, d), "layers": stacked, "final_norm": (d,)}
+        if not c.tie_word_embeddings:
+            tree["lm_head"] = (d, c.vocab_size)
+        return tree
+
+    def _layer_specs(self, lead: Any) -> dict[str, Any]:
+        shapes = self.param_shapes()["layers"]
+        specs = {k: P(lead) for k in shapes if k != "moe"}
+        moe_specs = ep.moe_param_specs(self.moe)
+        if self.moe_impl == "dense":  # every device runs every expert
+            moe_specs = {k: P() for k in moe_specs}
+        specs["moe"] = {k: P(lead, *s) for k, s in moe_specs.items() if k in shapes["moe"]}
+        return specs
+
+    def param_specs(self) -> dict[str, Any]:
+        """PartitionSpecs of the parameters.
+
+        Layers over the pipe axis, experts over the expert axis, everything else replicated.
+        """
+        lead = self.pipe_axis if self.pipe > 1 else None
+        specs = {"embed": P(), "layers": self._layer_specs(lead), "final_norm": P()}
+        if not self.config.tie_word_embeddings:
+            specs["lm_head"] = P()
+        return specs
+
+    def shardings(self) -> dict[str, Any]:
+        """NamedShardings of :meth:`param_specs` on the mesh."""
+        return jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s), self.param_specs(), is_leaf=_is_spec
+        )
+
+    def abstract_params(self, dtype: Any = jnp.float32) -> dict[str, Any]:
+        """The parameter tree as ``jax.ShapeDtypeStruct`` s with their shardings (a load target).
+
+        The MoE correction bias (none of these models has one) would stay float32.
+        """
+        dtype = np.dtype(dtype)
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s, dtype, sharding=sh),
+            self.param_shapes(),
+            self.shardings(),
+            is_leaf=lambda s: isinstance(s, tuple),
+        )
+
+    def init(self, key: jax.Array, dtype: Any = jnp.float32) -> dict[str, Any]:
+        """Random parameters placed on the mesh.
+
+        normal(0, 0.02) matrices (transformers' initializer_range), unit norms, zero biases.
+        """
+        abstract = self.abstract_params(dtype)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+
+        def make(key):
+            keys = jax.random.split(key, len(leaves))
+            out = []
+            for (path, leaf), k in zip(leaves, keys, strict=True):
+                name = jax.tree_util.keystr(path)
+                if "norm" in name:
+                    out.append(jnp.ones(leaf.shape, leaf.dtype))
+                elif name.endswith("['b_qkv']") or name.endswith("['b_o']"):
+                    out.append(jnp.zeros(leaf.shape, leaf.dtype))
+                else:
+                    out.append((jax.random.normal(k, leaf.shape) * _INIT_STD).astype(leaf.dtype))
+            return jax.tree_util.tree_unflatten(treedef, out)
+
+        out_shardings = jax.tree.map(lambda a: a.sharding, abstract)
+        return jax.jit(make, out_shardings=out_shardings)(key)
+
+    def place_batch(self, *arrays: Any) -> Any:
+        """Host arrays ``[B, ...]`` as global arrays split over the batch axes.
+
+        Every process passes the same global values; one array in, one out.
+        """
+        sharding = NamedSharding(self.mesh, P(self.batch_axes))
+
+        def put(a):
+            a = np.asarray(a)
+            return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
+
+        out = tuple(put(a) for a in arrays)
+        return out[0] if len(out) == 1 else out
+
+    # ---------------------------------------------------------------------------------------------
+    # The model.
+
+    def _attention(self, p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+        """Causal GQA self-attention of ``x [b, s, D]`` (compute dtype)."""
+        c, dt = self.config, self.dtype
+        b, s, _ = x.shape
+        hq, hkv, dh = c.num_heads, c.num_kv_heads, c.head_dim
+        bias = p["b_qkv"].astype(dt) if c.qkv_bias else None
+        qkv = self._dense(x, p["w_qkv"], bias)
+        q, k, v = jnp.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=-1)
+        q = q.reshape(b, s, hq, dh)
+        k = k.reshape(b, s, hkv, dh)
+        v = v.reshape(b, s, hkv, dh)
+        if c.qk_norm:
+            q = jaxops.rms_norm(q, p["q_norm"], eps=c.rms_norm_eps)
+            k = jaxops.rms_norm(k, p["k_norm"], eps=c.rms_norm_eps)
+        # Rotary embeddings as transformers computes them: float32 angles, cast to the dtype.
+        inv_freq = 1.0 / (c.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+        angles = jnp.arange(s, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+        angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
+        cos, sin = jnp.cos(angles).astype(dt), jnp.sin(angles).astype(dt)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        q = q.reshape(b, s, hkv, hq // hkv, dh)
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+        scores = scores * (dh**-0.5)
+        i = jnp.arange(s)[:, None]
+        j = jnp.arange(s)[None, :]
+        allowed = j <= i
+        if c.sliding_window is not None:
+            allowed &= i - j < c.sliding_window
+        scores = jnp.where(allowed, scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
+        out = out.astype(dt).reshape(b, s, c.q_size)
+        bias = p["b_o"].astype(dt) if c.o_bias else None
+        return self._dense(out, p["w_o"], bias)
+
+    def _dense(self, x: jax.Array, w: jax.Array, bias: jax.Array | None) -> jax.Array:
+        """A projection: jaxops.gemm (bias in the epilogue), or fp8.linear with fp8="block"."""
+        w = w.astype(self.dtype)
+        if self.fp8 != "block":
+            return jaxops.gemm(x, w, bias)
+
+        def linear(x, w, *bias):
+            return jaxops.fp8.linear(x, w, *(bias or (None,)), recipe="block", impl=self.impl)
+
+        spec = getattr(jax.typeof(x).sharding, "spec", None)
+        if spec is None or all(s is None for s in spec):  # local (a pipeline stage) or whole
+            return linear(x, w, *([] if bias is None else [bias]))
+        # Batch-sharded tokens: each device quantizes its own (the recipe's 128-row blocks of
+        # the weight gradient's transposed operand would otherwise gather every row of x), as
+        # inside a pipeline stage and in the expert GEMMs; the weight gradient is summed.
+        operands = (x, w) if bias is None else (x, w, bias)
+        return jax.shard_map(
+            linear,
+            mesh=self.mesh,
+            in_specs=(P(*spec),) + (P(),) * (len(operands) - 1),
+            out_specs=P(*spec),
+        )(*operands)
+
+    def _moe_fn(self) -> Callable:
+        cfg = self.moe
+
+        def moe(p, y):
+            if self.moe_impl == "dense":
+                return ep.moe_layer_reference(p, y, cfg)
+            return ep.moe_layer(p, y, cfg, mesh=self.mesh, impl=self.impl)
+
+        return moe
+
+    def _layers(self, layers: dict[str, Any], h: jax.Array) -> tuple[jax.Array, ep.MoEAux]:
+        """``h`` through the stacked `layers` (one lax.scan); the per-layer MoEAux, stacked."""
+        c, moe = self.config, self._moe_fn()
+
+        def body(h, p):
+            a = jaxops.rms_norm(h, p["attn_norm"], eps=c.rms_norm_eps)
+            a = self._attention(p, a)
+            y, h = jaxops.add_rms_norm(a, h, p["mlp_norm"], eps=c.rms_norm_eps)
+            m, aux = moe(p["moe"], y)
+            return h + m, aux
+
+        if self.remat:
+            body = jax.checkpoint(body)
+        return jax.lax.scan(body, h, layers)
+
+    def _embed(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
+        sharding = jax.typeof(tokens).sharding
+        if getattr(sharding, "spec", None) is not None and any(
+            s is not None for s in sharding.spec
+        ):
+            out = NamedSharding(sharding.mesh, P(*sharding.spec, None))
+            rows = table.at[tokens].get(out_sharding=out)
+        else:
+            rows = jnp.take(table, tokens, axis=0)
+        return rows.astype(self.dtype)
+
+    def _place(self, x: jax.Array) -> jax.Array:
+        """Activations ``[B, ...]`` split over the batch axes (a no-op off Explicit meshes)."""
+        return place(x, self.mesh, P(self.batch_axes))
+
+    def _head_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        key = "embed" if self.config.tie_word_embeddings else "lm_head"
+        return {"final_norm": params["final_norm"], key: params[key]}
+
+    def _head(self, head: dict[str, Any], h: jax.Array) -> jax.Array:
+        """Final norm and the output projection: float32 logits ``[..., V]``."""
+        h = jaxops.rms_norm(h, head["final_norm"], eps=self.config.rms_norm_eps)
+        if "lm_head" in head:
+            logits = jaxops.gemm(h, head["lm_head"].astype(self.dtype))
+        else:  # tied: the embedding table [V, D] is the [N, K] weight
+            logits = jaxops.gemm(h, head["embed"].astype(self.dtype), transpose_w=True)
+        return logits.astype(jnp.float32)
+
+    @staticmethod
+    def _cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+    def _stage_fn(self) -> Callable:
+        def stage(sp, x):
+            h, aux = self._layers(sp, x)
+            return h, jnp.sum(aux.loss)
+
+        return stage
+
+    def _stages(self, layers: dict[str, Any]) -> dict[str, Any]:
+        n = self.pipe
+        return jax.tree.map(lambda a: a.reshape(n, a.shape[0] // n, *a.shape[1:]), layers)
+
+    def _check_tokens(self, op: str, tokens: Any, name: str = "tokens") -> jax.Array:
+        tokens = _checks.check_array(
+            op, name, tokens, dtypes=(np.dtype(np.int32), np.dtype(np.int64)), min_rank=2
+        )
+        if tokens.ndim != 2:
+            raise ValueError(f"{op}: {name} must be [batch, seq], got shape {tuple(tokens.shape)}")
+        shards = int(np.prod([dict(self.mesh.shape)[a] for a in self.batch_axes]))
+        per = shards * (self.microbatches if self.pipe > 1 else 1)
+        if tokens.shape[0] % per:
+            raise ValueError(
+                f"{op}: {name}' batch ({tokens.shape[0]}) must be a multiple of {per} (the "
+                f"{shards} devices of the batch axes {self.batch_axes}"
+                + (f" times {self.microbatches} microbatches)" if self.pipe > 1 else ")")
+            )
+        return tokens
+
+    def hidden_states(self, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
+        """The last layer's output ``[B, S, D]`` (compute dtype), before the final norm."""
+        tokens = self._check_tokens("MoEDecoder.hidden_states", tokens)
+        x = self._embed(params["embed"], tokens)
+        if self.pipe > 1:
+            return pl.pipeline_forward(
+                self._stage_fn(),
+                self._stages(params["layers"]),
+                x,
+                mesh=self.mesh,
+                num_microbatches=self.microbatches,
+                axis=self.pipe_axis,
+                data_axes=self.batch_axes,
+                has_aux=True,
+                param_specs=self._layer_specs(None),
+            )
+        return self._layers(params["layers"], self._place(x))[0]
+
+    def logits(self, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
+        """float32 logits ``[B, S, V]`` of int ``tokens [B, S]`` (call it under ``jax.jit``).
+
+        B must be a multiple of the devices of the batch axes (times the microbatches with a
+        pipeline). Positions are ``0 .. S-1``; there is no padding mask and no KV cache.
+        """
+        h = self.hidden_states(params, tokens)
+        return self._head(self._head_params(params), h)
+
+    def forward(self, params: dict[str, Any], tokens: jax.Array) -> tuple[jax.Array, ep.MoEAux]:
+        """``(logits, aux)`` without a pipeline; aux: the layers' ``MoEAux``, stacked.
+
+        ``aux.tokens_per_expert [L, E]`` is the load of every expert of every layer.
+        """
+        if self.pipe > 1:
+            raise ValueError(
+                "MoEDecoder.forward: per-layer MoE statistics are not available through the "
+                "pipeline; use logits() or loss()"
+            )
+        tokens = self._check_tokens("MoEDecoder.forward", tokens)
+        h, aux = self._layers(params["layers"], self._place(self._embed(params["embed"], tokens)))
+        return self._head(self._head_params(params), h), aux
+
+    def loss(self, params: dict[str, Any], tokens: jax.Array, targets: jax.Array) -> jax.Array:
+        """Mean next-token cross-entropy of ``targets [B, S]`` plus the layers' MoE aux losses."""
+        targets = self._check_tokens("MoEDecoder.loss", targets, "targets")
+        if self.pipe > 1:
+            return self.loss_and_grads(params, tokens, targets)[0]
+        logits, aux = self.forward(params, tokens)
+        return self._cross_entropy(logits, targets) + jnp.sum(aux.loss)
+
+    def loss_and_grads(
+        self, params: dict[str, Any], tokens: jax.Array, targets: jax.Array
+    ) -> tuple[jax.Array, dict[str, Any]]:
+        """``(loss, grads)``, grads like params.
+
+        With a pipe axis: one :func:`~jaxops.parallel.pipeline.pipeline_step` (the schedule,
+        ``microbatches`` per data shard; the MoE aux losses are computed per microbatch); else
+        ``jax.value_and_grad`` of :meth:`loss`.
+        """
+        op = "MoEDecoder.loss_and_grads"
+        tokens = self._check_tokens(op, tokens)
+        targets = self._check_tokens(op, targets, "targets")
+        if self.pipe == 1:
+            return jax.value_and_grad(self.loss)(params, tokens, targets)
+        x, embed_vjp = jax.vjp(lambda e: self._embed(e, tokens), params["embed"])
+        loss, g = pl.pipeline_step(
+            self._stage_fn(),
+            self._stages(params["layers"]),
+            x,
+            targets=targets,
+            loss_params=self._head_params(params),
+            loss_fn=lambda head, h, t: self._cross_entropy(self._head(head, h), t),
+            mesh=self.mesh,
+            num_microbatches=self.microbatches,
+            axis=self.pipe_axis,
+            data_axes=self.batch_axes,
+            schedule=self.schedule,
+            has_aux=True,
+            param_specs=self._layer_specs(None),
+            remat=self.remat,
+        )
+        (d_embed,) = embed_vjp(g.inputs)
+        layers = jax.tree.map(lambda a, p: a.reshape(p.shape), g.stage_params, params["layers"])
+        grads = {"embed": d_embed, "layers": layers, "final_norm": g.loss_params["final_norm"]}
+        if self.config.tie_word_embeddings:
+            grads["embed"] = d_embed + g.loss_params["embed"]
+        else:
+            grads["lm_head"] = g.loss_params["lm_head"]
+        return loss, grads
