@@ -1,4 +1,4 @@
-"""Train the small MoE transformer of moe_transformer.py: pipeline x data x expert, multi-host.
+"""Train the MoE decoder of moe_transformer.py from scratch: pipeline x data x expert, multi-host.
 
 One jitted train step: 1F1B pipeline (jaxops.parallel.pipeline) over "pipe", batch over "data"
 and "expert", experts over "expert" (jaxops.parallel.expert.moe_layer), optax adamw. The data
@@ -192,10 +192,10 @@ def train(args: argparse.Namespace, cfg: Any, mesh: Any) -> int:
     say(f"jaxops impl: {jaxops.get_default_impl()}, precision: {cfg.precision}")
 
     optimizer = mt.make_optimizer(cfg)
-    params = mt.place_params(mt.init_params(jax.random.key(cfg.seed), cfg), cfg, mesh)
+    model = mt.make_model(cfg, mesh)
+    params = model.init(jax.random.key(cfg.seed))
     opt_state = jax.jit(optimizer.init)(params)
-    n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
-    say(f"parameters: {n_params:,}")
+    say(f"model: {model.config.model_type} decoder, {mt.param_count(params):,} parameters")
 
     mgr = None
     start = 0
@@ -223,15 +223,15 @@ def train(args: argparse.Namespace, cfg: Any, mesh: Any) -> int:
     elif args.resume:
         raise SystemExit("--resume needs --ckpt-dir")
 
-    step_fn = mt.make_train_step(cfg, mesh, optimizer)
+    step_fn = mt.make_train_step(cfg, model, optimizer)
     data = mt.MarkovData(cfg)
     say(
         f"data: Markov chain over {cfg.vocab} tokens, loss floor ~{data.entropy_rate():.3f} "
         f"(uniform would be {np.log(cfg.vocab):.3f})"
     )
     if args.precision_report:
-        batch = mt.place_batch(*data.batch(start), cfg, mesh)
-        report = jaxops.precision_report(mt.make_grad_fn(cfg, mesh), params, *batch)
+        batch = model.place_batch(*data.batch(start))
+        report = jaxops.precision_report(mt.make_grad_fn(cfg, model), params, *batch)
         say(f"matmuls of the loss-and-gradient step:\n{report}")
     stop = cfg.steps if args.stop_after is None else min(args.stop_after, cfg.steps)
     bar = None
@@ -243,7 +243,7 @@ def train(args: argparse.Namespace, cfg: Any, mesh: Any) -> int:
     compile_s = 0.0
     times: list[float] = []
     for step in range(start, stop):
-        tokens, targets = mt.place_batch(*data.batch(step), cfg, mesh)
+        tokens, targets = model.place_batch(*data.batch(step))
         t0 = time.perf_counter()
         params, opt_state, loss = step_fn(params, opt_state, tokens, targets)
         loss = float(loss)  # replicated scalar: every process has it
@@ -277,8 +277,8 @@ def train(args: argparse.Namespace, cfg: Any, mesh: Any) -> int:
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), params
             )
             ema = mgr.restore(None, target, subtree="params", ema=True)
-            held_out = mt.place_batch(*data.batch(10**9), cfg, mesh)
-            loss_fn = mt.make_grad_fn(cfg, mesh)
+            held_out = model.place_batch(*data.batch(10**9))
+            loss_fn = mt.make_grad_fn(cfg, model)
             say(
                 f"held-out loss: params {float(loss_fn(params, *held_out)[0]):.4f}, "
                 f"EMA (decay {args.ema_decay}) {float(loss_fn(ema, *held_out)[0]):.4f}"

@@ -1,0 +1,271 @@
+"""Qwen3-MoE decoder train step: expert-parallel jaxops.models.MoEDecoder vs the dense MoE twin.
+
+One jitted train step (``loss_and_grads`` + adamw) of a Qwen3-MoE-shaped decoder
+(``jaxops.models.MoEDecoder``: GQA attention with q/k norms, RMSNorm kernels, SwiGLU experts)
+on the same mesh, parameters and batch, in one run:
+
+- ``ep``: the expert-parallel MoE layer (experts split over the expert axis, tokens exchanged);
+- ``dense``: the same model with the dense masked MoE twin (``moe_impl="dense"``: every device
+  holds every expert and runs all of them on its tokens, weighted by the routing);
+- ``torch`` (``--torch``): transformers' ``Qwen3MoeForCausalLM`` forward + backward + AdamW step
+  on the same weights and batch, on the GPU when there is one (else on the CPU, with torch's
+  own threads).
+
+Both jax models are checked to give the same loss before anything is timed (and transformers
+too with ``--torch``). Printed: step time, tokens/s and the ratios. On CPU the mesh is 8
+simulated devices ``data x expert`` (default 2 x 4); on GPUs every local GPU on the expert axis.
+
+Usage (from the repository root)::
+
+    python benchmarks/bench_models.py
+    python benchmarks/bench_models.py --quick
+    python benchmarks/bench_models.py --torch --out benchmarks/results/cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
+
+import jaxops  # noqa: E402
+from jaxops.models import DecoderConfig, MoEDecoder, from_pretrained, save_pretrained  # noqa: E402
+
+if __package__:
+    from . import _harness as H
+else:
+    import _harness as H
+
+# layers x hidden x experts x top_k x expert_ffn, batch x seq
+CASES = "4x256x16x2x256:16x128,4x256x32x4x128:16x128"
+QUICK_CASES = "2x64x8x2x64:8x32"
+
+COLUMNS = [
+    H.Column("case", "L x D x E x K x F : B x S", align="<"),
+    H.Column("mesh", "mesh", align="<"),
+    H.Column("ep_ms", "ep ms", "{:.1f}"),
+    H.Column("dense_ms", "dense ms", "{:.1f}"),
+    H.Column("ep_tok_s", "ep tokens/s", "{:,.0f}"),
+    H.Column("dense_tok_s", "dense tokens/s", "{:,.0f}"),
+    H.Column("ratio", "dense/ep", "{:.2f}x"),
+    H.Column("torch_ms", "torch ms", "{:.1f}"),
+    H.Column("torch_ratio", "torch/ep", "{:.2f}x"),
+]
+
+
+def _mesh(args) -> jax.sharding.Mesh:
+    if H.is_gpu():
+        return jax.make_mesh((1, len(jax.devices())), ("data", "expert"))
+    d, e = (int(v) for v in args.mesh.split("x"))
+    return jax.make_mesh((d, e), ("data", "expert"))
+
+
+def _config(case: str) -> tuple[DecoderConfig, int, int]:
+    model, batch = case.split(":")
+    layers, hidden, experts, top_k, ffn = (int(v) for v in model.split("x"))
+    b, s = (int(v) for v in batch.split("x"))
+    heads = max(hidden // 64, 2)
+    cfg = DecoderConfig(
+        model_type="qwen3_moe",
+        vocab_size=1024,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=max(heads // 2, 1),
+        head_dim=hidden // heads,
+        num_experts=experts,
+        top_k=top_k,
+        expert_ffn=ffn,
+        normalize_topk=True,
+        qk_norm=True,
+    )
+    return cfg, b, s
+
+
+def _step(model: MoEDecoder, opt: optax.GradientTransformation):
+    @jax.jit
+    def step(params, state, tokens, targets):
+        loss, grads = model.loss_and_grads(params, tokens, targets)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    return step
+
+
+def _torch_step(path: Path, tokens: np.ndarray, targets: np.ndarray, repeats: int):
+    """(median seconds, first loss) of transformers' forward + backward + AdamW step."""
+    import time
+
+    import torch
+    import transformers
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+    x = torch.tensor(tokens, dtype=torch.long, device=device)
+    y = torch.tensor(targets, dtype=torch.long, device=device)
+
+    def step():
+        logits = model(x).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    with torch.no_grad():
+        first = torch.nn.functional.cross_entropy(
+            model(x).logits.flatten(0, 1).float(), y.flatten()
+        )
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), float(first)
+
+
+def _case(args, mesh, case: str) -> dict[str, Any]:
+    cfg, b, s = _config(case)
+    # aux losses off: transformers' training loss is the cross-entropy (comparable losses).
+    kw = dict(aux_loss_coef=0.0, z_loss_coef=0.0, dtype=jnp.float32)
+    ep_model = MoEDecoder(cfg, mesh, **kw)
+    dense_model = MoEDecoder(cfg, mesh, moe_impl="dense", **kw)
+    params_ep = ep_model.init(jax.random.key(0))
+    params_dense = jax.device_put(params_ep, dense_model.shardings())
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, (b, s)).astype(np.int32)
+    targets = np.roll(tokens, -1, axis=1)
+    batch = ep_model.place_batch(tokens, targets)
+    opt = optax.adamw(1e-4, weight_decay=0.0)
+    with jax.set_mesh(mesh):
+        state_ep = jax.jit(opt.init)(params_ep)
+        state_dense = jax.jit(opt.init)(params_dense)
+    step_ep, step_dense = _step(ep_model, opt), _step(dense_model, opt)
+    loss_ep = float(jax.jit(ep_model.loss)(params_ep, *batch))
+    loss_dense = float(jax.jit(dense_model.loss)(params_dense, *batch))
+    if not np.isclose(loss_ep, loss_dense, rtol=1e-4):
+        raise AssertionError(f"{case}: ep loss {loss_ep} != dense loss {loss_dense}")
+    with jax.set_mesh(mesh):
+        timings = H.time_interleaved(
+            {
+                "ep": (step_ep, (params_ep, state_ep, *batch)),
+                "dense": (step_dense, (params_dense, state_dense, *batch)),
+            },
+            repeats=args.repeats,
+        )
+    ep_s, dense_s = timings["ep"].median, timings["dense"].median
+    row: dict[str, Any] = {
+        "case": case,
+        "mesh": "x".join(str(n) for n in mesh.devices.shape),
+        "ep_ms": 1e3 * ep_s,
+        "dense_ms": 1e3 * dense_s,
+        "ep_tok_s": b * s / ep_s,
+        "dense_tok_s": b * s / dense_s,
+        "ratio": dense_s / ep_s,
+        "torch_ms": float("nan"),
+        "torch_ratio": float("nan"),
+        "loss": loss_ep,
+        "timings": {k: t.to_json() for k, t in timings.items()},
+    }
+    if args.torch:
+        with tempfile.TemporaryDirectory() as tmp:
+            save_pretrained(ep_model, params_ep, Path(tmp) / "m")
+            _, again = from_pretrained(Path(tmp) / "m", mesh=mesh)  # the files round-trip
+            if not all(
+                np.array_equal(np.asarray(a), np.asarray(c))
+                for a, c in zip(jax.tree.leaves(params_ep), jax.tree.leaves(again), strict=True)
+            ):
+                raise AssertionError("save_pretrained / from_pretrained changed the weights")
+            torch_s, torch_loss = _torch_step(Path(tmp) / "m", tokens, targets, args.repeats)
+        if not np.isclose(torch_loss, loss_ep, rtol=1e-4):
+            raise AssertionError(f"{case}: transformers' loss {torch_loss} != jaxops' {loss_ep}")
+        row.update(torch_ms=1e3 * torch_s, torch_ratio=torch_s / ep_s)
+    return row
+
+
+def run(args) -> tuple[list[dict[str, Any]], list[H.Goal]]:
+    mesh = _mesh(args)
+    rows = []
+    for case in args.case_list:
+        rows.append(_case(args, mesh, case))
+        print(H.format_table(rows[-1:], COLUMNS).splitlines()[-1], file=sys.stderr)
+    worst = min(rows, key=lambda r: r["ratio"])
+    goals = [
+        H.Goal(
+            "EP decoder train step faster than the dense-MoE decoder (dense/ep >= 1)",
+            f"worst {worst['ratio']:.2f}x ({worst['case']})",
+            worst["ratio"] >= 1.0,
+        )
+    ]
+    return rows, goals
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default=None, help=f"comma-separated cases (default {CASES})")
+    p.add_argument("--mesh", default="2x4", help="data x expert on CPU (8 devices)")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--torch", action="store_true", help="also transformers' step in torch")
+    p.add_argument("--quick", action="store_true", help=f"case {QUICK_CASES}, 3 repeats")
+    p.add_argument("--out", default=None, help="directory for models.md / .json")
+    p.add_argument("--name", default="models")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.cases = args.cases or QUICK_CASES
+        args.repeats = min(args.repeats, 3)
+    args.case_list = (args.cases or CASES).split(",")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the benchmark, prints the table and the goal, writes files when --out is given."""
+    args = parse_args(argv)
+    device = jax.devices()[0]
+    print(
+        f"jax {jax.__version__} on {len(jax.devices())} x {device.device_kind} "
+        f"({jax.default_backend()}); jaxops build {jaxops.build_info()}; repeats {args.repeats}",
+        file=sys.stderr,
+    )
+    rows, goals = run(args)
+    print(H.format_table(rows, COLUMNS))
+    for goal in goals:
+        print(goal.line())
+    if args.out:
+        md, js = H.write_results(
+            args.out,
+            args.name,
+            rows,
+            COLUMNS,
+            extra={
+                "settings": {k: v for k, v in vars(args).items() if not k.endswith("_list")},
+                "goals": [g.__dict__ for g in goals],
+            },
+            notes=[f"- {g.line()}" for g in goals],
+        )
+        print(f"wrote {md} and {js}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
