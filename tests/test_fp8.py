@@ -535,7 +535,8 @@ def test_unaligned_sharding_is_correct():
 
 
 @pytest.mark.parametrize(
-    "shape,block", [((64, 128), (128, 128)), ((128, 64), (128, 128)), ((48, 128), (1, 128))],
+    "shape,block",
+    [((64, 128), (128, 128)), ((128, 64), (128, 128)), ((48, 128), (1, 128))],
     ids=["tiles-K-one-block", "tiles-M-one-block", "rows-T-K-one-block"],
 )
 def test_unaligned_rows_outside_set_mesh(shape, block):
