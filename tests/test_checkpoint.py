@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxops.parallel import checkpoint as ckpt
+from jaxops.parallel.checkpoint import _index as ckpt_index
+from jaxops.parallel.checkpoint import _io as ckpt_io
 
 from jaxops.testing import run_processes, spawn_processes
 
@@ -189,12 +191,12 @@ def test_fuzz_resharding_and_chunks(tmp_path_factory, rows, cols, depth, src, ds
     shape = (rows * 8, cols * 8, depth)
     host = _values(shape, np.float32, seed=rows * 100 + cols * 10 + depth)
     d = tmp_path_factory.mktemp("fuzz")
-    old = ckpt.CHUNK_BYTES
-    ckpt.CHUNK_BYTES = chunk
+    old = ckpt_index.CHUNK_BYTES
+    ckpt_index.CHUNK_BYTES = chunk
     try:
         ckpt.save(d / "c", {"x": _put(host, _mesh((2, 4)), src)})
     finally:
-        ckpt.CHUNK_BYTES = old
+        ckpt_index.CHUNK_BYTES = old
     sharding = NamedSharding(_mesh((4, 2)), dst)
     out = ckpt.restore(d / "c", {"x": _like(host, sharding)})["x"]
     assert _bits(out) == _bits(host)
@@ -209,12 +211,12 @@ def _count_reads(monkeypatch):
         counter["bytes"] += n
         return n
 
-    monkeypatch.setattr(ckpt.os, "preadv", preadv)
+    monkeypatch.setattr(os, "preadv", preadv)
     return counter
 
 
 def test_restore_reads_only_overlapping_ranges(tmp_path, monkeypatch):
-    monkeypatch.setattr(ckpt, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(ckpt_index, "CHUNK_BYTES", 4096)
     host = _values((64, 1024), np.float32)  # 256 KiB, rows of 4 KiB, stored as 8 row blocks
     ckpt.save(tmp_path / "c", {"w": _put(host, _mesh(), P(("a", "b"), None))})
     counter = _count_reads(monkeypatch)
@@ -234,9 +236,9 @@ def test_restore_reads_only_overlapping_ranges(tmp_path, monkeypatch):
     # the 4 KiB chunk holding it (a row is one chunk here).
     stored = json.loads((tmp_path / "c" / "index.json").read_text())["arrays"]["w"]["blocks"]
     assert len(stored) == 8
-    reader = ckpt._Reader(tmp_path / "c", {"chunk_bytes": 4096})
+    reader = ckpt_io._Reader(tmp_path / "c", {"chunk_bytes": 4096})
     info = {"dtype": "float32", "blocks": stored}
-    part = ckpt._read_region(reader, "w", info, (8, 100), (16, 200))
+    part = ckpt_io._read_region(reader, "w", info, (8, 100), (16, 200))
     reader.close()
     assert _bits(part) == _bits(host[8:24, 100:300])
     assert counter["bytes"] == 16 * 4096
@@ -347,8 +349,8 @@ def test_each_file_header_is_read_once_per_restore(tmp_path, monkeypatch):
     tree = {f"p{i}": np.full((4,), i, np.float32) for i in range(50)}
     ckpt.save(tmp_path / "c", tree)
     calls = []
-    real = ckpt._read_header
-    monkeypatch.setattr(ckpt, "_read_header", lambda path: calls.append(path) or real(path))
+    real = ckpt_io._read_header
+    monkeypatch.setattr(ckpt_io, "_read_header", lambda path: calls.append(path) or real(path))
     out = ckpt.restore(tmp_path / "c", {k: np.zeros(4, np.float32) for k in tree})
     assert all(np.array_equal(out[k], tree[k]) for k in tree)
     assert len(calls) == 1, calls  # one data file: its header parsed once, not once per tensor
@@ -519,19 +521,19 @@ def test_manager_async_saves_values_before_donation(tmp_path):
 
 def test_manager_async_error_surfaces(tmp_path, monkeypatch):
     mgr = ckpt.CheckpointManager(tmp_path)
-    real = ckpt.os.fsync
+    real = os.fsync
 
     def failing_fsync(fd):
         raise OSError(5, "Input/output error (injected)")
 
-    monkeypatch.setattr(ckpt.os, "fsync", failing_fsync)
+    monkeypatch.setattr(os, "fsync", failing_fsync)
     mgr.save(0, {"x": jnp.ones(4)})  # returns: the failure happens in the background
     with pytest.raises(OSError, match="injected"):
         mgr.wait()
     mgr.save(1, {"x": jnp.ones(4)})
     with pytest.raises(OSError, match="injected"):
         mgr.save(2, {"x": jnp.ones(4)})  # the error of step 1 is raised by the next call
-    monkeypatch.setattr(ckpt.os, "fsync", real)
+    monkeypatch.setattr(os, "fsync", real)
     mgr.save(3, {"x": jnp.ones(4)})
     mgr.close()
     assert mgr.all_steps() == [3]
@@ -577,9 +579,9 @@ def test_manager_ema_subtree_and_bf16(tmp_path):
 
 
 def test_progress_bar_only_when_asked_or_on_a_terminal(tmp_path, capsys):
-    assert ckpt._progress_bar(None, 1 << 30, "save") is None  # pytest's stderr is no terminal
-    assert ckpt._progress_bar(False, 1 << 30, "save") is None
-    bar = ckpt._progress_bar(True, 1 << 30, "save")
+    assert ckpt_io._progress_bar(None, 1 << 30, "save") is None  # pytest's stderr is no terminal
+    assert ckpt_io._progress_bar(False, 1 << 30, "save") is None
+    bar = ckpt_io._progress_bar(True, 1 << 30, "save")
     assert bar is not None and bar.total == 1 << 30
     bar.close()
     ckpt.save(tmp_path / "c", {"x": np.ones(4)}, progress=False)
@@ -789,12 +791,13 @@ x = jax.make_array_from_callback((8, 8), NamedSharding(mesh, P("a", "b")),
                                  lambda i: np.ones((8, 8), np.float32)[i])
 checkpoint.save(root + "/1", {"x": x})
 if PROCESS_ID == 1:  # dies after writing its file, before reporting it
-    publish = checkpoint._Coordinator.publish
+    from jaxops.parallel.checkpoint._coordination import _Coordinator
+    publish = _Coordinator.publish
     def die(self, name, value):
         if name == "written":
             os.kill(os.getpid(), signal.SIGKILL)
         publish(self, name, value)
-    checkpoint._Coordinator.publish = die
+    _Coordinator.publish = die
 t0 = time.monotonic()
 try:
     checkpoint.save(root + "/2", {"x": x}, timeout=60)
@@ -822,5 +825,16 @@ def test_process_death_commits_nothing(tmp_path):
 def test_docstring_examples():
     import doctest
 
-    result = doctest.testmod(ckpt, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 40 and result.failed == 0, result
+    import importlib
+    import pkgutil
+
+    attempted = 0
+    modules = [ckpt] + [
+        importlib.import_module(f"{ckpt.__name__}.{m.name}")
+        for m in pkgutil.iter_modules(ckpt.__path__)
+    ]
+    for module in modules:
+        result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+        assert result.failed == 0, (module.__name__, result)
+        attempted += result.attempted
+    assert attempted > 40, attempted

@@ -1,0 +1,77 @@
+"""Sharded checkpoints in the safetensors format, with resharding restore, async save and an EMA.
+
+A checkpoint is a directory holding
+
+- ``data-<p>-of-<n>.safetensors``: one file per process ``p`` that owns data (valid safetensors
+  files: ``safetensors.safe_open`` reads them), holding the array blocks that process wrote;
+- ``index.json``, written last by process 0: for every array its tree key, global shape and
+  dtype, and for every stored block the region of the array it covers, its file, byte offset and
+  CRC-32C checksums of its 1 MiB chunks; plus the step, the caller's metadata and the format
+  version.
+
+Each array block is written once. A block held by devices of one process is written by that
+process; a replicated block is written by one of its holders, chosen deterministically so that
+the bytes are spread evenly over the processes. No pickle anywhere: loading reads JSON and raw
+little-endian bytes and never runs code.
+
+Commit is atomic. Every process writes into ``.<name>.partial`` beside the final directory and
+flushes (``fsync``) its file; process 0 waits for all of them (over ``jax.distributed``'s
+key-value store), writes the index, flushes it and renames the directory into place. A crash
+at any moment leaves either no checkpoint under the name or a complete one; a leftover
+``.partial`` directory is never read and the next save of that name removes it.
+
+Restore builds each process's target shards by reading only the byte ranges of stored blocks
+that overlap them (rounded out to 1 MiB checksum chunks, every chunk read is verified), so it
+reshards freely: another mesh, device count or process count, sharded to replicated and back.
+
+Functions: :func:`save`, :func:`restore`, :func:`describe`, :class:`CheckpointManager` (steps,
+retention, async save, host EMA), :func:`export_safetensors` / :func:`import_safetensors`
+(Hugging Face layouts, with declarative :class:`Rule` name maps such as :data:`LLAMA_NAME_MAP`).
+
+Example:
+  >>> import tempfile, jax, jax.numpy as jnp, numpy as np
+  >>> from jax.sharding import NamedSharding, PartitionSpec as P
+  >>> from jaxops.parallel import checkpoint
+  >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+  >>> w = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("data", "model")))
+  >>> d = tempfile.mkdtemp()
+  >>> checkpoint.save(f"{d}/step_1", {"w": w, "step": np.int32(1)}, step=1)
+  >>> other = jax.make_mesh((4, 2), ("data", "model"))
+  >>> target = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32,
+  ...                                     sharding=NamedSharding(other, P(None, "data")))}
+  >>> out = checkpoint.restore(f"{d}/step_1", target)
+  >>> bool(np.array_equal(out["w"], w)), out["w"].sharding.spec
+  (True, P(None, 'data'))
+
+Modules, one concern each (lower ones never import higher ones):
+
+- ``_format``: the safetensors format (dtype codes, headers, their validation);
+- ``_index``: ``index.json`` (loading, validation, file names);
+- ``_tree``: tree keys and restore targets;
+- ``_plan``: which process writes which block, which stored bytes a restore needs;
+- ``_io``: writing files with chunk CRCs, verified reads, buffers and threads;
+- ``_coordination``: processes agreeing over ``jax.distributed``, the atomic commit;
+- ``_save`` / ``_restore``: :func:`save`, :func:`restore`, :func:`describe`;
+- ``_manager``: :class:`CheckpointManager`;
+- ``_rules``, ``_hf_export``, ``_hf_import``: Hugging Face name maps, export and import.
+"""
+
+from ._format import CheckpointError
+from ._hf_export import export_safetensors
+from ._hf_import import import_safetensors
+from ._manager import CheckpointManager
+from ._restore import describe, restore
+from ._rules import LLAMA_NAME_MAP, Rule
+from ._save import save
+
+__all__ = [
+    "LLAMA_NAME_MAP",
+    "CheckpointError",
+    "CheckpointManager",
+    "Rule",
+    "describe",
+    "export_safetensors",
+    "import_safetensors",
+    "restore",
+    "save",
+]
