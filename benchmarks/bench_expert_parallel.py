@@ -10,7 +10,12 @@ checked to agree before anything is timed. Timed per case:
   step time, tokens/s, and dense/ep ratio;
 - the layer's forward split into stages (router, permute, exchange, ffn, combine = exchange back
   + unpermute), from the layer cut after each stage, timed one after another: each stage's time
-  is the difference of consecutive cuts.
+  is the difference of consecutive cuts;
+- the dispatch with ``fp8="block"``: tokens crossing the exchange in the activation dtype
+  (quantized by the receiver) against ``dispatch="fp8"`` (quantized once by the sender, FP8 +
+  1 x 128 scales crossing): all-to-all bytes per device of the forward and of the fwd+bwd step,
+  read off the HLO shapes (the program's, i.e. what a GPU moves, and XLA:CPU's compiled ones,
+  where bf16 collectives are widened to f32), and the fwd+bwd step time of each.
 
 On CPU the mesh is 8 simulated devices ``data x expert`` (default 2 x 4); on a GPU, all local
 GPUs on the expert axis. The goal line: the EP layer's fwd+bwd is faster than the dense one
@@ -26,7 +31,9 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -42,6 +49,7 @@ jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
 from jaxops.parallel import expert  # noqa: E402
 
 import jaxops  # noqa: E402
+from jaxops.testing import collective_bytes, collective_shapes  # noqa: E402
 
 if __package__:
     from . import _harness as H
@@ -62,6 +70,18 @@ COLUMNS = [
     H.Column("ep_tok_s", "ep tokens/s", "{:,.0f}"),
     H.Column("dense_tok_s", "dense tokens/s", "{:,.0f}"),
     H.Column("ratio", "dense/ep", "{:.2f}x"),
+]
+DISPATCH_COLUMNS = [
+    H.Column("case", "T x H x F x E x K", align="<"),
+    H.Column("dispatch_bytes", "dispatch bytes bf16", "{:,.0f}"),
+    H.Column("dispatch_bytes8", "dispatch bytes fp8", "{:,.0f}"),
+    H.Column("dispatch_ratio", "bf16/fp8", "{:.2f}x"),
+    H.Column("cpu_dispatch_ratio", "bf16/fp8 (CPU compiled)", "{:.2f}x"),
+    H.Column("fwd_ratio", "fwd a2a bf16/fp8", "{:.2f}x"),
+    H.Column("step_ratio", "step a2a bf16/fp8", "{:.2f}x"),
+    H.Column("step_ms", "step ms bf16", "{:.2f}"),
+    H.Column("step_ms8", "step ms fp8", "{:.2f}"),
+    H.Column("time_ratio", "bf16/fp8 time", "{:.2f}x"),
 ]
 STAGE_COLUMNS = [
     H.Column("case", "T x H x F x E x K", align="<"),
@@ -157,6 +177,85 @@ def _case(args, mesh, case: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return rows, stage_row
 
 
+def _a2a_bytes(text: str, hidden: int) -> tuple[int, int, int]:
+    """All-to-all bytes per device in HLO text: (all, token payloads, scale payloads).
+
+    Token payloads have `hidden` columns, FP8 scale payloads ceil(hidden / 128); a tuple
+    all-to-all (XLA:CPU's form) counts every peer's block.
+    """
+    total = tokens = scales = 0
+    for shape in collective_shapes(text, "all-to-all"):
+        n = collective_bytes(shape)
+        last = int(re.search(r"\[([0-9,]*)\]", shape).group(1).split(",")[-1] or 1)
+        total += n
+        tokens += n if last == hidden else 0
+        scales += n if last == -(-hidden // 128) and last != hidden else 0
+    return total, tokens, scales
+
+
+def _dispatch_case(args, mesh, case: str) -> dict[str, Any]:
+    """fp8="block": the dispatch in the activation dtype vs dispatch="fp8"."""
+    t, h, f, e, k = (int(v) for v in case.split("x"))
+    cfg = expert.MoEConfig(
+        num_experts=e,
+        top_k=k,
+        hidden=h,
+        ffn_hidden=f,
+        dtype=jnp.bfloat16,
+        align=args.align,
+        fp8="block",
+    )
+    params = expert.init_moe_params(jax.random.key(0), cfg)
+    specs = expert.moe_param_specs(cfg)
+    params = {n: jax.device_put(v, jax.NamedSharding(mesh, specs[n])) for n, v in params.items()}
+    x = jax.random.normal(jax.random.key(1), (t, h), cfg.dtype)
+    x = jax.device_put(x, jax.NamedSharding(mesh, jax.P(cfg.token_axes)))
+    row: dict[str, Any] = {"case": case}
+    steps, outs = {}, {}
+    for tag, c in (("", cfg), ("8", dataclasses.replace(cfg, dispatch="fp8"))):
+
+        def layer(p, x, c=c):
+            return expert.moe_layer(p, x, c, mesh=mesh)
+
+        fwd = jax.jit(layer)
+        step = jax.jit(jax.value_and_grad(_loss(layer), argnums=(0, 1)))
+        # The forward moves the dispatch and the combine (the same rows in the activation
+        # dtype); the dispatch is what the forward moves beyond the combine's token payload.
+        for prefix, text in (
+            ("", fwd.lower(params, x).as_text(dialect="hlo")),
+            ("cpu_", fwd.lower(params, x).compile().as_text()),
+        ):
+            total, tokens, scales = _a2a_bytes(text, h)
+            combine = (
+                tokens / 2
+                if tag == ""
+                else max(
+                    n for n in (collective_bytes(s) for s in collective_shapes(text, "all-to-all"))
+                )
+            )
+            row[prefix + "dispatch_bytes" + tag] = tokens + scales - combine
+            if prefix == "":
+                row["fwd_bytes" + tag] = total
+        row["step_bytes" + tag] = _a2a_bytes(step.lower(params, x).as_text(dialect="hlo"), h)[0]
+        outs[tag] = np.asarray(fwd(params, x)[0], np.float32)
+        steps[tag] = (step, (params, x))
+    if not np.array_equal(outs[""], outs["8"]):
+        raise AssertionError(f"{case}: the FP8 dispatch changed the forward")
+    timings = H.time_interleaved(steps, repeats=args.repeats)
+    row.update(
+        step_ms=timings[""].median_ms,
+        step_ms8=timings["8"].median_ms,
+        dispatch_ratio=row["dispatch_bytes"] / row["dispatch_bytes8"],
+        cpu_dispatch_ratio=row["cpu_dispatch_bytes"] / row["cpu_dispatch_bytes8"],
+        fwd_ratio=row["fwd_bytes"] / row["fwd_bytes8"],
+        step_ratio=row["step_bytes"] / row["step_bytes8"],
+        time_ratio=timings[""].median / timings["8"].median,
+        timings={kk or "bf16": tt.to_json() for kk, tt in timings.items()},
+    )
+    print(H.format_table([row], DISPATCH_COLUMNS).splitlines()[-1], file=sys.stderr)
+    return row
+
+
 def run(args) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[H.Goal]]:
     mesh = _mesh(args)
     rows, stages = [], []
@@ -164,6 +263,7 @@ def run(args) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[H.Goal]]
         case_rows, stage_row = _case(args, mesh, case)
         rows += case_rows
         stages.append(stage_row)
+    args.dispatch_rows = [_dispatch_case(args, mesh, case) for case in args.case_list]
     goal_rows = [r for r in rows if r["op"] == "fwd+bwd" and r["experts_per_top_k"] >= 4]
     if not goal_rows:
         goals = [H.Goal("ep faster than dense (E/K >= 4)", "no case with E/K >= 4", None)]
@@ -211,6 +311,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print("forward time split (differences of the layer cut after each stage):")
     print(H.format_table(stages, STAGE_COLUMNS))
+    print()
+    print('fp8="block": dispatch in bf16 vs dispatch="fp8" (bytes per device, from the HLO):')
+    print(H.format_table(args.dispatch_rows, DISPATCH_COLUMNS))
     for goal in goals:
         print(goal.line())
     if args.out:
@@ -218,6 +321,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "Forward time split, ms (differences of the layer cut after each stage):",
             "",
             H.format_markdown(stages, STAGE_COLUMNS),
+            "",
+            'fp8="block": dispatch in bf16 vs dispatch="fp8". All-to-all bytes per device from the'
+            " program's HLO (what a GPU moves) and from XLA:CPU's compiled HLO (bf16 widened to"
+            " f32 there); fwd+bwd step time:",
+            "",
+            H.format_markdown(args.dispatch_rows, DISPATCH_COLUMNS),
             "",
             *[f"- {g.line()}" for g in goals],
         ]
@@ -229,6 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             extra={
                 "settings": {k: v for k, v in vars(args).items() if not k.endswith("_list")},
                 "stages": stages,
+                "dispatch": args.dispatch_rows,
                 "goals": [g.__dict__ for g in goals],
             },
             notes=notes,

@@ -29,6 +29,7 @@ import numpy as np
 __all__ = [
     "COLLECTIVES",
     "assert_allclose",
+    "collective_bytes",
     "collective_shapes",
     "count_collectives",
     "free_port",
@@ -103,6 +104,28 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
 def collective_shapes(hlo_text: str, kind: str) -> list[str]:
     """Result shapes (e.g. ``"f32[16]{0}"``) of every `kind` collective in compiled HLO text."""
     return [m.group(1) for m in _OP.finditer(hlo_text) if m.group(2) == kind]
+
+
+_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
+_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4}
+_HLO_BYTES.update({"u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8})
+
+
+def collective_bytes(shape: str) -> int:
+    """Bytes of one collective's result shape from :func:`collective_shapes` (tuples summed).
+
+    Example:
+      >>> from jaxops.testing import collective_bytes
+      >>> collective_bytes("(u8[1,20,256]{2,1,0}, f32[1,20,2]{2,1,0})")
+      5280
+    """
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        size = 1
+        for d in filter(None, dims.split(",")):
+            size *= int(d)
+        total += size * (1 if dtype.startswith("f8") else _HLO_BYTES[dtype])
+    return total
 
 
 # Multi-process runs.

@@ -54,15 +54,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxops import _checks
+from jaxops import _checks, _ffi
 from jaxops import moe as _moe
-from jaxops._fp8 import dequantize, quantize, quantize_split_transpose
+from jaxops._fp8 import QuantizedArray, dequantize, quantize, quantize_split_transpose
 from jaxops._gemm import _GRAD_AMAX_FLOOR
-from jaxops._moe import _round_up, _take_rows
+from jaxops._moe import _round_up, _take_rows, _unpermute_kernel, _unpermute_reference
 from jaxops._sharding import cotangent_like, place, vary_like
 
 __all__ = [
     "ACTIVATIONS",
+    "DISPATCHES",
     "EXCHANGES",
     "ROUTERS",
     "STAGES",
@@ -79,6 +80,7 @@ __all__ = [
 ACTIVATIONS = ("swiglu", "gelu", "silu")
 ROUTERS = ("softmax", "sigmoid")
 EXCHANGES = ("auto", "ragged", "dense")
+DISPATCHES = ("dtype", "fp8")
 _FP8_RECIPES = (None, "block")
 _FP8_BLOCK = 128
 _COUNT_DTYPES = tuple(np.dtype(d) for d in ("int32", "int64", "uint32", "float32"))
@@ -148,6 +150,18 @@ class MoEConfig:
         groups per expert, float8_e4m3fn, fp32 accumulation).
       exchange: "auto" (ragged_all_to_all on GPU, the dense all_to_all form elsewhere),
         "ragged" or "dense".
+      dispatch: what crosses the dispatch exchange. "dtype": the tokens in cfg.dtype (with
+        fp8="block" the receiver quantizes them). "fp8" (needs fp8="block"), as DeepEP does:
+        the sender quantizes its tokens once (1 x 128 groups, float8_e4m3fn, float32 scales),
+        permutes the FP8 rows with their scales and sends both (half the bytes of bf16, a
+        quarter of float32, plus 1/128 of the elements in scales); the receiver feeds them to
+        the grouped GEMM as they are. The forward is the same arithmetic as "dtype" (a row's
+        1 x 128 groups are the same before and after the exchange). The combine stays in
+        cfg.dtype. Backward: the dispatch's gradient crosses back in cfg.dtype -- gradients
+        need the range and precision FP8 would cut, and they are quantized only where the
+        recipe quantizes them (the grouped GEMMs' dgrad and wgrad); the weight gradient of the
+        first expert GEMM requantizes the received FP8 tokens in 128-token groups (the
+        sender's original tokens never cross), so it differs from "dtype"'s by FP8 rounding.
     """
 
     num_experts: int
@@ -172,6 +186,7 @@ class MoEConfig:
     dtype: Any = jnp.bfloat16
     fp8: str | None = None
     exchange: str = "auto"
+    dispatch: str = "dtype"
 
     def __post_init__(self):
         e = _checks.check_int("MoEConfig", "num_experts", self.num_experts, 1)
@@ -187,6 +202,12 @@ class MoEConfig:
         _choice("router", self.router, ROUTERS)
         _choice("fp8", self.fp8, _FP8_RECIPES)
         _choice("exchange", self.exchange, EXCHANGES)
+        _choice("dispatch", self.dispatch, DISPATCHES)
+        if self.dispatch == "fp8" and self.fp8 != "block":
+            raise ValueError(
+                f"MoEConfig: dispatch='fp8' quantizes tokens for the block-scaled FP8 expert "
+                f"GEMMs and needs fp8='block', got fp8={self.fp8!r}"
+            )
         _checks.check_bool("MoEConfig", "normalize_probs", self.normalize_probs)
         _checks.check_bool("MoEConfig", "router_bias", self.router_bias)
         _checks.check_bool("MoEConfig", "shared_gate", self.shared_gate)
@@ -506,20 +527,25 @@ def _fp8_split(impl, x, group_sizes, grad: bool = False) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _grouped_linear(tile: int, fp8: bool, impl, x, w, groups):
+def _grouped_linear(tile: int, fp8: bool | str, impl, x, w, groups):
     return _grouped_linear_fwd(tile, fp8, impl, x, w, groups)[0]
 
 
-def _grouped_linear_fwd(tile: int, fp8: bool, impl, x, w, groups):
+def _grouped_linear_fwd(tile: int, fp8: bool | str, impl, x, w, groups):
+    """fp8: False, True (quantize x's rows 1 x 128) or "given" (x holds dequantized FP8 rows)."""
+    like = x[:0]  # x's dtype and varying axes, for its cotangent
     if fp8:
-        xq = _fp8_rows(impl, x)
+        xq = x if fp8 == "given" else _fp8_rows(impl, x)
+        # Given rows are float32 (FP8 values times their scales); the wgrad requantizes them,
+        # so they are kept in the compute dtype (the weights'), as other inputs are.
+        saved = x.astype(w.dtype) if fp8 == "given" else x
         w = dequantize(quantize(w, block=(_FP8_BLOCK, _FP8_BLOCK), impl=impl), jnp.float32)
-        return _gmm(tile, xq, w, groups), (x, w, groups)
-    return _gmm(tile, x, w, groups), (x, w, groups)
+        return _gmm(tile, xq, w, groups), ((saved, like), w, groups)
+    return _gmm(tile, x, w, groups), ((x, like), w, groups)
 
 
-def _grouped_linear_bwd(tile: int, fp8: bool, impl, saved, dy):
-    x, w, groups = saved
+def _grouped_linear_bwd(tile: int, fp8: bool | str, impl, saved, dy):
+    (x, x_like), w, groups = saved
     if fp8:
         # dgrad from 1 x 128 gradient groups and w's tiles read transposed; wgrad from
         # per-expert transposes quantized in 128-token groups (DeepSeek-V3's recipe).
@@ -531,7 +557,7 @@ def _grouped_linear_bwd(tile: int, fp8: bool, impl, saved, dy):
         xs = x
     dx = _gmm(tile, dyq, jnp.swapaxes(w, 1, 2), groups)
     dw = _gmm_wgrad(tile, xs, dys, groups, w.shape[0])
-    dx = cotangent_like(dx.astype(x.dtype), x)
+    dx = cotangent_like(dx.astype(x_like.dtype), x_like)
     return dx, cotangent_like(dw.astype(w.dtype), w), None
 
 
@@ -550,10 +576,14 @@ def _groups(tile: int, group_sizes: jax.Array, rows: int):
 
 
 def _grouped_ffn(cfg: MoEConfig, tile: int, impl, rows, w_in, w_out, group_sizes) -> jax.Array:
-    """Each group of rows through its expert's FFN: ``[R, H] -> [R, H]`` in cfg.dtype."""
+    """Each group of rows through its expert's FFN: ``[R, H] -> [R, H]`` in cfg.dtype.
+
+    With ``cfg.dispatch == "fp8"`` the rows are the received FP8 tokens, dequantized (float32).
+    """
     groups = _groups(tile, group_sizes, rows.shape[0])
     fp8 = cfg.fp8 == "block"
-    h = _grouped_linear(tile, fp8, impl, rows, w_in.astype(cfg.dtype), groups)
+    first = "given" if cfg.dispatch == "fp8" else fp8
+    h = _grouped_linear(tile, first, impl, rows, w_in.astype(cfg.dtype), groups)
     a = _activate(cfg, h).astype(cfg.dtype)
     out = _grouped_linear(tile, fp8, impl, a, w_out.astype(cfg.dtype), groups)
     return out.astype(cfg.dtype)
@@ -698,6 +728,51 @@ def _exchange(plan: _Plan, axis: str, operand, output, offsets):
     return _ragged_all_to_all_dense(operand, output, *offsets, axis_name=axis, chunk=plan.chunk)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fp8_dispatch(plan: _Plan, axis: str, impl, tokens, data, scales, row_map, offsets):
+    """The FP8 dispatch: permuted FP8 rows and their scales exchanged, dequantized (float32).
+
+    tokens: ``[T, H]`` in the compute dtype, only for the gradient (straight through the
+    quantization); data / scales: the sender's permuted FP8 rows ``[R, H]`` and float32 scales
+    ``[R, H / 128]``; row_map: the permute's ``[T, K]`` rows; offsets: (forward, backward)
+    exchange arguments. Forward: two exchanges (FP8 payload, scale payload). Backward: the
+    rows' gradient crosses back in the compute dtype and each token sums its K rows' gradients.
+    """
+    return _fp8_dispatch_fwd(plan, axis, impl, tokens, data, scales, row_map, offsets)[0]
+
+
+def _fp8_dispatch_fwd(plan: _Plan, axis: str, impl, tokens, data, scales, row_map, offsets):
+    forward, backward = offsets
+    h = data.shape[1]
+    # The FP8 bytes cross as uint8: XLA:CPU would otherwise widen a float8 collective to f16.
+    payload = jax.lax.bitcast_convert_type(data, jnp.uint8)
+    rows = _exchange(plan, axis, payload, jnp.zeros((plan.recv_rows, h), jnp.uint8), forward)
+    rows = jax.lax.bitcast_convert_type(rows, data.dtype)
+    shape = (plan.recv_rows, scales.shape[1])
+    row_scales = _exchange(plan, axis, scales, jnp.zeros(shape, jnp.float32), forward)
+    out = dequantize(QuantizedArray(rows, row_scales, (1, _FP8_BLOCK)), jnp.float32)
+    # The permuted buffer's rows, as the shape of an empty array (residuals are arrays).
+    sent = tokens[:0, :1].reshape(0)
+    sent = jnp.broadcast_to(sent[:, None], (0, data.shape[0]))
+    return out, (row_map, backward, sent, tokens[:0])
+
+
+def _fp8_dispatch_bwd(plan: _Plan, axis: str, impl, saved, d_rows):
+    row_map, backward, sent, like = saved
+    d_rows = d_rows.astype(like.dtype)
+    back = jnp.zeros((sent.shape[1], d_rows.shape[1]), like.dtype)
+    d_sent = _exchange(plan, axis, d_rows, back, backward)
+    # The permute's own backward: each token sums the gradients of its K rows.
+    if d_sent.size and row_map.size and _ffi.use_kernel(impl):
+        d_tokens = _unpermute_kernel(d_sent, row_map, None)
+    else:
+        d_tokens = _unpermute_reference(d_sent, row_map, None)
+    return cotangent_like(d_tokens.astype(like.dtype), like), None, None, None, None
+
+
+_fp8_dispatch.defvjp(_fp8_dispatch_fwd, _fp8_dispatch_bwd)
+
+
 def _offsets(plan: _Plan, align: int, me, counts_all, kept_all):
     """Forward and backward exchange arguments and the receiver's group sizes.
 
@@ -773,20 +848,39 @@ def _local_layer(cfg: MoEConfig, plan: _Plan, impl, params, x, upto: str = "comb
     if upto == "router":
         return _probe(probs, aux.loss, kept)
 
-    permuted = _moe.permute(tokens.astype(cfg.dtype), ids, e, impl=impl)
+    compute = tokens.astype(cfg.dtype)
+    if cfg.dispatch == "fp8":
+        # The sender quantizes once; the FP8 rows move with their scales (no gradient here:
+        # _fp8_dispatch passes it straight through to the tokens).
+        q = quantize(jax.lax.stop_gradient(compute), block=(1, _FP8_BLOCK), impl=impl)
+        permuted = _moe.permute(q.data, ids, e, scales=q.scale, impl=impl)
+    else:
+        permuted = _moe.permute(compute, ids, e, impl=impl)
     if upto == "permute":
         return _probe(probs, aux.loss, kept, permuted.tokens)
     both = jax.lax.all_gather(jnp.stack([counts, kept]), axis)  # [N, 2, E]
     me = jax.lax.axis_index(axis)
     forward, backward, group_sizes = _offsets(plan, plan.align, me, both[:, 0], both[:, 1])
-    recv = jnp.zeros((plan.recv_rows, h), cfg.dtype)
-    rows = _exchange(plan, axis, permuted.tokens, recv, forward)
+    if cfg.dispatch == "fp8":
+        rows = _fp8_dispatch(
+            plan,
+            axis,
+            impl,
+            compute,
+            permuted.tokens,
+            permuted.scales,
+            permuted.row_map,
+            (forward, backward),
+        )
+    else:
+        recv = jnp.zeros((plan.recv_rows, h), cfg.dtype)
+        rows = _exchange(plan, axis, permuted.tokens, recv, forward)
     if upto == "exchange":
         return _probe(probs, aux.loss, rows)
     out = _grouped_ffn(cfg, plan.tile, impl, rows, params["w_in"], params["w_out"], group_sizes)
     if upto == "ffn":
         return _probe(probs, aux.loss, out)
-    back = jnp.zeros(permuted.tokens.shape, cfg.dtype)
+    back = jnp.zeros((permuted.tokens.shape[0], h), cfg.dtype)
     returned = _exchange(plan, axis, out, back, backward)
     y = _moe.unpermute(returned, permuted, probs=probs, impl=impl)
     shared = _shared_expert(cfg, params, tokens)

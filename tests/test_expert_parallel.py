@@ -24,6 +24,7 @@ from jaxops.parallel.expert import (
 import jaxops
 from jaxops.testing import (
     assert_allclose,
+    collective_bytes,
     collective_shapes,
     count_collectives,
     run_processes,
@@ -472,6 +473,133 @@ def test_fp8_block():
 
 
 # -------------------------------------------------------------------------------------------------
+# FP8 dispatch: tokens cross the exchange as FP8 + 1 x 128 scales.
+
+DISPATCH_CASES = {
+    "softmax-dropless": dict(),
+    "sigmoid-capacity": dict(router="sigmoid", capacity_factor=0.5),
+    "deepseek-shared": {**SHARED_CASES["deepseek"], "shared_ffn_hidden": 128},
+    "qwen2-capacity": {**SHARED_CASES["qwen2"], "shared_ffn_hidden": 128, "capacity_factor": 1.0},
+}
+# Relative Frobenius error allowed between the w_in gradients of the two dispatches: the FP8
+# dispatch requantizes the received FP8 tokens in 128-token groups for the weight gradient, the
+# bf16 dispatch quantizes the original tokens (both within FP8's resolution, 2^-4).
+W_IN_BOUND = 0.06
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm((a - b).ravel()) / np.linalg.norm(b.ravel()))
+
+
+@pytest.mark.parametrize("case", list(DISPATCH_CASES))
+def test_fp8_dispatch_equals_quantizing_after_the_exchange(case):
+    """y, aux, dx and every weight gradient but w_in's are bitwise those of the bf16 dispatch
+    with fp8="block" (the same rows quantized in the same 1 x 128 groups, before the exchange
+    instead of after); w_in's gradient is within W_IN_BOUND; all within FP8's bound of f32."""
+    kw = {"hidden": 256, "ffn_hidden": 128, "fp8": "block", "dtype": jnp.bfloat16}
+    cfg = _config("d2e4", **{**kw, **DISPATCH_CASES[case]})
+    cfg8 = dataclasses.replace(cfg, dispatch="fp8")
+    params = init_moe_params(jax.random.key(40), cfg)
+    if cfg.router_bias:
+        params["router_bias"] = jax.random.normal(jax.random.key(41), (16,)) * 0.2
+    x = jax.random.normal(jax.random.key(42), (8, 10, 256), jnp.bfloat16)
+    mesh = _mesh("d2e4")
+    (y, aux), grads = _run(cfg, mesh, params, x)
+    (y8, aux8), grads8 = _run(cfg8, mesh, params, x)
+    np.testing.assert_array_equal(np.asarray(y8, np.float32), np.asarray(y, np.float32))
+    for a, b in zip(aux8, aux, strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(
+        np.asarray(grads8[1], np.float32), np.asarray(grads[1], np.float32)
+    )
+    for name in params:
+        if name == "w_in":
+            err = _rel(grads8[0][name], grads[0][name])
+            print(f"{case}: w_in gradient, fp8 vs bf16 dispatch: {err:.3e}")
+            assert 0 < err < W_IN_BOUND, err
+        else:
+            np.testing.assert_array_equal(grads8[0][name], grads[0][name], err_msg=name)
+    if cfg.capacity_factor is not None:
+        assert int(aux8.dropped) > 0
+    # Both stay within the FP8 recipe's bound of the float32 layer.
+    (y32, _), grads32 = _reference(dataclasses.replace(cfg, fp8=None, dtype=jnp.float32), params, x)
+    assert _rel(y8, y32) < 0.1
+    for name in params:
+        if name != "router_bias":
+            assert _rel(grads8[0][name], grads32[0][name]) < 0.1, name
+
+
+def _token_exchanges(hlo: str, hidden: int) -> list[tuple[str, int]]:
+    """(element type, bytes) of every all-to-all whose payload has `hidden` (or hidden / 128)
+    columns: the token and scale exchanges."""
+    out = []
+    for shape in collective_shapes(hlo, "all-to-all"):
+        first = re.search(r"([a-z0-9]+)\[1,(\d+),(\d+)\]", shape)
+        if first and int(first.group(3)) in (hidden, hidden // 128):
+            out.append((first.group(1) + f"x{first.group(3)}", collective_bytes(shape)))
+    return out
+
+
+def test_fp8_dispatch_exchanges_fp8_tokens_and_scales():
+    cfg = _config("d2e4", hidden=256, ffn_hidden=128, fp8="block", dtype=jnp.bfloat16)
+    cfg8 = dataclasses.replace(cfg, dispatch="fp8")
+    params = init_moe_params(jax.random.key(43), cfg)
+    x = jax.random.normal(jax.random.key(44), (8, 10, 256), jnp.bfloat16)
+    mesh = _mesh("d2e4")
+
+    def exchanges(c):
+        fwd = jax.jit(lambda p, x: moe_layer(p, x, c, mesh=mesh))
+        step = jax.jit(jax.grad(_loss(lambda p, x: moe_layer(p, x, c, mesh=mesh)), (0, 1)))
+        return (
+            _token_exchanges(fwd.lower(params, x).compile().as_text(), 256),
+            _token_exchanges(step.lower(params, x).compile().as_text(), 256),
+        )
+
+    fwd, step = exchanges(cfg)
+    fwd8, step8 = exchanges(cfg8)
+    # bf16 dispatch forward: tokens out and back in the activation dtype (XLA:CPU widens bf16
+    # collectives to f32).
+    assert [k for k, _ in fwd] == ["f32x256", "f32x256"], fwd
+    # FP8 dispatch forward: FP8 bytes (bitcast to u8) and their f32 scales, 1/128 of the
+    # elements; only the combine moves activation-dtype tokens.
+    assert sorted(k for k, _ in fwd8) == ["f32x2", "f32x256", "u8x256"], fwd8
+    u8 = next(b for k, b in fwd8 if k == "u8x256")
+    scales = next(b for k, b in fwd8 if k == "f32x2")
+    assert scales * 128 == u8 * 4
+    dispatch_bf16 = fwd[0][1]
+    assert u8 * 4 == dispatch_bf16  # 1 byte per element instead of f32's 4 here (bf16's 2 on GPU)
+    # The step: the backward exchanges the dispatch's gradient and the combine's in the
+    # activation dtype; the FP8 step has no bf16 token dispatch in its forward.
+    assert sorted(k for k, _ in step) == ["f32x256"] * 4, step
+    assert sorted(k for k, _ in step8) == ["f32x2", "f32x256", "f32x256", "f32x256", "u8x256"]
+
+
+def test_fp8_dispatch_in_a_pipeline_stage():
+    """The decoder on a pipe x expert mesh (1F1B stages holding the MoE layer)."""
+    from jaxops.models import DecoderConfig, MoEDecoder
+
+    dcfg = DecoderConfig("qwen3_moe", 64, 128, 2, 4, 2, 32, 8, 2, 64, qk_norm=True)
+    mesh = jax.make_mesh((2, 4), ("pipe", "expert"))
+    tokens = np.random.default_rng(0).integers(0, 64, (8, 16)).astype(np.int32)
+    targets = np.roll(tokens, -1, axis=1)
+    out = {}
+    for dispatch in ("dtype", "fp8"):
+        model = MoEDecoder(dcfg, mesh, microbatches=2, fp8="block", dispatch=dispatch)
+        params = model.init(jax.random.key(0))
+        out[dispatch] = jax.jit(model.loss_and_grads)(params, *model.place_batch(tokens, targets))
+    (loss, grads), (loss8, grads8) = out["dtype"], out["fp8"]
+    assert float(loss8) == float(loss)
+    flat = jax.tree_util.tree_leaves_with_path(grads)
+    for (path, g), g8 in zip(flat, jax.tree.leaves(grads8), strict=True):
+        name = jax.tree_util.keystr(path)
+        if "w_in" in name and "shared" not in name:
+            assert _rel(g8, g) < W_IN_BOUND, name
+        else:
+            np.testing.assert_array_equal(g8, g, err_msg=name)
+
+
+# -------------------------------------------------------------------------------------------------
 # The exchange.
 
 
@@ -645,6 +773,8 @@ def test_jit_does_not_retrace_per_step():
         ({"shared_gate": True}, ValueError, "shared_gate needs a shared expert"),
         ({"shared_ffn_hidden": -1}, ValueError, "shared_ffn_hidden must be >= 0"),
         ({"router_bias": 1}, TypeError, "router_bias must be a bool"),
+        ({"dispatch": "bf16"}, ValueError, "dispatch must be one of"),
+        ({"dispatch": "fp8"}, ValueError, "dispatch='fp8' .* needs fp8='block', got fp8=None"),
     ],
     ids=lambda v: str(v)[:40] if isinstance(v, dict) else "",
 )
@@ -742,3 +872,54 @@ def test_two_processes_match_reference(capacity):
         last = out.strip().splitlines()[-1].split()
         assert last[:2] == ["OK", str(i)], out
         assert (int(last[2]) > 0) == (capacity != "none"), out
+
+
+_TWO_PROCESS_FP8_DISPATCH = """
+import dataclasses
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxops.parallel.expert import MoEConfig, init_moe_params, moe_layer, moe_param_specs
+
+mesh = jax.make_mesh((2, 2), ("data", "expert"))
+cfg = MoEConfig(num_experts=8, top_k=2, hidden=256, ffn_hidden=128, dtype=jnp.bfloat16,
+                fp8="block", capacity_factor=1.0)
+params = jax.tree.map(np.asarray, init_moe_params(jax.random.key(0), cfg))
+x = np.asarray(jax.random.normal(jax.random.key(1), (8, 5, 256)))
+weights = np.sin(np.arange(x.size, dtype=np.float32).reshape(x.shape) * 0.37)
+
+def put(a, spec):
+    return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
+
+specs = moe_param_specs(cfg)
+gp = {k: put(v, specs[k]) for k, v in params.items()}
+gx = put(x.astype(jnp.bfloat16), P(("data", "expert")))
+out = {}
+for dispatch in ("dtype", "fp8"):
+    c = dataclasses.replace(cfg, dispatch=dispatch)
+    def loss(p, x):
+        y, aux = moe_layer(p, x, c, mesh=mesh)
+        return jnp.sum(y.astype(jnp.float32) * weights) + aux.loss, y
+    out[dispatch] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(gp, gx)
+
+def local(a):
+    return [np.asarray(s.data, np.float32) for s in a.addressable_shards]
+
+(l, y), (g, gxg) = out["dtype"]
+(l8, y8), (g8, gx8) = out["fp8"]
+for a, b in zip(local(y8) + local(gx8), local(y) + local(gxg)):
+    np.testing.assert_array_equal(a, b)
+for k in params:
+    for a, b in zip(local(g8[k]), local(g[k])):
+        if k == "w_in":
+            assert np.linalg.norm(a - b) / np.linalg.norm(b) < 0.06, k
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=k)
+print("OK", PROCESS_ID)
+"""
+
+
+@pytest.mark.multiprocess
+def test_two_processes_fp8_dispatch():
+    outputs = run_processes(_TWO_PROCESS_FP8_DISPATCH, 2, 2, timeout=240)
+    for i, out in enumerate(outputs):
+        assert out.strip().splitlines()[-1] == f"OK {i}", out

@@ -72,6 +72,8 @@ class MoEDecoder:
         attention projections (``jaxops.fp8.linear``); embedding, output projection, attention
         scores and norms stay in the compute dtype, as in DeepSeek-V3's recipe. Each device
         quantizes its own tokens.
+      dispatch: the MoE layer's dispatch ("dtype", or "fp8" with fp8="block": tokens cross the
+        expert exchange as FP8 with their 1 x 128 scales; see ``MoEConfig.dispatch``).
       aux_loss_coef: weight of each layer's load-balancing loss (None: the config's
         ``router_aux_loss_coef``).
       z_loss_coef: weight of each layer's router z-loss.
@@ -104,6 +106,7 @@ class MoEDecoder:
     dtype: Any = jnp.float32
     capacity_factor: float | None = None
     fp8: str | None = None
+    dispatch: str = "dtype"
     aux_loss_coef: float | None = None
     z_loss_coef: float = 0.0
     align: int = 8
@@ -188,6 +191,7 @@ class MoEDecoder:
             data_axes=self.data_axes,
             dtype=self.dtype,
             fp8=self.fp8,
+            dispatch=self.dispatch,
             shared_ffn_hidden=c.shared_ffn,
             shared_gate=c.shared_ffn > 0,
         )

@@ -187,7 +187,8 @@ def from_pretrained(
       compute_dtype: the model's compute dtype (default: `dtype`).
       progress: a progress bar (None: only on a terminal).
       **options: further :class:`MoEDecoder` fields (expert_axis, pipe_axis, microbatches,
-        schedule, remat, capacity_factor, fp8, aux_loss_coef, z_loss_coef, align, impl).
+        schedule, remat, capacity_factor, fp8, dispatch, aux_loss_coef, z_loss_coef, align,
+        impl).
 
     Returns:
       ``(model, params)``.
