@@ -824,7 +824,6 @@ def test_process_death_commits_nothing(tmp_path):
 
 def test_docstring_examples():
     import doctest
-
     import importlib
     import pkgutil
 

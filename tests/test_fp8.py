@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxops
 from jaxops import fp8
-from jaxops._fp8 import TARGET_AMAX, TARGET_QUANTIZE, TARGET_SPLIT_TRANSPOSE, _expand_scale
+from jaxops._fp8 import TARGET_AMAX, TARGET_QUANTIZE, TARGET_SPLIT_TRANSPOSE
+from jaxops._fp8.scales import _expand_scale
 from jaxops.testing import count_collectives
 
 X_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
