@@ -678,7 +678,7 @@ def test_rules_split_sizes_and_errors(tmp_path):
         ckpt.Rule("qkv", ["q", "k", "v"], axis=1).to_theirs("qkv", qkv[:, :7])
     with pytest.raises(ValueError, match="both map to 'x'"):
         ckpt.export_safetensors(
-            {"a": qkv, "b": qkv}, tmp_path / "o", name_map=[ckpt.Rule("{n}", "x")]
+            {"a": qkv, "b": qkv + 1}, tmp_path / "o", name_map=[ckpt.Rule("{n}", "x")]
         )
     ckpt.export_safetensors({"a": qkv}, tmp_path / "hf")
     with pytest.raises(ckpt.CheckpointError, match="'b' needs"):

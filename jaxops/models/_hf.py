@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import struct
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ from jaxops.models._config import ConfigError, DecoderConfig, read_config
 from jaxops.models._decoder import MoEDecoder
 from jaxops.parallel import checkpoint
 from jaxops.parallel.checkpoint import Rule
+from jaxops.parallel.checkpoint._hf_import import _hf_tensors
 
 __all__ = ["from_pretrained", "name_map", "save_pretrained"]
 
@@ -113,42 +112,6 @@ def name_map(config: DecoderConfig) -> tuple[Rule, ...]:
     return tuple(rules)
 
 
-def _header_names(file: Path) -> list[str]:
-    with open(file, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise checkpoint.CheckpointError(f"{file}: not a safetensors file (no header)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100 << 20:
-            raise checkpoint.CheckpointError(f"{file}: header of {n} bytes is not plausible")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise checkpoint.CheckpointError(
-                f"{file}: malformed safetensors header ({e})"
-            ) from None
-    if not isinstance(header, dict):
-        raise checkpoint.CheckpointError(f"{file}: the safetensors header is not an object")
-    return [k for k in header if k != "__metadata__"]
-
-
-def _tensor_names(path: Path) -> list[str]:
-    """Every tensor name of a model directory (its index, else its .safetensors files)."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise checkpoint.CheckpointError(f"{index}: no valid weight_map ({e!r})") from None
-        if not isinstance(weight_map, dict):
-            raise checkpoint.CheckpointError(f"{index}: weight_map must be an object")
-        return list(weight_map)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise checkpoint.CheckpointError(f"{path}: no .safetensors files and no index")
-    return [n for f in files for n in _header_names(f)]
-
-
 def _expected_names(model: MoEDecoder, rules: Sequence[Rule]) -> set[str]:
     c = model.config
     counts = {"i": c.num_layers, "e": c.num_experts}
@@ -216,7 +179,7 @@ def from_pretrained(
         raise ConfigError(f"from_pretrained: dtype {dtype!r} is not a dtype") from None
     model = MoEDecoder(config, mesh, dtype=compute_dtype or dtype, **options)
     rules = name_map(config)
-    have = set(_tensor_names(root))
+    have = set(_hf_tensors(root))  # validated headers and index
     want = _expected_names(model, rules)
     missing = sorted(want - have)
     if missing:

@@ -26,7 +26,9 @@ reshards freely: another mesh, device count or process count, sharded to replica
 
 Functions: :func:`save`, :func:`restore`, :func:`describe`, :class:`CheckpointManager` (steps,
 retention, async save, host EMA), :func:`export_safetensors` / :func:`import_safetensors`
-(Hugging Face layouts, with declarative :class:`Rule` name maps such as :data:`LLAMA_NAME_MAP`).
+(Hugging Face layouts, with declarative :class:`Rule` name maps such as :data:`LLAMA_NAME_MAP`
+or :func:`llama_name_map`, which derives the GQA sizes and tied embeddings from a config), and
+:func:`hf_target` (an import target, with shardings, built from the files' headers).
 
 Example:
   >>> import tempfile, jax, jax.numpy as jnp, numpy as np
@@ -53,15 +55,17 @@ Modules, one concern each (lower ones never import higher ones):
 - ``_coordination``: processes agreeing over ``jax.distributed``, the atomic commit;
 - ``_save`` / ``_restore``: :func:`save`, :func:`restore`, :func:`describe`;
 - ``_manager``: :class:`CheckpointManager`;
-- ``_rules``, ``_hf_export``, ``_hf_import``: Hugging Face name maps, export and import.
+- ``_rules``, ``_hf_export``, ``_hf_import``, ``_hf_target``: Hugging Face name maps, export,
+  import and import targets.
 """
 
 from ._format import CheckpointError
 from ._hf_export import export_safetensors
 from ._hf_import import import_safetensors
+from ._hf_target import hf_target
 from ._manager import CheckpointManager
 from ._restore import describe, restore
-from ._rules import LLAMA_NAME_MAP, Rule
+from ._rules import LLAMA_NAME_MAP, Rule, llama_name_map
 from ._save import save
 
 __all__ = [
@@ -71,7 +75,9 @@ __all__ = [
     "Rule",
     "describe",
     "export_safetensors",
+    "hf_target",
     "import_safetensors",
+    "llama_name_map",
     "restore",
     "save",
 ]

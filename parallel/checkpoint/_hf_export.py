@@ -8,9 +8,10 @@ import math
 import os
 import re
 import shutil
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -131,33 +132,20 @@ def export_safetensors(
                 )
             )
 
-    # Plan the files from shapes alone: names, shapes and dtypes of their tensors.
-    planned: list[tuple[str, Rule, list[tuple[str, str, tuple[int, ...], int]]]] = []
-    seen: dict[str, str] = {}
-    for key, shape, dt, _ in items:
-        rule = _rule_for(name_map, key)
-        probe = np.lib.stride_tricks.as_strided(np.zeros((), dt), shape, [0] * len(shape))
-        outs = []
-        for name, arr in rule.to_theirs(key, probe):
-            out_dt = arr.dtype
-            if cast is not None and rule.dtype is None and _is_float(out_dt):
-                out_dt = cast
-            name_dt = _dtype_name(op, f"tensor {name!r}", out_dt)
-            if name in seen:
-                raise ValueError(f"{op}: {key!r} and {seen[name]!r} both map to {name!r}")
-            seen[name] = key
-            outs.append((name, name_dt, tuple(arr.shape), arr.size * out_dt.itemsize))
-        planned.append((key, rule, outs))
+    planned = _plan(op, items, name_map, cast)
+    # Tensor names that several keys produce (tied weights): the first writes, the others are
+    # compared with it; `kept` holds it until then (the plan puts them right after it).
+    waiting = Counter(name for p in planned for name in p.aliased)
+    kept: dict[str, tuple[str, np.ndarray]] = {}
     files: list[list[int]] = [[]]
     size = 0
-    for i, (_, _, outs) in enumerate(planned):
-        n = sum(e[3] for e in outs)
-        if files[-1] and size + n > limit:
+    for i, p in enumerate(planned):
+        n = sum(e[3] for e in p.written)
+        if n and size and size + n > limit:  # a key writing nothing never opens a file
             files.append([])
             size = 0
         files[-1].append(i)
         size += n
-    files = [f for f in files if any(planned[i][2] for i in f)] or [[]]
     count = len(files)
     fnames = (
         ["model.safetensors"]
@@ -177,25 +165,44 @@ def export_safetensors(
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-    total = sum(e[3] for _, _, outs in planned for e in outs)
+    total = sum(e[3] for p in planned for e in p.written)
     bar = _progress_bar(progress, total, f"export {out.name}")
     names: list[str] = []
     weight_map: dict[str, str] = {}
     try:
         with cf.ThreadPoolExecutor(1) as pool:
             for fname, members in zip(fnames, files, strict=True):
-                entries = [e for i in members for e in planned[i][2]]
+                entries = [e for i in members for e in planned[i].written]
 
                 def produce(members=members):
                     for i in members:
-                        key, rule, outs = planned[i]
-                        arr = items[i][3]()
+                        key, rule, outs = planned[i].key, planned[i].rule, planned[i].outs
+                        if not outs:  # dropped (theirs=()): nothing to read or gather
+                            continue
+                        arr = items[planned[i].item][3]()
                         if arr is None:
                             continue
-                        for (_, want, _, _), (_, part) in zip(
+                        for (name, want, _, _), (_, part) in zip(
                             outs, rule.to_theirs(key, arr), strict=True
                         ):
-                            yield part if part.dtype.name == want else part.astype(_np_dtype(want))
+                            if part.dtype.name != want:
+                                part = part.astype(_np_dtype(want))
+                            if name in planned[i].aliased:
+                                first_key, first = kept[name]
+                                if not _same_bits(first, part):
+                                    raise ValueError(
+                                        f"{op}: {key!r} and {first_key!r} both map to {name!r} "
+                                        "but their tensors differ; two keys may share a name "
+                                        "only when the tensors written are bitwise equal (tied "
+                                        "weights)"
+                                    )
+                                waiting[name] -= 1
+                                if not waiting[name]:
+                                    del kept[name]
+                                continue
+                            if waiting.get(name):
+                                kept[name] = (key, part)
+                            yield part
 
                 if writer:
                     _write_safetensors(
@@ -213,7 +220,7 @@ def export_safetensors(
                 weight_map.update({e[0]: fname for e in entries})
         if writer:
             if count > 1:
-                params = sum(math.prod(e[2]) for _, _, outs in planned for e in outs)
+                params = sum(math.prod(e[2]) for p in planned for e in p.written)
                 index_json = {
                     "metadata": {"total_parameters": params, "total_size": total},
                     "weight_map": weight_map,
@@ -235,6 +242,76 @@ def export_safetensors(
         if bar is not None:
             bar.close()
     return names
+
+
+class _Planned(NamedTuple):
+    item: int  # index into the items
+    key: str
+    rule: Rule
+    outs: list[tuple[str, str, tuple[int, ...], int]]  # (name, dtype name, shape, nbytes)
+    aliased: frozenset[str]  # names an earlier key writes: compared, not written
+    written: list[tuple[str, str, tuple[int, ...], int]]  # outs minus aliased
+
+
+def _plan(op: str, items: list, name_map: Sequence[Rule] | None, cast) -> list[_Planned]:
+    """The tensors each key writes, from shapes alone, in the order to process the keys.
+
+    A key whose tensor names an earlier key already produces (tied weights) must produce the
+    same shapes and dtypes there; it is moved right after that key, so that the comparison of
+    the values holds one extra tensor only briefly.
+    """
+    first: dict[str, tuple[int, tuple]] = {}  # name -> (item, its (dtype, shape))
+    plans: list[_Planned] = []
+    anchored: dict[int, list[int]] = {}
+    for i, (key, shape, dt, _) in enumerate(items):
+        rule = _rule_for(name_map, key)
+        probe = np.lib.stride_tricks.as_strided(np.zeros((), dt), shape, [0] * len(shape))
+        outs, aliased, anchor = [], set(), -1
+        for name, arr in rule.to_theirs(key, probe):
+            out_dt = arr.dtype
+            if cast is not None and rule.dtype is None and _is_float(out_dt):
+                out_dt = cast
+            entry = (name, _dtype_name(op, f"tensor {name!r}", out_dt), tuple(arr.shape))
+            if name in first:
+                j, (dt_j, shape_j) = first[name]
+                if (entry[1], entry[2]) != (dt_j, shape_j):
+                    raise ValueError(
+                        f"{op}: {key!r} and {items[j][0]!r} both map to {name!r}, as "
+                        f"{entry[1]}{list(entry[2])} and {dt_j}{list(shape_j)}; two keys may "
+                        "share a name only when the tensors written are bitwise equal (tied "
+                        "weights)"
+                    )
+                if any(name == e[0] for e in outs):
+                    raise ValueError(f"{op}: {key!r} maps two of its parts to {name!r}")
+                aliased.add(name)
+                anchor = max(anchor, j)
+            else:
+                first[name] = (i, entry[1:])
+            outs.append((*entry, arr.size * out_dt.itemsize))
+        written = [e for e in outs if e[0] not in aliased]
+        plans.append(_Planned(i, key, rule, outs, frozenset(aliased), written))
+        if aliased:
+            anchored.setdefault(anchor, []).append(i)
+    order: list[int] = []
+    moved = {i for later in anchored.values() for i in later}
+
+    def place(i: int) -> None:
+        order.append(i)
+        for later in anchored.get(i, ()):
+            place(later)
+
+    for i in range(len(items)):
+        if i not in moved:
+            place(i)
+    return [plans[i] for i in order]
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 24) -> bool:
+    """Bitwise equality of two C-contiguous arrays, compared a chunk of bytes at a time."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    x, y = (np.ascontiguousarray(v).reshape(-1).view(np.uint8) for v in (a, b))
+    return all(np.array_equal(x[k : k + chunk], y[k : k + chunk]) for k in range(0, x.size, chunk))
 
 
 def _config_dict(op: str, name: str, value: Any) -> dict[str, Any]:

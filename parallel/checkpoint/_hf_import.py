@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -12,24 +11,58 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._format import _ST_DTYPES, CheckpointError, _np_dtype, _read_header
-from ._index import _safe_file
+from ._format import (
+    _ST_DTYPES,
+    CheckpointError,
+    _is_float,
+    _np_dtype,
+    _parse_json,
+    _read_header,
+    _show,
+)
+from ._index import _plain_file_name
 from ._io import _progress_bar
 from ._rules import Rule, _rule_for
 from ._tree import _flatten, _target_of
 
+_HF_INDEX = "model.safetensors.index.json"
+
+
+def _weight_map(src: Path) -> dict[str, str]:
+    """The validated weight_map of ``src/model.safetensors.index.json``: tensor -> file name."""
+    file = src / _HF_INDEX
+    index = _parse_json(file, "the file", file.read_bytes())
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        got = _show(weight_map) if isinstance(index, dict) else f"a JSON {type(index).__name__}"
+        raise CheckpointError(
+            f"{file}: expected an object with a weight_map object (tensor name -> file), got {got}"
+        )
+    for name, fname in weight_map.items():
+        if not isinstance(fname, str) or not _plain_file_name(fname):
+            raise CheckpointError(
+                f"{file}: tensor {name!r}: refusing file name {_show(fname)}; expected the name of "
+                f"a *.safetensors file in {src}"
+            )
+        if not (src / fname).is_file():
+            raise CheckpointError(
+                f"{file}: tensor {name!r} is in {fname}, but {src} has no such file"
+            )
+    return weight_map
+
 
 def _hf_tensors(src: Path) -> dict[str, tuple[Path, dict[str, Any], int]]:
-    """Name -> (file, header entry, data start) for a HF file, directory or sharded index."""
+    """Name -> (file, header entry, data start) for a HF file, directory or sharded index.
+
+    Every header is validated (:func:`_read_header`); with an index, every tensor it maps must be
+    in its file, and tensors it does not map are not read. A tensor in several files that no index assigns is an error: which is meant?
+    """
+    weight_map: dict[str, str] = {}
     if src.is_file():
         files = [src]
-    elif (src / "model.safetensors.index.json").is_file():
-        weight_map = json.loads((src / "model.safetensors.index.json").read_text()).get(
-            "weight_map"
-        )
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{src}: model.safetensors.index.json has no weight_map")
-        files = [_safe_file(src, f) for f in sorted(set(weight_map.values()))]
+    elif (src / _HF_INDEX).is_file():
+        weight_map = _weight_map(src)
+        files = [src / f for f in sorted(set(weight_map.values()))]
     else:
         files = sorted(src.glob("*.safetensors"))
         if not files:
@@ -38,24 +71,38 @@ def _hf_tensors(src: Path) -> dict[str, tuple[Path, dict[str, Any], int]]:
     for f in files:
         header, start = _read_header(f)
         for name, entry in header.items():
-            if name != "__metadata__":
-                table[name] = (f, entry, start)
+            # With an index, it is the authority: a tensor it does not list is not read.
+            if name == "__metadata__" or (
+                src.is_dir() and weight_map and weight_map.get(name) != f.name
+            ):
+                continue
+            if name in table:
+                raise CheckpointError(
+                    f"{f}: tensor {name!r} is also in {table[name][0]}; expected each tensor in "
+                    "one file"
+                )
+            table[name] = (f, entry, start)
+    for name, fname in weight_map.items():
+        if name not in table:
+            header, _ = _read_header(src / fname)
+            have = [n for n in header if n != "__metadata__"][:5]
+            raise CheckpointError(
+                f"{src / _HF_INDEX}: the weight_map puts tensor {name!r} in {fname}, but that "
+                f"file holds no such tensor (it has e.g. {have})"
+            )
     return table
 
 
 def _read_hf_tensor(name: str, file: Path, entry: dict[str, Any], start: int) -> np.ndarray:
-    code = entry.get("dtype")
+    """A tensor of a safetensors file; `entry` comes from a header `_read_header` validated."""
+    code = entry["dtype"]
     if code not in _ST_DTYPES:
         raise CheckpointError(
             f"{file}: tensor {name!r} has dtype {code}; supported: {', '.join(_ST_DTYPES)}"
         )
     dtype = _np_dtype(_ST_DTYPES[code])
-    shape = tuple(int(n) for n in entry["shape"])
-    lo, hi = (int(v) for v in entry["data_offsets"])
-    if hi - lo != math.prod(shape) * dtype.itemsize:
-        raise CheckpointError(
-            f"{file}: tensor {name!r} has {hi - lo} bytes for {dtype}{list(shape)}"
-        )
+    shape = tuple(entry["shape"])
+    lo, hi = entry["data_offsets"]
     buf = np.empty(hi - lo, np.uint8)
     with open(file, "rb") as f:
         f.seek(start + lo)
@@ -64,7 +111,41 @@ def _read_hf_tensor(name: str, file: Path, entry: dict[str, Any], start: int) ->
     return buf.view(dtype).reshape(shape)
 
 
-def _import_stacked(op, src, table, key, rule: Rule, shape, dtype, sharding):
+def _kind(dtype: np.dtype) -> str:
+    """bool, int, uint or float (bfloat16 and float8 included)."""
+    if dtype == np.bool_:
+        return "bool"
+    if _is_float(dtype):
+        return "float"
+    return "uint" if np.issubdtype(dtype, np.unsignedinteger) else "int"
+
+
+def _check_cast(
+    op: str,
+    key: str,
+    names: Sequence[str],
+    table: dict[str, tuple[Path, dict[str, Any], int]],
+    dtype: np.dtype,
+    cast: bool,
+) -> None:
+    """Refuses, unless `cast`, tensors whose kind (bool, int, uint, float) the target changes."""
+    if cast:
+        return
+    for name in names:
+        file, entry, _ = table[name]
+        code = entry["dtype"]
+        if code not in _ST_DTYPES:
+            continue  # reading it raises
+        have = _np_dtype(_ST_DTYPES[code])
+        if _kind(have) != _kind(dtype):
+            raise CheckpointError(
+                f"{op}: {key!r} is {dtype.name}, but {name!r} in {file} is {have.name}: "
+                f"converting {_kind(have)} to {_kind(dtype)} changes values; pass cast=True to "
+                "convert anyway"
+            )
+
+
+def _import_stacked(op, src, table, key, rule: Rule, shape, dtype, sharding, cast):
     """One stacked target leaf: each process reads only the elements its shards hold."""
     n = len(rule.stack)
     if len(shape) < n:
@@ -78,6 +159,9 @@ def _import_stacked(op, src, table, key, rule: Rule, shape, dtype, sharding):
             f"{op}: {key!r} needs {missing[:3]}{' ...' if len(missing) > 3 else ''} "
             f"({len(missing)} missing) in {src}; it has e.g. {list(table)[:5]}"
         )
+    _check_cast(
+        op, key, [name for names in elements.values() for name in names], table, dtype, cast
+    )
     cache: dict[tuple, np.ndarray] = {}
 
     def element(idx: tuple) -> np.ndarray:
@@ -113,13 +197,15 @@ def import_safetensors(
     *,
     name_map: Sequence[Rule] | None = None,
     progress: bool | None = None,
+    cast: bool = False,
 ) -> Any:
     """Loads Hugging Face-style safetensors files into a (sharded) target tree.
 
     Each target leaf's tensors are found through `name_map` (the same :class:`Rule` s as
     :func:`export_safetensors`, applied backwards: fused parts concatenated, transposes undone,
-    cast to the target dtype), read and placed on the target's sharding. One array at a time is
-    held on the host.
+    converted to the target dtype, see `cast`), read and placed on the target's sharding. One
+    array at a time is held on the host. Files are untrusted: a damaged or hostile one raises
+    CheckpointError.
 
     Args:
       src: a ``.safetensors`` file, or a directory with ``model.safetensors.index.json`` or
@@ -128,13 +214,18 @@ def import_safetensors(
         arrays, as for :func:`restore`.
       name_map: the rules; keys no rule matches are looked up with "/" replaced by ".".
       progress: a tqdm progress bar (None: only on a terminal).
+      cast: also convert between kinds of dtype (bool, signed int, unsigned int, float), for
+        example int32 tensors into a float32 target, with numpy's ``astype``. Without it such a
+        tensor raises CheckpointError; precision changes within a kind (bfloat16 -> float32,
+        float32 -> bfloat16, int8 -> int32) are always made.
 
     Returns:
       A tree like `target`.
 
     Raises:
-      CheckpointError: a tensor is missing, or its shape after the mapping differs from the
-        target's.
+      CheckpointError: a file or ``model.safetensors.index.json`` is malformed (every header is
+        validated as the safetensors format requires), a tensor is missing, its shape after the
+        mapping differs from the target's, or its dtype is of another kind and `cast` is False.
 
     Example:
       >>> import tempfile, jax, numpy as np
@@ -159,7 +250,9 @@ def import_safetensors(
         for key, (shape, dtype, sharding) in zip(keys, targets, strict=True):
             rule = _rule_for(name_map, key)
             if rule.stack:
-                values.append(_import_stacked(op, src, table, key, rule, shape, dtype, sharding))
+                values.append(
+                    _import_stacked(op, src, table, key, rule, shape, dtype, sharding, cast)
+                )
                 if bar is not None:
                     bar.update(math.prod(shape) * dtype.itemsize)
                 continue
@@ -170,13 +263,15 @@ def import_safetensors(
                     f"{op}: {key!r} needs {missing or names} in {src}; "
                     f"it has e.g. {list(table)[:5]}"
                 )
+            _check_cast(op, key, names, table, dtype, cast)
             arr = rule.to_ours([_read_hf_tensor(n, *table[n]) for n in names])
             if tuple(arr.shape) != shape:
                 raise CheckpointError(
                     f"{op}: {key!r} from {names} has shape {list(arr.shape)}, "
                     f"the target {list(shape)}"
                 )
-            arr = np.ascontiguousarray(arr.astype(dtype, copy=False))
+            arr = arr.astype(dtype, copy=False)
+            arr = np.ascontiguousarray(arr).reshape(arr.shape)  # which makes scalars 1-d
             if sharding is None:
                 values.append(arr)
             else:

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from ._format import _np_dtype
+from ._index import _block_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,14 +24,7 @@ class _Block:
         return math.prod(self.shape)
 
     def name(self, key: str, global_shape: tuple[int, ...]) -> str:
-        if self.shape == global_shape:
-            return key
-        return (
-            key
-            + "["
-            + ",".join(f"{s}:{s + n}" for s, n in zip(self.start, self.shape, strict=True))
-            + "]"
-        )
+        return _block_name(key, list(self.start), list(self.shape), list(global_shape))
 
 
 def _as_block(index: tuple[slice, ...], shape: tuple[int, ...]) -> _Block:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -50,6 +54,14 @@ class Rule:
     ``transpose``, ``axis`` and ``sizes`` then apply to each element. Import takes the stacked
     sizes from the target's shape and reads, per process, only the elements its shards hold.
 
+    Rotary embeddings (``rope``): two layouts of q/k rows are in use. Meta's original Llama code
+    rotates the pairs ``(2i, 2i + 1)`` of each head together ("interleaved"), transformers rotates
+    ``i`` with ``i + Dh/2`` ("rotate_half"). ``rope`` gives the head size ``Dh`` of each part
+    (``None`` for a part without RoPE, such as v); each head's entries along ``axis`` of their
+    layout (the rows of a torch Linear weight, or a bias) are then permuted from our layout
+    ``rope_ours`` to the other one on export, and back on import. The attention scores are the
+    same: RoPE commutes with the permutation, and q . k is invariant under permuting both alike.
+
     Attributes:
       ours: template of our "/"-separated tree key, e.g. ``"layers/{i}/attn/qkv/kernel"``.
       theirs: one template or several (a fused weight), e.g.
@@ -60,6 +72,10 @@ class Rule:
       sizes: sizes of the parts along ``axis`` (default: equal parts).
       dtype: dtype name written on export (e.g. ``"bfloat16"``); None keeps ours.
       stack: placeholders of ``theirs`` enumerated by our leading axes, outermost first.
+      rope: the head size of each part whose entries along ``axis`` carry RoPE (``None``: no
+        permutation for that part), or one int for every part; None: no permutation.
+      rope_ours: our q/k layout, ``"interleaved"`` (default; theirs is then transformers'
+        ``"rotate_half"``) or ``"rotate_half"`` (theirs interleaved, e.g. Meta's originals).
 
     Example:
       >>> from jaxops.parallel.checkpoint import Rule
@@ -73,6 +89,11 @@ class Rule:
       ...                transpose=(1, 0), stack=("i", "e"))
       >>> experts.their_names("layers/moe/w_out", stack_shape=(2, 2))[-1]
       'model.layers.1.mlp.experts.1.down_proj.weight'
+      >>> qk = Rule("q", ["q_proj.weight", "k_proj.weight"], axis=0, rope=4)  # one head each
+      >>> [p.ravel().tolist() for _, p in qk.to_theirs("q", np.arange(8.0)[:, None])]
+      [[0.0, 2.0, 1.0, 3.0], [4.0, 6.0, 5.0, 7.0]]
+      >>> qk.our_shape([(4, 1), (4, 1)])
+      (8, 1)
     """
 
     ours: str
@@ -82,6 +103,8 @@ class Rule:
     sizes: Sequence[int] | None = None
     dtype: str | None = None
     stack: Sequence[str] = ()
+    rope: int | Sequence[int | None] | None = None
+    rope_ours: str = "interleaved"
 
     def __post_init__(self):
         stack = (self.stack,) if isinstance(self.stack, str) else tuple(self.stack)
@@ -94,10 +117,79 @@ class Rule:
                 f"Rule({self.ours!r}): stack {stack} must name distinct placeholders of theirs "
                 f"that ours does not have; ours has {sorted(ours)}, theirs {sorted(theirs)}"
             )
+        if self.rope_ours not in ("interleaved", "rotate_half"):
+            raise ValueError(
+                f"Rule({self.ours!r}): rope_ours must be 'interleaved' or 'rotate_half', "
+                f"got {self.rope_ours!r}"
+            )
+        if self.rope is not None:
+            dims = self._rope_dims
+            if len(dims) != len(self._theirs) or any(
+                d is not None and (not isinstance(d, int) or d <= 0 or d % 2) for d in dims
+            ):
+                raise ValueError(
+                    f"Rule({self.ours!r}): rope must be one positive even head size or one "
+                    f"(or None) per part of theirs ({len(self._theirs)}), got {self.rope!r}"
+                )
 
     @property
     def _theirs(self) -> tuple[str, ...]:
         return (self.theirs,) if isinstance(self.theirs, str) else tuple(self.theirs)
+
+    @property
+    def _rope_dims(self) -> tuple[int | None, ...]:
+        if self.rope is None or isinstance(self.rope, int):
+            return (self.rope,) * len(self._theirs)
+        return tuple(self.rope)
+
+    def _permute_rope(self, key: str, parts: list[np.ndarray], export: bool) -> list[np.ndarray]:
+        """Each part's RoPE rows, per head: our layout -> theirs (`export`) or back."""
+        if self.rope is None:
+            return parts
+        to_half = (self.rope_ours == "interleaved") == export
+        out = []
+        for part, dh in zip(parts, self._rope_dims, strict=True):
+            if dh is not None:
+                n = part.shape[self.axis]
+                if n % dh:
+                    raise ValueError(
+                        f"{key!r}: a RoPE part has {n} entries along axis {self.axis}, not a "
+                        f"multiple of the head size {dh}"
+                    )
+                part = np.take(part, _rope_order(n, dh, to_half), axis=self.axis)
+            out.append(part)
+        return out
+
+    def our_shape(self, their_shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
+        """Import, shapes only: their tensors' shapes (in template order) -> our array's shape.
+
+        For a stacked rule, the shape of one element (without the stacked axes).
+
+        Raises:
+          ValueError: the shapes do not fit the rule (ranks, fused sizes, the transpose).
+        """
+        shapes = [tuple(int(n) for n in s) for s in their_shapes]
+        what = f"Rule({self.ours!r}): their shapes {[list(s) for s in shapes]}"
+        if len(shapes) != len(self._theirs) or not shapes:
+            raise ValueError(f"{what}: expected {len(self._theirs)} tensors")
+        ndim = len(shapes[0])
+        if len(shapes) > 1:
+            rest = {s[: self.axis] + s[self.axis + 1 :] for s in shapes}
+            if any(len(s) != ndim for s in shapes) or not 0 <= self.axis < ndim or len(rest) > 1:
+                raise ValueError(f"{what} do not concatenate along axis {self.axis}")
+            if self.sizes is not None and [s[self.axis] for s in shapes] != list(self.sizes):
+                raise ValueError(f"{what} do not have the sizes {list(self.sizes)}")
+        fused = list(shapes[0])
+        if len(shapes) > 1:
+            fused[self.axis] = sum(s[self.axis] for s in shapes)
+        if self.transpose is None:
+            return tuple(fused)
+        if sorted(self.transpose) != list(range(ndim)):
+            raise ValueError(f"{what} have rank {ndim}; the transpose is {self.transpose}")
+        ours = [0] * ndim
+        for k, t in enumerate(self.transpose):
+            ours[t] = fused[k]
+        return tuple(ours)
 
     def matches(self, key: str) -> bool:
         """Whether our `key` is this rule's."""
@@ -164,6 +256,7 @@ class Rule:
                     f"{len(names)} parts of sizes {sizes}"
                 )
             parts = np.split(arr, np.cumsum(sizes)[:-1], axis=self.axis)
+        parts = self._permute_rope(key, parts, export=True)
         dtype = _np_dtype(self.dtype) if self.dtype else None
         return [
             (name, np.ascontiguousarray(p if dtype is None else p.astype(dtype)))
@@ -175,10 +268,23 @@ class Rule:
 
         For a stacked rule, `parts` are one element's tensors; see :meth:`elements`.
         """
+        parts = self._permute_rope(self.ours, list(parts), export=False)
         arr = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=self.axis)
         if self.transpose is not None:
             arr = np.transpose(arr, np.argsort(self.transpose))
         return arr
+
+
+def _rope_order(n: int, head_dim: int, to_half: bool) -> np.ndarray:
+    """Indices taking `n` = heads * head_dim entries interleaved -> rotate_half, or back.
+
+    Interleaved pairs ``(2i, 2i + 1)`` become ``(i, i + head_dim / 2)``: entry ``j`` of a head in
+    the rotate_half layout is entry ``2j`` (first half) or ``2(j - head_dim/2) + 1`` (second).
+    """
+    within = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
+    if not to_half:
+        within = np.argsort(within)
+    return (np.arange(n // head_dim)[:, None] * head_dim + within[None, :]).ravel()
 
 
 def _rule_for(name_map: Sequence[Rule] | None, key: str) -> Rule:
@@ -220,5 +326,111 @@ Our layout: ``embed/embedding [V, D]``, per layer ``i``: ``attn_norm/scale [D]``
 ``mlp_norm/scale [D]``, ``mlp/gate_up/kernel [D, 2F]`` (gate, up fused),
 ``mlp/down/kernel [F, D]``; then ``final_norm/scale [D]`` and ``lm_head/kernel [D, V]``. Dense
 kernels are ``[in, out]``; Hugging Face stores torch Linear weights ``[out, in]``, hence the
-transposes. For grouped-query attention give the qkv rule ``sizes=(H*Dh, K*Dh, K*Dh)``.
+transposes. For grouped-query attention, tied embeddings or biases use :func:`llama_name_map`,
+which derives them from the model's config.
 """
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    """A Hugging Face config as a dict: a dict, an object with to_dict(), or a config.json path."""
+    if isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        config = json.loads(path.read_text())
+    elif hasattr(config, "to_dict"):
+        config = config.to_dict()
+    if not isinstance(config, Mapping):
+        raise TypeError(
+            "llama_name_map: config must be a dict, an object with to_dict() or a path to a "
+            f"config.json, got {type(config).__name__}"
+        )
+    return dict(config)
+
+
+def llama_name_map(config: Any, *, rope: str = "rotate_half") -> tuple[Rule, ...]:
+    """The :class:`Rule` s between our Llama-style tree and ``LlamaForCausalLM``, for `config`.
+
+    The layout of :data:`LLAMA_NAME_MAP` (fused q/k/v and gate/up kernels ``[in, out]``), with
+    what the config decides filled in: the q/k/v split ``sizes=(H*Dh, K*Dh, K*Dh)`` from
+    ``num_attention_heads`` (H), ``num_key_value_heads`` (K, default H) and ``head_dim`` (Dh,
+    default ``hidden_size // H``); with ``tie_word_embeddings`` our ``lm_head/kernel [D, V]``
+    reads (and, on export, must equal) ``model.embed_tokens.weight``, so no ``lm_head.weight`` is
+    written; with ``attention_bias`` the rules for ``attn/qkv/bias [(H+2K)*Dh]`` and
+    ``attn/out/bias [D]``, with ``mlp_bias`` those for ``mlp/gate_up/bias [2F]`` and
+    ``mlp/down/bias [D]``.
+
+    Args:
+      config: the Hugging Face config: a dict (``config.to_dict()``, a loaded config.json), an
+        object with ``to_dict()`` (a ``transformers.LlamaConfig``), or the path of a config.json
+        or of a model directory holding one.
+      rope: our q/k layout: ``"rotate_half"`` (transformers', nothing to permute) or
+        ``"interleaved"`` (Meta's original code: the q/k rows of each head are permuted, see
+        :class:`Rule` ``rope``).
+
+    Returns:
+      The rules, for :func:`export_safetensors`, :func:`import_safetensors` and :func:`hf_target`.
+
+    Raises:
+      ValueError: a missing or inconsistent head count.
+
+    Example:
+      >>> from jaxops.parallel.checkpoint import llama_name_map
+      >>> rules = llama_name_map({"hidden_size": 2048, "num_attention_heads": 32, "head_dim": 64,
+      ...                         "num_key_value_heads": 8, "tie_word_embeddings": True})
+      >>> [r.sizes for r in rules if r.ours == "layers/{i}/attn/qkv/kernel"]
+      [(2048, 512, 512)]
+      >>> [r.theirs for r in rules if r.ours == "lm_head/kernel"]
+      ['model.embed_tokens.weight']
+    """
+    c = _config_dict(config)
+    if rope not in ("rotate_half", "interleaved"):
+        raise ValueError(
+            f"llama_name_map: rope must be 'rotate_half' or 'interleaved', got {rope!r}"
+        )
+    heads = c.get("num_attention_heads")
+    kv = c.get("num_key_value_heads") or heads
+    head_dim = c.get("head_dim") or (
+        c["hidden_size"] // heads if isinstance(heads, int) and c.get("hidden_size") else None
+    )
+    if not all(isinstance(v, int) and v > 0 for v in (heads, kv, head_dim)) or heads % kv:
+        raise ValueError(
+            "llama_name_map: the config needs num_attention_heads, a num_key_value_heads that "
+            "divides it and head_dim or hidden_size; got "
+            f"{ {k: c.get(k) for k in ('num_attention_heads', 'num_key_value_heads', 'head_dim')} }"
+        )
+    sizes = (heads * head_dim, kv * head_dim, kv * head_dim)
+    qk_rope = (head_dim, head_dim, None) if rope == "interleaved" else None
+    lay = "model.layers.{i}."
+    qkv = [lay + f"self_attn.{n}_proj" for n in "qkv"]
+    gate_up = [lay + "mlp.gate_proj", lay + "mlp.up_proj"]
+    t = (1, 0)
+    rules = [
+        Rule("embed/embedding", "model.embed_tokens.weight"),
+        Rule("layers/{i}/attn_norm/scale", lay + "input_layernorm.weight"),
+        Rule(
+            "layers/{i}/attn/qkv/kernel",
+            [n + ".weight" for n in qkv],
+            transpose=t,
+            sizes=sizes,
+            rope=qk_rope,
+        ),
+        Rule("layers/{i}/attn/out/kernel", lay + "self_attn.o_proj.weight", transpose=t),
+        Rule("layers/{i}/mlp_norm/scale", lay + "post_attention_layernorm.weight"),
+        Rule("layers/{i}/mlp/gate_up/kernel", [n + ".weight" for n in gate_up], transpose=t),
+        Rule("layers/{i}/mlp/down/kernel", lay + "mlp.down_proj.weight", transpose=t),
+        Rule("final_norm/scale", "model.norm.weight"),
+    ]
+    if c.get("attention_bias"):
+        rules += [
+            Rule("layers/{i}/attn/qkv/bias", [n + ".bias" for n in qkv], sizes=sizes, rope=qk_rope),
+            Rule("layers/{i}/attn/out/bias", lay + "self_attn.o_proj.bias"),
+        ]
+    if c.get("mlp_bias"):
+        rules += [
+            Rule("layers/{i}/mlp/gate_up/bias", [n + ".bias" for n in gate_up]),
+            Rule("layers/{i}/mlp/down/bias", lay + "mlp.down_proj.bias"),
+        ]
+    tied = bool(c.get("tie_word_embeddings", False))
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    rules.append(Rule("lm_head/kernel", head, transpose=t))
+    return tuple(rules)
