@@ -10,7 +10,9 @@ Public API (everything else is private):
   :func:`gemm_reference`.
 - Matmul precision: :func:`precision` (context manager and decorator), :func:`current_precision`,
   :func:`precision_report` (or the ``JAXOPS_MATMUL_PRECISION`` environment variable).
-- :func:`build_info`, :func:`cuda_available` and :class:`JaxlibVersionError`.
+- :func:`build_info` (what was built, and which path each op family takes here),
+  :func:`cuda_available`, :class:`JaxlibVersionError` and :class:`CudaModuleMissingWarning`
+  (issued once at import where jax has a CUDA GPU but this install has no CUDA module).
 - ``jaxops.fp8``: FP8 quantization (per-tensor, 1 x G and G x G blocks, fused transpose,
   per-expert split transpose, fake quantization, delayed scaling), FP8 GEMM (per-tensor and
   block-scaled) and the differentiable FP8 layer ``jaxops.fp8.linear``.
@@ -21,7 +23,12 @@ Public API (everything else is private):
 
 from jaxops import fp8, moe
 from jaxops._config import default_impl, get_default_impl, set_default_impl
-from jaxops._ffi import JaxlibVersionError, build_info, cuda_available
+from jaxops._ffi import (
+    CudaModuleMissingWarning,
+    JaxlibVersionError,
+    build_info,
+    cuda_available,
+)
 from jaxops._gemm import gemm, gemm_reference
 from jaxops._precision import current_precision, precision, precision_report
 from jaxops._rms_norm import (
@@ -34,6 +41,7 @@ from jaxops._rms_norm import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CudaModuleMissingWarning",
     "JaxlibVersionError",
     "__version__",
     "add_rms_norm",

@@ -8,12 +8,17 @@ through :func:`ensure_registered`.
 
 At import the FFI C API version the modules were compiled against is compared with the one of the
 running jaxlib, and an incompatible skew raises :class:`JaxlibVersionError` with both versions.
+Where jax has a CUDA GPU backend but this install has no CUDA module (a CPU-only build), import
+warns once with :class:`CudaModuleMissingWarning` instead of letting every op silently run its
+pure-JAX twin; :func:`op_paths` tells which implementation each op family takes.
 """
 
 from __future__ import annotations
 
 import functools
+import glob
 import importlib
+import importlib.util
 import os
 import re
 import threading
@@ -25,15 +30,17 @@ from typing import Any
 import jax
 import jaxlib.version
 
-from jaxops._config import resolve_impl
+from jaxops._config import get_default_impl, resolve_impl
 from jaxops._sharding import vary_like
 
 __all__ = [
+    "CudaModuleMissingWarning",
     "JaxlibVersionError",
     "build_info",
     "cuda_available",
     "ensure_registered",
     "ffi_call",
+    "op_paths",
 ]
 
 _PLATFORM_OF_MODULE = {"_jaxops_cpu": "cpu", "_jaxops_cuda": "CUDA"}
@@ -41,6 +48,15 @@ _PLATFORM_OF_MODULE = {"_jaxops_cpu": "cpu", "_jaxops_cuda": "CUDA"}
 
 class JaxlibVersionError(ImportError):
     """The running jaxlib cannot load handlers compiled against the jaxlib jaxops was built with."""
+
+
+class CudaModuleMissingWarning(UserWarning):
+    """jax has a CUDA GPU backend, but this jaxops install has no CUDA module.
+
+    Issued once, at import. Every op then runs its pure-JAX twin on the GPU. The fix: install the
+    jaxops wheel with the CUDA module (``pip install 'jaxops[cuda13]'``), or build from source
+    with nvcc on PATH and ``JAXOPS_CUDA=ON``.
+    """
 
 
 @dataclass(frozen=True)
@@ -85,13 +101,17 @@ def check_compatibility(info: dict[str, Any], runtime: tuple[int, int] | None) -
             f"{info['jaxlib_version']} (XLA FFI API {built[0]}.{built[1]}), but the running jaxlib "
             f"{jaxlib.version.__version__} provides XLA FFI API {runtime[0]}.{runtime[1]}. "
             "Rebuild jaxops against the installed jaxlib: "
-            "pip install --no-build-isolation --force-reinstall --no-deps jaxops"
+            "pip install --no-build-isolation --force-reinstall --no-deps jaxops; or, with the "
+            f"jaxops wheel, install a jaxlib with XLA FFI API {built[0]}.x, x >= {built[1]}: "
+            "pip install -U 'jaxops[cuda13]'"
         )
 
 
 def _load(name: str) -> ModuleType | None:
     try:
-        return importlib.import_module(f"jaxops.{name}")
+        module = importlib.import_module(f"jaxops.{name}")
+        _load_errors.pop(name, None)
+        return module
     except ImportError as e:
         if name == "_jaxops_cpu":
             raise ImportError(
@@ -102,6 +122,7 @@ def _load(name: str) -> ModuleType | None:
             return None  # not built
         # Built but not loadable, e.g. the cuBLASLt it links is missing (pip install nvidia-cublas,
         # which jax[cuda13] installs).
+        _load_errors[name] = str(e)
         warnings.warn(
             f"jaxops: the compiled module {name} failed to load ({e}); its kernels are "
             "unavailable and the pure-JAX implementations run instead",
@@ -112,6 +133,7 @@ def _load(name: str) -> ModuleType | None:
 
 
 _lock = threading.Lock()
+_load_errors: dict[str, str] = {}  # module name -> why a built module failed to load
 _modules: dict[str, ModuleType] = {}
 _pending: dict[tuple[str, str], _Target] = {}
 _pending_types: dict[str, list[tuple[str, Any]]] = {}  # by platform
@@ -124,6 +146,7 @@ def _register(target: _Target) -> None:
 
 
 def _initialize() -> None:
+    """Loads the compiled modules, checks their FFI API, registers their stateless targets."""
     runtime = _runtime_ffi_api_version()
     for name, platform in _PLATFORM_OF_MODULE.items():
         module = _load(name)
@@ -138,6 +161,84 @@ def _initialize() -> None:
                 _pending[(target_name, platform)] = target
             else:
                 _register(target)
+    _warn_if_cuda_module_missing()
+
+
+# jax's CUDA PJRT plugins (jax[cuda13] / jax[cuda12] install them) and the modules beside them.
+_CUDA_PLUGIN_MODULES = (
+    "jax_plugins.xla_cuda13",
+    "jax_plugins.xla_cuda12",
+    "jax_cuda13_plugin",
+    "jax_cuda12_plugin",
+)
+_NVIDIA_GPU_PATHS = ("/proc/driver/nvidia/gpus/*", "/dev/nvidia[0-9]*")
+
+
+def _gpu_backend_present() -> bool:
+    """Whether jax has (or will have) a CUDA GPU backend here, without starting its backends.
+
+    If jax's backends are already up, they are asked. Otherwise (at ``import jaxops``, where
+    starting them would fix jax's configuration too early): jax's platforms are not restricted
+    away from CUDA (``JAX_PLATFORMS``), a jax CUDA plugin is installed, ``CUDA_VISIBLE_DEVICES``
+    does not hide every GPU, and the NVIDIA driver shows a GPU.
+    """
+    try:
+        from jax._src import xla_bridge
+
+        initialized = xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):  # a private API; judge from the signs below
+        initialized = False
+    if initialized:
+        try:
+            devices = jax.devices("gpu")
+        except RuntimeError:
+            return False
+        return any("rocm" not in d.client.platform_version.lower() for d in devices)
+    platforms = os.environ.get("JAX_PLATFORMS", "") or (jax.config.jax_platforms or "")
+    names = {p.strip().lower() for p in platforms.split(",") if p.strip()}
+    if names and not names & {"cuda", "gpu"}:
+        return False
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    plugin = False
+    for name in _CUDA_PLUGIN_MODULES:
+        try:
+            plugin = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            plugin = False
+        if plugin:
+            break
+    return plugin and any(glob.glob(pattern) for pattern in _NVIDIA_GPU_PATHS)
+
+
+_warned_cuda_missing = False
+
+
+def _cuda_missing_reason() -> str:
+    error = _load_errors.get("_jaxops_cuda")
+    if error is not None:
+        return f"the CUDA module of this install failed to load ({error})"
+    return "no CUDA module in this install (jaxops was built without nvcc)"
+
+
+def _warn_if_cuda_module_missing() -> None:
+    """Warns once (CudaModuleMissingWarning) if jax has a CUDA GPU but jaxops no CUDA module."""
+    global _warned_cuda_missing
+    if _warned_cuda_missing or cuda_available() or "_jaxops_cuda" in _load_errors:
+        return  # a module that failed to load has warned already, with its error
+    if not _gpu_backend_present():
+        return
+    _warned_cuda_missing = True
+    warnings.warn(
+        f"jaxops: {_cuda_missing_reason()}, but jax's CUDA GPU backend is present: every jaxops op "
+        "runs its pure-JAX twin on the GPU instead of the custom calls. Install the jaxops wheel "
+        "with the CUDA module: pip install 'jaxops[cuda13]', or build from source with nvcc on "
+        "PATH and JAXOPS_CUDA=ON (JAXOPS_CUDA=ON pip install . in a checkout). "
+        "jaxops.build_info()['paths'] shows what each op family runs.",
+        CudaModuleMissingWarning,
+        stacklevel=3,
+    )
 
 
 def ensure_registered(name: str) -> None:
@@ -187,15 +288,70 @@ def cuda_available() -> bool:
     return "CUDA" in _modules
 
 
+OP_FAMILIES = ("rms_norm", "fp8", "moe", "gemm")
+CPU_CUSTOM_CALL = "custom call (CPU module)"
+CUDA_CUSTOM_CALL = "custom call (CUDA module)"
+
+
+def op_paths(backend: str | None = None) -> dict[str, str]:
+    """Which implementation each op family takes on `backend` with the default ``impl``.
+
+    Args:
+      backend: a jax backend name ("cpu", "gpu"/"cuda", ...); None: ``jax.default_backend()``
+        (which starts jax's backends).
+
+    Returns:
+      ``{family: path}`` for rms_norm, fp8 (quantization; FP8 GEMMs follow gemm), moe and gemm,
+      each path ``"custom call (CPU module)"``, ``"custom call (CUDA module)"`` or
+      ``"pure-JAX twin: <reason>"``.
+
+    Example:
+      >>> import jaxops
+      >>> jaxops._ffi.op_paths("cpu")["rms_norm"]
+      'custom call (CPU module)'
+    """
+    backend = jax.default_backend() if backend is None else backend
+    if get_default_impl() == "xla":
+        reason = "pure-JAX twin: forced (JAXOPS_IMPL=xla or jaxops.set_default_impl('xla'))"
+        return dict.fromkeys(OP_FAMILIES, reason)
+    if backend == "cpu":
+        paths = dict.fromkeys(OP_FAMILIES, CPU_CUSTOM_CALL)
+        paths["gemm"] = "pure-JAX twin: no CPU GEMM kernel (XLA's dot runs it)"
+        return paths
+    if backend in ("gpu", "cuda"):
+        if not cuda_available():
+            return dict.fromkeys(OP_FAMILIES, f"pure-JAX twin: {_cuda_missing_reason()}")
+        if not kernel_available(backend):
+            return dict.fromkeys(OP_FAMILIES, "pure-JAX twin: no jaxops kernels for ROCm GPUs")
+        paths = dict.fromkeys(OP_FAMILIES, CUDA_CUSTOM_CALL)
+        if _modules["CUDA"].build_info().get("cublaslt") is None:
+            paths["gemm"] = "pure-JAX twin: the CUDA module was built without cuBLASLt"
+        return paths
+    return dict.fromkeys(OP_FAMILIES, f"pure-JAX twin: no jaxops kernels for the {backend} backend")
+
+
 def build_info() -> dict[str, dict[str, Any]]:
-    """What each compiled module was built with, keyed by platform ("cpu", "CUDA").
+    """What each compiled module was built with, and the path each op family takes here.
+
+    Returns:
+      One entry per loaded module, keyed by platform ("cpu", "CUDA"): jaxlib version and XLA FFI
+      API it was built against; for CUDA also the CUDA version, the architectures and where
+      cuBLASLt comes from (``cublaslt``: "wheel", "toolkit" or None). And ``"paths"``: per op
+      family (rms_norm, fp8, moe, gemm), the implementation it takes on jax's default backend
+      (see :func:`op_paths`; computing it starts jax's backends).
 
     Example:
       >>> import jaxops
       >>> jaxops.build_info()["cpu"]["platform"]
       'cpu'
+      >>> sorted(jaxops.build_info()["paths"])
+      ['fp8', 'gemm', 'moe', 'rms_norm']
     """
-    return {platform: dict(module.build_info()) for platform, module in _modules.items()}
+    info: dict[str, dict[str, Any]] = {
+        platform: dict(module.build_info()) for platform, module in _modules.items()
+    }
+    info["paths"] = op_paths()
+    return info
 
 
 def registered_targets() -> list[tuple[str, str]]:
