@@ -55,7 +55,8 @@ def _hf_tensors(src: Path) -> dict[str, tuple[Path, dict[str, Any], int]]:
     """Name -> (file, header entry, data start) for a HF file, directory or sharded index.
 
     Every header is validated (:func:`_read_header`); with an index, every tensor it maps must be
-    in its file, and tensors it does not map are not read. A tensor in several files that no index assigns is an error: which is meant?
+    in its file, and tensors it does not map are not read. A tensor in several files that no
+    index assigns is an error: which is meant?
     """
     weight_map: dict[str, str] = {}
     if src.is_file():
