@@ -12,10 +12,14 @@ first on ``sys.path``).
   tables from rows of raw numbers.
 - :func:`environment` and :func:`write_results`: ``<name>.md`` and ``<name>.json`` (raw numbers and
   the environment they were measured in) in an output directory.
+- :func:`busy_core` and :func:`add_busy_argument`: ``--busy`` runs the timings while a second
+  process keeps one core busy; :func:`ratio_goal`: "every row >= N x XLA".
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import dataclasses
 import datetime as _dt
 import json
@@ -26,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +42,18 @@ __all__ = [
     "Column",
     "CopyBandwidth",
     "Timing",
+    "add_busy_argument",
+    "busy_core",
     "copy_bandwidth",
     "environment",
     "format_markdown",
     "format_table",
     "gbps",
+    "load_summary",
+    "measuring",
     "is_gpu",
     "parse_shapes",
+    "ratio_goal",
     "time_fn",
     "time_interleaved",
     "write_results",
@@ -407,6 +416,10 @@ def environment() -> dict[str, Any]:
     }
 
 
+def _load_text(load: Sequence[float] | None) -> str:
+    return "n/a" if not load else ", ".join(f"{v:.2f}" for v in load)
+
+
 def _jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         to_json = getattr(value, "to_json", None)
@@ -464,6 +477,7 @@ def write_results(
         f"- jaxops build: {jaxops_env.get('build_info', jaxops_env.get('error'))}",
         f"- git commit: {env.get('git_commit') or 'n/a'}"
         + (" (dirty)" if env.get("git_dirty") else ""),
+        f"- load average (1, 5, 15 min) when written: {_load_text(env.get('load_average'))}",
         "",
         format_markdown(rows, columns),
         "",
@@ -517,11 +531,15 @@ def report(
     """
     print(format_table(rows, columns))
     print(copy_line)
+    load_line = load_summary(args)
+    print(load_line)
     for goal in goals:
         print(goal.line())
     if not args.out:
         return
-    settings = {k: v for k, v in vars(args).items() if not k.endswith("_list")}
+    settings = {
+        k: v for k, v in vars(args).items() if not k.endswith("_list") and not k.startswith("_")
+    }
     md, js = write_results(
         args.out,
         args.name,
@@ -532,9 +550,106 @@ def report(
             "copy_bandwidth": copy.to_json(),
             "goals": [dataclasses.asdict(g) for g in goals],
         },
-        notes=[copy_line, "", *[f"- {g.line()}" for g in goals]],
+        notes=[copy_line, "", load_line, "", *[f"- {g.line()}" for g in goals]],
     )
     print(f"wrote {md} and {js}", file=sys.stderr)
+
+
+def ratio_goal(
+    rows: Sequence[Mapping[str, Any]],
+    ratio: float,
+    label: Callable[[Mapping[str, Any]], str],
+    what: str,
+    key: str = "speedup",
+) -> Goal:
+    """``every row of `what` >= ratio x XLA``, naming the worst row and every row below the bar."""
+    text = f"every {what} >= {ratio}x XLA"
+    if not rows:
+        return Goal(text, "no rows measured", None)
+    worst = min(rows, key=lambda r: r[key])
+    below = [r for r in rows if r[key] < ratio]
+    met = len(rows) - len(below)
+    value = f"worst {worst[key]:.2f}x ({label(worst)}), {met} of {len(rows)} rows at or above"
+    if below:
+        value += "; below: " + ", ".join(f"{label(r)} {r[key]:.2f}x" for r in below)
+    return Goal(text, value, not below)
+
+
+# -------------------------------------------------------------------------------------------------
+# A second process keeping one core busy (--busy).
+
+# Spins numpy arithmetic on a 256 KiB array (it stays in the core's L2) until it is told to stop or
+# its parent is gone, so a benchmark killed without cleanup does not leave it running.
+_SPIN = """
+import os, sys
+import numpy as np
+parent = int(sys.argv[1])
+a = np.linspace(0.0, 1.0, 32768)
+while os.getppid() == parent:
+    for _ in range(200):
+        a = np.sqrt(a * a + 0.5) - 0.5
+"""
+
+
+@contextlib.contextmanager
+def busy_core(enabled: bool = True) -> Iterator[subprocess.Popen | None]:
+    """Keeps one core busy in a second process (a spinning numpy loop) while the block runs.
+
+    The process is stopped when the block ends, also when it raises (or on Ctrl-C); it also exits
+    by itself once this process is gone. With `enabled` False this does nothing and yields None.
+    """
+    if not enabled:
+        yield None
+        return
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SPIN, str(os.getpid())],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+    print(f"busy: pid {proc.pid} keeps one core busy during the timings", file=sys.stderr)
+    try:
+        time.sleep(0.5)  # let it start spinning
+        if proc.poll() is not None:
+            raise RuntimeError(f"the busy-core process exited early (status {proc.returncode})")
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        print("busy: stopped", file=sys.stderr)
+
+
+def add_busy_argument(parser: argparse.ArgumentParser) -> None:
+    """Adds ``--busy``: time everything while a second process keeps one core busy."""
+    parser.add_argument(
+        "--busy",
+        action="store_true",
+        help="keep one core busy with a second process (a spinning numpy loop) during the timings",
+    )
+
+
+def load_summary(args: Any) -> str:
+    """One line: whether --busy was on and the load averages seen at the start and now."""
+    start = getattr(args, "_load_start", None)
+    now = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    busy = "on (one core kept busy by a second process)" if getattr(args, "busy", False) else "off"
+    return f"busy: {busy}; load average (1, 5, 15 min) at start: {_load_text(start)}, at end: " + (
+        _load_text(now)
+    )
+
+
+@contextlib.contextmanager
+def measuring(args: Any) -> Iterator[None]:
+    """Records the load average at the start (for :func:`load_summary`), runs --busy if asked."""
+    args._load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    with busy_core(getattr(args, "busy", False)):
+        yield
 
 
 # -------------------------------------------------------------------------------------------------

@@ -20,6 +20,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/common/cpu_memory.h"
 #include "xla_ffi/common/cpu_parallel.h"
@@ -36,8 +40,11 @@ namespace {
 constexpr int64_t kChunkColumns = 256;
 // Elements per sub-block of the per-tensor row path (amax and quantize while in L1).
 constexpr int64_t kSpan = 4096;
-// Smallest amount of work (elements) worth handing to another thread.
-constexpr int64_t kMinElementsPerTask = 64 * 1024;
+// Bytes of memory traffic of quantizing one element of type X: read it, write 1 byte per output.
+template <typename X>
+constexpr int64_t ElementBytes(int64_t outputs) {
+  return static_cast<int64_t>(sizeof(X)) + outputs;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Numeric functions: one contiguous span.
@@ -70,8 +77,8 @@ JAXOPS_CPU_CLONES void QuantizeSpanColumns(const X* x, const float* scales, uint
 }
 
 // dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols, in 8 x 8 blocks.
-void TransposeBytes(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst,
-                    int64_t ld_dst) {
+void TransposeBytesScalar(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols,
+                          uint8_t* dst, int64_t ld_dst) {
   constexpr int64_t kBlock = 8;
   for (int64_t c0 = 0; c0 < cols; c0 += kBlock) {
     const int64_t c1 = std::min(cols, c0 + kBlock);
@@ -82,6 +89,71 @@ void TransposeBytes(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t co
       }
     }
   }
+}
+
+#if defined(__SSE2__)
+// One 16 x 16 byte tile: dst[c * ld_dst + r] = src[r * ld_src + c] for r, c < 16, in four rounds of
+// interleaves (bytes, then 2-, 4- and 8-byte units): 64 shuffles instead of 256 byte moves.
+void TransposeTile16(const uint8_t* src, int64_t ld_src, uint8_t* dst, int64_t ld_dst) {
+  __m128i a[16];
+  __m128i b[16];
+  for (int i = 0; i < 16; ++i) {
+    a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * ld_src));
+  }
+  // b[2k], b[2k + 1]: columns 0-7 and 8-15 of rows 2k, 2k + 1 (byte pairs).
+  for (int k = 0; k < 8; ++k) {
+    b[2 * k] = _mm_unpacklo_epi8(a[2 * k], a[2 * k + 1]);
+    b[2 * k + 1] = _mm_unpackhi_epi8(a[2 * k], a[2 * k + 1]);
+  }
+  // a[4k + q]: columns 4q .. 4q + 3 of rows 4k .. 4k + 3 (4-byte units).
+  for (int k = 0; k < 4; ++k) {
+    a[4 * k] = _mm_unpacklo_epi16(b[4 * k], b[4 * k + 2]);
+    a[4 * k + 1] = _mm_unpackhi_epi16(b[4 * k], b[4 * k + 2]);
+    a[4 * k + 2] = _mm_unpacklo_epi16(b[4 * k + 1], b[4 * k + 3]);
+    a[4 * k + 3] = _mm_unpackhi_epi16(b[4 * k + 1], b[4 * k + 3]);
+  }
+  // b[8k + m]: columns 2m, 2m + 1 of rows 8k .. 8k + 7 (8-byte units).
+  for (int k = 0; k < 2; ++k) {
+    for (int q = 0; q < 4; ++q) {
+      b[8 * k + 2 * q] = _mm_unpacklo_epi32(a[8 * k + q], a[8 * k + 4 + q]);
+      b[8 * k + 2 * q + 1] = _mm_unpackhi_epi32(a[8 * k + q], a[8 * k + 4 + q]);
+    }
+  }
+  // Column 2m and 2m + 1, rows 0 .. 15.
+  for (int m = 0; m < 8; ++m) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * m) * ld_dst),
+                     _mm_unpacklo_epi64(b[m], b[8 + m]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * m + 1) * ld_dst),
+                     _mm_unpackhi_epi64(b[m], b[8 + m]));
+  }
+}
+#endif
+
+// dst[c * ld_dst + r] = src[r * ld_src + c] for r < rows, c < cols: 16 x 16 tiles with SSE2 where
+// they fit, the edges in 8 x 8 blocks of single bytes.
+void TransposeBytes(const uint8_t* src, int64_t ld_src, int64_t rows, int64_t cols, uint8_t* dst,
+                    int64_t ld_dst) {
+#if defined(__SSE2__)
+  constexpr int64_t kTile16 = 16;
+  const int64_t full_rows = rows / kTile16 * kTile16;
+  const int64_t full_cols = cols / kTile16 * kTile16;
+  for (int64_t c0 = 0; c0 < full_cols; c0 += kTile16) {
+    for (int64_t r0 = 0; r0 < full_rows; r0 += kTile16) {
+      TransposeTile16(src + r0 * ld_src + c0, ld_src, dst + c0 * ld_dst + r0, ld_dst);
+    }
+  }
+  // The rest: rows from full_rows on (all columns), then columns from full_cols on.
+  if (full_rows < rows) {
+    TransposeBytesScalar(src + full_rows * ld_src, ld_src, rows - full_rows, cols, dst + full_rows,
+                         ld_dst);
+  }
+  if (full_cols < cols) {
+    TransposeBytesScalar(src + full_cols, ld_src, full_rows, cols - full_cols,
+                         dst + full_cols * ld_dst, ld_dst);
+  }
+#else
+  TransposeBytesScalar(src, ld_src, rows, cols, dst, ld_dst);
+#endif
 }
 
 // Stores a scale and, for the last block row of a column-major grid, the zero padding after it.
@@ -120,8 +192,8 @@ template <typename X, typename F>
 ffi::Future QuantizeRows(ffi::ThreadPool& pool, const QuantizeParams& p, const X* x,
                          QuantizeOutputs out) {
   const QuantizeShape s = p.shape;
-  const int64_t min_rows = std::max<int64_t>(1, kMinElementsPerTask / std::max<int64_t>(1, s.k));
-  return ParallelFor(pool, s.batch * s.m, min_rows, [=](int64_t begin, int64_t end) {
+  const int64_t row_bytes = s.k * ElementBytes<X>(1);
+  return ParallelFor(pool, s.batch * s.m, row_bytes, [=](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / s.m;
       const int64_t m = row % s.m;
@@ -157,7 +229,7 @@ ffi::Future QuantizeTensor(ffi::ThreadPool& pool, const QuantizeParams& p, const
     AtomicMax(*amax, local);
   };
   auto finish = [=] { out.amax[0] = FromBits(amax->load(std::memory_order_relaxed)); };
-  return ParallelFor(pool, n, kMinElementsPerTask, body, finish);
+  return ParallelFor(pool, n, ElementBytes<X>(1), body, finish);
 }
 
 // Everything that transposes, and G x G tiles: independent panel units.
@@ -169,7 +241,7 @@ ffi::Future QuantizePanels(ffi::ThreadPool& pool, const QuantizeParams& p, const
   const int64_t panels = CeilDiv(s.m, g);
   const int64_t chunks = CeilDiv(s.k, kChunkColumns);
   const int64_t units = s.batch * panels * chunks;
-  const int64_t min_units = std::max<int64_t>(1, kMinElementsPerTask / (g * kChunkColumns));
+  const int64_t unit_bytes = g * kChunkColumns * ElementBytes<X>(s.transpose ? 2 : 1);
   auto amax = std::make_shared<std::atomic<uint32_t>>(0u);
   if (s.mode == kPerTensor) out.scale[0] = p.scale_in;
 
@@ -240,7 +312,7 @@ ffi::Future QuantizePanels(ffi::ThreadPool& pool, const QuantizeParams& p, const
   auto finish = [=] {
     if (s.mode == kPerTensor) out.amax[0] = FromBits(amax->load(std::memory_order_relaxed));
   };
-  return ParallelFor(pool, units, min_units, body, finish);
+  return ParallelFor(pool, units, unit_bytes, body, finish);
 }
 
 template <typename X, typename F>
@@ -259,7 +331,7 @@ ffi::Future AmaxImpl(ffi::ThreadPool& pool, const X* x, int64_t n, float* amax_o
     AtomicMax(*amax, AmaxBits(x + begin, end - begin));
   };
   auto finish = [=] { amax_out[0] = FromBits(amax->load(std::memory_order_relaxed)); };
-  return ParallelFor(pool, n, 4 * kMinElementsPerTask, body, finish);
+  return ParallelFor(pool, n, ElementBytes<X>(0), body, finish);
 }
 
 // Expert layout of quantize_split_transpose, computed on the calling thread (E entries).
@@ -299,7 +371,7 @@ ffi::Future SplitTransposeImpl(ffi::ThreadPool& pool, const SplitShape& s, const
   const int64_t panels = static_cast<int64_t>(layout->panel_expert.size());
   // One extra panel index per chunk zeroes the columns after the last expert.
   const int64_t units = (panels + 1) * chunks;
-  const int64_t min_units = std::max<int64_t>(1, kMinElementsPerTask / (g * kChunkColumns));
+  const int64_t unit_bytes = g * kChunkColumns * ElementBytes<X>(1);
   auto body = [=](int64_t begin, int64_t end) {
     const SplitLayout& l = *layout;
     std::vector<uint32_t> colmax(kChunkColumns);
@@ -344,7 +416,7 @@ ffi::Future SplitTransposeImpl(ffi::ThreadPool& pool, const SplitShape& s, const
       }
     }
   };
-  return ParallelFor(pool, units, min_units, body);
+  return ParallelFor(pool, units, unit_bytes, body);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -14,12 +14,14 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/common/cpu_convert.h"
 #include "xla_ffi/common/cpu_memory.h"
 #include "xla_ffi/common/cpu_parallel.h"
 #include "xla_ffi/common/ffi_util.h"
@@ -35,12 +37,6 @@ namespace {
 constexpr int64_t kTile = 4096;
 // Partial sums of the dot products (one AVX-512 register of fp32 per 16).
 constexpr int64_t kLanes = 32;
-// Smallest amount of work (bytes moved) worth handing to another thread.
-constexpr int64_t kMinBytesPerTask = 256 * 1024;
-
-int64_t MinItems(int64_t bytes_per_item) {
-  return std::max<int64_t>(1, kMinBytesPerTask / std::max<int64_t>(1, bytes_per_item));
-}
 
 // ---------------------------------------------------------------------------------------------
 // Streaming stores: rows of the (large, freshly allocated) outputs are written once and not read
@@ -101,15 +97,16 @@ JAXOPS_CPU_CLONES void AddScaled(const X* x, float w, float* acc, int64_t n) {
   for (int64_t j = 0; j < n; ++j) acc[j] += w * HostType<X>::Load(x[j]);
 }
 
+// Streams n fp32 values out as X: converted into `staging` first unless X is float.
 template <typename X>
-JAXOPS_CPU_CLONES void StoreRow(const float* acc, X* out, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) out[j] = HostType<X>::Store(acc[j]);
-}
-
-// out = round(w * x)
-template <typename X>
-JAXOPS_CPU_CLONES void ScaleRow(const X* x, float w, X* out, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) out[j] = HostType<X>::Store(w * HostType<X>::Load(x[j]));
+void StreamFromFloat(const float* acc, X* staging, X* dst, int64_t n) {
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(X));
+  if constexpr (std::is_same_v<X, float>) {
+    StreamCopy(dst, acc, bytes);
+  } else {
+    StoreFromFloat(acc, staging, n);
+    StreamCopy(dst, staging, bytes);
+  }
 }
 
 // sum_j a[j] * b[j] in fp32, kLanes partial sums added in lane order.
@@ -225,7 +222,7 @@ ffi::Future PermuteImpl(ffi::ThreadPool& pool, const PermuteArgs& a) {
     StreamFence();
   };
   const int64_t per_token = (a.shape.top_k + 1) * (row_bytes + scale_bytes);
-  return ParallelFor(pool, a.shape.tokens, MinItems(per_token), body);
+  return ParallelFor(pool, a.shape.tokens, per_token, body);
 }
 
 template <typename X>
@@ -253,13 +250,13 @@ ffi::Future UnpermuteImpl(ffi::ThreadPool& pool, const RowsShape& s, const X* x,
           }
         }
         if (!any) std::fill(acc, acc + n, 0.0f);
-        StoreRow(acc, rounded, n);
-        StreamCopy(dst + h0, rounded, n * static_cast<int64_t>(sizeof(X)));
+        StreamFromFloat(acc, rounded, dst + h0, n);
       }
     }
     StreamFence();
   };
-  return ParallelFor(pool, s.tokens, MinItems(s.hidden * s.top_k * sizeof(X)), body);
+  const int64_t token_bytes = (s.top_k + 1) * s.hidden * static_cast<int64_t>(sizeof(X));
+  return ParallelFor(pool, s.tokens, token_bytes, body);
 }
 
 template <typename X>
@@ -269,7 +266,8 @@ ffi::Future UnpermuteBwdImpl(ffi::ThreadPool& pool, const RowsShape& s, const X*
   const int64_t slots = s.tokens * s.top_k;
   std::fill(d_probs, d_probs + slots, 0.0f);
   auto body = [=](int64_t begin, int64_t end) {
-    X scaled[kTile];
+    float scaled[kTile];
+    X rounded[kTile];
     for (int64_t r = begin; r < end; ++r) {
       const int64_t slot = source[r];
       X* dst = d_expert + r * s.hidden;
@@ -280,14 +278,14 @@ ffi::Future UnpermuteBwdImpl(ffi::ThreadPool& pool, const RowsShape& s, const X*
       const X* g = d_out + (slot / s.top_k) * s.hidden;
       for (int64_t h0 = 0; h0 < s.hidden; h0 += kTile) {
         const int64_t n = std::min(kTile, s.hidden - h0);
-        ScaleRow(g + h0, probs[slot], scaled, n);
-        StreamCopy(dst + h0, scaled, n * static_cast<int64_t>(sizeof(X)));
+        ScaleInto(g + h0, probs[slot], scaled, n);
+        StreamFromFloat(scaled, rounded, dst + h0, n);
       }
       d_probs[slot] = Dot(g, x + r * s.hidden, s.hidden);
     }
     StreamFence();
   };
-  return ParallelFor(pool, s.rows, MinItems(3 * s.hidden * sizeof(X)), body);
+  return ParallelFor(pool, s.rows, 3 * s.hidden * static_cast<int64_t>(sizeof(X)), body);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,12 +1,17 @@
 // RMSNorm CPU kernels: one pass per row (the row stays in L1/L2 between its two loops), rows split
 // over the XLA FFI thread pool, inner loops written so GCC vectorizes them (lane-blocked fp32
 // accumulators, branch-free 16-bit conversions) and compiled for AVX-512, AVX2 and the baseline.
+// 16-bit results are computed in fp32 into an L1 tile and converted by StoreFromFloat (one
+// instruction per 32 bfloat16 values where the CPU has AVX512-BF16).
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/common/cpu_convert.h"
 #include "xla_ffi/common/cpu_memory.h"
 #include "xla_ffi/common/cpu_parallel.h"
 #include "xla_ffi/common/ffi_util.h"
@@ -21,8 +26,6 @@ namespace {
 // Independent fp32 accumulators per reduction: wide enough for two AVX-512 registers, and a fixed
 // summation order, so results do not depend on the instruction set the loader picked.
 constexpr int64_t kLanes = 32;
-// Smallest amount of work (elements) worth handing to another thread.
-constexpr int64_t kMinElementsPerTask = 32 * 1024;
 
 using Weights = std::shared_ptr<const std::vector<float>>;
 
@@ -48,26 +51,103 @@ JAXOPS_CPU_CLONES float RowSumSquares(const X* x, int64_t n) {
   return sum;
 }
 
-// h = round(x + residual), elementwise (the row then stays in L1/L2 for its sum of squares).
+// out = x + residual in fp32 (rounded to X by the caller's store).
 template <typename X>
-JAXOPS_CPU_CLONES void RowAdd(const X* x, const X* residual, X* h, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) {
-    h[j] = HostType<X>::Store(HostType<X>::Load(x[j]) + HostType<X>::Load(residual[j]));
+JAXOPS_CPU_CLONES void AddToFloat(const X* x, const X* residual, float* out, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) out[j] = HostType<X>::Load(x[j]) + HostType<X>::Load(residual[j]);
+}
+
+// out = x * rstd * w_eff in fp32 (w_eff == nullptr: no weight).
+template <typename X>
+JAXOPS_CPU_CLONES void ScaleToFloat(const X* x, const float* w_eff, float rstd, float* out,
+                                    int64_t n) {
+  if (w_eff == nullptr) {
+    for (int64_t j = 0; j < n; ++j) out[j] = Normalize(HostType<X>::Load(x[j]), rstd, 1.0f);
+  } else {
+    for (int64_t j = 0; j < n; ++j) out[j] = Normalize(HostType<X>::Load(x[j]), rstd, w_eff[j]);
   }
 }
 
-// y = x * rstd * w_eff (w_eff == nullptr: no weight).
-template <typename X>
-JAXOPS_CPU_CLONES void RowScale(const X* x, const float* w_eff, float rstd, X* y, int64_t n) {
-  if (w_eff == nullptr) {
-    for (int64_t j = 0; j < n; ++j) {
-      y[j] = HostType<X>::Store(Normalize(HostType<X>::Load(x[j]), rstd, 1.0f));
-    }
-  } else {
-    for (int64_t j = 0; j < n; ++j) {
-      y[j] = HostType<X>::Store(Normalize(HostType<X>::Load(x[j]), rstd, w_eff[j]));
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+// bfloat16: two values per 32-bit word, the even one is the word shifted left by 16 and the odd
+// one the word with its low half cleared, so the loop needs no widening shuffles; even and odd
+// values have kLanes accumulators each.
+template <>
+JAXOPS_CPU_CLONES float RowSumSquares<BFloat16>(const BFloat16* x, int64_t n) {
+  float even[kLanes] = {};
+  float odd[kLanes] = {};
+  int64_t j = 0;
+  for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+      uint32_t pair;
+      std::memcpy(&pair, x + j + 2 * l, sizeof(pair));
+      const float e = BitsFloat(pair << 16);
+      const float o = BitsFloat(pair & 0xffff0000u);
+      even[l] += e * e;
+      odd[l] += o * o;
     }
   }
+  float sum = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += even[l] + odd[l];
+  for (; j < n; ++j) {
+    const float v = HostType<BFloat16>::Load(x[j]);
+    sum += v * v;
+  }
+  return sum;
+}
+#endif
+
+// h = round(x + residual), elementwise (the row then stays in L1/L2 for its sum of squares).
+template <typename X>
+void RowAdd(const X* x, const X* residual, X* h, int64_t n) {
+  StoreThroughTile(h, n, [&](int64_t j0, int64_t count, float* out) {
+    AddToFloat(x + j0, residual + j0, out, count);
+  });
+}
+
+#if defined(JAXOPS_CPU_AVX512BF16)
+// RowScale of a bfloat16 row on CPUs with AVX512-BF16: 32 values per step straight from registers
+// to the output (the same values as ScaleToFloat + StoreFromFloat).
+JAXOPS_AVX512BF16_TARGET void ScaleBf16Avx512(const BFloat16* x, const float* w_eff, float rstd,
+                                              BFloat16* y, int64_t n) {
+  const __m512 r = _mm512_set1_ps(rstd);
+  int64_t j = 0;
+  if (w_eff == nullptr) {
+    for (; j + 32 <= n; j += 32) {
+      const __m512 a = _mm512_mul_ps(convert_internal::LoadBf16x16(x + j), r);
+      const __m512 b = _mm512_mul_ps(convert_internal::LoadBf16x16(x + j + 16), r);
+      convert_internal::StoreBf16x32(a, b, y + j);
+    }
+  } else {
+    for (; j + 32 <= n; j += 32) {
+      const __m512 a = _mm512_mul_ps(_mm512_mul_ps(convert_internal::LoadBf16x16(x + j), r),
+                                     _mm512_loadu_ps(w_eff + j));
+      const __m512 b = _mm512_mul_ps(_mm512_mul_ps(convert_internal::LoadBf16x16(x + j + 16), r),
+                                     _mm512_loadu_ps(w_eff + j + 16));
+      convert_internal::StoreBf16x32(a, b, y + j);
+    }
+  }
+  for (; j < n; ++j) {
+    y[j] = HostType<BFloat16>::Store(
+        Normalize(HostType<BFloat16>::Load(x[j]), rstd, w_eff == nullptr ? 1.0f : w_eff[j]));
+  }
+}
+#endif
+
+// y = round(x * rstd * w_eff) (w_eff == nullptr: no weight).
+template <typename X>
+void RowScale(const X* x, const float* w_eff, float rstd, X* y, int64_t n) {
+#if defined(JAXOPS_CPU_AVX512BF16)
+  if constexpr (std::is_same_v<X, BFloat16>) {
+    if (convert_internal::HasAvx512Bf16()) {
+      ScaleBf16Avx512(x, w_eff, rstd, y, n);
+      return;
+    }
+  }
+#endif
+  StoreThroughTile(y, n, [&](int64_t j0, int64_t count, float* out) {
+    ScaleToFloat(x + j0, w_eff == nullptr ? nullptr : w_eff + j0, rstd, out, count);
+  });
 }
 
 // sum_j dy[j] * w_eff[j] * x[j] (w_eff = 1 without a weight).
@@ -89,21 +169,31 @@ JAXOPS_CPU_CLONES float RowGradDot(const X* dy, const X* x, const float* w_eff, 
   return sum;
 }
 
-// dx = rstd * dy * w_eff - coefficient * x (+ dh); with a weight also dw_acc += dy * x * rstd.
-// One loop over the row for all of it; the variants are separate instantiations so the loop has
-// no branches.
+// dx = rstd * dy * w_eff - coefficient * x (+ dh) in fp32; with a weight also
+// dw_acc += dy * x * rstd. One loop over the row piece for all of it; the variants are separate
+// instantiations so the loop has no branches.
 template <typename X, bool kWeight, bool kDh>
-JAXOPS_CPU_CLONES void RowGradInput(const X* dy, const X* x, const float* w_eff, const X* dh,
-                                    float rstd, float coefficient, X* dx, float* dw_acc,
-                                    int64_t n) {
+JAXOPS_CPU_CLONES void GradInputToFloat(const X* dy, const X* x, const float* w_eff, const X* dh,
+                                        float rstd, float coefficient, float* dx, float* dw_acc,
+                                        int64_t n) {
   for (int64_t j = 0; j < n; ++j) {
     const float dyv = HostType<X>::Load(dy[j]);
     const float xv = HostType<X>::Load(x[j]);
     float v = GradInput(kWeight ? dyv * w_eff[j] : dyv, xv, rstd, coefficient);
     if constexpr (kDh) v += HostType<X>::Load(dh[j]);
-    dx[j] = HostType<X>::Store(v);
+    dx[j] = v;
     if constexpr (kWeight) dw_acc[j] += dyv * xv * rstd;
   }
+}
+
+template <typename X, bool kWeight, bool kDh>
+void RowGradInput(const X* dy, const X* x, const float* w_eff, const X* dh, float rstd,
+                  float coefficient, X* dx, float* dw_acc, int64_t n) {
+  StoreThroughTile(dx, n, [&](int64_t j0, int64_t count, float* out) {
+    GradInputToFloat<X, kWeight, kDh>(dy + j0, x + j0, kWeight ? w_eff + j0 : nullptr,
+                                      kDh ? dh + j0 : nullptr, rstd, coefficient, out,
+                                      kWeight ? dw_acc + j0 : nullptr, count);
+  });
 }
 
 // The backward of one row: dot (unless given), then dx and the dweight partial.
@@ -138,15 +228,17 @@ JAXOPS_CPU_CLONES void SumParts(const float* partial, int64_t parts, float* out,
 // ---------------------------------------------------------------------------------------------
 // Typed implementations.
 
-int64_t MinRowsPerTask(int64_t hidden) {
-  return std::max<int64_t>(1, kMinElementsPerTask / hidden);
+// Bytes of memory traffic of one row: `arrays` arrays of `hidden` elements of type X.
+template <typename X>
+int64_t RowBytes(int64_t hidden, int64_t arrays) {
+  return arrays * hidden * static_cast<int64_t>(sizeof(X));
 }
 
 template <typename X>
 ffi::Future RmsNormFwdImpl(ffi::ThreadPool& pool, const RowShape& s, const X* x, Weights w,
                            const float* rstd_in, X* y, float* rstd, float eps) {
   const int64_t hidden = s.hidden;
-  return ParallelFor(pool, s.rows, MinRowsPerTask(hidden), [=](int64_t begin, int64_t end) {
+  return ParallelFor(pool, s.rows, RowBytes<X>(hidden, 2), [=](int64_t begin, int64_t end) {
     const float* w_eff = w ? w->data() : nullptr;
     for (int64_t r = begin; r < end; ++r) {
       const X* xr = x + r * hidden;
@@ -161,7 +253,7 @@ template <typename X>
 ffi::Future AddRmsNormFwdImpl(ffi::ThreadPool& pool, const RowShape& s, const X* x,
                               const X* residual, Weights w, X* y, X* h, float* rstd, float eps) {
   const int64_t hidden = s.hidden;
-  return ParallelFor(pool, s.rows, MinRowsPerTask(hidden), [=](int64_t begin, int64_t end) {
+  return ParallelFor(pool, s.rows, RowBytes<X>(hidden, 4), [=](int64_t begin, int64_t end) {
     const float* w_eff = w ? w->data() : nullptr;
     for (int64_t r = begin; r < end; ++r) {
       const int64_t offset = r * hidden;
@@ -180,8 +272,9 @@ ffi::Future RmsNormBwdImpl(ffi::ThreadPool& pool, const BackwardShape& s, const 
   const int64_t hidden = s.hidden;
   const int64_t rows = s.rows;
   const int64_t parts = s.parts;
-  const int64_t rows_per_part = std::max<int64_t>(1, rows / parts);
-  const int64_t min_parts = std::max<int64_t>(1, MinRowsPerTask(hidden) / rows_per_part);
+  // dy, x and dx (and dh) of the rows of a part, plus its fp32 dweight accumulator.
+  const int64_t part_bytes =
+      CeilDiv(rows, parts) * RowBytes<X>(hidden, dh != nullptr ? 4 : 3) + hidden * 4;
   auto body = [=](int64_t p_begin, int64_t p_end) {
     const float* w_eff = w ? w->data() : nullptr;
     for (int64_t p = p_begin; p < p_end; ++p) {
@@ -198,7 +291,7 @@ ffi::Future RmsNormBwdImpl(ffi::ThreadPool& pool, const BackwardShape& s, const 
   auto finish = [=] {
     if (w) SumParts(dw_partial, parts, dw, hidden);
   };
-  return ParallelFor(pool, parts, min_parts, body, finish);
+  return ParallelFor(pool, parts, part_bytes, body, finish);
 }
 
 // ---------------------------------------------------------------------------------------------
