@@ -375,6 +375,48 @@ def test_hf_target_inverts_stacks_and_fused_parts(tmp_path):
         ckpt.hf_target(tmp_path, rules[:1], unmapped="skip")
 
 
+def _zero_stride(shape, dtype=np.float32):
+    return np.lib.stride_tricks.as_strided(np.zeros((), dtype), shape, [0] * len(shape))
+
+
+@pytest.mark.parametrize(
+    "rule,shape",
+    [
+        (ckpt.Rule("w", "w.weight", transpose=(1, 0), dtype="bfloat16"), (6, 4)),
+        (ckpt.Rule("qkv", ["q", "k", "v"], axis=1, sizes=(8, 4, 4), rope=(4, 4, None)), (3, 16)),
+        (ckpt.Rule("moe", "m.{i}.e.{e}.w", transpose=(1, 0), stack=("i", "e")), (2, 3, 5, 7)),
+    ],
+    ids=["transpose-cast", "gqa-rope", "stacked"],
+)
+def test_export_plan_is_the_export_from_shapes_alone(rule, shape):
+    arr = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    real = rule.to_theirs(rule.ours, arr)
+    planned = rule.to_theirs(rule.ours, _zero_stride(shape), shapes_only=True)
+    assert [(n, a.shape, a.dtype) for n, a in planned] == [(n, a.shape, a.dtype) for n, a in real]
+    assert all(not any(a.strides) for _, a in planned)
+
+
+def test_export_plan_allocates_nothing_of_the_tensors_size():
+    # 2**40 float32 values (4 TiB) through a transpose, a GQA split with RoPE and a cast: planning
+    # an export must not copy what it only needs the shapes of.
+    rule = ckpt.Rule(
+        "qkv",
+        ["q", "k", "v"],
+        transpose=(1, 0),
+        sizes=(2**19, 2**18, 2**18),
+        rope=(64, 64, None),
+        dtype="bfloat16",
+    )
+    planned = rule.to_theirs("qkv", _zero_stride((2**20, 2**20)), shapes_only=True)
+    assert [(n, a.shape, a.dtype) for n, a in planned] == [
+        ("q", (2**19, 2**20), ml_dtypes.bfloat16),
+        ("k", (2**18, 2**20), ml_dtypes.bfloat16),
+        ("v", (2**18, 2**20), ml_dtypes.bfloat16),
+    ]
+    with pytest.raises(ValueError, match="not a multiple of the head size 48"):
+        ckpt.Rule("q", ["q", "k"], rope=48).to_theirs("q", _zero_stride((64, 8)), shapes_only=True)
+
+
 # -------------------------------------------------------------------------------------------------
 # RoPE: interleaved <-> rotate_half
 

@@ -267,7 +267,7 @@ def _plan(op: str, items: list, name_map: Sequence[Rule] | None, cast) -> list[_
         rule = _rule_for(name_map, key)
         probe = np.lib.stride_tricks.as_strided(np.zeros((), dt), shape, [0] * len(shape))
         outs, aliased, anchor = [], set(), -1
-        for name, arr in rule.to_theirs(key, probe):
+        for name, arr in rule.to_theirs(key, probe, shapes_only=True):
             out_dt = arr.dtype
             if cast is not None and rule.dtype is None and _is_float(out_dt):
                 out_dt = cast

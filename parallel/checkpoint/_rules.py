@@ -142,8 +142,14 @@ class Rule:
             return (self.rope,) * len(self._theirs)
         return tuple(self.rope)
 
-    def _permute_rope(self, key: str, parts: list[np.ndarray], export: bool) -> list[np.ndarray]:
-        """Each part's RoPE rows, per head: our layout -> theirs (`export`) or back."""
+    def _permute_rope(
+        self, key: str, parts: list[np.ndarray], export: bool, shapes_only: bool = False
+    ) -> list[np.ndarray]:
+        """Each part's RoPE rows, per head: our layout -> theirs (`export`) or back.
+
+        With `shapes_only`, the sizes are checked but the parts are returned as they are (the
+        permutation keeps shapes).
+        """
         if self.rope is None:
             return parts
         to_half = (self.rope_ours == "interleaved") == export
@@ -156,7 +162,8 @@ class Rule:
                         f"{key!r}: a RoPE part has {n} entries along axis {self.axis}, not a "
                         f"multiple of the head size {dh}"
                     )
-                part = np.take(part, _rope_order(n, dh, to_half), axis=self.axis)
+                if not shapes_only:
+                    part = np.take(part, _rope_order(n, dh, to_half), axis=self.axis)
             out.append(part)
         return out
 
@@ -223,8 +230,15 @@ class Rule:
             )
         return [n for _, names in self.elements(key, stack_shape) for n in names]
 
-    def to_theirs(self, key: str, arr: np.ndarray) -> list[tuple[str, np.ndarray]]:
-        """Export: our array -> their (name, tensor) pairs."""
+    def to_theirs(
+        self, key: str, arr: np.ndarray, *, shapes_only: bool = False
+    ) -> list[tuple[str, np.ndarray]]:
+        """Export: our array -> their (name, tensor) pairs.
+
+        With `shapes_only`, the tensors are read-only zero-stride views of the right shapes and
+        dtypes, and nothing of their size is allocated or copied (for planning an export from a
+        zero-stride probe of `arr`'s shape and dtype).
+        """
         if self.stack:
             if arr.ndim < len(self.stack):
                 raise ValueError(
@@ -233,13 +247,13 @@ class Rule:
                 )
             pairs = []
             for idx, names in self.elements(key, arr.shape):
-                pairs += self._element_to_theirs(key, names, arr[idx])
+                pairs += self._element_to_theirs(key, names, arr[idx], shapes_only)
             return pairs
         names = self.their_names(key) or []
-        return self._element_to_theirs(key, names, arr)
+        return self._element_to_theirs(key, names, arr, shapes_only)
 
     def _element_to_theirs(
-        self, key: str, names: list[str], arr: np.ndarray
+        self, key: str, names: list[str], arr: np.ndarray, shapes_only: bool = False
     ) -> list[tuple[str, np.ndarray]]:
         if not names:
             return []
@@ -256,8 +270,13 @@ class Rule:
                     f"{len(names)} parts of sizes {sizes}"
                 )
             parts = np.split(arr, np.cumsum(sizes)[:-1], axis=self.axis)
-        parts = self._permute_rope(key, parts, export=True)
+        parts = self._permute_rope(key, parts, export=True, shapes_only=shapes_only)
         dtype = _np_dtype(self.dtype) if self.dtype else None
+        if shapes_only:
+            return [
+                (name, np.broadcast_to(np.zeros((), p.dtype if dtype is None else dtype), p.shape))
+                for name, p in zip(names, parts, strict=True)
+            ]
         return [
             (name, np.ascontiguousarray(p if dtype is None else p.astype(dtype)))
             for name, p in zip(names, parts, strict=True)
