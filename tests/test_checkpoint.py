@@ -563,6 +563,16 @@ def test_manager_ema(tmp_path):
         mgr.wait()
         ema = mgr.restore(2, target, ema=True)
         assert np.allclose(ema["params"]["w"], 0.5 * 2 + 0.5 * 7)
+    # A restart that restores only the EMA (to evaluate it) continues it too.
+    with ckpt.CheckpointManager(tmp_path, ema_decay=0.5) as mgr:
+        assert np.allclose(mgr.restore(2, target, ema=True)["params"]["w"], 4.5)
+        mgr.save(3, {"params": {"w": _put(values[0], mesh, P("a", "b"))}, "step": np.int32(3)})
+        mgr.wait()
+        assert np.allclose(mgr.restore(3, target, ema=True)["params"]["w"], 0.5 * 4.5 + 0.5 * 1)
+        with pytest.raises(ValueError, match="ema=True needs a target"):
+            mgr.restore(3, None, ema=True)
+        with pytest.warns(UserWarning, match="target=None does not reload the EMA"):
+            assert "ema" in mgr.restore(3, None)
     with pytest.raises(ValueError, match="ema_decay must be"):
         ckpt.CheckpointManager(tmp_path, ema_decay=1.0)
     with pytest.raises(ValueError, match="max_to_keep must be"):
@@ -837,3 +847,49 @@ def test_docstring_examples():
         assert result.failed == 0, (module.__name__, result)
         attempted += result.attempted
     assert attempted > 40, attempted
+
+
+# -------------------------------------------------------------------------------------------------
+# What save refuses before writing anything, and byte order.
+
+
+@pytest.mark.parametrize(
+    "tree,step,match",
+    [
+        ({"__metadata__": np.arange(3.0)}, None, "'__metadata__' is not allowed"),
+        ({"a[0:2]": np.arange(2.0)}, None, r"'a\[0:2\]' is not allowed"),
+        ({"w": np.arange(2.0)}, 3.0, "step must be a non-negative integer or None, got 3.0"),
+        ({"w": np.arange(2.0)}, "3", "step must be a non-negative integer or None, got '3'"),
+        ({"w": np.arange(2.0)}, True, "step must be a non-negative integer or None, got True"),
+        ({"w": np.arange(2.0)}, -1, "step must be a non-negative integer or None, got -1"),
+    ],
+    ids=["metadata_key", "block_name_key", "float_step", "str_step", "bool_step", "neg_step"],
+)
+def test_save_refuses_what_restore_could_not_read(tmp_path, tree, step, match):
+    with pytest.raises(ValueError, match=match):
+        ckpt.save(tmp_path / "c", tree, step=step)
+    assert not (tmp_path / "c").exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("step", [np.int64(5), jnp.int32(5), 5], ids=["numpy", "jax", "int"])
+def test_integer_scalar_steps_are_stored_as_ints(tmp_path, step):
+    ckpt.save(tmp_path / "c", {"w": np.arange(2.0)}, step=step)
+    assert ckpt.describe(tmp_path / "c")["step"] == 5
+
+
+def test_big_endian_arrays_round_trip_by_value(tmp_path):
+    values = np.arange(6, dtype=np.float32).reshape(2, 3) - 2.5
+    big = values.astype(">f4")
+    ckpt.save(tmp_path / "c", {"x": big, "i": np.arange(3, dtype=">i8")})
+    out = ckpt.restore(tmp_path / "c")
+    np.testing.assert_array_equal(out["x"], values)
+    np.testing.assert_array_equal(out["i"], [0, 1, 2])
+    # Into a big-endian numpy target: the values, in native byte order.
+    got = ckpt.restore(tmp_path / "c", {"x": np.zeros((2, 3), ">f4"), "i": np.zeros(3, ">i8")})
+    np.testing.assert_array_equal(got["x"], values)
+    assert got["x"].dtype.isnative
+    # Export: the safetensors library (an outside reader) sees the same values.
+    from safetensors.numpy import load_file
+
+    ckpt.export_safetensors({"x": big}, tmp_path / "hf")
+    np.testing.assert_array_equal(load_file(tmp_path / "hf" / "model.safetensors")["x"], values)

@@ -125,7 +125,8 @@ HEADER_CASES = {
     "shape_bool": (_set("u", "shape", [True, 5]), "u", (SHAPE, "[True, 5]")),
     "shape_float": (_set("a", "shape", [3.0, 5]), "a", (SHAPE, "[3.0, 5]")),
     "shape_nested": (_set("a", "shape", [[3], 5]), "a", (SHAPE, "[[3], 5]")),
-    "shape_huge": (_set("a", "shape", [2**70, 2**70]), "a", ("takes more than the 107", "hold 60")),
+    "shape_huge": (_set("a", "shape", [2**70, 2**70]), "a", ("is too large", "2**60")),
+    "shape_huge_empty": (_set("a", "shape", [0, 2**70]), "a", ("is too large", "2**60")),
     "bytes_mismatch": (_set("a", "shape", [3, 4]), "a", ("F32[3, 4] takes 48 bytes", "hold 60")),
     "overlap": (_set("u", "data_offsets", [55, 60]), "u", ("overlaps tensor", "share bytes")),
     "gap": (
@@ -444,6 +445,10 @@ NATIVE_CASES = {
         _entry("w", "shape", [2**40, 2**40]),
         ("malformed entry for 'w': shape", "more than 2**60 elements"),
     ),
+    "shape_huge_empty": (
+        _entry("w", "shape", [0, 2**62]),
+        ("malformed entry for 'w': shape", "more than 2**60 elements"),
+    ),
     "blocks_object": (_entry("w", "blocks", {}), ("'w': blocks must be a list, got {}",)),
     "block_int": (lambda x: x["arrays"]["w"]["blocks"].__setitem__(0, 7), (ENTRY, "got 7")),
     "start_short": (_b("start", [0]), (ENTRY, ".start must be 2 non-negative integers", "[0]")),
@@ -481,6 +486,10 @@ NATIVE_CASES = {
         ("malformed entry for 'w': the blocks hold 42 elements, the array 48",),
     ),
     "shared_bytes": (_share_bytes, ("'s' block 0 and 'u' block 0 share bytes", "stored once")),
+    "key_prefix": (
+        lambda x: x["arrays"].__setitem__("w/sub", copy.deepcopy(x["arrays"]["w"])),
+        ("array keys 'w' and 'w/sub'", "both an array and a subtree"),
+    ),
     "duplicate_key": (
         lambda x: json.dumps(x)[:-2] + ', "w": ' + json.dumps(x["arrays"]["w"]) + "}}",
         ("the key 'w' twice",),
@@ -746,3 +755,24 @@ def test_the_fuzzed_originals_are_valid(tmp_path, hf_file, native):
     assert _same(ckpt.restore(root, _targets(arrays)), arrays)
     assert _same(ckpt.restore(root), arrays)
     assert len(json.loads(files["index.json"])["arrays"]["w"]["blocks"]) == 8
+
+
+def _blocks(*regions):
+    return [{"start": list(lo), "shape": list(n)} for lo, n in regions]
+
+
+def test_tiling_check_grid_and_general_layouts():
+    from jaxops.parallel.checkpoint._index import _check_tiling
+
+    # A grid of 200 x 200 blocks (40,000) is checked by sorting its cells: a duplicate is found.
+    grid = _blocks(*[((2 * i, 3 * j), (2, 3)) for i in range(200) for j in range(200)])
+    _check_tiling("w", [400, 600], grid)
+    dup = [*grid[:-1], dict(grid[7])]
+    with pytest.raises(ckpt.CheckpointError, match=r"blocks\[7\] and blocks\[39999\] overlap"):
+        _check_tiling("w", [400, 600], dup)
+    # Not a grid but an exact tiling (one block spans two columns): accepted.
+    _check_tiling("w", [2, 2], _blocks(((0, 0), (1, 2)), ((1, 0), (1, 1)), ((1, 1), (1, 1))))
+    # Not a grid and overlapping, with the element count right: refused.
+    with pytest.raises(ckpt.CheckpointError, match=r"blocks\[0\] and blocks\[1\] overlap"):
+        _check_tiling("w", [2, 3], _blocks(((0, 0), (1, 2)), ((0, 1), (2, 1)), ((1, 0), (1, 1)),
+                                           ((1, 2), (1, 1))))  # fmt: skip

@@ -508,3 +508,51 @@ def test_interleaved_import_runs_meta_style_rope(hf_models, tmp_path, tie):
     ckpt.export_safetensors(tree, tmp_path / "out", name_map=rules, config=model.config)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert _max_rel_err(_logits(back, tokens), want) <= TOL
+
+
+# -------------------------------------------------------------------------------------------------
+# Tensors that do not fit their rule, names that cannot be templates, hostile stack indices.
+
+
+def test_import_refuses_tensors_that_do_not_fit_the_rule(tmp_path):
+    f = tmp_path / "model.safetensors"
+    rng = np.random.default_rng(0)
+    save_file(
+        {
+            "q": rng.standard_normal((2, 3), np.float32),
+            "k": rng.standard_normal((4, 3), np.float32),
+            "v": rng.standard_normal((2, 3), np.float32),
+            "flat": np.arange(3, dtype=np.float32),
+        },
+        f,
+    )
+    target = {"qkv": np.zeros((8, 3), np.float32)}
+    # The file's q/k/v have 2, 4, 2 rows; the rule says 4, 2, 2: refused, not cut elsewhere.
+    rule = ckpt.Rule("qkv", ["q", "k", "v"], axis=0, sizes=(4, 2, 2))
+    with pytest.raises(ckpt.CheckpointError, match=r"'qkv' from \['q', 'k', 'v'\] in .*model"):
+        ckpt.import_safetensors(f, target, name_map=[rule])
+    with pytest.raises(ckpt.CheckpointError, match=r"'w' from \['flat'\].*the transpose"):
+        ckpt.import_safetensors(
+            f, {"w": np.zeros(3, np.float32)}, name_map=[ckpt.Rule("w", "flat", transpose=(1, 0))]
+        )
+    ok = ckpt.import_safetensors(
+        f, target, name_map=[ckpt.Rule("qkv", ["q", "k", "v"], axis=0, sizes=(2, 4, 2))]
+    )
+    assert ok["qkv"].shape == (8, 3)
+
+
+def test_braces_and_metadata_names_are_refused_on_export(tmp_path):
+    with pytest.raises(ValueError, match=r"key 'w\{0\}'.*placeholder"):
+        ckpt.export_safetensors({"w{0}": np.ones(2, np.float32)}, tmp_path / "a")
+    with pytest.raises(ValueError, match="'__metadata__'"):
+        ckpt.export_safetensors({"__metadata__": np.ones(2, np.float32)}, tmp_path / "b")
+    assert not list(tmp_path.iterdir())
+
+
+def test_hf_target_names_missing_elements_of_a_huge_stack_at_once(tmp_path):
+    # One tensor claiming expert layer 10**12: the grid is never enumerated.
+    f = tmp_path / "model.safetensors"
+    save_file({"model.layers.1000000000000.e.0.w": np.ones((2, 2), np.float32)}, f)
+    rule = ckpt.Rule("moe/w", "model.layers.{i}.e.{e}.w", stack=("i", "e"))
+    with pytest.raises(ckpt.CheckpointError, match=r"elements \[\(0, 0\), \(1, 0\), \(2, 0\)\]"):
+        ckpt.hf_target(f, [rule])

@@ -123,6 +123,22 @@ def _counts(value: Any, n: int | None = None) -> bool:
     )
 
 
+def _too_large(shape: list[int]) -> bool:
+    """More than 2**60 elements with zero dimensions counted as one.
+
+    numpy cannot make such an array (a zero-size array with a dimension of 2**62 included), and no
+    real tensor is that large.
+    """
+    return _capped_prod([max(d, 1) for d in shape], 1 << 60) > 1 << 60
+
+
+def _little_endian(arr: np.ndarray) -> np.ndarray:
+    """`arr` with little-endian bytes (safetensors stores little-endian; numpy can hold either)."""
+    if arr.dtype.byteorder == ">":
+        return arr.astype(arr.dtype.newbyteorder("<"))
+    return arr
+
+
 def _capped_prod(values: list[int], cap: int) -> int:
     """prod(values), or some number above `cap` once the product exceeds it (stays cheap)."""
     if 0 in values:
@@ -206,6 +222,11 @@ def _check_header(path: Path, header: Any, data_size: int) -> None:
         if not _counts(shape):
             raise CheckpointError(
                 f"{where}: shape must be a list of non-negative integers, got {_show(shape)}"
+            )
+        if _too_large(shape):
+            raise CheckpointError(
+                f"{where}: shape {_show(shape)} is too large (more than 2**60 elements with a zero "
+                "dimension counted as one)"
             )
         if not (_counts(offsets, 2) and offsets[0] <= offsets[1] <= data_size):
             raise CheckpointError(

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ._format import _dtype_name, _is_float, _np_dtype
+from ._format import _dtype_name, _is_float, _little_endian, _np_dtype
 from ._index import _load_index
 from ._io import (
     _fsync_dir,
@@ -271,6 +271,11 @@ def _plan(op: str, items: list, name_map: Sequence[Rule] | None, cast) -> list[_
             out_dt = arr.dtype
             if cast is not None and rule.dtype is None and _is_float(out_dt):
                 out_dt = cast
+            if name == "__metadata__":
+                raise ValueError(
+                    f"{op}: {key!r} maps to the tensor name '__metadata__', which is the "
+                    "safetensors header's own entry; rename the leaf or map it with a Rule"
+                )
             entry = (name, _dtype_name(op, f"tensor {name!r}", out_dt), tuple(arr.shape))
             if name in first:
                 j, (dt_j, shape_j) = first[name]
@@ -310,7 +315,7 @@ def _same_bits(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 24) -> bool:
     """Bitwise equality of two C-contiguous arrays, compared a chunk of bytes at a time."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    x, y = (np.ascontiguousarray(v).reshape(-1).view(np.uint8) for v in (a, b))
+    x, y = (np.ascontiguousarray(_little_endian(v)).reshape(-1).view(np.uint8) for v in (a, b))
     return all(np.array_equal(x[k : k + chunk], y[k : k + chunk]) for k in range(0, x.size, chunk))
 
 

@@ -112,6 +112,21 @@ def _read_hf_tensor(name: str, file: Path, entry: dict[str, Any], start: int) ->
     return buf.view(dtype).reshape(shape)
 
 
+def _to_ours(op: str, key: str, rule: Rule, names: Sequence[str], table) -> np.ndarray:
+    """Their tensors `names`, read and mapped by `rule` to our layout.
+
+    Tensors that do not fit the rule (ranks, fused sizes, the transpose, RoPE head sizes) raise
+    CheckpointError naming the key, the tensors and their files.
+    """
+    parts = [_read_hf_tensor(name, *table[name]) for name in names]
+    try:
+        rule.our_shape([p.shape for p in parts])  # checks what the mapping assumes
+        return rule.to_ours(parts)
+    except ValueError as e:
+        files = ", ".join(sorted({str(table[name][0]) for name in names}))
+        raise CheckpointError(f"{op}: {key!r} from {list(names)} in {files}: {e}") from None
+
+
 def _kind(dtype: np.dtype) -> str:
     """bool, int, uint or float (bfloat16 and float8 included)."""
     if dtype == np.bool_:
@@ -168,7 +183,7 @@ def _import_stacked(op, src, table, key, rule: Rule, shape, dtype, sharding, cas
     def element(idx: tuple) -> np.ndarray:
         if idx not in cache:
             names = elements[idx]
-            arr = rule.to_ours([_read_hf_tensor(name, *table[name]) for name in names])
+            arr = _to_ours(op, key, rule, names, table)
             if tuple(arr.shape) != tuple(shape[n:]):
                 raise CheckpointError(
                     f"{op}: {key!r}[{', '.join(map(str, idx))}] from {names} has shape "
@@ -265,7 +280,7 @@ def import_safetensors(
                     f"it has e.g. {list(table)[:5]}"
                 )
             _check_cast(op, key, names, table, dtype, cast)
-            arr = rule.to_ours([_read_hf_tensor(n, *table[n]) for n in names])
+            arr = _to_ours(op, key, rule, names, table)
             if tuple(arr.shape) != shape:
                 raise CheckpointError(
                     f"{op}: {key!r} from {names} has shape {list(arr.shape)}, "

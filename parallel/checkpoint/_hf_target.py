@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -102,6 +104,11 @@ def hf_target(
     if unmapped == "keep":
         for name in rest:
             key = name.replace(".", "/")
+            if "{" in name or "}" in name or any(not part for part in key.split("/")):
+                raise CheckpointError(
+                    f"{op}: tensor {name!r} cannot be kept as a tree key (a key part would be "
+                    "empty or hold '{' or '}'); map it with a Rule or pass unmapped='skip'"
+                )
             rule = _rule_for(name_map, key)
             if rule.stack or rule.their_names(key) != [name] or key in leaves:
                 raise CheckpointError(
@@ -169,7 +176,9 @@ def _invert(op, rule: Rule, name_map, headers):
     out = []
     for key, elements in found.items():
         grid = tuple(max(idx[a] for idx in elements) + 1 for a in range(len(rule.stack)))
-        missing = [idx for idx in np.ndindex(*grid) if idx not in elements]
+        missing = []
+        if math.prod(grid) != len(elements):  # a few are enough to name (the grid may be huge)
+            missing = list(itertools.islice(_absent(grid, elements), 4))
         if missing:
             raise CheckpointError(
                 f"{op}: {key!r} stacks {rule.stack} up to {[n - 1 for n in grid]} but the "
@@ -196,6 +205,21 @@ def _invert(op, rule: Rule, name_map, headers):
         dt = dtypes.pop() if len(dtypes) == 1 else np.dtype(jnp.result_type(*dtypes))
         out.append((key, grid + shape, dt, names))
     return out
+
+
+def _absent(grid: tuple[int, ...], present: Mapping[tuple[int, ...], Any]):
+    """Indices of `grid` not in `present`, in C order, lazily.
+
+    Reaching the k-th takes at most ``len(present) + k`` steps however large the grid
+    (np.ndindex would build every range first).
+    """
+    for flat in range(math.prod(grid)):
+        idx, rest = [], flat
+        for n in reversed(grid):
+            rest, i = divmod(rest, n)
+            idx.append(i)
+        if (idx := tuple(reversed(idx))) not in present:
+            yield idx
 
 
 def _spec_lookup(op: str, specs: Specs) -> Callable[[str], Any]:

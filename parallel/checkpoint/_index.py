@@ -20,6 +20,7 @@ from ._format import (
     _np_dtype,
     _parse_json,
     _show,
+    _too_large,
 )
 
 FORMAT = "jaxops.checkpoint"
@@ -29,6 +30,7 @@ CHUNK_BYTES = 1 << 20  # bytes of tensor data per CRC-32C
 _FILE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\.safetensors")
 _MAX_CHUNK = 1 << 30  # the largest chunk_bytes an index may give
 _MAX_ELEMENTS = 1 << 60  # elements of one array; more is a corrupt index (and overflows int64)
+_MAX_PAIRWISE = 4096  # blocks of one array checked pair by pair when they do not form a grid
 
 
 def _load_index(path: Path) -> dict[str, Any]:
@@ -74,6 +76,15 @@ def _load_index(path: Path) -> dict[str, Any]:
     arrays = index.get("arrays")
     if not isinstance(arrays, dict):
         raise CheckpointError(f"{file}: no 'arrays' object")
+    for key in arrays:
+        # A key that is a "/" prefix of another would be both a leaf and a subtree.
+        parts = key.split("/")
+        for n in range(1, len(parts)):
+            if "/".join(parts[:n]) in arrays:
+                raise CheckpointError(
+                    f"{file}: array keys {'/'.join(parts[:n])!r} and {key!r}: the first would "
+                    "be both an array and a subtree; expected keys of leaves only"
+                )
     sizes: dict[str, int] = {}
     spans: dict[str, list[tuple[int, int, str]]] = {}
     for key, info in arrays.items():
@@ -139,8 +150,11 @@ def _check_entry(file: Path, key: str, info: Any, chunk: int) -> None:
         )
     if not isinstance(blocks, list):
         raise CheckpointError(f"{bad}: blocks must be a list, got {_show(blocks)}")
-    if _capped_prod(shape, _MAX_ELEMENTS) > _MAX_ELEMENTS:
-        raise CheckpointError(f"{bad}: shape {_show(shape)} has more than 2**60 elements")
+    if _too_large(shape):
+        raise CheckpointError(
+            f"{bad}: shape {_show(shape)} has more than 2**60 elements (a zero dimension counted "
+            "as one)"
+        )
     ndim, itemsize = len(shape), _np_dtype(dtype).itemsize
     for i, b in enumerate(blocks):
         at = f"{bad}: blocks[{i}]"
@@ -201,15 +215,56 @@ def _check_tiling(bad: str, shape: list[int], blocks: list[dict[str, Any]]) -> N
     # has no dimension above its size, 2**60, so int64 holds every start and end.
     lo = np.array([blocks[i]["start"] for i in full], np.int64).reshape(len(full), len(shape))
     hi = lo + np.array([blocks[i]["shape"] for i in full], np.int64).reshape(lo.shape)
+    # The blocks save writes are the cells of a grid (the shards of one sharding): along every
+    # axis each block spans one interval between consecutive boundaries. Then two blocks
+    # intersect exactly when they are the same cell, which sorting finds in n log n.
+    cells, grid = [], True
+    for d in range(len(shape)):
+        bounds = np.unique(np.concatenate([lo[:, d], hi[:, d]]))
+        cell = np.searchsorted(bounds, lo[:, d])
+        grid = grid and bool(np.all(bounds[np.minimum(cell + 1, len(bounds) - 1)] == hi[:, d]))
+        cells.append(cell)
+    if grid:
+        order = np.lexsort(cells[::-1]) if cells else np.arange(len(full))
+        keys = np.stack(cells, 1)[order] if cells else np.zeros((len(full), 0), np.int64)
+        same = np.flatnonzero(np.all(keys[1:] == keys[:-1], axis=1))
+        if same.size:
+            a, b = full[int(order[same[0]])], full[int(order[same[0] + 1])]
+            _overlap(bad, blocks, a, b)
+        return
+    if len(full) > _MAX_PAIRWISE:
+        raise CheckpointError(
+            f"{bad}: {len(full)} blocks that do not form a grid (regions of one sharding); "
+            f"expected a grid, or at most {_MAX_PAIRWISE} blocks"
+        )
     for r in range(0, len(full), 256):  # rows of the pairwise test, in bounded memory
         meet = np.all((lo[r : r + 256, None] < hi[None]) & (lo[None] < hi[r : r + 256, None]), -1)
         meet[np.arange(meet.shape[0]), np.arange(r, r + meet.shape[0])] = False
         if meet.any():
             a, b = (full[int(j)] for j in np.argwhere(meet)[0] + (r, 0))
-            raise CheckpointError(
-                f"{bad}: blocks[{a}] and blocks[{b}] overlap (starts {_show(blocks[a]['start'])} "
-                f"and {_show(blocks[b]['start'])}); expected blocks covering the array exactly once"
-            )
+            _overlap(bad, blocks, a, b)
+
+
+def _overlap(bad: str, blocks: list[dict[str, Any]], a: int, b: int) -> None:
+    raise CheckpointError(
+        f"{bad}: blocks[{a}] and blocks[{b}] overlap (starts {_show(blocks[a]['start'])} "
+        f"and {_show(blocks[b]['start'])}); expected blocks covering the array exactly once"
+    )
+
+
+def _step_value(op: str, step: Any, *, none_ok: bool) -> int | None:
+    """`step` as a Python int (numpy integers and 0-d integer arrays accepted); ValueError else."""
+    if step is None and none_ok:
+        return None
+    dtype = getattr(step, "dtype", None)
+    integral = isinstance(step, int) and not isinstance(step, bool)
+    if not integral and getattr(step, "shape", None) == () and dtype is not None:
+        integral = np.issubdtype(dtype, np.integer)  # numpy or jax integer scalars
+    if integral and int(step) >= 0:
+        return int(step)
+    raise ValueError(
+        f"{op}: step must be a non-negative integer{' or None' if none_ok else ''}, got {step!r}"
+    )
 
 
 def _plain_file_name(name: str) -> bool:

@@ -21,6 +21,7 @@ from ._format import (
     _ST_CODES,
     CheckpointError,
     _header_bytes,
+    _little_endian,
     _np_dtype,
     _read_header,
 )
@@ -42,7 +43,8 @@ def _write_all(fd: int, view: memoryview) -> None:
 
 
 def _byte_view(arr: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+    """The bytes safetensors stores for `arr`: C order, little-endian."""
+    return memoryview(np.ascontiguousarray(_little_endian(arr)).reshape(-1).view(np.uint8))
 
 
 def _write_safetensors(

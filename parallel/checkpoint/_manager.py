@@ -6,6 +6,7 @@ import concurrent.futures as cf
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import numpy as np
 
 from ._coordination import _Coordinator, _write_checkpoint
 from ._format import CheckpointError, _is_float, _np_dtype
-from ._index import INDEX, _load_index
+from ._index import INDEX, _load_index, _step_value
 from ._io import _read_region, _Reader
 from ._plan import _assign, _meta, _Owned, _Snapshot
 from ._restore import _restore_leaves, restore
@@ -42,7 +43,8 @@ class CheckpointManager:
       first snapshot. It costs no device memory: each process averages only the blocks it
       writes. It is saved in the same checkpoint under the ``"ema"`` key prefix; read it with
       ``restore(step, target, ema=True)``. :meth:`restore` of a step that holds an EMA also
-      reloads it, so the average continues across restarts.
+      reloads it (with or without ``ema=True``), so the average continues across restarts;
+      except with ``target=None`` or a multi-process ``subtree``, which warn.
 
     Args:
       directory: where the step directories live (created by process 0).
@@ -162,9 +164,7 @@ class CheckpointManager:
         """
         op = "CheckpointManager.save"
         self.wait()
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"{op}: step must be a non-negative int, got {step!r}")
-        step = int(step)
+        step = _step_value(op, step, none_ok=False)
         if self.step_path(step).exists():
             raise FileExistsError(f"{op}: step {step} exists in {self.directory}")
         if metadata is not None:
@@ -246,6 +246,10 @@ class CheckpointManager:
           target: as for :func:`restore`.
           ema: restore the EMA of the target's leaves instead, cast to the target's dtypes
             (leaves without an EMA, such as integers, get their saved values).
+
+        With ``ema_decay``, either way the manager reloads the saved EMA of the target's leaves,
+        so that the next saves continue it. It cannot with ``target=None`` or, with several
+        processes, a ``subtree``: those warn, and the EMA starts again at the next save.
           subtree: as for :func:`restore`.
         """
         self.wait()
@@ -257,10 +261,31 @@ class CheckpointManager:
                 )
         path = self.step_path(step)
         if ema:
-            return self._restore_ema(path, target, subtree)
-        out = restore(path, target, subtree=subtree, progress=self.progress)
+            if target is None:
+                raise ValueError(
+                    "CheckpointManager.restore: ema=True needs a target (the EMA is restored "
+                    "into the target's leaves); got None"
+                )
+            out = self._restore_ema(path, target, subtree)
+        else:
+            out = restore(path, target, subtree=subtree, progress=self.progress)
         if self.ema_decay is not None:
-            self._reload_ema(path, subtree, target)
+            if target is None:
+                warnings.warn(
+                    "CheckpointManager.restore with target=None does not reload the EMA: the "
+                    "next save starts it again from the current values; restore with the "
+                    "tree's target to continue it",
+                    stacklevel=2,
+                )
+            elif subtree is not None and jax.process_count() > 1:
+                warnings.warn(
+                    "CheckpointManager.restore(subtree=...) with several processes does not "
+                    "reload the EMA (which process keeps which replicated block depends on the "
+                    "whole tree); the next save starts it again for those leaves",
+                    stacklevel=2,
+                )
+            else:
+                self._reload_ema(path, subtree, target)
         return out
 
     def _restore_ema(self, path: Path, target: Any, subtree: str | None) -> Any:

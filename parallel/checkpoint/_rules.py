@@ -310,6 +310,12 @@ def _rule_for(name_map: Sequence[Rule] | None, key: str) -> Rule:
     for rule in name_map or ():
         if rule.matches(key):
             return rule
+    if "{" in key or "}" in key:
+        raise ValueError(
+            f"key {key!r}: no rule of the name map matches it, and as its own name its '{{' or "
+            "'}' would read as a placeholder; give it a Rule whose template matches it (e.g. "
+            "{name:regex}) or rename the leaf"
+        )
     return Rule(key, key.replace("/", "."))
 
 

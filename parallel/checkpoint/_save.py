@@ -13,6 +13,7 @@ import numpy as np
 
 from ._coordination import _Coordinator, _write_checkpoint
 from ._format import _dtype_name
+from ._index import _step_value
 from ._io import _to_host
 from ._plan import _plan, _Snapshot
 from ._tree import _flatten, _prefixed
@@ -20,6 +21,13 @@ from ._tree import _flatten, _prefixed
 
 def _snapshot(op: str, tree: Any, *, copy: bool, prefix: str | None = None) -> _Snapshot:
     keys, leaves, _ = _flatten(op, tree)
+    for key in keys:
+        if key == "__metadata__" or "[" in key or "]" in key:
+            raise ValueError(
+                f"{op}: leaf key {key!r} is not allowed: keys name the tensors of the files "
+                "(part of a sharded array is key[start:end,...]) and '__metadata__' is the "
+                "safetensors header's own; expected a key without '[' or ']'"
+            )
     arrays: dict[str, dict[str, Any]] = {}
     host_leaves = []
     for key, leaf in zip(keys, leaves, strict=True):
@@ -62,7 +70,7 @@ def save(
         numpy arrays or Python scalars (those are written by process 0). Dtypes: bool, int8-64,
         uint8-64, float16, bfloat16, float32, float64, float8_e4m3fn, float8_e5m2. Tree keys
         are joined with "/" (``{"a": [x, y]}`` stores ``a/0`` and ``a/1``).
-      step: an integer stored in the index.
+      step: a non-negative integer (Python or numpy) stored in the index, or None.
       metadata: a JSON-serializable mapping stored in the index (see :func:`describe`).
       progress: a tqdm progress bar for saves longer than a second; ``None`` shows it only when
         stderr is a terminal.
@@ -71,7 +79,8 @@ def save(
     Raises:
       FileExistsError: `path` exists.
       TypeError: a leaf has an unsupported type or dtype.
-      ValueError: two leaves map to the same key, or a key contains "/".
+      ValueError: two leaves map to the same key, a key part contains "/", a key contains "["
+        or "]" or is "__metadata__", or `step` is not a non-negative integer.
       CheckpointError: another process failed; nothing was committed.
 
     Example:
@@ -82,6 +91,7 @@ def save(
       >>> checkpoint.describe(f"{d}/ckpt")["arrays"]
       {'w': {'shape': (2, 3), 'dtype': 'bfloat16'}}
     """
+    step = _step_value("checkpoint.save", step, none_ok=True)
     if metadata is not None:
         json.dumps(dict(metadata))  # raises TypeError early for non-JSON metadata
     snap = _snapshot("checkpoint.save", tree, copy=False)

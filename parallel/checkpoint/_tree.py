@@ -59,7 +59,7 @@ def _target_of(op: str, key: str, leaf: Any) -> tuple[tuple[int, ...], np.dtype,
             sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return tuple(leaf.shape), np.dtype(leaf.dtype), sharding
     if isinstance(leaf, (np.ndarray, np.generic)):
-        return tuple(leaf.shape), leaf.dtype, None
+        return tuple(leaf.shape), leaf.dtype.newbyteorder("="), None  # results in native order
     raise TypeError(
         f"{op}: target leaf {key!r} must be a jax.ShapeDtypeStruct, jax.Array or numpy array, "
         f"got {type(leaf).__name__}"
