@@ -426,7 +426,10 @@ def _router(cfg: MoEConfig, tokens: jax.Array, w_router: jax.Array, bias=None):
         dist = scores
     else:
         scores = jax.nn.sigmoid(logits)
-        dist = scores / jnp.sum(scores, axis=-1, keepdims=True)
+        # Every score can underflow to 0 for very negative logits: then dist is 0, not 0 / 0,
+        # and so is its gradient (a safe denominator, not a where around the quotient).
+        total = jnp.sum(scores, axis=-1, keepdims=True)
+        dist = scores / jnp.where(total > 0, total, 1.0)
     choice = scores
     if bias is not None:
         choice = choice + jax.lax.stop_gradient(bias.astype(jnp.float32))
@@ -444,7 +447,10 @@ def _router(cfg: MoEConfig, tokens: jax.Array, w_router: jax.Array, bias=None):
         top = jnp.take_along_axis(scores, ids, axis=-1)
     if cfg.normalize_probs:
         total = jnp.sum(top, axis=-1, keepdims=True)
-        top = top / (total if cfg.router == "softmax" else total + 1e-20)
+        if cfg.router == "softmax":
+            top = top / total
+        else:  # DeepSeek-V3's + 1e-20; all-zero scores stay 0 (with a finite gradient)
+            top = top / jnp.where(total > 0, total + 1e-20, 1.0)
     if cfg.routed_scaling_factor != 1.0:
         top = top * cfg.routed_scaling_factor
     return logits, dist, ids.astype(jnp.int32), top

@@ -252,6 +252,19 @@ def test_router_bias_gets_no_gradient_and_weights_use_raw_scores():
     np.testing.assert_allclose(probs, jnp.take_along_axis(scores, ids, -1), rtol=1e-6)
 
 
+def test_sigmoid_router_with_every_score_underflowing_is_finite():
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden=4, ffn_hidden=4, router="sigmoid")
+    tokens = jnp.ones((4, 4))
+    w = jnp.full((4, 8), -1000.0)  # logits -4000: every sigmoid score is 0 in float32
+
+    def f(w):
+        _, dist, _, top = expert._router(cfg, tokens, w)
+        return jnp.sum(dist) + jnp.sum(top)
+
+    value, grad = jax.value_and_grad(f)(w)
+    assert np.isfinite(value) and np.isfinite(np.asarray(grad)).all()
+
+
 # (name, MoEConfig keywords): DeepSeek-V3 and Qwen2-MoE blocks through the EP layer.
 SHARED_CASES = {
     "deepseek": dict(

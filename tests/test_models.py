@@ -8,6 +8,7 @@ Tolerance: float32 logits within 1e-4 of the logit scale (max |logit|); measured
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -331,8 +332,29 @@ def _edit_config(path: Path, **changes) -> None:
         (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), r"rope_type = 'yarn'"),
         (dict(mlp_only_layers=[0]), r"mlp_only_layers"),
         (dict(num_attention_heads="4"), r"'num_attention_heads' must be int"),
+        (
+            dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
+            r"quantization_config \(quant_method 'fp8'\) is not supported",
+        ),
+        (dict(rope_parameters=None, rope_scaling="linear"), r"'rope_scaling' must be an object"),
+        (
+            dict(rope_parameters={"rope_type": "default", "rope_theta": 0.0}),
+            r"rope_parameters.rope_theta must be a finite positive number, got 0.0",
+        ),
+        (dict(decoder_sparse_step=0), r"decoder_sparse_step"),
     ],
-    ids=["model_type", "missing-key", "activation", "rope", "dense-layers", "type"],
+    ids=[
+        "model_type",
+        "missing-key",
+        "activation",
+        "rope",
+        "dense-layers",
+        "type",
+        "quantized",
+        "rope-scaling-str",
+        "rope-theta",
+        "sparse-step",
+    ],
 )
 def test_bad_config_names_the_key(hf_dirs, tmp_path, changes, match):
     path = _copy(hf_dirs["qwen3_moe"], tmp_path / "m")
@@ -418,3 +440,25 @@ def test_absent_config_keys_take_transformers_defaults():
     bare = {k: v for k, v in full.items() if k not in keys}
     assert models.moe_block_config(bare) == models.moe_block_config(full)
     assert [models.is_moe_layer(bare, i) for i in range(4)] == [False] * 3 + [True]
+
+
+def test_quantized_block_and_inexpressible_configs_are_refused(hf_dirs, tmp_path):
+    # FP8 weights with scales would be read without them: refused by name, not loaded 5000x off.
+    path = _copy(hf_dirs["qwen2_moe"], tmp_path / "q")
+    _edit_config(path, quantization_config={"quant_method": "fp8"})
+    with pytest.raises(models.ConfigError, match="quantization_config"):
+        models.load_moe_block(path, 0)
+    with pytest.raises(models.ConfigError, match=r"sparse_step' must be >= 1, got 0"):
+        models.is_moe_layer({"model_type": "qwen2_moe", "decoder_sparse_step": 0}, 1)
+    # A config transformers would build as another model is not written.
+    for family, kw, what in [
+        ("qwen3_moe", {}, "qk_norm=False"),
+        ("mixtral", {"normalize_topk": False}, "normalize_topk=False"),
+        ("mixtral", {"shared_ffn": 32}, "shared_ffn=32"),
+    ]:
+        cfg = models.DecoderConfig(family, 128, 64, 2, 4, 2, 16, 8, 2, 32, **kw)
+        with pytest.raises(models.ConfigError, match=f"{family} cannot express {what}"):
+            cfg.to_hf()
+    # A changed layer count drops the source's now stale layer_types.
+    cfg = dataclasses.replace(models.read_config(hf_dirs["qwen2_moe"]), num_layers=4)
+    assert len(cfg.to_hf().get("layer_types", [None] * 4)) == 4

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxops.models._config import ConfigError, _get, _positive
+from jaxops.models._config import ConfigError, _get, _positive, _refuse_quantized
 from jaxops.parallel import checkpoint
 from jaxops.parallel import expert as ep
 from jaxops.parallel.checkpoint import Rule
@@ -55,6 +55,8 @@ def is_moe_layer(hf: dict[str, Any], layer: int) -> bool:
         return layer >= _get(hf, "first_k_dense_replace", int, 3)
     if kind in ("qwen2_moe", "qwen3_moe"):
         step = _get(hf, "decoder_sparse_step", int, 1)
+        if step < 1:
+            raise ConfigError(f"config.json: 'decoder_sparse_step' must be >= 1, got {step}")
         return layer not in _get(hf, "mlp_only_layers", list, []) and (layer + 1) % step == 0
     return True
 
@@ -207,6 +209,7 @@ def load_moe_block(
         hf = json.loads((root / "config.json").read_text())
     except FileNotFoundError:
         raise ConfigError(f"{root}: no config.json") from None
+    _refuse_quantized(hf)
     kind = _model_type(hf)
     layers = _positive(hf, "num_hidden_layers")
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:

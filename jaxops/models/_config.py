@@ -56,6 +56,23 @@ _DEFAULTS = {
     "qwen3_moe": (1e-6, 10000.0),
     "qwen2_moe": (1e-6, 10000.0),
 }
+# transformers' num_key_value_heads when config.json has none.
+_KV_HEADS = {"mixtral": 8, "qwen3_moe": 4, "qwen2_moe": 16}
+
+
+def _refuse_quantized(cfg: dict[str, Any]) -> None:
+    """Refuses quantized checkpoints by name.
+
+    Their weights (e.g. DeepSeek-V3's FP8 ones with weight_scale_inv) would be read without their
+    scales.
+    """
+    quant = cfg.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        raise ConfigError(
+            f"config.json: quantization_config (quant_method {method!r}) is not supported: the "
+            "weights would be read without their scales; dequantize the checkpoint first"
+        )
 
 
 def _rope_theta(cfg: dict[str, Any], default: float = 10000.0) -> float:
@@ -63,11 +80,13 @@ def _rope_theta(cfg: dict[str, Any], default: float = 10000.0) -> float:
     params = cfg.get("rope_parameters")
     if params is None:
         scaling = cfg.get("rope_scaling")
+        if scaling not in (None, {}) and not isinstance(scaling, dict):
+            raise ConfigError(f"config.json: 'rope_scaling' must be an object, got {scaling!r}")
         if scaling not in (None, {}) and scaling.get("rope_type", scaling.get("type")) != "default":
             raise ConfigError(
                 f"config.json: rope_scaling {scaling!r} is not supported (only the default RoPE)"
             )
-        return _get(cfg, "rope_theta", float, default)
+        return _positive_theta(_get(cfg, "rope_theta", float, default), "rope_theta")
     if not isinstance(params, dict):
         raise ConfigError(f"config.json: 'rope_parameters' must be an object, got {params!r}")
     kind = params.get("rope_type", "default")
@@ -76,7 +95,13 @@ def _rope_theta(cfg: dict[str, Any], default: float = 10000.0) -> float:
             f"config.json: rope_parameters.rope_type = {kind!r} is not supported; "
             "supported: 'default'"
         )
-    return _get(params, "rope_theta", float, default)
+    return _positive_theta(_get(params, "rope_theta", float, default), "rope_parameters.rope_theta")
+
+
+def _positive_theta(theta: float, key: str) -> float:
+    if not math.isfinite(theta) or theta <= 0:
+        raise ConfigError(f"config.json: {key} must be a finite positive number, got {theta!r}")
+    return theta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +133,11 @@ class DecoderConfig:
       rope_theta: RoPE base.
       sliding_window: causal attention over the last this many positions (None: all).
       tie_word_embeddings: the output projection is the embedding table transposed.
-      router_aux_loss_coef: weight of the load-balancing loss (the config's own).
+      router_aux_loss_coef: weight of the load-balancing loss (the config's own key). The loss
+        weighted is the sum over layers of each layer's Switch-style loss (normalized by tokens
+        times top_k), always added in training; transformers adds one loss over all layers
+        (normalized by tokens times layers) and only with ``output_router_logits``, so the same
+        coefficient weighs it differently (about num_layers / top_k times transformers' term).
       hf: the config.json dict it came from (written back by ``save_pretrained``), not compared.
     """
 
@@ -198,6 +227,7 @@ class DecoderConfig:
                 f"{', '.join(MODEL_TYPES)} (DeepSeek-V3's MoE block: "
                 "jaxops.models.moe_block_config)"
             )
+        _refuse_quantized(hf)
         act = _get(hf, "hidden_act", str, "silu")
         if act != "silu":
             raise ConfigError(f"config.json: hidden_act {act!r} is not supported; supported: silu")
@@ -248,14 +278,14 @@ class DecoderConfig:
                 kw["qkv_bias"] = kw["o_bias"] = bias
             else:
                 kw["qkv_bias"] = _get(hf, "qkv_bias", bool, True)
-                kw["shared_ffn"] = _get(hf, "shared_expert_intermediate_size", int, 0)
+                kw["shared_ffn"] = _get(hf, "shared_expert_intermediate_size", int, 5632)
         return cls(
             model_type=model_type,
             vocab_size=_positive(hf, "vocab_size"),
             hidden_size=hidden,
             num_layers=_positive(hf, "num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=_positive(hf, "num_key_value_heads", heads),
+            num_kv_heads=_positive(hf, "num_key_value_heads", _KV_HEADS[model_type]),
             head_dim=head_dim,
             num_experts=experts,
             top_k=_positive(hf, "num_experts_per_tok"),
@@ -317,12 +347,28 @@ class DecoderConfig:
             else:
                 out["qkv_bias"] = self.qkv_bias
                 out["shared_expert_intermediate_size"] = self.shared_ffn
+        if len(out.get("layer_types") or []) != self.num_layers:
+            out.pop("layer_types", None)  # stale (e.g. after a change of num_layers)
         if dtype is not None:
             import numpy as np
 
             name = np.dtype(dtype).name
             out["dtype"] = name
             out.pop("torch_dtype", None)
+        # transformers builds the model from these keys: they must say this config exactly.
+        back = DecoderConfig.from_hf(out)
+        wrong = [
+            f"{f.name}={getattr(self, f.name)!r} (as {self.model_type}: {getattr(back, f.name)!r})"
+            for f in dataclasses.fields(self)
+            if f.compare and getattr(self, f.name) != getattr(back, f.name)
+        ]
+        if wrong:
+            raise ConfigError(
+                f"DecoderConfig.to_hf: {self.model_type} cannot express {', '.join(wrong)}; "
+                "transformers would build another model (qwen3_moe has q/k norms and no shared "
+                "expert; mixtral renormalizes the top-k weights and has no shared expert or "
+                "biases; qwen2_moe has no q/k norms)"
+            )
         return out
 
 
