@@ -520,17 +520,19 @@ def report(
     args: Any,
     rows: Sequence[Mapping[str, Any]],
     columns: Sequence[Column],
-    copy: CopyBandwidth,
+    copy: CopyBandwidth | None,
     goals: Sequence[Goal],
-    copy_line: str,
+    copy_line: str | None,
 ) -> None:
     """Prints the table, `copy_line` and the goals; writes ``args.out/args.name`` files if asked.
 
     `args` is the script's argparse namespace (``out``, ``name``; its other fields, except the
-    parsed ``*_list`` ones, are saved as the settings).
+    parsed ``*_list`` ones, are saved as the settings). `copy` / `copy_line` are None for a
+    benchmark without a copy-bandwidth probe.
     """
     print(format_table(rows, columns))
-    print(copy_line)
+    if copy_line is not None:
+        print(copy_line)
     load_line = load_summary(args)
     print(load_line)
     for goal in goals:
@@ -547,10 +549,15 @@ def report(
         columns,
         extra={
             "settings": settings,
-            "copy_bandwidth": copy.to_json(),
+            **({"copy_bandwidth": copy.to_json()} if copy is not None else {}),
             "goals": [dataclasses.asdict(g) for g in goals],
         },
-        notes=[copy_line, "", load_line, "", *[f"- {g.line()}" for g in goals]],
+        notes=[
+            *([copy_line, ""] if copy_line is not None else []),
+            load_line,
+            "",
+            *[f"- {g.line()}" for g in goals],
+        ],
     )
     print(f"wrote {md} and {js}", file=sys.stderr)
 

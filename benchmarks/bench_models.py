@@ -247,23 +247,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"({jax.default_backend()}); jaxops build {jaxops.build_info()}; repeats {args.repeats}",
         file=sys.stderr,
     )
-    rows, goals = run(args)
-    print(H.format_table(rows, COLUMNS))
-    for goal in goals:
-        print(goal.line())
-    if args.out:
-        md, js = H.write_results(
-            args.out,
-            args.name,
-            rows,
-            COLUMNS,
-            extra={
-                "settings": {k: v for k, v in vars(args).items() if not k.endswith("_list")},
-                "goals": [g.__dict__ for g in goals],
-            },
-            notes=[f"- {g.line()}" for g in goals],
-        )
-        print(f"wrote {md} and {js}", file=sys.stderr)
+    with H.measuring(args):
+        rows, goals = run(args)
+    H.report(args, rows, COLUMNS, None, goals, None)
     return 0
 
 
