@@ -43,6 +43,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jaxops import _checks, _ffi
 from jaxops._config import resolve_impl
 from jaxops._fp8 import QuantizedArray, dequantize, quantize
+from jaxops._fp8.scales import GRAD_AMAX_FLOOR
 from jaxops._precision import MODES, current_precision, dot_precision
 from jaxops._sharding import cotangent_like, padded_spec, vary_like
 
@@ -68,7 +69,6 @@ _LT_PRECISION = {"fp32": 0, "tf32": 1, "bf16": 2}
 _SCALE_MODE = {"tensor": 0, "rows": 1, "tiles": 2}  # gemm::ScaleMode
 _WORKSPACE_BYTES = 32 << 20  # gemm::kWorkspaceBytes
 _FP8_BLOCK = 128
-_GRAD_AMAX_FLOOR = 1e-30  # gradients can be tiny: keep their blocks' own scale
 
 
 # -------------------------------------------------------------------------------------------------
@@ -714,7 +714,7 @@ def _quantize_pair(cfg: _LinearConfig, x, *, weight: bool, grad: bool):
     else:
         block = (_FP8_BLOCK, _FP8_BLOCK) if weight else (1, _FP8_BLOCK)
         dtype = jnp.float8_e4m3fn
-    floor = _GRAD_AMAX_FLOOR if grad else 1e-4
+    floor = GRAD_AMAX_FLOOR if grad else 1e-4
     return quantize(x, dtype=dtype, block=block, transpose=True, amax_floor=floor, impl=cfg.impl)
 
 

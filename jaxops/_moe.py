@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxops import _checks, _ffi
+from jaxops._rows import round_up, take_rows
 from jaxops._sharding import axes_of, cotangent_like, padded_spec
 
 __all__ = [
@@ -83,10 +84,6 @@ _FP8_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 _INT32 = (np.dtype(np.int32),)
 
 
-def _round_up(a: int, b: int) -> int:
-    return -(-a // b) * b
-
-
 def permuted_rows(
     num_tokens: int, top_k: int, num_experts: int, align: int = 1, capacity: int | None = None
 ) -> int:
@@ -103,7 +100,7 @@ def permuted_rows(
     slots = num_tokens * top_k
     rows = slots + num_experts * (align - 1)
     if capacity is not None:
-        rows = min(rows, num_experts * _round_up(min(capacity, slots), align))
+        rows = min(rows, num_experts * round_up(min(capacity, slots), align))
     return rows
 
 
@@ -210,27 +207,18 @@ def _route_reference(cfg: _Route, ids: jax.Array):
     return row_map, source, sizes, offsets, offsets[e], counts[:e] - kept
 
 
-def _take_rows(x: jax.Array, index: jax.Array, valid: jax.Array) -> jax.Array:
-    """x[index] where valid, zero elsewhere (index may be anything where not valid)."""
-    if x.shape[0] == 0:
-        return jnp.zeros(index.shape + x.shape[1:], x.dtype)
-    rows = x[jnp.where(valid, index, 0)]
-    mask = valid.reshape(valid.shape + (1,) * (rows.ndim - valid.ndim))
-    return jnp.where(mask, rows, jnp.zeros((), x.dtype))
-
-
 def _permute_rows_reference(tokens, source, scales, probs, top_k: int):
     valid = source >= 0
     t = source // top_k
-    out = _take_rows(tokens, t, valid)
-    out_scales = None if scales is None else _take_rows(scales, t, valid)
-    out_probs = None if probs is None else _take_rows(probs.reshape(-1), source, valid)
+    out = take_rows(tokens, t, valid)
+    out_scales = None if scales is None else take_rows(scales, t, valid)
+    out_probs = None if probs is None else take_rows(probs.reshape(-1), source, valid)
     return out, out_scales, out_probs
 
 
 def _unpermute_reference(expert_out, row_map, probs):
     valid = (row_map >= 0) & (row_map < expert_out.shape[0])
-    rows = _take_rows(expert_out, row_map, valid).astype(jnp.float32)  # [T, K, H]
+    rows = take_rows(expert_out, row_map, valid).astype(jnp.float32)  # [T, K, H]
     if probs is not None:
         rows = rows * probs.astype(jnp.float32)[..., None]
     return jnp.sum(rows, axis=1).astype(expert_out.dtype)
@@ -544,6 +532,18 @@ def _unpermute_kernel(expert_out, row_map, probs):
     x = expert_out.astype(jnp.float32) if expert_out.dtype in _FP8_DTYPES else expert_out
     operands = (x, row_map) + ((probs,) if probs is not None else ())
     return _unpermute_op(probs is not None)(*operands).astype(expert_out.dtype)
+
+
+def unpermute_rows(expert_out, row_map, probs, impl: str | None = None):
+    """The unpermute arithmetic without its autodiff rule: the custom call or the twin.
+
+    For layers that build their own backward (the expert-parallel dispatch's gradient).
+    `expert_out` ``[R, H]``, `row_map` int32 ``[T, K]`` (rows outside ``[0, R)`` contribute
+    zero), `probs` float32 ``[T, K]`` or None; returns ``[T, H]`` in expert_out's dtype.
+    """
+    if expert_out.size and row_map.size and _ffi.use_kernel(impl):
+        return _unpermute_kernel(expert_out, row_map, probs)
+    return _unpermute_reference(expert_out, row_map, probs)
 
 
 def _permute_kernel(tokens, source, row_map, scales, probs):

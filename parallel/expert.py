@@ -54,11 +54,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxops import _checks, _ffi
+from jaxops import _checks
 from jaxops import moe as _moe
 from jaxops._fp8 import QuantizedArray, dequantize, quantize, quantize_split_transpose
-from jaxops._gemm import _GRAD_AMAX_FLOOR
-from jaxops._moe import _round_up, _take_rows, _unpermute_kernel, _unpermute_reference
+from jaxops._fp8.scales import GRAD_AMAX_FLOOR
+from jaxops._moe import unpermute_rows
+from jaxops._rows import round_up, take_rows
 from jaxops._sharding import cotangent_like, place, vary_like
 
 __all__ = [
@@ -521,13 +522,13 @@ def _gmm_wgrad(tile: int, x, dy, groups, num_groups: int) -> jax.Array:
 
 
 def _fp8_rows(impl, x, grad: bool = False) -> jax.Array:
-    floor = _GRAD_AMAX_FLOOR if grad else 1e-4
+    floor = GRAD_AMAX_FLOOR if grad else 1e-4
     q = quantize(x, block=(1, _FP8_BLOCK), amax_floor=floor, impl=impl)
     return dequantize(q, jnp.float32)
 
 
 def _fp8_split(impl, x, group_sizes, grad: bool = False) -> jax.Array:
-    floor = _GRAD_AMAX_FLOOR if grad else 1e-4
+    floor = GRAD_AMAX_FLOOR if grad else 1e-4
     q = quantize_split_transpose(x, group_sizes, amax_floor=floor, impl=impl)
     return q.dequantize(jnp.float32)
 
@@ -668,7 +669,7 @@ def _ragged_all_to_all_dense(
     idx, start, valid = _slice_of_row(sizes, chunk)
     s = jnp.arange(chunk, dtype=jnp.int32)
     src = jnp.take_along_axis(input_offsets.reshape(n, slices), idx, axis=1) + s - start
-    packed = _take_rows(operand, src, valid)
+    packed = take_rows(operand, src, valid)
     received = jax.lax.all_to_all(packed, axis_name, 0, 0, tiled=False)
     their_offsets = jax.lax.all_to_all(
         output_offsets.reshape(n, slices), axis_name, 0, 0, tiled=False
@@ -710,7 +711,7 @@ def exchange_bounds(
     c = cfg.capacity(num_tokens)
     if c is not None:
         chunk = min(chunk, local * min(c, tl))
-        recv = min(recv, local * _round_up(min(c, n * tl), align))
+        recv = min(recv, local * round_up(min(c, n * tl), align))
     return max(chunk, 1), max(recv, 1)
 
 
@@ -769,10 +770,7 @@ def _fp8_dispatch_bwd(plan: _Plan, axis: str, impl, saved, d_rows):
     back = jnp.zeros((sent.shape[1], d_rows.shape[1]), like.dtype)
     d_sent = _exchange(plan, axis, d_rows, back, backward)
     # The permute's own backward: each token sums the gradients of its K rows.
-    if d_sent.size and row_map.size and _ffi.use_kernel(impl):
-        d_tokens = _unpermute_kernel(d_sent, row_map, None)
-    else:
-        d_tokens = _unpermute_reference(d_sent, row_map, None)
+    d_tokens = unpermute_rows(d_sent, row_map, None, impl)
     return cotangent_like(d_tokens.astype(like.dtype), like), None, None, None, None
 
 
@@ -950,7 +948,7 @@ def _plan(cfg: MoEConfig, mesh, n: int, shards: int, num_tokens: int) -> _Plan:
         num_tokens=num_tokens,
         capacity=cfg.capacity(num_tokens),
         chunk=chunk,
-        recv_rows=_round_up(recv_rows, max(tile, 1)),
+        recv_rows=round_up(recv_rows, max(tile, 1)),
         ragged=ragged,
         align=align,
         tile=tile,

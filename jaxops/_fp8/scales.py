@@ -15,6 +15,8 @@ from jaxops import _checks
 #: ``1e-4 / max_finite`` and quantizes to exact zeros.
 AMAX_FLOOR = 1e-4
 _MIN_AMAX_FLOOR = 1e-30  # keeps every scale a normal float32
+#: The amax floor of gradient blocks: gradients can be tiny, so their blocks keep their own scale.
+GRAD_AMAX_FLOOR = 1e-30
 _GROUPS = (32, 64, 128)
 _TMA_ALIGN = 4  # col_tma scales: rows padded to a multiple of 4 floats (16 bytes)
 FP8_DTYPES: tuple[np.dtype, ...] = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
