@@ -10,6 +10,8 @@ Public API (everything else is private):
   :func:`gemm_reference`.
 - Matmul precision: :func:`precision` (context manager and decorator), :func:`current_precision`,
   :func:`precision_report` (or the ``JAXOPS_MATMUL_PRECISION`` environment variable).
+- Errors: :class:`JaxopsError`, the base of every exception jaxops defines, and
+  :class:`ConfigError` (a ``ValueError``) for configurations it cannot build.
 - :func:`build_info` (what was built, and which path each op family takes here),
   :func:`cuda_available`, :class:`JaxlibVersionError` and :class:`CudaModuleMissingWarning`
   (issued once at import where jax has a CUDA GPU but this install has no CUDA module).
@@ -23,6 +25,7 @@ Public API (everything else is private):
 
 from jaxops import fp8, moe
 from jaxops._config import default_impl, get_default_impl, set_default_impl
+from jaxops._errors import ConfigError, JaxopsError
 from jaxops._ffi import (
     CudaModuleMissingWarning,
     JaxlibVersionError,
@@ -41,8 +44,10 @@ from jaxops._rms_norm import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ConfigError",
     "CudaModuleMissingWarning",
     "JaxlibVersionError",
+    "JaxopsError",
     "__version__",
     "add_rms_norm",
     "add_rms_norm_reference",

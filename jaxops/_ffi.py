@@ -31,6 +31,7 @@ import jax
 import jaxlib.version
 
 from jaxops._config import get_default_impl, resolve_impl
+from jaxops._errors import JaxopsError
 from jaxops._sharding import vary_like
 
 __all__ = [
@@ -46,7 +47,7 @@ __all__ = [
 _PLATFORM_OF_MODULE = {"_jaxops_cpu": "cpu", "_jaxops_cuda": "CUDA"}
 
 
-class JaxlibVersionError(ImportError):
+class JaxlibVersionError(JaxopsError, ImportError):
     """The running jaxlib cannot load handlers compiled against the jaxlib jaxops was built with."""
 
 
