@@ -1,32 +1,42 @@
 """Trace-time argument validation shared by every jaxops op.
 
-Each check raises a ValueError or TypeError naming the argument, what was expected and what came.
+Each check raises a ValueError or TypeError whose message starts with the op's public name (the
+`op` argument, e.g. ``"jaxops.rms_norm"``) and names the argument, what was expected and what
+came. :func:`renamed_keywords` keeps a renamed keyword working for one release.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxops._errors import renamed_kwargs
+
 __all__ = [
     "FLOAT_DTYPES",
+    "FP8_DTYPES",
     "check_array",
     "check_bool",
     "check_int",
     "check_positive_float",
     "dtype_name",
+    "renamed_keywords",
 ]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 FLOAT_DTYPES: tuple[np.dtype, ...] = (
     np.dtype(jnp.float32),
     np.dtype(jnp.bfloat16),
     np.dtype(jnp.float16),
 )
+FP8_DTYPES: tuple[np.dtype, ...] = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 
 
 def dtype_name(dtype: Any) -> str:
@@ -88,3 +98,30 @@ def check_bool(op: str, name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__}")
     return bool(value)
+
+
+def renamed_keywords(op: str, renames: Mapping[str, str]) -> Callable[[_F], _F]:
+    """Decorator: the function also takes the old keywords of `renames` (old -> new).
+
+    Each old keyword is passed on under its new name with a DeprecationWarning naming `op` (see
+    :func:`jaxops._errors.renamed_kwargs`); giving both names is a TypeError.
+
+    Example:
+      >>> import warnings
+      >>> @renamed_keywords("jaxops.example", {"recipe": "fp8"})
+      ... def f(*, fp8="block"):
+      ...     return fp8
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     f(recipe="tensor"), caught[0].category.__name__
+      ('tensor', 'DeprecationWarning')
+    """
+
+    def wrap(fn: _F) -> _F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **renamed_kwargs(op, kwargs, renames))
+
+        return wrapper  # type: ignore[return-value]
+
+    return wrap

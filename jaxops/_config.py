@@ -18,7 +18,14 @@ from typing import Literal
 import jax
 from jax._src import config as _jax_config
 
-__all__ = ["Impl", "default_impl", "get_default_impl", "resolve_impl", "set_default_impl"]
+__all__ = [
+    "Impl",
+    "check_impl",
+    "default_impl",
+    "get_default_impl",
+    "resolve_impl",
+    "set_default_impl",
+]
 
 Impl = Literal["ffi", "xla"]
 _CHOICES = ("auto", "ffi", "xla")
@@ -27,7 +34,9 @@ _CHOICES = ("auto", "ffi", "xla")
 def _env_default() -> str:
     value = os.environ.get("JAXOPS_IMPL", "auto").strip().lower() or "auto"
     if value not in _CHOICES:
-        raise ValueError(f"JAXOPS_IMPL must be one of {_CHOICES}, got {value!r}")
+        raise ValueError(
+            f"jaxops: the environment variable JAXOPS_IMPL must be one of {_CHOICES}, got {value!r}"
+        )
     return value
 
 
@@ -42,11 +51,17 @@ _impl_state = _jax_config.enum_state(
 )
 
 
-def _check(impl: str | None, name: str = "impl") -> str:
+def _check(op: str, impl: str | None) -> str:
     value = "auto" if impl is None else impl
     if value not in _CHOICES:
-        raise ValueError(f"{name} must be None, 'ffi' or 'xla', got {impl!r}")
+        raise ValueError(f"{op}: impl must be None, 'ffi' or 'xla', got {impl!r}")
     return value
+
+
+def check_impl(op: str, impl: str | None) -> str | None:
+    """`impl` when it is None, "ffi" or "xla"; else a ValueError whose message starts with `op`."""
+    _check(op, impl)
+    return impl
 
 
 def set_default_impl(impl: str | None) -> None:
@@ -63,7 +78,7 @@ def set_default_impl(impl: str | None) -> None:
       'xla'
       >>> jaxops.set_default_impl(None)
     """
-    jax.config.update("jaxops_impl", _check(impl))
+    jax.config.update("jaxops_impl", _check("jaxops.set_default_impl", impl))
 
 
 def get_default_impl() -> str:
@@ -80,21 +95,22 @@ def default_impl(impl: str | None) -> Iterator[None]:
       >>> with jaxops.default_impl("xla"):
       ...     y = jaxops.rms_norm(jnp.ones((2, 8)))
     """
-    with _impl_state(_check(impl)):
+    with _impl_state(_check("jaxops.default_impl", impl)):
         yield
 
 
-def resolve_impl(impl: str | None, *, kernel_available: bool) -> Impl:
+def resolve_impl(impl: str | None, *, kernel_available: bool, op: str = "jaxops") -> Impl:
     """Picks the implementation of one call: its own `impl`, else the global default.
 
     Args:
       impl: the op's ``impl`` argument (None, "ffi" or "xla").
       kernel_available: whether a custom call exists for the platform being traced for.
+      op: the public name of the op, which starts the error messages.
 
     Raises:
       ValueError: on an unknown `impl`, or "ffi" requested where no kernel exists.
     """
-    choice = _check(impl)
+    choice = _check(op, impl)
     if choice == "auto":
         choice = _impl_state.value
     if choice == "xla":
@@ -102,7 +118,7 @@ def resolve_impl(impl: str | None, *, kernel_available: bool) -> Impl:
     if not kernel_available:
         if choice == "ffi":
             raise ValueError(
-                "impl='ffi' was requested but jaxops has no custom call for this platform "
+                f"{op}: impl='ffi' was requested but jaxops has no custom call for this platform "
                 "(on GPU, jaxops must be built with CUDA; see jaxops.build_info())"
             )
         return "xla"

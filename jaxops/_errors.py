@@ -12,12 +12,20 @@ the new one with a :class:`DeprecationWarning` that names both.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["ConfigError", "JaxopsError", "public_name", "renamed_fields", "renamed_kwargs"]
+__all__ = [
+    "ConfigError",
+    "JaxopsError",
+    "named_errors",
+    "public_name",
+    "renamed_fields",
+    "renamed_kwargs",
+]
 
 
 class JaxopsError(Exception):
@@ -44,6 +52,35 @@ def public_name(obj: Any) -> str:
     """
     parts = [p for p in obj.__module__.split(".") if not p.startswith("_")]
     return ".".join([*parts, obj.__qualname__])
+
+
+_PREFIXED = (ValueError, TypeError)
+
+
+def named_errors(op: str) -> Callable[[Callable], Callable]:
+    """Decorator: the errors a public entry point raises start with its public dotted name `op`.
+
+    A :class:`JaxopsError`, or a plain ``ValueError`` / ``TypeError``, whose message does not
+    already start with a jaxops name (``"jaxops."``) is raised again as the same type with
+    ``"{op}: "`` in front, its traceback and cause kept. Other exceptions pass unchanged.
+    """
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def named(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except (JaxopsError, *_PREFIXED) as e:
+                message = str(e)
+                if message.startswith("jaxops.") or not (
+                    isinstance(e, JaxopsError) or type(e) in _PREFIXED
+                ):
+                    raise
+                raise type(e)(f"{op}: {message}").with_traceback(e.__traceback__) from e.__cause__
+
+        return named
+
+    return wrap
 
 
 def renamed_kwargs(

@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import jaxlib.version
+import numpy as np
 
 from jaxops._config import get_default_impl, resolve_impl
 from jaxops._errors import JaxopsError
@@ -38,9 +39,11 @@ __all__ = [
     "CudaModuleMissingWarning",
     "JaxlibVersionError",
     "build_info",
+    "crc32c_chunks",
     "cuda_available",
     "ensure_registered",
     "ffi_call",
+    "has_kernel",
     "op_paths",
 ]
 
@@ -267,9 +270,14 @@ def kernel_available(backend: str) -> bool:
     return False
 
 
-def use_kernel(impl: str | None) -> bool:
-    """Whether an op called with `impl` runs its custom call on the default backend."""
-    return resolve_impl(impl, kernel_available=kernel_available(jax.default_backend())) == "ffi"
+def use_kernel(impl: str | None, op: str = "jaxops") -> bool:
+    """Whether an op called with `impl` runs its custom call on the default backend.
+
+    `op` is the public name of the op, which starts the error raised for ``impl="ffi"`` where
+    no kernel exists.
+    """
+    available = kernel_available(jax.default_backend())
+    return resolve_impl(impl, kernel_available=available, op=op) == "ffi"
 
 
 def ffi_call(
@@ -282,6 +290,25 @@ def ffi_call(
     """
     call = jax.ffi.ffi_call(target, out_types, vmap_method=vmap_method)
     return vary_like(call(*operands, **attrs), *operands)
+
+
+def crc32c_chunks(data: Any, chunk: int) -> list[int]:
+    """CRC-32C of each `chunk`-byte piece of `data` (the CPU module's host function).
+
+    Args:
+      data: a contiguous uint8 numpy array (or anything numpy views as bytes).
+      chunk: bytes per piece (>= 1); the last piece may be shorter.
+
+    Returns:
+      One CRC per piece (``[]`` for no bytes). SSE4.2 where the CPU has it, without the GIL.
+
+    Example:
+      >>> import numpy as np
+      >>> from jaxops._ffi import crc32c_chunks
+      >>> hex(crc32c_chunks(np.frombuffer(b"123456789", np.uint8), 4096)[0])
+      '0xe3069283'
+    """
+    return _modules["cpu"].crc32c_chunks(np.frombuffer(data, np.uint8), chunk)
 
 
 def cuda_available() -> bool:
@@ -315,6 +342,24 @@ def op_paths(backend: str | None = None) -> dict[str, str]:
     if get_default_impl() == "xla":
         reason = "pure-JAX twin: forced (JAXOPS_IMPL=xla or jaxops.set_default_impl('xla'))"
         return dict.fromkeys(OP_FAMILIES, reason)
+    return _kernel_paths(backend)
+
+
+def has_kernel(family: str, backend: str) -> bool:
+    """Whether jaxops has a custom call of op `family` on `backend`, whatever the default impl.
+
+    `family` is "rms_norm", "fp8" (quantization), "moe" or "gemm" (also the FP8 GEMMs);
+    `backend` "cpu" or "gpu". True where ``impl="ffi"`` can run the family.
+
+    Example:
+      >>> from jaxops._ffi import has_kernel
+      >>> has_kernel("rms_norm", "cpu"), has_kernel("gemm", "cpu")
+      (True, False)
+    """
+    return _kernel_paths(backend)[family].startswith("custom call")
+
+
+def _kernel_paths(backend: str) -> dict[str, str]:
     if backend == "cpu":
         paths = dict.fromkeys(OP_FAMILIES, CPU_CUSTOM_CALL)
         paths["gemm"] = "pure-JAX twin: no CPU GEMM kernel (XLA's dot runs it)"

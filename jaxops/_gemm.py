@@ -1,11 +1,8 @@
-"""GEMM with fused epilogues and FP8 GEMM (per-tensor and block-scaled) on cuBLASLt.
+"""GEMM with fused bias and activation epilogues: :func:`jaxops.gemm` and its twin.
 
-Public API: :func:`jaxops.gemm` (and its twin :func:`jaxops.gemm_reference`),
-``jaxops.fp8.gemm`` and ``jaxops.fp8.linear``.
+Where it runs:
 
-Where each runs:
-
-- **CUDA** (jaxops built with cuBLASLt): the ``jaxops_gemm`` / ``jaxops_gemm_fp8`` custom calls.
+- **CUDA** (jaxops built with cuBLASLt): the ``jaxops_gemm`` custom call (:mod:`jaxops._cublaslt`).
   cuBLASLt fuses bias, relu and gelu_tanh (its GELU is the tanh approximation) into the GEMM and
   writes the pre-activation as the epilogue's auxiliary output when a backward needs it. exact
   "gelu" and "silu" have no cuBLASLt epilogue: the GEMM fuses the bias and XLA applies the
@@ -15,11 +12,9 @@ Where each runs:
   of the *next* layer's dgrad GEMM, which a single op does not own.)
 - **CPU**: XLA's own dot is the best CPU GEMM here, so the CPU path is the pure-JAX composition
   (the twin), documented as such; the CUDA path is tested against it.
-- FP8: cuBLASLt's scaled FP8 matmul, per tensor (``SCALAR_32F``) or with block scales
-  (``VEC128_32F`` for 1 x 128 groups along K, ``BLK128x128_32F`` for 128 x 128 tiles; cuBLAS
-  >= 12.9 on sm_90), so no kernel of our own is needed on Hopper. Problems cuBLASLt cannot take
-  (K not a multiple of 16, or of 128 with block scales; a float32 output; both operands e5m2) run
-  the reference: dequantize + dot, in float32.
+
+The FP8 GEMM and the FP8 layer (``jaxops.fp8.gemm``, ``jaxops.fp8.linear``) live in
+:mod:`jaxops._fp8` and share the cuBLASLt layer.
 
 Layers of the CUDA path: :func:`gemm` → ``jax.custom_vjp`` → ``custom_vmap`` (a vmap over x
 alone folds into the rows) → ``custom_partitioning`` with a Shardy rule (rows of x and columns of
@@ -40,70 +35,20 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 
-from jaxops import _checks, _ffi
 from jaxops._config import resolve_impl
-from jaxops._fp8 import QuantizedArray, dequantize, quantize
-from jaxops._fp8.scales import GRAD_AMAX_FLOOR
+from jaxops._cublaslt import (
+    ACTIVATIONS,
+    TARGET_GEMM,
+    activate,
+    activation_grad,
+    check_dense,
+    gemm_call,
+    kernel_available,
+)
 from jaxops._precision import MODES, current_precision, dot_precision
-from jaxops._sharding import cotangent_like, padded_spec, vary_like
+from jaxops._sharding import cotangent_like, padded_spec
 
-__all__ = [
-    "ACTIVATIONS",
-    "TARGET_GEMM",
-    "TARGET_GEMM_FP8",
-    "fp8_gemm",
-    "fp8_gemm_reference",
-    "fp8_linear",
-    "gemm",
-    "gemm_reference",
-]
-
-TARGET_GEMM = "jaxops_gemm"
-TARGET_GEMM_FP8 = "jaxops_gemm_fp8"
-
-ACTIVATIONS: tuple[str | None, ...] = (None, "relu", "gelu", "gelu_tanh", "silu")
-# Activations the cuBLASLt epilogue applies (gemm::Activation); the others run in XLA.
-_LT_ACTIVATION = {None: 0, "relu": 1, "gelu_tanh": 2}
-# jaxops precision mode -> gemm::Precision (float32 operands). bf16_3x runs XLA's dot.
-_LT_PRECISION = {"fp32": 0, "tf32": 1, "bf16": 2}
-_SCALE_MODE = {"tensor": 0, "rows": 1, "tiles": 2}  # gemm::ScaleMode
-_WORKSPACE_BYTES = 32 << 20  # gemm::kWorkspaceBytes
-_FP8_BLOCK = 128
-
-
-# -------------------------------------------------------------------------------------------------
-# Activations (fp32 in, fp32 out) and their derivatives.
-
-
-def _activate(activation: str | None, h: jax.Array) -> jax.Array:
-    if activation is None:
-        return h
-    if activation == "relu":
-        return jnp.maximum(h, 0.0)
-    if activation == "gelu":
-        return jax.nn.gelu(h, approximate=False)
-    if activation == "gelu_tanh":
-        return jax.nn.gelu(h, approximate=True)
-    return jax.nn.silu(h)
-
-
-def _activation_grad(activation: str | None, h: jax.Array) -> jax.Array:
-    """D act / d h at the (float32) pre-activation h."""
-    if activation is None:
-        return jnp.ones_like(h)
-    if activation == "relu":
-        return (h > 0).astype(h.dtype)
-    if activation == "silu":
-        s = jax.nn.sigmoid(h)
-        return s * (1.0 + h * (1.0 - s))
-    if activation == "gelu":
-        cdf = 0.5 * (1.0 + jax.lax.erf(h / math.sqrt(2.0)))
-        pdf = jnp.exp(-0.5 * h * h) / math.sqrt(2.0 * math.pi)
-        return cdf + h * pdf
-    c = math.sqrt(2.0 / math.pi)
-    inner = c * (h + 0.044715 * h**3)
-    t = jnp.tanh(inner)
-    return 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * h * h)
+__all__ = ["ACTIVATIONS", "TARGET_GEMM", "gemm", "gemm_reference"]
 
 
 # -------------------------------------------------------------------------------------------------
@@ -164,45 +109,6 @@ def _matmul_reference(
     )
 
 
-def _lt_gemm(
-    cfg: _Config,
-    a,
-    b,
-    bias,
-    *,
-    transpose_a: bool = False,
-    transpose_b: bool = False,
-    activation: str | None = None,
-    aux: bool = False,
-    bias_grad: bool = False,
-):
-    """One ``jaxops_gemm`` custom call; returns (d, aux | None, bias_grad | None)."""
-    _ffi.ensure_registered(TARGET_GEMM)
-    m = a.shape[1] if transpose_a else a.shape[0]
-    n = b.shape[0] if transpose_b else b.shape[1]
-    dtype = a.dtype
-    empty = jnp.zeros((0,), dtype)
-    out_types = [
-        jax.ShapeDtypeStruct((m, n), dtype),
-        jax.ShapeDtypeStruct((m, n) if aux else (0,), dtype),
-        jax.ShapeDtypeStruct((n,) if bias_grad else (0,), dtype),
-        jax.ShapeDtypeStruct((_WORKSPACE_BYTES,), jnp.uint8),
-    ]
-    d, aux_out, bias_grad_out, _ = _ffi.ffi_call(
-        TARGET_GEMM,
-        out_types,
-        a,
-        b,
-        empty if bias is None else bias,
-        vmap_method="sequential",
-        transpose_a=bool(transpose_a),
-        transpose_b=bool(transpose_b),
-        activation=np.int32(_LT_ACTIVATION[activation]),
-        precision=np.int32(_LT_PRECISION[cfg.mode]),
-    )
-    return d, (aux_out if aux else None), (bias_grad_out if bias_grad else None)
-
-
 # -------------------------------------------------------------------------------------------------
 # Forward and backward on 2-D operands: x [M, K], w [K, N] (or [N, K]), bias [N] | None.
 
@@ -214,7 +120,7 @@ def _forward(cfg: _Config, x, w, bias, save: bool):
         h = _matmul_reference(cfg.mode, x, w, False, cfg.transpose_w)
         if bias is not None:
             h = h + bias.astype(jnp.float32)
-        y = _activate(act, h).astype(x.dtype)
+        y = activate(act, h).astype(x.dtype)
         if act is None or not save:
             return y, None
         return y, (y if act == "relu" else h.astype(x.dtype))
@@ -222,16 +128,16 @@ def _forward(cfg: _Config, x, w, bias, save: bool):
     fused = act in ("relu", "gelu_tanh") and not (act == "gelu_tanh" and save and n % 8 != 0)
     if fused:
         with_aux = save and act == "gelu_tanh"
-        y, h, _ = _lt_gemm(
-            cfg, x, w, bias, transpose_b=cfg.transpose_w, activation=act, aux=with_aux
+        y, h, _ = gemm_call(
+            cfg.mode, x, w, bias, transpose_b=cfg.transpose_w, activation=act, aux=with_aux
         )
         if not save:
             return y, None
         return y, (y if act == "relu" else h)
-    h, _, _ = _lt_gemm(cfg, x, w, bias, transpose_b=cfg.transpose_w)
+    h, _, _ = gemm_call(cfg.mode, x, w, bias, transpose_b=cfg.transpose_w)
     if act is None:
         return h, None
-    y = _activate(act, h.astype(jnp.float32)).astype(x.dtype)
+    y = activate(act, h.astype(jnp.float32)).astype(x.dtype)
     return y, (h if save else None)
 
 
@@ -242,7 +148,7 @@ def _backward(cfg: _Config, x, w, has_bias: bool, residual, dy):
     elif act == "relu":
         dh = jnp.where(residual > 0, dy, jnp.zeros_like(dy))
     else:
-        dh = (dy.astype(jnp.float32) * _activation_grad(act, residual.astype(jnp.float32))).astype(
+        dh = (dy.astype(jnp.float32) * activation_grad(act, residual.astype(jnp.float32))).astype(
             dy.dtype
         )
     if not cfg.kernel:
@@ -253,12 +159,12 @@ def _backward(cfg: _Config, x, w, has_bias: bool, residual, dy):
             dw = _matmul_reference(cfg.mode, x, dh, True, False, like=w)
         db = jnp.sum(dh.astype(jnp.float32), axis=0) if has_bias else None
         return dx, dw.astype(w.dtype), db
-    dx, _, _ = _lt_gemm(cfg, dh, w, None, transpose_b=not cfg.transpose_w)
+    dx, _, _ = gemm_call(cfg.mode, dh, w, None, transpose_b=not cfg.transpose_w)
     if cfg.transpose_w:  # dw [N, K] = dh^T x; the bias gradient as an XLA reduction
-        dw, _, _ = _lt_gemm(cfg, dh, x, None, transpose_a=True)
+        dw, _, _ = gemm_call(cfg.mode, dh, x, None, transpose_a=True)
         db = jnp.sum(dh.astype(jnp.float32), axis=0) if has_bias else None
     else:  # dw [K, N] = x^T dh, the bias gradient (sum of dh over rows) fused as BGRADA
-        dw, _, db = _lt_gemm(cfg, x, dh, None, transpose_a=True, bias_grad=has_bias)
+        dw, _, db = gemm_call(cfg.mode, x, dh, None, transpose_a=True, bias_grad=has_bias)
     return dx, dw, db
 
 
@@ -392,49 +298,12 @@ _gemm.defvjp(_gemm_fwd, _gemm_bwd)
 # Public GEMM.
 
 
-def _check_activation(op: str, activation: Any) -> str | None:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    return activation
-
-
 def _check_mode(op: str, precision: Any) -> str:
     if precision is None:
         return current_precision()
     if not isinstance(precision, str) or precision not in MODES:
         raise ValueError(f"{op}: precision must be None or one of {MODES}, got {precision!r}")
     return current_precision() if precision == "default" else precision
-
-
-def _gemm_kernel_available() -> bool:
-    backend = jax.default_backend()
-    if backend not in ("gpu", "cuda") or not _ffi.kernel_available(backend):
-        return False
-    return _ffi.build_info().get("CUDA", {}).get("cublaslt") is not None
-
-
-def _validate_gemm(op, x, w, bias, activation, transpose_w):
-    x = _checks.check_array(op, "x", x, min_rank=1)
-    w = _checks.check_array(op, "w", w)
-    if w.ndim != 2:
-        raise ValueError(f"{op}: w must be a matrix [K, N] (or [N, K]), got shape {w.shape}")
-    if w.dtype != x.dtype:
-        raise TypeError(f"{op}: w must have x's dtype {x.dtype}, got {w.dtype}")
-    transpose_w = _checks.check_bool(op, "transpose_w", transpose_w)
-    k = x.shape[-1]
-    w_k, n = (w.shape[1], w.shape[0]) if transpose_w else w.shape
-    if w_k != k:
-        layout = "[N, K]" if transpose_w else "[K, N]"
-        raise ValueError(
-            f"{op}: w must be {layout} with K = x.shape[-1] = {k}; got w of shape {w.shape}"
-        )
-    if bias is not None:
-        bias = _checks.check_array(op, "bias", bias)
-        if bias.shape != (n,) or bias.dtype != x.dtype:
-            raise ValueError(
-                f"{op}: bias must be [{n}] with x's dtype {x.dtype}; got {bias.shape} {bias.dtype}"
-            )
-    return x, w, bias, _check_activation(op, activation), transpose_w, n
 
 
 def gemm(
@@ -481,11 +350,11 @@ def gemm(
       (8, 32)
     """
     op = "jaxops.gemm"
-    x, w, bias, activation, transpose_w, n = _validate_gemm(op, x, w, bias, activation, transpose_w)
+    x, w, bias, activation, transpose_w, n = check_dense(op, x, w, bias, activation, transpose_w)
     mode = _check_mode(op, precision)
     k = x.shape[-1]
-    available = _gemm_kernel_available()
-    choice = resolve_impl(impl, kernel_available=available)
+    available = kernel_available()
+    choice = resolve_impl(impl, kernel_available=available, op=op)
     rows = math.prod(x.shape[:-1])
     kernel = (
         choice == "ffi"
@@ -502,314 +371,7 @@ def gemm(
 
 
 def gemm_reference(
-    x: jax.Array,
-    w: jax.Array,
-    bias: jax.Array | None = None,
-    *,
-    activation: str | None = None,
-    transpose_w: bool = False,
-    precision: str | None = None,
+    x: jax.Array, w: jax.Array, bias: jax.Array | None = None, **kwargs: Any
 ) -> jax.Array:
-    """The pure-JAX twin of :func:`gemm` (same arguments; XLA's dot with the same precision)."""
-    return gemm(
-        x, w, bias, activation=activation, transpose_w=transpose_w, precision=precision, impl="xla"
-    )
-
-
-# -------------------------------------------------------------------------------------------------
-# FP8 GEMM.
-
-
-def _operand_mode(op: str, name: str, q: QuantizedArray, k_axis_of_data: int) -> str:
-    """The scaling mode of `q` along the contraction, or a clear error."""
-    if q.block is None:
-        return "tensor"
-    if q.block == (_FP8_BLOCK, _FP8_BLOCK):
-        return "tiles"
-    if q.block == (1, _FP8_BLOCK) and k_axis_of_data == 1:
-        return "rows"
-    raise ValueError(
-        f"{op}: {name} must be quantized per tensor, in 1 x 128 groups along K or in 128 x 128 "
-        f"tiles; got block={q.block} with transposed={q.transposed} (its groups run along "
-        f"{'K' if k_axis_of_data == 1 else 'the non-contracted axis'})"
-    )
-
-
-def _kernel_scale(mode: str, q: QuantizedArray, transpose_data: bool) -> jax.Array:
-    """Q's scales as the kernel takes them: [KB, pad4(row blocks)], row blocks contiguous."""
-    scale = q.scale.astype(jnp.float32)
-    if mode == "tensor":
-        return scale.reshape(())
-    # Our layouts, in data's coordinates: "row" [RB, KB], "col_tma" [KB, pad4(RB)].
-    grid = jnp.swapaxes(scale, -1, -2) if q.scale_layout == "col_tma" else scale
-    rows = q.data.shape[0] if mode == "rows" else -(-q.data.shape[0] // _FP8_BLOCK)
-    grid = grid[:rows] if q.scale_layout == "col_tma" else grid
-    if transpose_data:  # tiles: the tile grid transposes with the data
-        grid = grid.T
-    kernel = grid.T  # [KB, RB]
-    pad = (-kernel.shape[1]) % 4
-    return jnp.pad(kernel, ((0, 0), (0, pad))) if pad else kernel
-
-
-def _fp8_reference(a, b, bias, activation, out_dtype):
-    y = jnp.matmul(
-        dequantize(a, jnp.float32),
-        dequantize(b, jnp.float32),
-        precision=jax.lax.Precision.HIGHEST,
-    )
-    if bias is not None:
-        y = y + bias.astype(jnp.float32)
-    return _activate(activation, y).astype(out_dtype)
-
-
-def _fp8_validate(op, a, b, bias, activation, out_dtype):
-    for name, q in (("a", a), ("b", b)):
-        if not isinstance(q, QuantizedArray):
-            raise TypeError(
-                f"{op}: {name} must be a jaxops.fp8.QuantizedArray, got {type(q).__name__}"
-            )
-        if len(q.shape) != 2:
-            raise ValueError(f"{op}: {name} must be a matrix, got logical shape {q.shape}")
-    (m, k), (b_k, n) = a.shape, b.shape
-    if b_k != k:
-        raise ValueError(f"{op}: a [M, K] and b [K, N] must share K; got {a.shape} and {b.shape}")
-    out = np.dtype(out_dtype)
-    if out not in _checks.FLOAT_DTYPES:
-        raise TypeError(f"{op}: out_dtype must be float32, bfloat16 or float16; got {out.name}")
-    activation = _check_activation(op, activation)
-    if bias is not None:
-        bias = _checks.check_array(op, "bias", bias)
-        if bias.shape != (n,):
-            raise ValueError(f"{op}: bias must be [{n}], got {bias.shape}")
-    # a's data [M, K] holds K on axis 1 unless transposed; b's logical [K, N] holds K on axis 1
-    # of its data only when transposed (data [N, K]).
-    a_mode = _operand_mode(op, "a", a, 0 if a.transposed else 1)
-    b_mode = _operand_mode(op, "b", b, 1 if b.transposed else 0)
-    if (a_mode == "tensor") != (b_mode == "tensor"):
-        raise ValueError(
-            f"{op}: a and b must both be per-tensor or both block-scaled; got {a_mode} and {b_mode}"
-        )
-    if a_mode == b_mode == "tiles":
-        raise ValueError(f"{op}: at most one of a and b may use 128 x 128 tiles (cuBLASLt)")
-    return m, k, n, out, activation, bias, a_mode, b_mode
-
-
-def fp8_gemm(
-    a: QuantizedArray,
-    b: QuantizedArray,
-    *,
-    bias: jax.Array | None = None,
-    activation: str | None = None,
-    out_dtype: Any = jnp.bfloat16,
-    impl: str | None = None,
-) -> jax.Array:
-    """``act(dequant(a) @ dequant(b) + bias)`` on FP8 tensor cores, fp32 accumulation.
-
-    Scalings: both per tensor (``block=None``), or block-scaled with at most one operand in
-    128 x 128 tiles — the DeepSeek-V3 recipe is a in 1 x 128 groups along K
-    (``quantize(x, block=(1, 128))``) and b in 128 x 128 tiles. On CUDA: cuBLASLt's scaled FP8
-    matmul (block modes of cuBLAS >= 12.9 on sm_90). Hopper's FP8 tensor cores take both operands
-    K-major: b is best given as the transposed copy (``quantize(w, ..., transpose=True)[1]``,
-    data ``[N, K]``); a b whose data is ``[K, N]`` is transposed by XLA first (tiles only; a
-    1 x 128 b must group along K). Elsewhere, and for problems cuBLASLt cannot take (see the module
-    docstring), the reference: dequantize both, multiply in float32.
-
-    Args:
-      a: QuantizedArray, logical ``[M, K]``.
-      b: QuantizedArray, logical ``[K, N]``.
-      bias: None or ``[N]`` (any float dtype; added in fp32).
-      activation: None, "relu", "gelu", "gelu_tanh" or "silu".
-      out_dtype: bfloat16 (default), float16 or float32 (float32 runs the reference).
-      impl: None, "ffi" or "xla".
-
-    Returns:
-      ``[M, N]`` in out_dtype.
-
-    Raises:
-      TypeError / ValueError: operands that are not QuantizedArrays, mismatched K, a block layout
-        the GEMM cannot take (groups not along K, two tiled operands, per-tensor mixed with
-        blocks), bad bias or out_dtype.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, jaxops
-      >>> x = jax.random.normal(jax.random.key(0), (64, 256), jnp.bfloat16)
-      >>> w = jax.random.normal(jax.random.key(1), (256, 128), jnp.bfloat16)
-      >>> qa = jaxops.fp8.quantize(x, block=(1, 128))
-      >>> qb = jaxops.fp8.quantize(w, block=(128, 128), transpose=True)[1]
-      >>> jaxops.fp8.gemm(qa, qb).shape
-      (64, 128)
-    """
-    op = "jaxops.fp8.gemm"
-    m, k, n, out, activation, bias, a_mode, b_mode = _fp8_validate(
-        op, a, b, bias, activation, out_dtype
-    )
-    available = _gemm_kernel_available()
-    choice = resolve_impl(impl, kernel_available=available)
-    both_e5m2 = a.dtype == b.dtype == np.dtype(jnp.float8_e5m2)
-    blocked = a_mode != "tensor"
-    kernel = (
-        choice == "ffi"
-        and out != np.dtype(np.float32)
-        and not both_e5m2
-        and m > 0
-        and n > 0
-        and k % (_FP8_BLOCK if blocked else 16) == 0
-        and k > 0
-    )
-    if not kernel:
-        return _fp8_reference(a, b, bias, activation, out)
-    _ffi.ensure_registered(TARGET_GEMM_FP8)
-    a_data = jnp.swapaxes(a.data, 0, 1) if a.transposed else a.data  # [M, K]
-    b_data = b.data if b.transposed else jnp.swapaxes(b.data, 0, 1)  # [N, K]
-    a_scale = _kernel_scale(a_mode, a, a.transposed)
-    b_scale = _kernel_scale(b_mode, b, not b.transposed)
-    lt_act = activation if activation in _LT_ACTIVATION else None
-    bias_operand = jnp.zeros((0,), out) if bias is None else bias.astype(out)
-    y, _ = _ffi.ffi_call(
-        TARGET_GEMM_FP8,
-        [jax.ShapeDtypeStruct((m, n), out), jax.ShapeDtypeStruct((_WORKSPACE_BYTES,), jnp.uint8)],
-        a_data,
-        b_data,
-        a_scale,
-        b_scale,
-        bias_operand,
-        vmap_method="sequential",
-        a_scale_mode=np.int32(_SCALE_MODE[a_mode]),
-        b_scale_mode=np.int32(_SCALE_MODE[b_mode]),
-        activation=np.int32(_LT_ACTIVATION[lt_act]),
-    )
-    if activation != lt_act:
-        y = _activate(activation, y.astype(jnp.float32)).astype(out)
-    return y
-
-
-def fp8_gemm_reference(
-    a: QuantizedArray,
-    b: QuantizedArray,
-    *,
-    bias: jax.Array | None = None,
-    activation: str | None = None,
-    out_dtype: Any = jnp.bfloat16,
-) -> jax.Array:
-    """The twin of :func:`fp8_gemm`: dequantize both operands, multiply in float32."""
-    return fp8_gemm(a, b, bias=bias, activation=activation, out_dtype=out_dtype, impl="xla")
-
-
-# -------------------------------------------------------------------------------------------------
-# fp8.linear: a differentiable FP8 layer.
-
-
-@dataclasses.dataclass(frozen=True)
-class _LinearConfig:
-    activation: str | None
-    recipe: str  # "block" or "tensor"
-    impl: str | None
-
-
-def _quantize_pair(cfg: _LinearConfig, x, *, weight: bool, grad: bool):
-    """(q, q_t): x and its transpose quantized in one pass, as the recipe wants them."""
-    if cfg.recipe == "tensor":
-        block = None
-        dtype = jnp.float8_e5m2 if grad else jnp.float8_e4m3fn
-    else:
-        block = (_FP8_BLOCK, _FP8_BLOCK) if weight else (1, _FP8_BLOCK)
-        dtype = jnp.float8_e4m3fn
-    floor = GRAD_AMAX_FLOOR if grad else 1e-4
-    return quantize(x, dtype=dtype, block=block, transpose=True, amax_floor=floor, impl=cfg.impl)
-
-
-def _linear_forward(cfg: _LinearConfig, x, w, bias):
-    qx, qx_t = _quantize_pair(cfg, x, weight=False, grad=False)
-    qw, qw_t = _quantize_pair(cfg, w, weight=True, grad=False)
-    # Forward: x [M, K] @ w [K, N]; b = w as data [N, K] (the transposed copy).
-    h = fp8_gemm(qx, qw_t, bias=bias, activation=None, out_dtype=jnp.float32, impl=cfg.impl)
-    y = _activate(cfg.activation, h)
-    return y.astype(x.dtype), (qx_t, qw, h.astype(x.dtype))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _linear(cfg: _LinearConfig, x, w, bias):
-    return _linear_forward(cfg, x, w, bias)[0]
-
-
-def _linear_fwd(cfg: _LinearConfig, x, w, bias):
-    y, (qx_t, qw, h) = _linear_forward(cfg, x, w, bias)
-    # Empty arrays that carry the shard_map varying axes of x and w, for the cotangents.
-    markers = tuple(vary_like(jnp.zeros((0,), jnp.float32), v) for v in (x, w))
-    return y, (qx_t, qw, h, bias, markers)
-
-
-def _linear_bwd(cfg: _LinearConfig, saved, dy):
-    qx_t, qw, h, bias, (x_marker, w_marker) = saved
-    dh = (dy.astype(jnp.float32) * _activation_grad(cfg.activation, h.astype(jnp.float32))).astype(
-        dy.dtype
-    )
-    qd, qd_t = _quantize_pair(cfg, dh, weight=False, grad=True)
-    # dgrad: dx [M, K] = dh [M, N] @ w^T. b = w^T, logical [N, K]: qw's data [K, N] read as the
-    # transposed copy (valid for tiles and per-tensor scales, the weight's two recipes).
-    dx = fp8_gemm(
-        qd, dataclasses.replace(qw, transposed=True), out_dtype=jnp.float32, impl=cfg.impl
-    )
-    # wgrad: dw [K, N] = x^T [K, M] @ dh [M, N]. a = x^T: qx_t's data [K, M] (groups along M)
-    # read as a plain array; b = dh from its transposed copy qd_t (data [N, M], groups along M).
-    a_t = dataclasses.replace(qx_t, transposed=False)
-    dw = fp8_gemm(a_t, qd_t, out_dtype=jnp.float32, impl=cfg.impl)
-    db = None if bias is None else jnp.sum(dh.astype(jnp.float32), axis=0).astype(bias.dtype)
-    return (
-        cotangent_like(dx.astype(dy.dtype), x_marker),
-        cotangent_like(dw.astype(dy.dtype), w_marker),
-        cotangent_like(db, bias),
-    )
-
-
-_linear.defvjp(_linear_fwd, _linear_bwd)
-
-
-def fp8_linear(
-    x: jax.Array,
-    w: jax.Array,
-    bias: jax.Array | None = None,
-    *,
-    activation: str | None = None,
-    recipe: str = "block",
-    impl: str | None = None,
-) -> jax.Array:
-    """A differentiable FP8 dense layer: ``act(x @ w + bias)`` with FP8 GEMMs forward and backward.
-
-    recipe="block" (DeepSeek-V3): x and the output gradient in 1 x 128 groups, w in 128 x 128
-    tiles, all float8_e4m3fn. recipe="tensor": per-tensor current scaling, e4m3 forward and e5m2
-    gradients. Each tensor is quantized once together with its transpose (the fused
-    transpose-quantize of ``jaxops.fp8.quantize``): the forward uses x and wᵀ's copy, dgrad the
-    output gradient and w, wgrad xᵀ and the gradient's transpose. Accumulation is fp32; the
-    bias and activation are applied in fp32.
-
-    Args:
-      x: float32, bfloat16 or float16 ``[..., K]``.
-      w: x's dtype ``[K, N]``.
-      bias: None or ``[N]``.
-      activation: None, "relu", "gelu", "gelu_tanh" or "silu".
-      recipe: "block" or "tensor".
-      impl: None, "ffi" or "xla" (quantization and GEMMs).
-
-    Returns:
-      ``[..., N]`` in x's dtype.
-
-    Raises:
-      TypeError / ValueError: bad dtypes or shapes, unknown recipe or activation.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, jaxops
-      >>> x = jax.random.normal(jax.random.key(0), (128, 256), jnp.bfloat16)
-      >>> w = jax.random.normal(jax.random.key(1), (256, 128), jnp.bfloat16) / 16
-      >>> loss = lambda x, w: jaxops.fp8.linear(x, w, activation="gelu").astype(jnp.float32).sum()
-      >>> [g.shape for g in jax.grad(loss, argnums=(0, 1))(x, w)]
-      [(128, 256), (256, 128)]
-    """
-    op = "jaxops.fp8.linear"
-    x, w, bias, activation, _, n = _validate_gemm(op, x, w, bias, activation, False)
-    if recipe not in ("block", "tensor"):
-        raise ValueError(f"{op}: recipe must be 'block' or 'tensor', got {recipe!r}")
-    cfg = _LinearConfig(activation, recipe, impl)
-    k = x.shape[-1]
-    y = _linear(cfg, x.reshape(-1, k), w, bias)
-    return y.reshape(*x.shape[:-1], n)
+    """The pure-JAX twin of :func:`gemm`: its arguments but `impl` (XLA's dot, same precision)."""
+    return gemm(x, w, bias, impl="xla", **kwargs)

@@ -1,4 +1,4 @@
-"""FP8 quantization for JAX: per-tensor, 1 x G and G x G block scaling, fused transpose.
+"""FP8 for JAX: quantization (per-tensor, 1 x G and G x G blocks, fused transpose), GEMM, layer.
 
 The public namespace ``jaxops.fp8``; the implementation lives in ``jaxops._fp8``.
 
@@ -10,7 +10,8 @@ The public namespace ``jaxops.fp8``; the implementation lives in ``jaxops._fp8``
 - :func:`scale_from_amax`, :func:`max_finite`, :data:`AMAX_FLOOR`, and the pure-JAX twins
   :func:`quantize_reference`, :func:`quantize_split_transpose_reference`;
 - FP8 GEMM: :func:`gemm` (per-tensor or block-scaled operands, cuBLASLt on CUDA) and its twin
-  :func:`gemm_reference`, and the differentiable layer :func:`linear`.
+  :func:`gemm_reference`, and the differentiable layer :func:`linear` (its recipe keyword is
+  ``fp8=``; ``recipe=`` is the deprecated name, as for the delayed-scaling functions).
 """
 
 from jaxops._fp8 import (
@@ -32,9 +33,9 @@ from jaxops._fp8 import (
     scale_from_amax_history,
     update_fp8_meta,
 )
-from jaxops._gemm import fp8_gemm as gemm
-from jaxops._gemm import fp8_gemm_reference as gemm_reference
-from jaxops._gemm import fp8_linear as linear
+from jaxops._fp8 import fp8_gemm as gemm
+from jaxops._fp8 import fp8_gemm_reference as gemm_reference
+from jaxops._fp8 import fp8_linear as linear
 
 __all__ = [
     "AMAX_FLOOR",

@@ -67,7 +67,9 @@ def tolerance(dtype: Any) -> dict[str, float]:
     """
     name = np.dtype(dtype).name
     if name not in _TOLERANCES:
-        raise ValueError(f"tolerance: no tolerance for dtype {name}; known: {sorted(_TOLERANCES)}")
+        raise ValueError(
+            f"jaxops.testing.tolerance: no tolerance for dtype {name}; known: {sorted(_TOLERANCES)}"
+        )
     return dict(_TOLERANCES[name])
 
 
@@ -239,8 +241,11 @@ def run_processes(
     codes = [code for code, _ in results]
     if None in codes:
         raise AssertionError(
-            f"processes did not finish in {timeout} s:\n" + "\n----\n".join(outputs)
+            f"jaxops.testing.run_processes: processes did not finish in {timeout} s:\n"
+            + "\n----\n".join(outputs)
         )
     if any(codes):
-        raise AssertionError(f"exit codes {codes}:\n" + "\n----\n".join(outputs))
+        raise AssertionError(
+            f"jaxops.testing.run_processes: exit codes {codes}:\n" + "\n----\n".join(outputs)
+        )
     return outputs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import hypothesis.extra.numpy as hnp
 import jax
@@ -409,6 +410,26 @@ def test_delayed_scaling_kernel_matches_twin_with_transpose():
     assert float(m1.amax_history[0]) == float(jnp.abs(x.astype(jnp.float32)).max())
 
 
+def test_delayed_scaling_recipe_keyword_is_deprecated():
+    """``recipe=`` is the old name of ``fp8=`` in the delayed-scaling functions: warns, works."""
+    recipe = fp8.DelayedScaling(history_len=2, margin=1)
+    x = jnp.full((4, 32), 3.0)
+    calls = {
+        "init_fp8_meta": lambda **kw: fp8.init_fp8_meta(**kw),
+        "scale_from_amax_history": lambda **kw: fp8.scale_from_amax_history(
+            jnp.array([3.0, 1.0]), **kw
+        ),
+        "update_fp8_meta": lambda **kw: fp8.update_fp8_meta(fp8.init_fp8_meta(recipe), 3.0, **kw),
+        "quantize_delayed": lambda **kw: fp8.quantize_delayed(x, fp8.init_fp8_meta(recipe), **kw),
+    }
+    for name, call in calls.items():
+        with pytest.warns(DeprecationWarning, match=rf"jaxops\.fp8\.{name}: .*recipe= .* fp8="):
+            old = call(recipe=recipe)
+        new = call(fp8=recipe)
+        for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new), strict=True):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 # -------------------------------------------------------------------------------------------------
 # quantize_split_transpose.
 
@@ -601,7 +622,26 @@ def test_inside_shard_map_results_vary_over_the_mesh(block):
 @pytest.mark.parametrize(
     "call,error,match",
     [
-        (lambda: fp8.quantize(jnp.ones((4, 8), jnp.int32)), TypeError, "x must have dtype"),
+        (
+            lambda: fp8.quantize(jnp.ones((4, 8), jnp.int32)),
+            TypeError,
+            r"^jaxops\.fp8\.quantize: x must have dtype",
+        ),
+        (
+            lambda: fp8.quantize(jnp.ones((4, 8)), impl="cuda"),
+            ValueError,
+            r"^jaxops\.fp8\.quantize: impl must be",
+        ),
+        (
+            lambda: fp8.fake_quant(jnp.ones((4, 8)), block=(1, 100)),
+            ValueError,
+            r"^jaxops\.fp8\.fake_quant: block must use G in",
+        ),
+        (
+            lambda: fp8.quantize_delayed(jnp.ones(4), fp8.init_fp8_meta(), transpose=True),
+            ValueError,
+            r"^jaxops\.fp8\.quantize_delayed: transpose needs",
+        ),
         (lambda: fp8.quantize(jnp.ones((4, 8)), dtype=jnp.bfloat16), TypeError, "float8_e4m3fn"),
         (lambda: fp8.quantize(jnp.ones((4, 8)), block=(1, 100)), ValueError, "G in"),
         (lambda: fp8.quantize(jnp.ones((4, 8)), block=(2, 128)), ValueError, "block must be"),
@@ -617,11 +657,15 @@ def test_inside_shard_map_results_vary_over_the_mesh(block):
         (lambda: fp8.quantize(jnp.ones((4, 8)), amax_floor=0.0), ValueError, "amax_floor"),
         (lambda: fp8.quantize(jnp.ones((4, 8)), amax_floor=1e-40), ValueError, "amax_floor"),
         (lambda: fp8.quantize(jnp.ones((4, 8)), pow2_scale=1), TypeError, "pow2_scale"),
-        (lambda: fp8.dequantize(jnp.ones(3)), TypeError, "QuantizedArray"),
+        (
+            lambda: fp8.dequantize(jnp.ones(3)),
+            TypeError,
+            r"^jaxops\.fp8\.dequantize: q must be a QuantizedArray",
+        ),
         (
             lambda: fp8.quantize_split_transpose(jnp.ones((4, 8)), jnp.ones(2, jnp.float32)),
             TypeError,
-            "group_sizes must have dtype int32",
+            r"^jaxops\.fp8\.quantize_split_transpose: group_sizes must have dtype int32",
         ),
         (
             lambda: fp8.quantize_split_transpose(jnp.ones((4, 8)), jnp.ones((2, 2), jnp.int32)),
@@ -640,13 +684,19 @@ def test_inside_shard_map_results_vary_over_the_mesh(block):
             ValueError,
             "G in",
         ),
-        (lambda: fp8.DelayedScaling(amax_compute="mean"), ValueError, "amax_compute"),
+        (
+            lambda: fp8.DelayedScaling(amax_compute="mean"),
+            jaxops.ConfigError,
+            r"^jaxops\.fp8\.DelayedScaling: amax_compute",
+        ),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
 def test_bad_input_raises_at_trace_time(call, error, match):
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=match) as info:
         call()
+    # Every message starts with the public dotted name of the op that was called.
+    assert re.match(r"jaxops(\.\w+)+: ", str(info.value)), str(info.value)
 
 
 def test_handler_rejects_inconsistent_operands_instead_of_crashing():

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import jaxops
-from jaxops import _gemm
+from jaxops import _cublaslt, _gemm
 from jaxops.testing import assert_allclose, count_collectives
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -102,7 +102,7 @@ def test_gemm_grads(activation, transpose_w):
         # The custom_vjp equals autodiff of the plain composition.
         def plain(x, w, b):
             h = jnp.dot(x, w.T if transpose_w else w, precision="highest") + b
-            return _gemm._activate(activation, h)
+            return _cublaslt.activate(activation, h)
 
         ct = jax.random.normal(jax.random.key(3), (6, 7))
         got = jax.vjp(f, x, w, b)[1](ct)
@@ -123,21 +123,25 @@ def test_gemm_vmap_and_jit():
 
 def test_gemm_bad_input():
     x, w, b = _inputs((4,), 8, 3, jnp.float32)
-    with pytest.raises(ValueError, match=r"w must be \[K, N\] with K = x.shape\[-1\] = 8"):
+    with pytest.raises(
+        ValueError, match=r"^jaxops\.gemm: w must be \[K, N\] with K = x.shape\[-1\] = 8"
+    ):
         jaxops.gemm(x, w[:5])
-    with pytest.raises(ValueError, match="w must be a matrix"):
+    with pytest.raises(ValueError, match=r"^jaxops\.gemm: w must be a matrix"):
         jaxops.gemm(x, w[None])
-    with pytest.raises(ValueError, match="activation must be one of"):
+    with pytest.raises(ValueError, match=r"^jaxops\.gemm: activation must be one of"):
         jaxops.gemm(x, w, activation="tanh")
-    with pytest.raises(ValueError, match=r"bias must be \[3\]"):
+    with pytest.raises(ValueError, match=r"^jaxops\.gemm: bias must be \[3\]"):
         jaxops.gemm(x, w, b[:2])
-    with pytest.raises(TypeError, match="w must have x's dtype"):
+    with pytest.raises(TypeError, match=r"^jaxops\.gemm: w must have x's dtype"):
         jaxops.gemm(x, w.astype(jnp.bfloat16))
-    with pytest.raises(TypeError, match="x must have dtype"):
+    with pytest.raises(TypeError, match=r"^jaxops\.gemm: x must have dtype"):
         jaxops.gemm(x.astype(jnp.int32), w)
-    with pytest.raises(ValueError, match="precision must be None or one of"):
+    with pytest.raises(ValueError, match=r"^jaxops\.gemm: precision must be None or one of"):
         jaxops.gemm(x, w, precision="tf16")
-    with pytest.raises(ValueError, match="mode must be one of"):
+    with pytest.raises(ValueError, match=r"^jaxops\.gemm: impl must be"):
+        jaxops.gemm(x, w, impl="cuda")
+    with pytest.raises(ValueError, match=r"^jaxops\.precision: mode must be one of"):
         jaxops.precision("highest")
 
 
@@ -314,7 +318,7 @@ def test_grads_of_a_replicated_weight_inside_shard_map(op):
     def fn(x, w, b):
         if op == "gemm":
             return jaxops.gemm(x, w, b, activation="gelu", precision="fp32")
-        return jaxops.fp8.linear(x, w, b, recipe="block")
+        return jaxops.fp8.linear(x, w, b, fp8="block")
 
     def loss(f, x, w, b):
         return jnp.sum(jnp.square(f(x, w, b)))
@@ -403,22 +407,38 @@ def test_fp8_gemm_bad_input():
     w = jnp.ones((256, 128))
     qa = jaxops.fp8.quantize(x, block=(1, 128))
     qw_rows_wrong_axis = jaxops.fp8.quantize(w, block=(1, 128))  # groups along N
-    with pytest.raises(ValueError, match=r"b must be quantized .* groups run along the non-contr"):
+    with pytest.raises(ValueError, match=r"^jaxops\.fp8\.gemm: b must be quantized .* non-contr"):
         jaxops.fp8.gemm(qa, qw_rows_wrong_axis)
     qa_t = jaxops.fp8.quantize(x, block=(1, 128), transpose=True)[1]  # groups along M
     qw = jaxops.fp8.quantize(w, block=(128, 128))
-    with pytest.raises(ValueError, match="a must be quantized"):
+    with pytest.raises(ValueError, match=r"^jaxops\.fp8\.gemm: a must be quantized"):
         jaxops.fp8.gemm(qa_t, qw)
-    with pytest.raises(ValueError, match="at most one of a and b may use 128 x 128 tiles"):
+    with pytest.raises(ValueError, match=r"^jaxops\.fp8\.gemm: at most one of a and b may use 128"):
         jaxops.fp8.gemm(jaxops.fp8.quantize(x[:, :256], block=(128, 128)), qw)
-    with pytest.raises(ValueError, match="both be per-tensor or both block-scaled"):
+    with pytest.raises(
+        ValueError, match=r"^jaxops\.fp8\.gemm: .* both be per-tensor or both block"
+    ):
         jaxops.fp8.gemm(qa, jaxops.fp8.quantize(w, block=None))
-    with pytest.raises(ValueError, match="must share K"):
+    with pytest.raises(ValueError, match=r"^jaxops\.fp8\.gemm: .* must share K"):
         jaxops.fp8.gemm(qa, jaxops.fp8.quantize(w[:128], block=(128, 128)))
-    with pytest.raises(TypeError, match=r"b must be a jaxops\.fp8\.QuantizedArray"):
+    with pytest.raises(TypeError, match=r"^jaxops\.fp8\.gemm: b must be a jaxops\.fp8\.Quantized"):
         jaxops.fp8.gemm(qa, w)
-    with pytest.raises(ValueError, match="recipe must be"):
-        jaxops.fp8.linear(x, w, recipe="mx")
+    with pytest.raises(ValueError, match=r"^jaxops\.fp8\.linear: fp8 must be one of"):
+        jaxops.fp8.linear(x, w, fp8="mx")
+    with pytest.raises(ValueError, match=r"^jaxops\.fp8\.linear: w must be a matrix"):
+        jaxops.fp8.linear(x, w[None])
+
+
+def test_fp8_linear_recipe_keyword_is_deprecated():
+    """``recipe=`` is the old name of ``fp8=``: it warns and still selects the recipe."""
+    x = jax.random.normal(jax.random.key(0), (128, 256), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (256, 128), jnp.bfloat16) / 16
+    with pytest.warns(DeprecationWarning, match=r"jaxops\.fp8\.linear: .*recipe= is renamed fp8="):
+        old = jaxops.fp8.linear(x, w, recipe="tensor")
+    np.testing.assert_array_equal(old, jaxops.fp8.linear(x, w, fp8="tensor"))
+    assert not np.array_equal(old, jaxops.fp8.linear(x, w, fp8="block"))
+    with pytest.raises(TypeError, match="both fp8= and its deprecated name recipe="):
+        jaxops.fp8.linear(x, w, recipe="tensor", fp8="block")
 
 
 # Stated FP8 error bounds of jaxops.fp8.linear against the bf16 layer, as relative Frobenius
@@ -437,7 +457,7 @@ def test_fp8_linear_grads_within_fp8_bounds(recipe):
     ct = jax.random.normal(keys[3], (256, 256), jnp.bfloat16)
 
     def fp8(x, w, b):
-        return jaxops.fp8.linear(x, w, b, activation="gelu", recipe=recipe)
+        return jaxops.fp8.linear(x, w, b, activation="gelu", fp8=recipe)
 
     def ref(x, w, b):
         return jaxops.gemm_reference(x, w, b, activation="gelu", precision="fp32")

@@ -529,7 +529,11 @@ _IDS = jnp.zeros((4, 2), jnp.int32)
 @pytest.mark.parametrize(
     "call,error,match",
     [
-        (lambda: moe.permute(jnp.ones((4, 8), jnp.int32), _IDS, 2), TypeError, "tokens must have"),
+        (
+            lambda: moe.permute(jnp.ones((4, 8), jnp.int32), _IDS, 2),
+            TypeError,
+            r"^jaxops\.moe\.permute: tokens must have",
+        ),
         (lambda: moe.permute(jnp.ones(8), _IDS, 2), ValueError, r"tokens must have shape \(T, H\)"),
         (lambda: moe.permute(_X, _IDS.astype(jnp.int16), 2), TypeError, "expert_ids must have"),
         (lambda: moe.permute(_X, jnp.zeros((3, 2), jnp.int32), 2), ValueError, "T = 4"),
@@ -557,8 +561,16 @@ _IDS = jnp.zeros((4, 2), jnp.int32)
             TypeError,
             "num_experts must be a static",
         ),
-        (lambda: moe.permute(_X, _IDS, 2, impl="triton"), ValueError, "impl must be"),
-        (lambda: moe.unpermute(_X, _X), TypeError, "permuted must be a jaxops.moe.Permuted"),
+        (
+            lambda: moe.permute(_X, _IDS, 2, impl="triton"),
+            ValueError,
+            r"^jaxops\.moe\.permute: impl must be",
+        ),
+        (
+            lambda: moe.unpermute(_X, _X),
+            TypeError,
+            r"^jaxops\.moe\.unpermute: permuted must be a jaxops\.moe\.Permuted",
+        ),
         (
             lambda: moe.unpermute(jnp.ones((3, 8)), moe.permute(_X, _IDS, 2)),
             ValueError,
@@ -573,8 +585,10 @@ _IDS = jnp.zeros((4, 2), jnp.int32)
     ids=lambda v: v if isinstance(v, str) else "",
 )
 def test_bad_input_raises_at_trace_time(call, error, match):
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=match) as info:
         call()
+    # Every message starts with the public dotted name of the op that was called.
+    assert re.match(r"jaxops(\.\w+)+: ", str(info.value)), str(info.value)
 
 
 def test_handlers_reject_inconsistent_operands_instead_of_crashing():

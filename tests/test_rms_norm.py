@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -476,7 +477,11 @@ def test_inside_shard_map_results_vary_and_grads_sum_over_devices():
 @pytest.mark.parametrize(
     "call,error,match",
     [
-        (lambda: jaxops.rms_norm(jnp.float32(1.0)), ValueError, "x must have rank >= 1"),
+        (
+            lambda: jaxops.rms_norm(jnp.float32(1.0)),
+            ValueError,
+            r"^jaxops\.rms_norm: x must have rank >= 1",
+        ),
         (lambda: jaxops.rms_norm(jnp.ones((2, 3), jnp.int32)), TypeError, "x must have dtype"),
         (lambda: jaxops.rms_norm(np.ones((2, 3), np.float64)), TypeError, "got float64"),
         (lambda: jaxops.rms_norm(jnp.ones((2, 0))), ValueError, "hidden"),
@@ -514,12 +519,16 @@ def test_inside_shard_map_results_vary_and_grads_sum_over_devices():
             TypeError,
             "zero_centered_weight must be a bool",
         ),
-        (lambda: jaxops.rms_norm(jnp.ones((2, 3)), impl="cuda"), ValueError, "impl must be"),
+        (
+            lambda: jaxops.rms_norm(jnp.ones((2, 3)), impl="cuda"),
+            ValueError,
+            r"^jaxops\.rms_norm: impl must be",
+        ),
         (lambda: jaxops.rms_norm(3.0), TypeError, "x must be an array"),
         (
             lambda: jaxops.add_rms_norm(jnp.ones((2, 3)), jnp.ones((2, 4))),
             ValueError,
-            "residual must have x's shape",
+            r"^jaxops\.add_rms_norm: residual must have x's shape",
         ),
         (
             lambda: jaxops.add_rms_norm(jnp.ones((2, 3)), jnp.ones((2, 3), jnp.bfloat16)),
@@ -530,8 +539,10 @@ def test_inside_shard_map_results_vary_and_grads_sum_over_devices():
     ids=lambda v: v if isinstance(v, str) else "",
 )
 def test_bad_input_raises_at_trace_time(call, error, match):
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=match) as info:
         call()
+    # Every message starts with the public dotted name of the op that was called.
+    assert re.match(r"jaxops(\.\w+)+: ", str(info.value)), str(info.value)
 
 
 def test_handler_rejects_inconsistent_operands_instead_of_crashing():

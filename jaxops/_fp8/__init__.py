@@ -1,4 +1,6 @@
-"""FP8 quantization as XLA FFI custom calls, with pure-JAX twins. Public API: :mod:`jaxops.fp8`.
+"""FP8 quantization as XLA FFI custom calls, with pure-JAX twins, and the FP8 GEMM and layer.
+
+Public API: :mod:`jaxops.fp8`.
 
 The algorithm, per block (a 1 x G group along the last axis, a G x G tile over the last two axes,
 or the whole tensor):
@@ -17,7 +19,9 @@ of the targets below, for CPU and CUDA.
 
 Modules by concern: ``scales`` (QuantizedArray, dequantize, scale math, the pure-JAX twin),
 ``partition`` (the custom calls and their custom_partitioning / Shardy rules), ``quantize``
-(quantize, fake_quant), ``delayed`` (delayed scaling), ``split`` (quantize_split_transpose).
+(quantize, fake_quant), ``delayed`` (delayed scaling), ``split`` (quantize_split_transpose),
+``gemm`` (the FP8 GEMM on cuBLASLt, through :mod:`jaxops._cublaslt`) and ``linear`` (the
+differentiable FP8 layer ``jaxops.fp8.linear``).
 """
 
 from jaxops._fp8.delayed import (
@@ -28,6 +32,8 @@ from jaxops._fp8.delayed import (
     scale_from_amax_history,
     update_fp8_meta,
 )
+from jaxops._fp8.gemm import fp8_gemm, fp8_gemm_reference
+from jaxops._fp8.linear import fp8_linear
 from jaxops._fp8.partition import TARGET_AMAX, TARGET_QUANTIZE
 from jaxops._fp8.quantize import fake_quant, quantize, quantize_reference
 from jaxops._fp8.scales import (
@@ -55,6 +61,9 @@ __all__ = [
     "SplitQuantized",
     "dequantize",
     "fake_quant",
+    "fp8_gemm",
+    "fp8_gemm_reference",
+    "fp8_linear",
     "init_fp8_meta",
     "max_finite",
     "quantize",

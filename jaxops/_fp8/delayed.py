@@ -1,4 +1,8 @@
-"""Delayed scaling: amax histories and scales from them (TransformerEngine's recipe)."""
+"""Delayed scaling: amax histories and scales from them (TransformerEngine's recipe).
+
+The recipe (a :class:`DelayedScaling`) is the ``fp8`` argument of every function here; its old
+keyword ``recipe=`` still works for one release, with a DeprecationWarning.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxops import _ffi
+from jaxops._checks import renamed_keywords
+from jaxops._config import check_impl
+from jaxops._errors import ConfigError
 from jaxops._fp8.quantize import (
     _check_amax_floor,
     _check_dtype,
@@ -41,19 +48,17 @@ class DelayedScaling:
     amax_floor: float = AMAX_FLOOR
 
     def __post_init__(self):
+        op = "jaxops.fp8.DelayedScaling"
         if not isinstance(self.history_len, int) or self.history_len < 1:
-            raise ValueError(
-                f"DelayedScaling: history_len must be an int >= 1, got {self.history_len!r}"
-            )
+            raise ConfigError(f"{op}: history_len must be an int >= 1, got {self.history_len!r}")
         if self.amax_compute not in ("max", "most_recent"):
-            raise ValueError(
-                f"DelayedScaling: amax_compute must be 'max' or 'most_recent', "
-                f"got {self.amax_compute!r}"
+            raise ConfigError(
+                f"{op}: amax_compute must be 'max' or 'most_recent', got {self.amax_compute!r}"
             )
         if not isinstance(self.margin, int) or self.margin < 0:
-            raise ValueError(f"DelayedScaling: margin must be an int >= 0, got {self.margin!r}")
-        _check_dtype("DelayedScaling", self.dtype)
-        _check_amax_floor("DelayedScaling", self.amax_floor)
+            raise ConfigError(f"{op}: margin must be an int >= 0, got {self.margin!r}")
+        _check_dtype(op, self.dtype)
+        _check_amax_floor(op, self.amax_floor)
 
 
 class Fp8Meta(NamedTuple):
@@ -68,7 +73,11 @@ class Fp8Meta(NamedTuple):
     scale: jax.Array
 
 
-def init_fp8_meta(recipe: DelayedScaling = DelayedScaling()) -> Fp8Meta:
+_RENAMED = {"recipe": "fp8"}
+
+
+@renamed_keywords("jaxops.fp8.init_fp8_meta", _RENAMED)
+def init_fp8_meta(fp8: DelayedScaling = DelayedScaling()) -> Fp8Meta:
     """A fresh state: an all-zero history and scale 1.
 
     Example:
@@ -77,28 +86,29 @@ def init_fp8_meta(recipe: DelayedScaling = DelayedScaling()) -> Fp8Meta:
       >>> meta.amax_history.shape, float(meta.scale)
       ((4,), 1.0)
     """
-    return Fp8Meta(jnp.zeros((recipe.history_len,), jnp.float32), jnp.ones((), jnp.float32))
+    return Fp8Meta(jnp.zeros((fp8.history_len,), jnp.float32), jnp.ones((), jnp.float32))
 
 
-def scale_from_amax_history(amax_history: jax.Array, recipe: DelayedScaling) -> jax.Array:
-    """The scale the recipe derives from a history (float32 ``[]``)."""
-    amax = amax_history[0] if recipe.amax_compute == "most_recent" else jnp.max(amax_history)
-    amax = amax * np.float32(2.0**recipe.margin)  # exact: a power of two
-    return scale_from_amax(
-        amax, recipe.dtype, pow2_scale=recipe.pow2_scale, amax_floor=recipe.amax_floor
-    )
+@renamed_keywords("jaxops.fp8.scale_from_amax_history", _RENAMED)
+def scale_from_amax_history(amax_history: jax.Array, fp8: DelayedScaling) -> jax.Array:
+    """The scale the recipe `fp8` derives from a history (float32 ``[]``)."""
+    amax = amax_history[0] if fp8.amax_compute == "most_recent" else jnp.max(amax_history)
+    amax = amax * np.float32(2.0**fp8.margin)  # exact: a power of two
+    return scale_from_amax(amax, fp8.dtype, pow2_scale=fp8.pow2_scale, amax_floor=fp8.amax_floor)
 
 
-def update_fp8_meta(meta: Fp8Meta, amax: jax.Array, recipe: DelayedScaling) -> Fp8Meta:
+@renamed_keywords("jaxops.fp8.update_fp8_meta", _RENAMED)
+def update_fp8_meta(meta: Fp8Meta, amax: jax.Array, fp8: DelayedScaling) -> Fp8Meta:
     """Pushes `amax` into the history (dropping the oldest) and recomputes the scale."""
     history = jnp.roll(meta.amax_history, 1).at[0].set(jnp.asarray(amax, jnp.float32))
-    return Fp8Meta(history, scale_from_amax_history(history, recipe))
+    return Fp8Meta(history, scale_from_amax_history(history, fp8))
 
 
+@renamed_keywords("jaxops.fp8.quantize_delayed", _RENAMED)
 def quantize_delayed(
     x: jax.Array,
     meta: Fp8Meta,
-    recipe: DelayedScaling = DelayedScaling(),
+    fp8: DelayedScaling = DelayedScaling(),
     *,
     transpose: bool = False,
     impl: str | None = None,
@@ -112,7 +122,7 @@ def quantize_delayed(
     Args:
       x: float32, bfloat16 or float16 array, rank >= 1 (>= 2 with `transpose`).
       meta: the tensor's :class:`Fp8Meta`.
-      recipe: the :class:`DelayedScaling` recipe.
+      fp8: the :class:`DelayedScaling` recipe (the keyword ``recipe=`` is its deprecated name).
       transpose: also return the quantized transpose.
       impl: None, ``"ffi"`` or ``"xla"``.
 
@@ -127,20 +137,13 @@ def quantize_delayed(
       >>> float(meta.amax_history[0])
       3.0
     """
+    op = "jaxops.fp8.quantize_delayed"
     if not isinstance(meta, Fp8Meta):
-        raise TypeError(f"quantize_delayed: meta must be an Fp8Meta, got {type(meta).__name__}")
-    x, cfg = _make_config(
-        "quantize_delayed",
-        x,
-        recipe.dtype,
-        None,
-        recipe.pow2_scale,
-        transpose,
-        "row",
-        recipe.amax_floor,
-    )
+        raise TypeError(f"{op}: meta must be an Fp8Meta, got {type(meta).__name__}")
+    x, cfg = _make_config(op, x, fp8.dtype, None, fp8.pow2_scale, transpose, "row", fp8.amax_floor)
     scale = jnp.asarray(meta.scale, jnp.float32)
     if scale.shape != ():
-        raise ValueError(f"quantize_delayed: meta.scale must have shape (), got {scale.shape}")
-    data, scale, data_t, scale_t, amax = _quantize_apply(cfg, x, scale, _ffi.use_kernel(impl))
-    return _wrap(cfg, data, scale, data_t, scale_t), update_fp8_meta(meta, amax, recipe)
+        raise ValueError(f"{op}: meta.scale must have shape (), got {scale.shape}")
+    use_kernel = _ffi.use_kernel(check_impl(op, impl), op)
+    data, scale, data_t, scale_t, amax = _quantize_apply(cfg, x, scale, use_kernel)
+    return _wrap(cfg, data, scale, data_t, scale_t), update_fp8_meta(meta, amax, fp8)

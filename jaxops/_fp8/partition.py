@@ -39,7 +39,7 @@ def _quantize_ffi(cfg: _Config, x: jax.Array, scale_in: jax.Array | None):
         ),
         jax.ShapeDtypeStruct(() if per_tensor else (0,), jnp.float32, sharding=sh[4]),
     )
-    data, scale, data_t, scale_t, amax = _ffi.ffi_call(
+    outs = _ffi.ffi_call(
         TARGET_QUANTIZE,
         out_types,
         x,
@@ -51,13 +51,7 @@ def _quantize_ffi(cfg: _Config, x: jax.Array, scale_in: jax.Array | None):
         pow2_scale=cfg.pow2_scale,
         amax_floor=np.float32(cfg.amax_floor),
     )
-    return (
-        data,
-        scale,
-        data_t if cfg.transpose else None,
-        scale_t if (cfg.transpose and not per_tensor) else None,
-        amax if per_tensor else None,
-    )
+    return cfg.present(outs)
 
 
 def _explicit_mesh(x: jax.Array):

@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxops import _checks, _ffi
+from jaxops._config import check_impl
 from jaxops._fp8.partition import (
     _explicit_mesh,
     _partitioned_amax,
@@ -82,22 +83,7 @@ def _quantize_apply(cfg: _Config, x: jax.Array, scale: jax.Array | None, use_ker
         data, data_t, amax = _reference_tensor(cfg, x, scale)
         return data, scale, data_t, None, amax
     operands = (x,) if scale is None else (x, jnp.asarray(scale, jnp.float32))
-    data, scale_out, data_t, scale_t, amax = _quantize_op(cfg, tuple(x.shape), scale is not None)(
-        operands
-    )
-    return (
-        data,
-        scale_out,
-        data_t if cfg.transpose else None,
-        scale_t if (cfg.transpose and not per_tensor) else None,
-        amax if per_tensor else None,
-    )
-
-
-def _absent(cfg: _Config) -> tuple[bool, ...]:
-    """Which of (data, scale, data_t, scale_t, amax) the config does not produce."""
-    per_tensor = cfg.mode == "tensor"
-    return (False, False, not cfg.transpose, per_tensor or not cfg.transpose, not per_tensor)
+    return cfg.present(_quantize_op(cfg, tuple(x.shape), scale is not None)(operands))
 
 
 def _kernel_path(cfg: _Config, x: jax.Array, scale: jax.Array | None):
@@ -124,7 +110,7 @@ def _twin_filled(cfg: _Config, x: jax.Array, scale: jax.Array | None):
     dtypes = (cfg.dtype, jnp.float32, cfg.dtype, jnp.float32, jnp.float32)
     return tuple(
         jnp.zeros((0,), d) if absent else o
-        for o, d, absent in zip(outs, dtypes, _absent(cfg), strict=True)
+        for o, d, absent in zip(outs, dtypes, cfg.absent, strict=True)
     )
 
 
@@ -150,7 +136,7 @@ def _quantize_op(cfg: _Config, shape: tuple[int, ...], given_scale: bool):
             outs = _quantize_op(cfg, tuple(x.shape), False)((x,))
             outs = tuple(
                 jnp.zeros((axis_size, 0), o.dtype) if absent else o
-                for o, absent in zip(outs, _absent(cfg), strict=True)
+                for o, absent in zip(outs, cfg.absent, strict=True)
             )
         elif given_scale:
             scale = operands[1] if batched[1] else jnp.broadcast_to(operands[1], (axis_size,))
@@ -294,34 +280,18 @@ def quantize(
       >>> q.data.dtype, q.scale.shape, q_t.data.shape, q_t.scale.shape
       (dtype(float8_e4m3fn), (256, 4), (512, 256), (512, 2))
     """
-    x, cfg = _make_config(
-        "quantize", x, dtype, block, pow2_scale, transpose, scale_layout, amax_floor
-    )
-    data, scale, data_t, scale_t, _ = _quantize_apply(cfg, x, None, _ffi.use_kernel(impl))
+    op = "jaxops.fp8.quantize"
+    x, cfg = _make_config(op, x, dtype, block, pow2_scale, transpose, scale_layout, amax_floor)
+    use_kernel = _ffi.use_kernel(check_impl(op, impl), op)
+    data, scale, data_t, scale_t, _ = _quantize_apply(cfg, x, None, use_kernel)
     return _wrap(cfg, data, scale, data_t, scale_t)
 
 
 def quantize_reference(
-    x: jax.Array,
-    *,
-    dtype: Any = jnp.float8_e4m3fn,
-    block: tuple[int, int] | None = (1, 128),
-    pow2_scale: bool = False,
-    transpose: bool = False,
-    scale_layout: ScaleLayout = "row",
-    amax_floor: float = AMAX_FLOOR,
+    x: jax.Array, **kwargs: Any
 ) -> QuantizedArray | tuple[QuantizedArray, QuantizedArray]:
-    """The pure-JAX twin of :func:`quantize` (same arguments and bits)."""
-    return quantize(
-        x,
-        dtype=dtype,
-        block=block,
-        pow2_scale=pow2_scale,
-        transpose=transpose,
-        scale_layout=scale_layout,
-        amax_floor=amax_floor,
-        impl="xla",
-    )
+    """The pure-JAX twin of :func:`quantize`: its arguments but `impl`, the same bits."""
+    return quantize(x, impl="xla", **kwargs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -374,5 +344,6 @@ def fake_quant(
       >>> bool((g == 1).all())
       True
     """
-    x, cfg = _make_config("fake_quant", x, dtype, block, pow2_scale, False, "row", amax_floor)
-    return _fake_quant(cfg, _ffi.use_kernel(impl), x)
+    op = "jaxops.fp8.fake_quant"
+    x, cfg = _make_config(op, x, dtype, block, pow2_scale, False, "row", amax_floor)
+    return _fake_quant(cfg, _ffi.use_kernel(check_impl(op, impl), op), x)

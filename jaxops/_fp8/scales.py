@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxops import _checks
+from jaxops._rows import round_up
 
 #: Default lower bound of a block's amax (DeepGEMM's value): an all-zero block gets scale
 #: ``1e-4 / max_finite`` and quantizes to exact zeros.
@@ -19,7 +20,7 @@ _MIN_AMAX_FLOOR = 1e-30  # keeps every scale a normal float32
 GRAD_AMAX_FLOOR = 1e-30
 _GROUPS = (32, 64, 128)
 _TMA_ALIGN = 4  # col_tma scales: rows padded to a multiple of 4 floats (16 bytes)
-FP8_DTYPES: tuple[np.dtype, ...] = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+FP8_DTYPES: tuple[np.dtype, ...] = _checks.FP8_DTYPES
 ScaleLayout = Literal["row", "col_tma"]
 
 
@@ -127,11 +128,15 @@ def dequantize(q: QuantizedArray, dtype: Any = jnp.bfloat16) -> jax.Array:
       True
     """
     if not isinstance(q, QuantizedArray):
-        raise TypeError(f"dequantize: q must be a QuantizedArray, got {type(q).__name__}")
+        raise TypeError(
+            f"jaxops.fp8.dequantize: q must be a QuantizedArray, got {type(q).__name__}"
+        )
     out_dtype = np.dtype(dtype)
     if out_dtype not in _checks.FLOAT_DTYPES:
         names = ", ".join(_checks.dtype_name(d) for d in _checks.FLOAT_DTYPES)
-        raise TypeError(f"dequantize: dtype must be one of {names}; got {out_dtype.name}")
+        raise TypeError(
+            f"jaxops.fp8.dequantize: dtype must be one of {names}; got {out_dtype.name}"
+        )
     y = (q.data.astype(jnp.float32) * _expand_scale(q)).astype(out_dtype)
     return jnp.swapaxes(y, -1, -2) if q.transposed else y
 
@@ -156,13 +161,19 @@ class _Config:
     def layout(self) -> ScaleLayout:
         return "col_tma" if self.col_tma else "row"
 
+    @property
+    def absent(self) -> tuple[bool, ...]:
+        """Which of the five results (data, scale, data_t, scale_t, amax) this config lacks."""
+        per_tensor = self.mode == "tensor"
+        return (False, False, not self.transpose, per_tensor or not self.transpose, not per_tensor)
+
+    def present(self, outs) -> tuple:
+        """The five results, those this config lacks as None."""
+        return tuple(None if absent else o for o, absent in zip(outs, self.absent, strict=True))
+
 
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _round_up(a: int, b: int) -> int:
-    return _ceil(a, b) * b
 
 
 def _grids(cfg: _Config, shape: tuple[int, ...]) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -178,7 +189,7 @@ def _grids(cfg: _Config, shape: tuple[int, ...]) -> tuple[tuple[int, int], tuple
 def _grid_shape(cfg: _Config, lead: tuple[int, ...], grid: tuple[int, int], rank1: bool):
     rows, cols = grid
     if cfg.col_tma:
-        return (*lead, cols, _round_up(rows, _TMA_ALIGN))
+        return (*lead, cols, round_up(rows, _TMA_ALIGN))
     return lead + ((cols,) if rank1 else (rows, cols))
 
 
@@ -249,7 +260,7 @@ def _encode(x32: jax.Array, scale: jax.Array, dtype: np.dtype) -> jax.Array:
 def _block_amax_rows(a: jax.Array, g: int) -> jax.Array:
     """[..., K] -> [..., ceil(K/G)] max over groups of G along the last axis (a >= 0)."""
     k = a.shape[-1]
-    pad = _round_up(k, g) - k
+    pad = round_up(k, g) - k
     a = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)])
     return a.reshape((*a.shape[:-1], a.shape[-1] // g, g)).max(axis=-1)
 
@@ -261,7 +272,7 @@ def _to_layout(cfg: _Config, grid: jax.Array, rank1: bool) -> jax.Array:
     if not cfg.col_tma:
         return grid
     t = jnp.swapaxes(grid, -1, -2)
-    pad = _round_up(t.shape[-1], _TMA_ALIGN) - t.shape[-1]
+    pad = round_up(t.shape[-1], _TMA_ALIGN) - t.shape[-1]
     return jnp.pad(t, [(0, 0)] * (t.ndim - 1) + [(0, pad)])
 
 

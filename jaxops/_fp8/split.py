@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxops import _checks, _ffi
+from jaxops._config import check_impl
 from jaxops._fp8.partition import _explicit_mesh, _named
 from jaxops._fp8.quantize import _check_amax_floor, _check_dtype, _check_group
 from jaxops._fp8.scales import (
@@ -21,9 +22,9 @@ from jaxops._fp8.scales import (
     _Config,
     _encode,
     _finite_abs,
-    _round_up,
     scale_from_amax,
 )
+from jaxops._rows import round_up
 from jaxops._sharding import padded_spec, result_sharding
 
 TARGET_SPLIT_TRANSPOSE = "jaxops_fp8_quantize_split_transpose"
@@ -109,7 +110,7 @@ def _row_layout(sizes, col_offsets, scale_offsets, m: int, g: int):
 
 
 def _split_shapes(m: int, k: int, e: int, g: int) -> tuple[int, int]:
-    columns = _round_up(m + (_SPLIT_COLUMN_ALIGN - 1) * e, _SPLIT_COLUMN_ALIGN)
+    columns = round_up(m + (_SPLIT_COLUMN_ALIGN - 1) * e, _SPLIT_COLUMN_ALIGN)
     return columns, m // g + e
 
 
@@ -238,7 +239,7 @@ def quantize_split_transpose(
       >>> s.data.shape, s.scale.shape, s.col_offsets.tolist()
       ((64, 352), (64, 5), [0, 112, 112, 320])
     """
-    op = "quantize_split_transpose"
+    op = "jaxops.fp8.quantize_split_transpose"
     x = _checks.check_array(op, "x", x, min_rank=2)
     if x.ndim != 2:
         raise ValueError(f"{op}: x must have shape (M, K), got {tuple(x.shape)}")
@@ -262,7 +263,8 @@ def quantize_split_transpose(
     columns, _ = _split_shapes(m, k, group_sizes.shape[0], cfg.group)
     if columns >= 2**31:
         raise ValueError(f"{op}: M + 15 E must stay below 2^31 columns, got M={m}")
-    if x.size == 0 or not _ffi.use_kernel(impl):
+    check_impl(op, impl)
+    if x.size == 0 or not _ffi.use_kernel(impl, op):
         data, scale, col_offsets, scale_offsets = _split_reference(cfg, x, group_sizes)
     else:
         data, scale, col_offsets, scale_offsets = _partitioned_split(cfg)(x, group_sizes)
