@@ -22,6 +22,7 @@ from jaxops.parallel.expert import (
 )
 
 import jaxops
+from jaxops import ConfigError
 from jaxops.testing import (
     assert_allclose,
     collective_bytes,
@@ -54,7 +55,7 @@ def _config(mesh_name, **kw):
     kw.setdefault("data_axes", MESHES[mesh_name][2])
     kw.setdefault("dtype", jnp.float32)
     kw.setdefault("align", 4)
-    return MoEConfig(**{"num_experts": 16, "top_k": 2, "hidden": 32, "ffn_hidden": 24, **kw})
+    return MoEConfig(**{"num_experts": 16, "top_k": 2, "hidden_size": 32, "expert_ffn": 24, **kw})
 
 
 def _weights(shape):
@@ -106,7 +107,7 @@ def _compare(got, want, dtype=jnp.float32, scale=1.0):
 @pytest.mark.parametrize("router", ["softmax", "sigmoid"])
 def test_router_matches_float64(router, normalize):
     cfg = MoEConfig(
-        num_experts=6, top_k=3, hidden=5, ffn_hidden=4, router=router, normalize_probs=normalize
+        num_experts=6, top_k=3, hidden_size=5, expert_ffn=4, router=router, normalize_topk=normalize
     )
     tokens = np.random.default_rng(0).normal(size=(7, 5))
     w = np.random.default_rng(1).normal(size=(5, 6))
@@ -128,7 +129,9 @@ def test_router_matches_float64(router, normalize):
 
 
 def test_aux_losses_match_their_formulas():
-    cfg = _config("e8", top_k=2, capacity_factor=0.5, aux_loss_coef=0.1, z_loss_coef=0.01)
+    cfg = _config(
+        "e8", top_k=2, capacity_factor=0.5, router_aux_loss_coef=0.1, router_z_loss_coef=0.01
+    )
     params = init_moe_params(jax.random.key(0), cfg)
     x = jax.random.normal(jax.random.key(1), (16, 3, 32))
     (_, aux), _ = _run(cfg, _mesh("e8"), params, x)
@@ -191,13 +194,13 @@ def test_router_variants_match_float64(case):
     cfg = MoEConfig(
         num_experts=e,
         top_k=k,
-        hidden=12,
-        ffn_hidden=4,
+        hidden_size=12,
+        expert_ffn=4,
         router=router,
         n_group=groups,
         topk_group=kept,
         router_bias=has_bias,
-        normalize_probs=normalize,
+        normalize_topk=normalize,
         routed_scaling_factor=scale,
     )
     rng = np.random.default_rng(3)
@@ -232,11 +235,11 @@ def test_router_bias_gets_no_gradient_and_weights_use_raw_scores():
     cfg = MoEConfig(
         num_experts=8,
         top_k=2,
-        hidden=4,
-        ffn_hidden=4,
+        hidden_size=4,
+        expert_ffn=4,
         router="sigmoid",
         router_bias=True,
-        normalize_probs=False,
+        normalize_topk=False,
     )
     tokens = jax.random.normal(jax.random.key(0), (16, 4))
     w = jax.random.normal(jax.random.key(1), (4, 8))
@@ -253,7 +256,7 @@ def test_router_bias_gets_no_gradient_and_weights_use_raw_scores():
 
 
 def test_sigmoid_router_with_every_score_underflowing_is_finite():
-    cfg = MoEConfig(num_experts=8, top_k=2, hidden=4, ffn_hidden=4, router="sigmoid")
+    cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=4, expert_ffn=4, router="sigmoid")
     tokens = jnp.ones((4, 4))
     w = jnp.full((4, 8), -1000.0)  # logits -4000: every sigmoid score is 0 in float32
 
@@ -274,7 +277,7 @@ SHARED_CASES = {
         topk_group=2,
         top_k=4,
         routed_scaling_factor=2.5,
-        shared_ffn_hidden=40,
+        shared_ffn=40,
     ),
     "deepseek-capacity": dict(
         router="sigmoid",
@@ -282,14 +285,12 @@ SHARED_CASES = {
         n_group=4,
         topk_group=2,
         top_k=4,
-        shared_ffn_hidden=16,
+        shared_ffn=16,
         capacity_factor=0.5,
     ),
-    "qwen2": dict(
-        router="softmax", normalize_probs=False, top_k=4, shared_ffn_hidden=48, shared_gate=True
-    ),
+    "qwen2": dict(router="softmax", normalize_topk=False, top_k=4, shared_ffn=48, shared_gate=True),
     "qwen2-gelu": dict(
-        router="softmax", top_k=2, shared_ffn_hidden=8, shared_gate=True, activation="gelu"
+        router="softmax", top_k=2, shared_ffn=8, shared_gate=True, activation="gelu"
     ),
 }
 
@@ -323,7 +324,7 @@ def test_shared_experts_bf16_and_fp8():
 
     cfg8 = _config(
         "d2e4",
-        **{**SHARED_CASES["qwen2"], "hidden": 256, "ffn_hidden": 128, "shared_ffn_hidden": 128},
+        **{**SHARED_CASES["qwen2"], "hidden_size": 256, "expert_ffn": 128, "shared_ffn": 128},
         fp8="block",
     )
     params = init_moe_params(jax.random.key(35), cfg8)
@@ -344,7 +345,12 @@ def test_shared_experts_bf16_and_fp8():
 def test_aux_loss_free_balancing_evens_a_skewed_router():
     """DeepSeek-V3's bias update in a jitted train step: the load imbalance falls over steps."""
     cfg = _config(
-        "e8", router="sigmoid", router_bias=True, top_k=2, aux_loss_coef=0.0, z_loss_coef=0.0
+        "e8",
+        router="sigmoid",
+        router_bias=True,
+        top_k=2,
+        router_aux_loss_coef=0.0,
+        router_z_loss_coef=0.0,
     )
     mesh = _mesh("e8")
     params = init_moe_params(jax.random.key(40), cfg)
@@ -382,7 +388,8 @@ def test_update_router_bias_formula_and_errors():
     load = jnp.array([[5, 1, 1, 1], [2, 2, 2, 2]])
     got = expert.update_router_bias(bias, load, rate=0.5)
     np.testing.assert_array_equal(got, [[-0.5, 0.5, 0.5, 0.5], [0, 0, 0, 0]])
-    with pytest.raises(ValueError, match="tokens_per_expert must have bias's shape"):
+    op = r"^jaxops\.parallel\.expert\.update_router_bias: "
+    with pytest.raises(ValueError, match=op + r"tokens_per_expert must have bias's shape"):
         expert.update_router_bias(jnp.zeros(4), jnp.zeros(5, jnp.int32))
 
 
@@ -464,7 +471,7 @@ def test_kernels_off_matches_kernels_on():
 
 
 def test_fp8_block():
-    kw = {"hidden": 256, "ffn_hidden": 128, "fp8": "block"}
+    kw = {"hidden_size": 256, "expert_ffn": 128, "fp8": "block"}
     cfg = _config("d2e4", **kw)
     params = init_moe_params(jax.random.key(12), cfg)
     x = jax.random.normal(jax.random.key(13), (8, 10, 256))
@@ -491,8 +498,8 @@ def test_fp8_block():
 DISPATCH_CASES = {
     "softmax-dropless": dict(),
     "sigmoid-capacity": dict(router="sigmoid", capacity_factor=0.5),
-    "deepseek-shared": {**SHARED_CASES["deepseek"], "shared_ffn_hidden": 128},
-    "qwen2-capacity": {**SHARED_CASES["qwen2"], "shared_ffn_hidden": 128, "capacity_factor": 1.0},
+    "deepseek-shared": {**SHARED_CASES["deepseek"], "shared_ffn": 128},
+    "qwen2-capacity": {**SHARED_CASES["qwen2"], "shared_ffn": 128, "capacity_factor": 1.0},
 }
 # Relative Frobenius error allowed between the w_in gradients of the two dispatches: the FP8
 # dispatch requantizes the received FP8 tokens in 128-token groups for the weight gradient, the
@@ -510,7 +517,7 @@ def test_fp8_dispatch_equals_quantizing_after_the_exchange(case):
     """y, aux, dx and every weight gradient but w_in's are bitwise those of the bf16 dispatch
     with fp8="block" (the same rows quantized in the same 1 x 128 groups, before the exchange
     instead of after); w_in's gradient is within W_IN_BOUND; all within FP8's bound of f32."""
-    kw = {"hidden": 256, "ffn_hidden": 128, "fp8": "block", "dtype": jnp.bfloat16}
+    kw = {"hidden_size": 256, "expert_ffn": 128, "fp8": "block", "dtype": jnp.bfloat16}
     cfg = _config("d2e4", **{**kw, **DISPATCH_CASES[case]})
     cfg8 = dataclasses.replace(cfg, dispatch="fp8")
     params = init_moe_params(jax.random.key(40), cfg)
@@ -555,7 +562,7 @@ def _token_exchanges(hlo: str, hidden: int) -> list[tuple[str, int]]:
 
 
 def test_fp8_dispatch_exchanges_fp8_tokens_and_scales():
-    cfg = _config("d2e4", hidden=256, ffn_hidden=128, fp8="block", dtype=jnp.bfloat16)
+    cfg = _config("d2e4", hidden_size=256, expert_ffn=128, fp8="block", dtype=jnp.bfloat16)
     cfg8 = dataclasses.replace(cfg, dispatch="fp8")
     params = init_moe_params(jax.random.key(43), cfg)
     x = jax.random.normal(jax.random.key(44), (8, 10, 256), jnp.bfloat16)
@@ -598,7 +605,7 @@ def test_fp8_dispatch_in_a_pipeline_stage():
     targets = np.roll(tokens, -1, axis=1)
     out = {}
     for dispatch in ("dtype", "fp8"):
-        model = MoEDecoder(dcfg, mesh, microbatches=2, fp8="block", dispatch=dispatch)
+        model = MoEDecoder(dcfg, mesh, num_microbatches=2, fp8="block", dispatch=dispatch)
         params = model.init(jax.random.key(0))
         out[dispatch] = jax.jit(model.loss_and_grads)(params, *model.place_batch(tokens, targets))
     (loss, grads), (loss8, grads8) = out["dtype"], out["fp8"]
@@ -673,7 +680,7 @@ def test_dense_exchange_has_ragged_all_to_all_semantics(data, slices):
 
 
 def test_exchange_bounds():
-    cfg = MoEConfig(num_experts=16, top_k=8, hidden=8, ffn_hidden=8, align=16)
+    cfg = MoEConfig(num_experts=16, top_k=8, hidden_size=8, expert_ffn=8, align=16)
     # 4 local experts: a token sends at most 4 rows to one device.
     assert exchange_bounds(cfg, 100, 4) == (400, 4 * 400 + 4 * 15)
     capped = dataclasses.replace(cfg, capacity_factor=1.0)
@@ -704,7 +711,7 @@ def test_gpu_ragged_exchange_matches_reference(routing):
     n = len(jax.devices())
     mesh = jax.make_mesh((n,), ("expert",))
     cfg = MoEConfig(
-        num_experts=8 * n, top_k=k, hidden=32, ffn_hidden=24, router=router,
+        num_experts=8 * n, top_k=k, hidden_size=32, expert_ffn=24, router=router,
         capacity_factor=cf, data_axes=(), dtype=jnp.float32, exchange="ragged",
     )  # fmt: skip
     params = init_moe_params(jax.random.key(16), cfg)
@@ -767,33 +774,36 @@ def test_jit_does_not_retrace_per_step():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"top_k": 17}, ValueError, "top_k must be <= num_experts = 16"),
-        ({"top_k": 0}, ValueError, "top_k must be >= 1"),
-        ({"activation": "relu"}, ValueError, "activation must be one of"),
-        ({"router": "argmax"}, ValueError, "router must be one of"),
-        ({"capacity_factor": 0.0}, ValueError, "capacity_factor must be > 0"),
-        ({"capacity_factor": -1.0}, ValueError, "capacity_factor must be finite and >= 0"),
-        ({"fp8": "tensor"}, ValueError, "fp8 must be one of"),
-        ({"align": 0}, ValueError, "align must be >= 1"),
+        ({"top_k": 17}, ConfigError, "top_k must be <= num_experts = 16"),
+        ({"top_k": 0}, ConfigError, "top_k must be >= 1"),
+        ({"activation": "relu"}, ConfigError, "activation must be one of"),
+        ({"router": "argmax"}, ConfigError, "router must be one of"),
+        ({"capacity_factor": 0.0}, ConfigError, "capacity_factor must be > 0"),
+        ({"capacity_factor": -1.0}, ConfigError, "capacity_factor must be finite and >= 0"),
+        ({"fp8": "tensor"}, ConfigError, "fp8 must be one of"),
+        ({"align": 0}, ConfigError, "align must be >= 1"),
         ({"dtype": jnp.int32}, TypeError, "dtype must be float32, bfloat16 or float16"),
-        ({"data_axes": ("expert",)}, ValueError, "data_axes must be mesh axis names other"),
+        ({"data_axes": ("expert",)}, ConfigError, "data_axes must be mesh axis names other"),
         ({"num_experts": 2.0}, TypeError, "num_experts must be an int"),
-        ({"n_group": 3}, ValueError, "num_experts = 16 must be divisible by n_group"),
-        ({"n_group": 16}, ValueError, "leaves 1 expert per group"),
-        ({"n_group": 4, "topk_group": 5}, ValueError, "topk_group must be <= n_group = 4"),
-        ({"n_group": 4, "topk_group": 1, "top_k": 5}, ValueError, "top_k = 5 exceeds the 4"),
-        ({"routed_scaling_factor": 0.0}, ValueError, "routed_scaling_factor must be > 0"),
-        ({"shared_gate": True}, ValueError, "shared_gate needs a shared expert"),
-        ({"shared_ffn_hidden": -1}, ValueError, "shared_ffn_hidden must be >= 0"),
+        ({"n_group": 3}, ConfigError, "num_experts = 16 must be divisible by n_group"),
+        ({"n_group": 16}, ConfigError, "leaves 1 expert per group"),
+        ({"n_group": 4, "topk_group": 5}, ConfigError, "topk_group must be <= n_group = 4"),
+        ({"n_group": 4, "topk_group": 1, "top_k": 5}, ConfigError, "top_k = 5 exceeds the 4"),
+        ({"routed_scaling_factor": 0.0}, ConfigError, "routed_scaling_factor must be > 0"),
+        ({"shared_gate": True}, ConfigError, "shared_gate needs a shared expert"),
+        ({"shared_ffn": -1}, ConfigError, "shared_ffn must be >= 0"),
         ({"router_bias": 1}, TypeError, "router_bias must be a bool"),
-        ({"dispatch": "bf16"}, ValueError, "dispatch must be one of"),
-        ({"dispatch": "fp8"}, ValueError, "dispatch='fp8' .* needs fp8='block', got fp8=None"),
+        ({"dispatch": "bf16"}, ConfigError, "dispatch must be one of"),
+        ({"dispatch": "fp8"}, ConfigError, "dispatch='fp8' .* needs fp8='block', got fp8=None"),
     ],
     ids=lambda v: str(v)[:40] if isinstance(v, dict) else "",
 )
 def test_bad_config(kwargs, error, match):
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=f"^jaxops.parallel.expert.MoEConfig: .*{match}"):
         _config("e8", **kwargs)
+
+
+LAYER = r"^jaxops\.parallel\.expert\.moe_layer: .*"
 
 
 def test_bad_layer_input():
@@ -801,27 +811,109 @@ def test_bad_layer_input():
     cfg = _config("d2e4")
     params = init_moe_params(jax.random.key(0), cfg)
     x = jnp.ones((8, 32))
-    with pytest.raises(ValueError, match=r"num_experts = 10 must be divisible by the size 4"):
+    with pytest.raises(
+        ValueError, match=LAYER + r"num_experts = 10 must be divisible by the size 4"
+    ):
         bad = _config("d2e4", num_experts=10)
         moe_layer(init_moe_params(jax.random.key(0), bad), x, bad, mesh=mesh)
-    with pytest.raises(ValueError, match=r"the mesh has no axis 'batch' \(cfg.data_axes\)"):
+    with pytest.raises(ValueError, match=LAYER + r"the mesh has no axis 'batch' \(cfg.data_axes\)"):
         moe_layer(params, x, dataclasses.replace(cfg, data_axes=("batch",)), mesh=mesh)
-    with pytest.raises(ValueError, match=r"no axis 'experts' \(cfg.expert_axis\)"):
+    with pytest.raises(ValueError, match=LAYER + r"no axis 'experts' \(cfg.expert_axis\)"):
         moe_layer(params, x, dataclasses.replace(cfg, expert_axis="experts"), mesh=mesh)
-    with pytest.raises(ValueError, match=r"leading axis \(6\) must be divisible by the 8 devices"):
+    with pytest.raises(
+        ValueError, match=LAYER + r"leading axis \(6\) must be divisible by the 8 devices"
+    ):
         moe_layer(params, jnp.ones((6, 32)), cfg, mesh=mesh)
-    with pytest.raises(ValueError, match=r"H = cfg.hidden = 32, got \(8, 16\)"):
+    with pytest.raises(ValueError, match=LAYER + r"H = cfg.hidden_size = 32, got \(8, 16\)"):
         moe_layer(params, jnp.ones((8, 16)), cfg, mesh=mesh)
-    with pytest.raises(ValueError, match=r"params\['w_in'\] must have shape \(16, 32, 48\)"):
+    with pytest.raises(
+        ValueError, match=LAYER + r"params\['w_in'\] must have shape \(16, 32, 48\)"
+    ):
         moe_layer({**params, "w_in": params["w_in"][:, :, :24]}, x, cfg, mesh=mesh)
-    with pytest.raises(ValueError, match=r"params must be a dict with keys"):
+    with pytest.raises(ValueError, match=LAYER + r"params must be a dict with keys"):
         moe_layer({"router": params["router"]}, x, cfg, mesh=mesh)
-    with pytest.raises(TypeError, match=r"x must have dtype"):
+    with pytest.raises(TypeError, match=LAYER + r"x must have dtype"):
         moe_layer(params, x.astype(jnp.int32), cfg, mesh=mesh)
-    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh"):
+    with pytest.raises(TypeError, match=LAYER + r"mesh must be a jax.sharding.Mesh"):
         moe_layer(params, x, cfg, mesh="d2e4")
-    with pytest.raises(TypeError, match=r"cfg must be a MoEConfig"):
+    with pytest.raises(TypeError, match=LAYER + r"cfg must be a MoEConfig"):
         moe_layer(params, x, {"num_experts": 16}, mesh=mesh)
+
+
+def test_bad_reference_input():
+    cfg = _config("e8")
+    params = init_moe_params(jax.random.key(0), cfg)
+    op = r"^jaxops\.parallel\.expert\.moe_layer_reference: "
+    with pytest.raises(ValueError, match=op + r".*H = cfg.hidden_size = 32, got \(4, 16\)"):
+        moe_layer_reference(params, jnp.ones((4, 16)), cfg)
+    with pytest.raises(TypeError, match=op + "cfg must be a MoEConfig"):
+        moe_layer_reference(params, jnp.ones((4, 32)), {"num_experts": 16})
+    with pytest.raises(TypeError, match=r"^jaxops\.parallel\.expert\.init_moe_params: cfg must"):
+        init_moe_params(jax.random.key(0), {"num_experts": 16})
+
+
+# -------------------------------------------------------------------------------------------------
+# Renamed names: the old ones still work, with a DeprecationWarning.
+
+# old field name: (new field name, a value other than the default)
+RENAMED = {
+    "hidden": ("hidden_size", 48),
+    "ffn_hidden": ("expert_ffn", 40),
+    "shared_ffn_hidden": ("shared_ffn", 16),
+    "normalize_probs": ("normalize_topk", False),
+    "aux_loss_coef": ("router_aux_loss_coef", 0.5),
+    "z_loss_coef": ("router_z_loss_coef", 0.25),
+}
+
+
+@pytest.mark.parametrize("old", list(RENAMED))
+def test_renamed_config_field_warns_and_still_works(old):
+    new, value = RENAMED[old]
+    base = {"num_experts": 8, "top_k": 2, "hidden_size": 32, "expert_ffn": 24}
+    want = MoEConfig(**{**base, new: value})
+    legacy = {k: v for k, v in base.items() if k != new}
+    with pytest.warns(
+        DeprecationWarning, match=rf"MoEConfig: the keyword {old}= is renamed {new}="
+    ):
+        cfg = MoEConfig(**legacy, **{old: value})
+    assert cfg == want and hash(cfg) == hash(want)  # the same jit cache entry
+    assert getattr(cfg, new) == value
+    with pytest.warns(DeprecationWarning, match=rf"MoEConfig\.{old} is renamed {new}"):
+        assert getattr(cfg, old) == value
+    assert dataclasses.replace(cfg, top_k=1) == dataclasses.replace(want, top_k=1)
+    with pytest.raises(TypeError, match=f"got both {new}= and its deprecated name {old}="):
+        MoEConfig(**{**base, new: value, old: value})
+    # A config built with the old name is a jit static argument like any other.
+    params = init_moe_params(jax.random.key(0), cfg)
+    layer = jax.jit(moe_layer_reference, static_argnums=2)
+    x = jnp.ones((3, cfg.hidden_size))
+    np.testing.assert_array_equal(layer(params, x, cfg)[0], layer(params, x, want)[0])
+
+
+def test_renamed_activations_tuple_warns_and_still_works():
+    assert "ACTIVATIONS" not in expert.__all__ and "FFN_ACTIVATIONS" in expert.__all__
+    with pytest.warns(DeprecationWarning, match="ACTIVATIONS is renamed FFN_ACTIVATIONS"):
+        old = expert.ACTIVATIONS
+    assert old == expert.FFN_ACTIVATIONS == ("swiglu", "gelu", "silu")
+    with pytest.raises(AttributeError):
+        _ = expert.NO_SUCH_NAME
+
+
+def test_docstring_examples():
+    import doctest
+    import importlib
+    import pkgutil
+
+    attempted = 0
+    modules = [expert] + [
+        importlib.import_module(f"{expert.__name__}.{m.name}")
+        for m in pkgutil.iter_modules(expert.__path__)
+    ]
+    for module in modules:
+        result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+        assert result.failed == 0, (module.__name__, result)
+        attempted += result.attempted
+    assert attempted >= 30, attempted
 
 
 # -------------------------------------------------------------------------------------------------
@@ -834,7 +926,7 @@ from jaxops.parallel.expert import (
     MoEConfig, init_moe_params, moe_layer, moe_layer_reference, moe_param_specs)
 
 mesh = jax.make_mesh((2, 2), ("data", "expert"))
-cfg = MoEConfig(num_experts=8, top_k=2, hidden=32, ffn_hidden=24, dtype=jnp.float32,
+cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=32, expert_ffn=24, dtype=jnp.float32,
                 capacity_factor=float(ARGS[0]) if ARGS[0] != "none" else None)
 params = jax.tree.map(np.asarray, init_moe_params(jax.random.key(0), cfg))
 x = np.asarray(jax.random.normal(jax.random.key(1), (8, 5, 32)))
@@ -894,7 +986,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxops.parallel.expert import MoEConfig, init_moe_params, moe_layer, moe_param_specs
 
 mesh = jax.make_mesh((2, 2), ("data", "expert"))
-cfg = MoEConfig(num_experts=8, top_k=2, hidden=256, ffn_hidden=128, dtype=jnp.bfloat16,
+cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=256, expert_ffn=128, dtype=jnp.bfloat16,
                 fp8="block", capacity_factor=1.0)
 params = jax.tree.map(np.asarray, init_moe_params(jax.random.key(0), cfg))
 x = np.asarray(jax.random.normal(jax.random.key(1), (8, 5, 256)))

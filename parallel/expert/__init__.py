@@ -1,0 +1,124 @@
+"""Expert-parallel MoE layer in ``shard_map``: router, permute, exchange, grouped FFN, combine.
+
+One jitted layer over a mesh with an expert axis (and optional data axes). The token batch is
+sharded over ``(*data_axes, expert_axis)``; expert weights are sharded over the expert axis
+(device j of the expert axis holds experts ``j * L .. (j + 1) * L - 1``, ``L = E / N``) and
+replicated over the data axes. On every device::
+
+    router (fp32 logits, top-k)          [T, H] -> expert_ids, probs [T, K]
+                                         (softmax or sigmoid scores, correction bias,
+                                          group-limited choice, scaling: Mixtral,
+                                          Qwen-MoE, DeepSeek-V3)
+    jaxops.moe.permute                   tokens grouped by expert          [T*K, H]
+    exchange along the expert axis       each expert's rows to its device  [R_recv, H]
+    grouped FFN (one grouped GEMM)       every local expert at once        [R_recv, H]
+    exchange back                        rows to the devices they came from
+    jaxops.moe.unpermute(probs)          weighted sum per token            [T, H]
+    + shared expert (optional)           dense FFN on every token, gated or not
+
+The exchange needs no host synchronization: one all-gather of the ``[E]`` int32 row counts along
+the expert axis gives every device every offset. Each device then sends, per local expert of each
+peer, one slice, and the receiver's buffer comes out already grouped by local expert (expert l's
+rows from sender 0, then sender 1, ..., zero-padded to a multiple of ``align``): no second sort
+before the grouped GEMM. On GPU the exchange is ``jax.lax.ragged_all_to_all``; XLA:CPU has no
+ragged all-to-all, so there a dense twin reproduces its exact semantics with a dense
+``all_to_all`` of per-destination chunks plus a scatter. One function picks by platform.
+The grouped GEMM is ``jax.lax.ragged_dot`` on GPU; XLA:CPU's ragged_dot computes every group for
+every row (L times the work), so there groups are padded to 32-row tiles (``align`` becomes
+``lcm(align, 32)``) and a loop runs one GEMM per tile in use.
+
+Buffer sizes are static and never overflow (``Tl`` tokens per device, N devices on the expert
+axis, L local experts; top-k experts of a token are distinct, so a token sends at most
+``min(K, L)`` rows to one device)::
+
+    chunk  = Tl * min(K, L)                               rows one device sends another (bound)
+    R_recv = N * chunk + L * (align - 1)                  rows one device receives (dropless)
+    with a capacity C:  chunk <= L * min(C, Tl),  R_recv <= L * round_up(min(C, N * Tl), align)
+
+Capacity (``capacity_factor``): ``C = ceil(capacity_factor * T * K / E)`` for the global batch of
+T tokens, and expert e keeps its first C slots in global slot order ``t * K + k`` -- exactly the
+slots a single device (``jaxops.moe.permute(..., capacity=C)``) keeps, whatever the mesh. The
+per-device prefix counts come from one more all-gather of ``[E]`` int32 over the token axes.
+Dropped slots contribute zero to their token's output.
+
+The package's modules, by concern:
+
+- ``_config``: :class:`MoEConfig`, the choice tuples (:data:`FFN_ACTIVATIONS`, :data:`ROUTERS`,
+  :data:`EXCHANGES`, :data:`DISPATCHES`), :class:`MoEAux`, :func:`init_moe_params`,
+  :func:`moe_param_specs`;
+- ``_routing``: the router, the auxiliary losses, :func:`update_router_bias`;
+- ``_ffn``: activations, the grouped GEMMs (bf16 / FP8) and the shared expert;
+- ``_exchange``: :func:`exchange_bounds`, the plan, the offsets, the ragged / dense / FP8
+  exchanges;
+- ``_layer``: argument checks, the per-device body, :func:`moe_layer`, :data:`STAGES`;
+- ``_reference``: :func:`moe_layer_reference`, the dense single-device twin.
+
+Renamed in this release (the old names work, with a DeprecationWarning, until the next one):
+the MoEConfig fields ``hidden`` -> ``hidden_size``, ``ffn_hidden`` -> ``expert_ffn``,
+``shared_ffn_hidden`` -> ``shared_ffn``, ``normalize_probs`` -> ``normalize_topk``,
+``aux_loss_coef`` -> ``router_aux_loss_coef``, ``z_loss_coef`` -> ``router_z_loss_coef``, and
+the module attribute ``ACTIVATIONS`` -> ``FFN_ACTIVATIONS`` (the experts' activations, not the
+GEMM epilogue's of ``jaxops.gemm``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from . import _exchange, _layer, _routing
+from ._config import (
+    DISPATCHES,
+    EXCHANGES,
+    FFN_ACTIVATIONS,
+    ROUTERS,
+    MoEAux,
+    MoEConfig,
+    init_moe_params,
+    moe_param_specs,
+)
+from ._exchange import exchange_bounds
+from ._layer import STAGES, moe_layer
+from ._reference import moe_layer_reference
+from ._routing import update_router_bias
+
+__all__ = [
+    "DISPATCHES",
+    "EXCHANGES",
+    "FFN_ACTIVATIONS",
+    "ROUTERS",
+    "STAGES",
+    "MoEAux",
+    "MoEConfig",
+    "exchange_bounds",
+    "init_moe_params",
+    "moe_layer",
+    "moe_layer_reference",
+    "moe_param_specs",
+    "update_router_bias",
+]
+
+# Private names the models' tests, the benchmark and the tests reach for.
+_router = _routing.route
+_stage_probe = _layer.stage_probe
+_ragged_all_to_all_dense = _exchange.ragged_all_to_all_dense
+
+# Deprecated module attributes: old name -> (new name, value).
+_DEPRECATED = {"ACTIVATIONS": ("FFN_ACTIVATIONS", FFN_ACTIVATIONS)}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        new, value = _DEPRECATED[name]
+        warnings.warn(
+            f"jaxops.parallel.expert.{name} is renamed {new} and the old name goes in the next "
+            "release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_DEPRECATED})

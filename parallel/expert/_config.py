@@ -1,0 +1,386 @@
+"""The layer's static configuration: MoEConfig, its choices, MoEAux, the parameters' shapes.
+
+:class:`MoEConfig` (validated, hashable: a jit static argument), the tuples of allowed choices,
+:class:`MoEAux` (what the layer reports besides its output), :func:`init_moe_params`,
+:func:`moe_param_specs` and the check of a params dict against a config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxops import _checks
+from jaxops import moe as _moe
+from jaxops._errors import ConfigError, public_name, renamed_fields
+
+__all__ = [
+    "DISPATCHES",
+    "EXCHANGES",
+    "FFN_ACTIVATIONS",
+    "ROUTERS",
+    "MoEAux",
+    "MoEConfig",
+    "check_params",
+    "init_moe_params",
+    "moe_param_specs",
+]
+
+#: The experts' FFN activations (MoEConfig.activation).
+FFN_ACTIVATIONS = ("swiglu", "gelu", "silu")
+#: Router scores (MoEConfig.router).
+ROUTERS = ("softmax", "sigmoid")
+#: Exchange implementations (MoEConfig.exchange).
+EXCHANGES = ("auto", "ragged", "dense")
+#: What crosses the dispatch exchange (MoEConfig.dispatch).
+DISPATCHES = ("dtype", "fp8")
+FP8_RECIPES = (None, "block")
+#: FP8 group width (1 x 128 row groups, 128 x 128 weight tiles).
+FP8_BLOCK = 128
+
+#: Old -> new MoEConfig field names (the old ones work for one release, with a warning).
+RENAMED_FIELDS = {
+    "hidden": "hidden_size",
+    "ffn_hidden": "expert_ffn",
+    "shared_ffn_hidden": "shared_ffn",
+    "normalize_probs": "normalize_topk",
+    "aux_loss_coef": "router_aux_loss_coef",
+    "z_loss_coef": "router_z_loss_coef",
+}
+
+_OP = "jaxops.parallel.expert.MoEConfig"
+
+
+def _int(name: str, value: Any, minimum: int) -> int:
+    try:
+        return _checks.check_int(_OP, name, value, minimum)
+    except TypeError:
+        raise
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _choice(name: str, value: Any, choices: tuple) -> Any:
+    if value not in choices:
+        raise ConfigError(f"{_OP}: {name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def _nonneg_float(name: str, value: Any) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"{_OP}: {name} must be a float, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{_OP}: {name} must be finite and >= 0, got {value}")
+    return float(value)
+
+
+@renamed_fields(RENAMED_FIELDS)
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Static configuration of :func:`moe_layer` (hashable: use it as a jit static argument).
+
+    Invalid values raise :class:`jaxops.ConfigError` (a ValueError), or TypeError for a wrong
+    type, naming the field. The fields ``hidden``, ``ffn_hidden``, ``shared_ffn_hidden``,
+    ``normalize_probs``, ``aux_loss_coef`` and ``z_loss_coef`` were renamed (see below); their
+    old names still work, as keywords and attributes, with a DeprecationWarning.
+
+    Attributes:
+      num_experts: E >= 1.
+      top_k: K, 1 <= K <= E: experts per token.
+      hidden_size: H, the model width (x's last axis). Formerly ``hidden``.
+      expert_ffn: F, each expert's inner width. Formerly ``ffn_hidden``.
+      activation: one of :data:`FFN_ACTIVATIONS`: "swiglu" (``silu(x W_gate) * (x W_up)``, w_in
+        holds ``[W_gate | W_up]``), "gelu" (exact, erf) or "silu".
+      router: "softmax" (scores = softmax(logits), Mixtral / Qwen-MoE) or "sigmoid"
+        (scores = sigmoid(logits), DeepSeek-V3). The k experts are chosen by their scores (plus
+        the correction bias, within the chosen groups, see below) and weighted by their scores.
+      normalize_topk: divide each token's k weights by their sum (Mixtral: always; Qwen-MoE and
+        DeepSeek-V3: ``norm_topk_prob``). Formerly ``normalize_probs``.
+      router_bias: a per-expert correction bias (params["router_bias"], float32 ``[E]``,
+        DeepSeek-V3's ``e_score_correction_bias``) added to the scores for the choice of experts
+        only: the weights use the raw scores, and the bias gets no gradient. Update it between
+        steps with :func:`update_router_bias` (auxiliary-loss-free balancing).
+      n_group: group-limited routing: the E experts form `n_group` groups of ``E / n_group``; a
+        group's score is the sum of its two best (biased) scores, and each token chooses its k
+        experts among the `topk_group` best groups only. 1: no groups.
+      topk_group: groups kept per token (1..n_group; None: all of them).
+      routed_scaling_factor: the k weights are multiplied by this after the normalization
+        (DeepSeek-V3: 2.5).
+      shared_ffn: width of the shared expert applied to every token besides the routed
+        ones (0: none). DeepSeek-V3's ``n_shared_experts`` shared experts are one FFN of width
+        ``n_shared_experts * moe_intermediate_size``; Qwen2-MoE's
+        ``shared_expert_intermediate_size``. Same activation as the routed experts; params
+        ``shared_w_in [H, F_s']``, ``shared_w_out [F_s, H]``. Formerly ``shared_ffn_hidden``.
+      shared_gate: scale the shared expert's output per token by
+        ``sigmoid(x @ params["shared_gate"])`` (Qwen2-MoE; ``shared_gate [H, 1]``).
+      capacity_factor: None (dropless) or > 0: ``C = ceil(capacity_factor * T * K / E)`` slots per
+        expert over the global batch (see the package docstring).
+      router_aux_loss_coef: weight of the load-balancing loss in ``MoEAux.loss``. Formerly
+        ``aux_loss_coef``.
+      router_z_loss_coef: weight of the router z-loss in ``MoEAux.loss``. Formerly
+        ``z_loss_coef``.
+      align: each local expert's group of received rows is padded to a multiple of this
+        (8 or 16 suit grouped GEMMs; 1 to 4096).
+      expert_axis: the mesh axis the experts are sharded over.
+      data_axes: mesh axes (a name or a tuple of names) the batch is sharded over besides the
+        expert axis; () for none.
+      dtype: compute dtype of the experts (float32, bfloat16 or float16). The router runs in
+        float32.
+      fp8: None or "block": expert GEMMs with DeepSeek-V3 block-scaled FP8 numerics (tokens and
+        gradients in 1 x 128 groups, weights in 128 x 128 tiles, wgrad operands in 128-token
+        groups per expert, float8_e4m3fn, fp32 accumulation).
+      exchange: "auto" (ragged_all_to_all on GPU, the dense all_to_all form elsewhere),
+        "ragged" or "dense".
+      dispatch: what crosses the dispatch exchange. "dtype": the tokens in cfg.dtype (with
+        fp8="block" the receiver quantizes them). "fp8" (needs fp8="block"), as DeepEP does:
+        the sender quantizes its tokens once (1 x 128 groups, float8_e4m3fn, float32 scales),
+        permutes the FP8 rows with their scales and sends both (half the bytes of bf16, a
+        quarter of float32, plus 1/128 of the elements in scales); the receiver feeds them to
+        the grouped GEMM as they are. The forward is the same arithmetic as "dtype" (a row's
+        1 x 128 groups are the same before and after the exchange). The combine stays in
+        cfg.dtype. Backward: the dispatch's gradient crosses back in cfg.dtype -- gradients
+        need the range and precision FP8 would cut, and they are quantized only where the
+        recipe quantizes them (the grouped GEMMs' dgrad and wgrad); the weight gradient of the
+        first expert GEMM requantizes the received FP8 tokens in 128-token groups (the
+        sender's original tokens never cross), so it differs from "dtype"'s by FP8 rounding.
+
+    Example:
+      >>> from jaxops.parallel.expert import MoEConfig
+      >>> cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, expert_ffn=128)
+      >>> cfg.w_in_width, cfg.token_axes, cfg.capacity(1024)
+      (256, ('data', 'expert'), None)
+    """
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    expert_ffn: int
+    activation: str = "swiglu"
+    router: str = "softmax"
+    normalize_topk: bool = True
+    router_bias: bool = False
+    n_group: int = 1
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    shared_ffn: int = 0
+    shared_gate: bool = False
+    capacity_factor: float | None = None
+    router_aux_loss_coef: float = 1e-2
+    router_z_loss_coef: float = 1e-3
+    align: int = 8
+    expert_axis: str = "expert"
+    data_axes: tuple[str, ...] = ("data",)
+    dtype: Any = jnp.bfloat16
+    fp8: str | None = None
+    exchange: str = "auto"
+    dispatch: str = "dtype"
+
+    def __post_init__(self):
+        self._check_sizes()
+        self._check_routing()
+        self._check_layout()
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+
+    def _check_sizes(self) -> None:
+        e = _int("num_experts", self.num_experts, 1)
+        k = _int("top_k", self.top_k, 1)
+        if k > e:
+            raise ConfigError(f"{_OP}: top_k must be <= num_experts = {e}, got {k}")
+        _int("hidden_size", self.hidden_size, 1)
+        _int("expert_ffn", self.expert_ffn, 1)
+        align = _int("align", self.align, 1)
+        if align > _moe.MAX_ALIGN:
+            raise ConfigError(f"{_OP}: align must be <= {_moe.MAX_ALIGN}, got {align}")
+        _choice("activation", self.activation, FFN_ACTIVATIONS)
+        _int("shared_ffn", self.shared_ffn, 0)
+        _checks.check_bool(_OP, "shared_gate", self.shared_gate)
+        if self.shared_gate and not self.shared_ffn:
+            raise ConfigError(f"{_OP}: shared_gate needs a shared expert (shared_ffn > 0)")
+
+    def _check_routing(self) -> None:
+        e, k = self.num_experts, self.top_k
+        _choice("router", self.router, ROUTERS)
+        _checks.check_bool(_OP, "normalize_topk", self.normalize_topk)
+        _checks.check_bool(_OP, "router_bias", self.router_bias)
+        groups = _int("n_group", self.n_group, 1)
+        if e % groups:
+            raise ConfigError(
+                f"{_OP}: num_experts = {e} must be divisible by n_group, got n_group = {groups}"
+            )
+        if groups > 1 and e // groups < 2:
+            raise ConfigError(
+                f"{_OP}: n_group = {groups} leaves {e // groups} expert per group; a group's "
+                "score is the sum of its 2 best experts, so groups need at least 2"
+            )
+        kept = groups if self.topk_group is None else self.topk_group
+        kept = _int("topk_group", kept, 1)
+        if kept > groups:
+            raise ConfigError(f"{_OP}: topk_group must be <= n_group = {groups}, got {kept}")
+        if k > kept * (e // groups):
+            raise ConfigError(
+                f"{_OP}: top_k = {k} exceeds the {kept * (e // groups)} experts of the "
+                f"topk_group = {kept} groups a token may use"
+            )
+        self._set("topk_group", kept)
+        scale = _nonneg_float("routed_scaling_factor", self.routed_scaling_factor)
+        if scale == 0:
+            raise ConfigError(f"{_OP}: routed_scaling_factor must be > 0")
+        self._set("routed_scaling_factor", scale)
+        if self.capacity_factor is not None:
+            cf = _nonneg_float("capacity_factor", self.capacity_factor)
+            if cf == 0:
+                raise ConfigError(f"{_OP}: capacity_factor must be > 0 or None (dropless)")
+            self._set("capacity_factor", cf)
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            self._set(name, _nonneg_float(name, getattr(self, name)))
+
+    def _check_layout(self) -> None:
+        _choice("fp8", self.fp8, FP8_RECIPES)
+        _choice("exchange", self.exchange, EXCHANGES)
+        _choice("dispatch", self.dispatch, DISPATCHES)
+        if self.dispatch == "fp8" and self.fp8 != "block":
+            raise ConfigError(
+                f"{_OP}: dispatch='fp8' quantizes tokens for the block-scaled FP8 expert "
+                f"GEMMs and needs fp8='block', got fp8={self.fp8!r}"
+            )
+        if not isinstance(self.expert_axis, str):
+            raise TypeError(
+                f"{_OP}: expert_axis must be a mesh axis name (str), got {self.expert_axis!r}"
+            )
+        data_axes = self.data_axes
+        data_axes = (
+            () if data_axes is None else (data_axes,) if isinstance(data_axes, str) else data_axes
+        )
+        if not all(isinstance(a, str) for a in data_axes) or self.expert_axis in data_axes:
+            raise ConfigError(
+                f"{_OP}: data_axes must be mesh axis names other than expert_axis "
+                f"{self.expert_axis!r}, got {self.data_axes!r}"
+            )
+        self._set("data_axes", tuple(data_axes))
+        dtype = np.dtype(self.dtype)
+        if dtype not in _checks.FLOAT_DTYPES:
+            raise TypeError(f"{_OP}: dtype must be float32, bfloat16 or float16, got {dtype.name}")
+        self._set("dtype", dtype)
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """The mesh axes the token batch is sharded over: ``(*data_axes, expert_axis)``."""
+        return (*self.data_axes, self.expert_axis)
+
+    def capacity(self, num_tokens: int) -> int | None:
+        """C for a global batch of `num_tokens` tokens, or None (dropless)."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+
+    @property
+    def w_in_width(self) -> int:
+        """F': the width of w_in (2F for swiglu's gate and up projections, else F)."""
+        return 2 * self.expert_ffn if self.activation == "swiglu" else self.expert_ffn
+
+    @property
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of every parameter :func:`init_moe_params` makes for this config."""
+        e, h, f = self.num_experts, self.hidden_size, self.expert_ffn
+        shapes = {"router": (h, e), "w_in": (e, h, self.w_in_width), "w_out": (e, f, h)}
+        if self.router_bias:
+            shapes["router_bias"] = (e,)
+        if self.shared_ffn:
+            fs = self.shared_ffn
+            shapes["shared_w_in"] = (h, 2 * fs if self.activation == "swiglu" else fs)
+            shapes["shared_w_out"] = (fs, h)
+            if self.shared_gate:
+                shapes["shared_gate"] = (h, 1)
+        return shapes
+
+
+class MoEAux(NamedTuple):
+    """What :func:`moe_layer` reports besides its output (global values, replicated).
+
+    Attributes:
+      loss: ``router_aux_loss_coef * load_balancing_loss + router_z_loss_coef * z_loss``
+        (float32 scalar): add it to the training loss.
+      load_balancing_loss: ``E * sum_e f_e * p_e`` with f_e the fraction of the T*K slots routed
+        to expert e (before drops) and p_e the mean over tokens of the router's probability of e
+        (softmax, or sigmoid scores normalized over the experts).
+      z_loss: ``mean_t logsumexp(logits_t) ** 2``.
+      tokens_per_expert: int32 ``[E]``, slots routed to each expert (before drops).
+      dropped: int32 scalar, slots dropped by the capacity.
+    """
+
+    loss: jax.Array
+    load_balancing_loss: jax.Array
+    z_loss: jax.Array
+    tokens_per_expert: jax.Array
+    dropped: jax.Array
+
+
+def init_moe_params(key: jax.Array, cfg: MoEConfig) -> dict[str, jax.Array]:
+    """float32 parameters: ``router [H, E]``, ``w_in [E, H, F']``, ``w_out [E, F, H]``.
+
+    ``F' = 2F`` for swiglu (gate and up projections side by side), else F. Scaled normal
+    initialization (1 / sqrt(fan_in)). With ``cfg.router_bias`` also ``router_bias [E]`` (zeros);
+    with a shared expert ``shared_w_in [H, F_s']``, ``shared_w_out [F_s, H]`` and with
+    ``cfg.shared_gate`` ``shared_gate [H, 1]`` (:attr:`MoEConfig.param_shapes`). Place them with
+    :func:`moe_param_specs`.
+
+    Example:
+      >>> import jax
+      >>> from jaxops.parallel.expert import MoEConfig, init_moe_params
+      >>> cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, expert_ffn=128)
+      >>> {k: v.shape for k, v in init_moe_params(jax.random.key(0), cfg).items()}
+      {'router': (64, 8), 'w_in': (8, 64, 256), 'w_out': (8, 128, 64)}
+    """
+    if not isinstance(cfg, MoEConfig):
+        raise TypeError(
+            f"{public_name(init_moe_params)}: cfg must be a MoEConfig, got {type(cfg).__name__}"
+        )
+    shapes = cfg.param_shapes
+    kr, ki, ko = jax.random.split(key, 3)
+    ks = jax.random.split(jax.random.fold_in(key, 1), 3)
+    keys = {"router": kr, "w_in": ki, "w_out": ko, "shared_w_in": ks[0], "shared_w_out": ks[1]}
+    keys["shared_gate"] = ks[2]
+    params = {}
+    for name, shape in shapes.items():
+        if name == "router_bias":
+            params[name] = jnp.zeros(shape, jnp.float32)
+        else:  # [..., in, out]: scaled by 1 / sqrt(in)
+            params[name] = jax.random.normal(keys[name], shape, jnp.float32) / math.sqrt(shape[-2])
+    return params
+
+
+def moe_param_specs(cfg: MoEConfig) -> dict[str, P]:
+    """PartitionSpecs of the parameters: experts over the expert axis, the rest replicated.
+
+    Example:
+      >>> from jaxops.parallel.expert import MoEConfig, moe_param_specs
+      >>> cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, expert_ffn=128)
+      >>> {name: tuple(spec) for name, spec in moe_param_specs(cfg).items()}
+      {'router': (), 'w_in': ('expert',), 'w_out': ('expert',)}
+    """
+    return {
+        name: P(cfg.expert_axis) if name in ("w_in", "w_out") else P() for name in cfg.param_shapes
+    }
+
+
+def check_params(op: str, params: Any, cfg: MoEConfig) -> dict[str, jax.Array]:
+    """`params` after checking it has exactly the arrays of ``cfg.param_shapes`` (ValueError)."""
+    want = cfg.param_shapes
+    if not isinstance(params, dict) or set(params) != set(want):
+        got = sorted(params) if isinstance(params, dict) else type(params).__name__
+        raise ValueError(f"{op}: params must be a dict with keys {sorted(want)}, got {got}")
+    for name, shape in want.items():
+        arr = _checks.check_array(op, f"params[{name!r}]", params[name])
+        if tuple(arr.shape) != shape:
+            raise ValueError(
+                f"{op}: params[{name!r}] must have shape {shape} for {cfg}, got {tuple(arr.shape)}"
+            )
+    return params

@@ -1,0 +1,241 @@
+"""The exchange along the expert axis: static bounds, the plan, offsets, ragged / dense / FP8.
+
+:func:`exchange_bounds` and :func:`make_plan` fix the static buffer sizes and kernel choices;
+:func:`offsets` turns the all-gathered ``[N, E]`` counts into every device's send and receive
+offsets; :func:`exchange` runs one exchange (``jax.lax.ragged_all_to_all`` on GPU, its exact
+dense twin :func:`ragged_all_to_all_dense` elsewhere); :func:`fp8_dispatch` moves FP8 rows and
+their scales (the gradient crossing back in the compute dtype).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxops import fp8
+from jaxops._moe import unpermute_rows
+from jaxops._rows import round_up, take_rows
+from jaxops._sharding import cotangent_like
+
+from ._config import FP8_BLOCK, MoEConfig
+from ._ffn import CPU_TILE
+
+__all__ = [
+    "Plan",
+    "exchange",
+    "exchange_bounds",
+    "fp8_dispatch",
+    "make_plan",
+    "offsets",
+    "ragged_all_to_all_dense",
+]
+
+
+def _exclusive_cumsum(x: jax.Array, axis: int) -> jax.Array:
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def _slice_of_row(sizes: jax.Array, chunk: int):
+    """Which slice each row of a chunk belongs to, for chunks packing slices back to back.
+
+    sizes: ``[n, L]``. Returns (slice index, its start row, row in use), each ``[n, chunk]``.
+    """
+    ends = jnp.cumsum(sizes, axis=1)
+    s = jnp.arange(chunk, dtype=jnp.int32)
+    idx = jax.vmap(lambda e: jnp.searchsorted(e, s, side="right"))(ends).astype(jnp.int32)
+    valid = idx < sizes.shape[1]
+    idx = jnp.minimum(idx, sizes.shape[1] - 1)
+    start = jnp.take_along_axis(ends - sizes, idx, axis=1)
+    return idx, start, valid
+
+
+def ragged_all_to_all_dense(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, chunk
+):
+    """``jax.lax.ragged_all_to_all``'s semantics from a dense ``all_to_all`` (for XLA:CPU).
+
+    Same arguments (``L = len(input_offsets) / axis size`` slices per peer); `chunk` (static)
+    bounds the rows one device sends another. Each device packs the slices for peer j back to back
+    into ``[chunk, ...]``, one all_to_all moves the ``[n, chunk, ...]`` blocks and the output
+    offsets, and the receiver scatters each row to ``output_offsets + position`` in its slice.
+    Rows beyond `chunk` would be lost: callers size it with :func:`exchange_bounds`.
+    """
+    n = jax.lax.axis_size(axis_name)
+    slices = input_offsets.shape[0] // n
+    sizes = send_sizes.reshape(n, slices)
+    idx, start, valid = _slice_of_row(sizes, chunk)
+    s = jnp.arange(chunk, dtype=jnp.int32)
+    src = jnp.take_along_axis(input_offsets.reshape(n, slices), idx, axis=1) + s - start
+    packed = take_rows(operand, src, valid)
+    received = jax.lax.all_to_all(packed, axis_name, 0, 0, tiled=False)
+    their_offsets = jax.lax.all_to_all(
+        output_offsets.reshape(n, slices), axis_name, 0, 0, tiled=False
+    )
+    idx, start, valid = _slice_of_row(recv_sizes.reshape(n, slices), chunk)
+    dst = jnp.take_along_axis(their_offsets, idx, axis=1) + s - start
+    dst = jnp.where(valid, dst, output.shape[0])  # out of range: dropped by the scatter
+    return output.at[dst.reshape(-1)].set(
+        received.reshape(n * chunk, *operand.shape[1:]), mode="drop"
+    )
+
+
+def exchange_bounds(
+    cfg: MoEConfig,
+    tokens_per_device: int,
+    expert_axis_size: int,
+    num_tokens: int | None = None,
+    *,
+    align: int | None = None,
+) -> tuple[int, int]:
+    """``(chunk, recv_rows)``: the static bounds of the exchange (see the package docstring).
+
+    `num_tokens` is the global batch (for the capacity); default ``tokens_per_device`` times the
+    expert axis size. `align` is the receiver's group alignment (default cfg.align; off GPU the
+    layer uses ``lcm(cfg.align, 32)`` for its row-tiled grouped GEMM).
+
+    Example:
+      >>> from jaxops.parallel.expert import MoEConfig, exchange_bounds
+      >>> cfg = MoEConfig(num_experts=64, top_k=8, hidden_size=1024, expert_ffn=512, align=16)
+      >>> exchange_bounds(cfg, tokens_per_device=4096, expert_axis_size=8)
+      (32768, 262264)
+    """
+    n, tl = expert_axis_size, tokens_per_device
+    align = cfg.align if align is None else align
+    local = cfg.num_experts // n
+    num_tokens = tl * n if num_tokens is None else num_tokens
+    chunk = tl * min(cfg.top_k, local)
+    recv = n * chunk + local * (align - 1)
+    c = cfg.capacity(num_tokens)
+    if c is not None:
+        chunk = min(chunk, local * min(c, tl))
+        recv = min(recv, local * round_up(min(c, n * tl), align))
+    return max(chunk, 1), max(recv, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static sizes and kernel choices of one layer call."""
+
+    n: int  # expert axis size
+    local: int  # experts per device
+    num_tokens: int  # global T
+    capacity: int | None
+    chunk: int
+    recv_rows: int
+    ragged: bool  # ragged_all_to_all, else its dense form
+    align: int  # receiver's group alignment
+    tile: int  # row tile of the grouped GEMM loop; 0: jax.lax.ragged_dot
+
+
+def _platform(mesh: Any) -> str:
+    devices = getattr(mesh, "devices", None)
+    if devices is not None and devices.size:
+        return devices.flat[0].platform
+    return jax.default_backend()
+
+
+def make_plan(cfg: MoEConfig, mesh: Any, n: int, shards: int, num_tokens: int) -> Plan:
+    """Static buffer sizes and kernel choices for `num_tokens` tokens in all.
+
+    `n`: the expert axis size; `shards`: the devices on the token axes.
+    """
+    gpu = _platform(mesh) == "gpu"
+    ragged = cfg.exchange == "ragged" or (cfg.exchange == "auto" and gpu)
+    tile = 0 if gpu else CPU_TILE
+    align = cfg.align if gpu else math.lcm(cfg.align, tile)
+    chunk, recv_rows = exchange_bounds(cfg, num_tokens // shards, n, num_tokens, align=align)
+    return Plan(
+        n=n,
+        local=cfg.num_experts // n,
+        num_tokens=num_tokens,
+        capacity=cfg.capacity(num_tokens),
+        chunk=chunk,
+        recv_rows=round_up(recv_rows, max(tile, 1)),
+        ragged=ragged,
+        align=align,
+        tile=tile,
+    )
+
+
+def exchange(plan: Plan, axis: str, operand, output, offsets):
+    """One exchange: ragged_all_to_all on GPU, its dense form elsewhere."""
+    if plan.ragged:
+        return jax.lax.ragged_all_to_all(operand, output, *offsets, axis_name=axis)
+    return ragged_all_to_all_dense(operand, output, *offsets, axis_name=axis, chunk=plan.chunk)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def fp8_dispatch(plan: Plan, axis: str, impl, tokens, data, scales, row_map, offsets):
+    """The FP8 dispatch: permuted FP8 rows and their scales exchanged, dequantized (float32).
+
+    tokens: ``[T, H]`` in the compute dtype, only for the gradient (straight through the
+    quantization); data / scales: the sender's permuted FP8 rows ``[R, H]`` and float32 scales
+    ``[R, H / 128]``; row_map: the permute's ``[T, K]`` rows; offsets: (forward, backward)
+    exchange arguments. Forward: two exchanges (FP8 payload, scale payload). Backward: the
+    rows' gradient crosses back in the compute dtype and each token sums its K rows' gradients.
+    """
+    return _fp8_dispatch_fwd(plan, axis, impl, tokens, data, scales, row_map, offsets)[0]
+
+
+def _fp8_dispatch_fwd(plan: Plan, axis: str, impl, tokens, data, scales, row_map, offsets):
+    forward, backward = offsets
+    h = data.shape[1]
+    # The FP8 bytes cross as uint8: XLA:CPU would otherwise widen a float8 collective to f16.
+    payload = jax.lax.bitcast_convert_type(data, jnp.uint8)
+    rows = exchange(plan, axis, payload, jnp.zeros((plan.recv_rows, h), jnp.uint8), forward)
+    rows = jax.lax.bitcast_convert_type(rows, data.dtype)
+    shape = (plan.recv_rows, scales.shape[1])
+    row_scales = exchange(plan, axis, scales, jnp.zeros(shape, jnp.float32), forward)
+    out = fp8.dequantize(fp8.QuantizedArray(rows, row_scales, (1, FP8_BLOCK)), jnp.float32)
+    # The permuted buffer's rows, as the shape of an empty array (residuals are arrays).
+    sent = tokens[:0, :1].reshape(0)
+    sent = jnp.broadcast_to(sent[:, None], (0, data.shape[0]))
+    return out, (row_map, backward, sent, tokens[:0])
+
+
+def _fp8_dispatch_bwd(plan: Plan, axis: str, impl, saved, d_rows):
+    row_map, backward, sent, like = saved
+    d_rows = d_rows.astype(like.dtype)
+    back = jnp.zeros((sent.shape[1], d_rows.shape[1]), like.dtype)
+    d_sent = exchange(plan, axis, d_rows, back, backward)
+    # The permute's own backward: each token sums the gradients of its K rows.
+    d_tokens = unpermute_rows(d_sent, row_map, None, impl)
+    return cotangent_like(d_tokens.astype(like.dtype), like), None, None, None, None
+
+
+fp8_dispatch.defvjp(_fp8_dispatch_fwd, _fp8_dispatch_bwd)
+
+
+def offsets(plan: Plan, align: int, me, counts_all, kept_all):
+    """Forward and backward exchange arguments and the receiver's group sizes.
+
+    counts_all / kept_all: int32 ``[N, E]``, every expert-axis peer's routed and kept slots per
+    expert. G[i, j, l] = rows peer i sends to peer j's local expert l.
+    """
+    n, lx = plan.n, plan.local
+    g = kept_all.reshape(n, n, lx)
+    # Sender i's permuted buffer (align 1): expert groups in order, dropped slots at group ends.
+    send_base = _exclusive_cumsum(counts_all, axis=1).reshape(n, n, lx)
+    # Receiver j: local expert l's group starts at base[j, l]; within it, sender i's rows.
+    totals = jnp.sum(g, axis=0)  # [j, l]
+    padded = (totals + align - 1) // align * align
+    base = _exclusive_cumsum(padded, axis=1)
+    recv_at = base[None] + _exclusive_cumsum(g, axis=0)  # [i, j, l]
+    forward = (
+        send_base[me].reshape(-1),
+        g[me].reshape(-1),
+        recv_at[me].reshape(-1),
+        g[:, me].reshape(-1),
+    )
+    backward = (
+        recv_at[:, me].reshape(-1),
+        g[:, me].reshape(-1),
+        send_base[:, me].reshape(-1),
+        g[me].reshape(-1),
+    )
+    return forward, backward, padded[me]

@@ -1,0 +1,198 @@
+"""The expert FFNs: activations, the grouped GEMMs (bf16 / FP8, with their VJP), the shared expert.
+
+Rows arrive grouped by local expert, each group padded to a multiple of the plan's alignment.
+On GPU the grouped GEMM is ``jax.lax.ragged_dot``. XLA:CPU lowers ragged_dot to one dense dot
+over every group for every row (masked), L times the work; there the groups are padded to
+multiples of a row tile and a loop runs one ``[tile, K] x [K, N]`` GEMM per tile in use (a
+dynamic trip count: the work follows the rows actually received, not the buffer's worst-case
+size). With ``fp8="block"`` the GEMMs use DeepSeek-V3's block-scaled FP8 numerics.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxops import fp8
+from jaxops._fp8.scales import GRAD_AMAX_FLOOR
+from jaxops._sharding import cotangent_like, vary_like
+
+from ._config import FP8_BLOCK, MoEConfig
+
+__all__ = ["CPU_TILE", "activate", "expert_ffn", "grouped_ffn", "shared_expert"]
+
+#: Row tile of the grouped GEMM loop off GPU (0 in a plan: jax.lax.ragged_dot).
+CPU_TILE = 32
+
+
+def activate(cfg: MoEConfig, h: jax.Array) -> jax.Array:
+    """cfg.activation on the first projection's output ``[..., F']`` -> ``[..., F]``."""
+    if cfg.activation == "swiglu":
+        gate, up = jnp.split(h, 2, axis=-1)
+        return jax.nn.silu(gate) * up
+    if cfg.activation == "gelu":
+        return jax.nn.gelu(h, approximate=False)
+    return jax.nn.silu(h)
+
+
+def _gmm(tile: int, x, w, groups) -> jax.Array:
+    """``y[rows of group l] = x[rows] @ w[l]``, float32 ``[R, N]``; padding rows give zeros."""
+    group_sizes, tile_group, n_tiles = groups
+    if tile == 0:
+        return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+
+    def body(i, out):
+        rows = jax.lax.dynamic_slice_in_dim(x, i * tile, tile)
+        y = jnp.dot(rows, w[tile_group[i]], preferred_element_type=jnp.float32)
+        return jax.lax.dynamic_update_slice_in_dim(out, y, i * tile, 0)
+
+    out = vary_like(jnp.zeros((x.shape[0], w.shape[2]), jnp.float32), x, w, tile_group)
+    return jax.lax.fori_loop(0, n_tiles, body, out)
+
+
+def _gmm_wgrad(tile: int, x, dy, groups, num_groups: int) -> jax.Array:
+    """``dw[l] = x[rows of l]^T @ dy[rows of l]``, float32 ``[L, K, N]``."""
+    group_sizes, tile_group, n_tiles = groups
+    shape = (num_groups, x.shape[1], dy.shape[1])
+    if tile == 0:
+        _, vjp = jax.vjp(
+            lambda w: jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32),
+            jnp.zeros(shape, x.dtype),
+        )
+        return vjp(dy.astype(jnp.float32))[0].astype(jnp.float32)
+
+    def body(i, dw):
+        rows = jax.lax.dynamic_slice_in_dim(x, i * tile, tile)
+        grad = jax.lax.dynamic_slice_in_dim(dy, i * tile, tile)
+        g = tile_group[i]
+        return dw.at[g].add(jnp.dot(rows.T, grad, preferred_element_type=jnp.float32))
+
+    dw = vary_like(jnp.zeros(shape, jnp.float32), x, dy, tile_group)
+    return jax.lax.fori_loop(0, n_tiles, body, dw)
+
+
+def _fp8_rows(impl, x, grad: bool = False) -> jax.Array:
+    floor = GRAD_AMAX_FLOOR if grad else 1e-4
+    q = fp8.quantize(x, block=(1, FP8_BLOCK), amax_floor=floor, impl=impl)
+    return fp8.dequantize(q, jnp.float32)
+
+
+def _fp8_split(impl, x, group_sizes, grad: bool = False) -> jax.Array:
+    floor = GRAD_AMAX_FLOOR if grad else 1e-4
+    q = fp8.quantize_split_transpose(x, group_sizes, amax_floor=floor, impl=impl)
+    return q.dequantize(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _grouped_linear(tile: int, quantized: bool | str, impl, x, w, groups):
+    return _grouped_linear_fwd(tile, quantized, impl, x, w, groups)[0]
+
+
+def _grouped_linear_fwd(tile: int, quantized: bool | str, impl, x, w, groups):
+    """quantized: False, True (quantize x's rows 1 x 128) or "given" (x: dequantized FP8 rows)."""
+    like = x[:0]  # x's dtype and varying axes, for its cotangent
+    if quantized:
+        xq = x if quantized == "given" else _fp8_rows(impl, x)
+        # Given rows are float32 (FP8 values times their scales); the wgrad requantizes them,
+        # so they are kept in the compute dtype (the weights'), as other inputs are.
+        saved = x.astype(w.dtype) if quantized == "given" else x
+        w = fp8.dequantize(fp8.quantize(w, block=(FP8_BLOCK, FP8_BLOCK), impl=impl), jnp.float32)
+        return _gmm(tile, xq, w, groups), ((saved, like), w, groups)
+    return _gmm(tile, x, w, groups), ((x, like), w, groups)
+
+
+def _grouped_linear_bwd(tile: int, quantized: bool | str, impl, saved, dy):
+    (x, x_like), w, groups = saved
+    if quantized:
+        # dgrad from 1 x 128 gradient groups and w's tiles read transposed; wgrad from
+        # per-expert transposes quantized in 128-token groups (DeepSeek-V3's recipe).
+        dyq = _fp8_rows(impl, dy, grad=True)
+        xs = _fp8_split(impl, x, groups[0])
+        dys = _fp8_split(impl, dy, groups[0], grad=True)
+    else:
+        dyq = dys = dy.astype(x.dtype)
+        xs = x
+    dx = _gmm(tile, dyq, jnp.swapaxes(w, 1, 2), groups)
+    dw = _gmm_wgrad(tile, xs, dys, groups, w.shape[0])
+    dx = cotangent_like(dx.astype(x_like.dtype), x_like)
+    return dx, cotangent_like(dw.astype(w.dtype), w), None
+
+
+_grouped_linear.defvjp(_grouped_linear_fwd, _grouped_linear_bwd)
+
+
+def _groups(tile: int, group_sizes: jax.Array, rows: int):
+    """(group_sizes, the group of each row tile, tiles in use) for :func:`_gmm`."""
+    if tile == 0:
+        return group_sizes, jnp.zeros((1,), jnp.int32), jnp.zeros((), jnp.int32)
+    ends = jnp.cumsum(group_sizes)
+    starts = jnp.arange(rows // tile, dtype=jnp.int32) * tile
+    tile_group = jnp.searchsorted(ends, starts, side="right").astype(jnp.int32)
+    tile_group = jnp.minimum(tile_group, group_sizes.shape[0] - 1)
+    return group_sizes, tile_group, (ends[-1] // tile).astype(jnp.int32)
+
+
+def grouped_ffn(cfg: MoEConfig, tile: int, impl, rows, w_in, w_out, group_sizes) -> jax.Array:
+    """Each group of rows through its expert's FFN: ``[R, H] -> [R, H]`` in cfg.dtype.
+
+    With ``cfg.dispatch == "fp8"`` the rows are the received FP8 tokens, dequantized (float32).
+    `tile`: the row tile of the loop (0: ``jax.lax.ragged_dot``); group_sizes: int32 ``[L]``.
+    """
+    groups = _groups(tile, group_sizes, rows.shape[0])
+    quantized = cfg.fp8 == "block"
+    first = "given" if cfg.dispatch == "fp8" else quantized
+    h = _grouped_linear(tile, first, impl, rows, w_in.astype(cfg.dtype), groups)
+    a = activate(cfg, h).astype(cfg.dtype)
+    out = _grouped_linear(tile, quantized, impl, a, w_out.astype(cfg.dtype), groups)
+    return out.astype(cfg.dtype)
+
+
+def expert_ffn(
+    cfg: MoEConfig, xs: jax.Array, w_in: jax.Array, w_out: jax.Array, impl: str | None = None
+) -> jax.Array:
+    """One dense FFN ``act(xs @ w_in) @ w_out``, float32 ``[T, H]``.
+
+    xs, w_in, w_out in cfg.dtype; GEMMs accumulate in float32 (with cfg.fp8 the block-scaled
+    ``jaxops.fp8.linear``, its output in cfg.dtype). The activation's input is float32.
+    impl="xla" runs fp8.linear's pure-JAX twin; otherwise its default (its GEMMs have no CPU
+    kernel, so "ffi" is not forced on it).
+    """
+    if cfg.fp8 == "block":
+        linear_impl = "xla" if impl == "xla" else None
+        hid = fp8.linear(xs, w_in, impl=linear_impl).astype(jnp.float32)
+        act = activate(cfg, hid).astype(cfg.dtype)
+        return fp8.linear(act, w_out, impl=linear_impl).astype(jnp.float32)
+    hid = jnp.dot(xs, w_in, preferred_element_type=jnp.float32)
+    act = activate(cfg, hid).astype(cfg.dtype)
+    return jnp.dot(act, w_out, preferred_element_type=jnp.float32)
+
+
+def shared_expert(
+    cfg: MoEConfig, params, tokens: jax.Array, impl: str | None = None
+) -> jax.Array | None:
+    """The shared expert on every token, float32 ``[T, H]`` (None without one).
+
+    Its projections are dense GEMMs in cfg.dtype with float32 accumulation (with cfg.fp8 the
+    block-scaled ``jaxops.fp8.linear``); the optional sigmoid gate is computed in float32.
+    """
+    if not cfg.shared_ffn:
+        return None
+    xs = tokens.astype(cfg.dtype)
+    w_in = params["shared_w_in"].astype(cfg.dtype)
+    w_out = params["shared_w_out"].astype(cfg.dtype)
+    if cfg.fp8 == "block":
+        # Inside shard_map the weights are replicated and the tokens vary: mark the weights
+        # varying so fp8.linear's backward (a per-device weight gradient) types check; the
+        # cast's transpose sums the gradient over the devices.
+        w_in, w_out = vary_like((w_in, w_out), xs)
+    out = expert_ffn(cfg, xs, w_in, w_out, impl)
+    if cfg.shared_gate:
+        gate = jnp.dot(
+            tokens.astype(jnp.float32),
+            params["shared_gate"].astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST,
+        )
+        out = jax.nn.sigmoid(gate) * out
+    return out

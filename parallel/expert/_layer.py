@@ -1,0 +1,281 @@
+"""The expert-parallel layer: argument checks, the per-device body, moe_layer, the stage probe.
+
+:func:`moe_layer` checks its arguments, plans the exchange and runs :func:`local_layer` in one
+``shard_map`` (or directly, inside an enclosing ``shard_map`` over cfg's token axes).
+:func:`stage_probe` cuts the layer after one of :data:`STAGES` for the benchmark's time split.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxops import _checks, fp8
+from jaxops import moe as _moe
+from jaxops._sharding import place
+
+from ._config import (
+    FP8_BLOCK,
+    MoEAux,
+    MoEConfig,
+    check_params,
+    moe_param_specs,
+)
+from ._exchange import Plan, exchange, fp8_dispatch, make_plan, offsets
+from ._ffn import grouped_ffn, shared_expert
+from ._routing import aux_from_sums, route
+
+__all__ = ["STAGES", "local_layer", "moe_layer", "stage_probe"]
+
+_PREFIX = "jaxops.parallel.expert"
+
+#: The layer's stages, in order (the benchmark's time split).
+STAGES = ("router", "permute", "exchange", "ffn", "combine")
+
+
+def _probe(*values) -> jax.Array:
+    """One float32 per device that depends on every value (the benchmark's stage cut)."""
+    return sum(jnp.sum(v.astype(jnp.float32)) for v in values).reshape(1)
+
+
+def _route_and_count(cfg: MoEConfig, plan: Plan, params, tokens):
+    """(ids, probs, counts, kept, aux): routing, this device's kept slots, global MoEAux."""
+    e, token_axes = cfg.num_experts, cfg.token_axes
+    logits, dist, ids, probs = route(cfg, tokens, params["router"], params.get("router_bias"))
+    counts = jnp.zeros((e,), jnp.int32).at[ids.reshape(-1)].add(1)
+    if plan.capacity is None:
+        kept = counts
+    else:
+        before = jax.lax.all_gather(counts, token_axes)  # [shards, E], global token order
+        me_global = jax.lax.axis_index(token_axes)
+        mask = (jnp.arange(before.shape[0]) < me_global)[:, None]
+        prefix = jnp.sum(jnp.where(mask, before, 0), axis=0)
+        kept = jnp.clip(plan.capacity - prefix, 0, counts)
+    stats = jax.lax.psum(
+        (
+            counts,
+            jnp.sum(dist, axis=0),
+            jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
+            jnp.sum(counts - kept),
+        ),
+        token_axes,
+    )
+    return ids, probs, counts, kept, aux_from_sums(cfg, *stats, plan.num_tokens)
+
+
+def local_layer(cfg: MoEConfig, plan: Plan, impl, params, x, upto: str = "combine"):
+    """The per-device body of :func:`moe_layer` (inside shard_map): ``(y, aux)``.
+
+    With `upto` before "combine" it stops after that stage and returns :func:`_probe` of the
+    stage's results (for the benchmark's time split).
+    """
+    h = x.shape[-1]
+    tokens = x.reshape(-1, h)
+    e, axis = cfg.num_experts, cfg.expert_axis
+    ids, probs, counts, kept, aux = _route_and_count(cfg, plan, params, tokens)
+    if upto == "router":
+        return _probe(probs, aux.loss, kept)
+
+    compute = tokens.astype(cfg.dtype)
+    if cfg.dispatch == "fp8":
+        # The sender quantizes once; the FP8 rows move with their scales (no gradient here:
+        # fp8_dispatch passes it straight through to the tokens).
+        q = fp8.quantize(jax.lax.stop_gradient(compute), block=(1, FP8_BLOCK), impl=impl)
+        permuted = _moe.permute(q.data, ids, e, scales=q.scale, impl=impl)
+    else:
+        permuted = _moe.permute(compute, ids, e, impl=impl)
+    if upto == "permute":
+        return _probe(probs, aux.loss, kept, permuted.tokens)
+    both = jax.lax.all_gather(jnp.stack([counts, kept]), axis)  # [N, 2, E]
+    me = jax.lax.axis_index(axis)
+    forward, backward, group_sizes = offsets(plan, plan.align, me, both[:, 0], both[:, 1])
+    if cfg.dispatch == "fp8":
+        rows = fp8_dispatch(
+            plan,
+            axis,
+            impl,
+            compute,
+            permuted.tokens,
+            permuted.scales,
+            permuted.row_map,
+            (forward, backward),
+        )
+    else:
+        recv = jnp.zeros((plan.recv_rows, h), cfg.dtype)
+        rows = exchange(plan, axis, permuted.tokens, recv, forward)
+    if upto == "exchange":
+        return _probe(probs, aux.loss, rows)
+    out = grouped_ffn(cfg, plan.tile, impl, rows, params["w_in"], params["w_out"], group_sizes)
+    if upto == "ffn":
+        return _probe(probs, aux.loss, out)
+    back = jnp.zeros((permuted.tokens.shape[0], h), cfg.dtype)
+    returned = exchange(plan, axis, out, back, backward)
+    y = _moe.unpermute(returned, permuted, probs=probs, impl=impl)
+    shared = shared_expert(cfg, params, tokens, impl)
+    if shared is not None:
+        y = y.astype(jnp.float32) + shared
+    return y.astype(x.dtype).reshape(x.shape), aux
+
+
+def _check_mesh(op: str, mesh: Any, cfg: MoEConfig) -> tuple[int, int]:
+    """(expert axis size N, token shards D) after checking that the mesh fits the config."""
+    if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+        raise TypeError(f"{op}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    shape = dict(mesh.shape)
+    for name in cfg.token_axes:
+        if name not in shape:
+            role = "expert_axis" if name == cfg.expert_axis else "data_axes"
+            raise ValueError(
+                f"{op}: the mesh has no axis {name!r} (cfg.{role}); its axes are "
+                f"{tuple(shape)}. Set MoEConfig(expert_axis=..., data_axes=...) to its names."
+            )
+    n = shape[cfg.expert_axis]
+    if cfg.num_experts % n:
+        raise ValueError(
+            f"{op}: num_experts = {cfg.num_experts} must be divisible by the size {n} of the "
+            f"expert axis {cfg.expert_axis!r}"
+        )
+    return n, math.prod(shape[a] for a in cfg.token_axes)
+
+
+def _check_x(op: str, x, cfg: MoEConfig) -> jax.Array:
+    x = _checks.check_array(op, "x", x, min_rank=2)
+    if x.shape[-1] != cfg.hidden_size:
+        raise ValueError(
+            f"{op}: x must have shape (B, ..., H) with H = cfg.hidden_size = {cfg.hidden_size}, "
+            f"got {tuple(x.shape)}"
+        )
+    return x
+
+
+def _prepare(op: str, params, x, cfg: MoEConfig, mesh):
+    """Validates the layer's arguments; (params, x) placed for shard_map, the plan and specs."""
+    if not isinstance(cfg, MoEConfig):
+        raise TypeError(f"{op}: cfg must be a MoEConfig, got {type(cfg).__name__}")
+    params = check_params(op, params, cfg)
+    x = _check_x(op, x, cfg)
+    n, shards = _check_mesh(op, mesh, cfg)
+    if x.shape[0] % shards:
+        raise ValueError(
+            f"{op}: x's leading axis ({x.shape[0]}) must be divisible by the {shards} devices "
+            f"of the token axes {cfg.token_axes}"
+        )
+    plan = make_plan(cfg, mesh, n, shards, math.prod(x.shape[:-1]))
+    x_spec = P(cfg.token_axes)
+    specs = moe_param_specs(cfg)
+    return place(params, mesh, specs), place(x, mesh, x_spec), plan, specs, x_spec
+
+
+def _inside_shard_map(op: str, cfg: MoEConfig) -> bool:
+    """Whether the layer is called where cfg's token axes are already manual (shard_map)."""
+    manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ()
+    inside = [a in manual for a in cfg.token_axes]
+    if any(inside) and not all(inside):
+        raise ValueError(
+            f"{op}: inside a shard_map, all of cfg's token axes "
+            f"{cfg.token_axes} must be manual, got manual axes {tuple(manual)}"
+        )
+    return all(inside)
+
+
+def _local_call(op: str, params, x, cfg: MoEConfig, mesh, impl):
+    """The layer on this device's shards, inside an enclosing shard_map over cfg's axes."""
+    n, shards = _check_mesh(op, mesh, cfg)
+    local = cfg.num_experts // n
+    shapes = dict(cfg.param_shapes)
+    shapes["w_in"] = (local, *shapes["w_in"][1:])
+    shapes["w_out"] = (local, *shapes["w_out"][1:])
+    for name, shape in shapes.items():
+        arr = params.get(name) if isinstance(params, dict) else None
+        if arr is None or tuple(arr.shape) != shape:
+            got = None if arr is None else tuple(arr.shape)
+            raise ValueError(
+                f"{op}: inside a shard_map over {cfg.token_axes}, params[{name!r}] must be this "
+                f"device's shard of shape {shape} (moe_param_specs), got {got}"
+            )
+    x = _check_x(op, x, cfg)
+    plan = make_plan(cfg, mesh, n, shards, math.prod(x.shape[:-1]) * shards)
+    return local_layer(cfg, plan, impl, params, x)
+
+
+def moe_layer(
+    params: dict[str, jax.Array],
+    x: jax.Array,
+    cfg: MoEConfig,
+    *,
+    mesh: jax.sharding.Mesh,
+    impl: str | None = None,
+) -> tuple[jax.Array, MoEAux]:
+    """The expert-parallel MoE layer: ``y[t] = sum_k probs[t, k] * FFN_{ids[t, k]}(x[t])``.
+
+    Runs as one ``shard_map`` over `mesh` (see the package docstring for the data flow, buffer
+    bounds and capacity semantics). Differentiable in params and x (router gradients come through
+    the probabilities and the auxiliary losses). Call it under ``jax.jit``.
+
+    Inside an enclosing ``shard_map`` in which cfg's token axes are already manual (a stage of
+    :func:`jaxops.parallel.pipeline.pipeline_step`, say), the layer runs directly on this
+    device's shards: `params` are then the shards of :func:`moe_param_specs` (``E / N`` local
+    experts) and `x` this device's tokens.
+
+    Args:
+      params: from :func:`init_moe_params` (float32 or cfg.dtype; any placement, resharded to
+        :func:`moe_param_specs`).
+      x: ``[B, ..., H]`` float32, bfloat16 or float16 (``H = cfg.hidden_size``); B divisible by
+        the number of devices on the token axes ``(*cfg.data_axes, cfg.expert_axis)``, over
+        which B is sharded.
+      cfg: a :class:`MoEConfig`.
+      mesh: the mesh holding cfg's axes (other axes hold replicas).
+      impl: None, "ffi" or "xla": which implementation of jaxops' kernels (permute, unpermute,
+        FP8 quantization) to use; "xla" runs their pure-JAX twins.
+
+    Returns:
+      ``(y, aux)``: y like x, and a :class:`MoEAux`.
+
+    Raises:
+      TypeError / ValueError: bad params, x, mesh or config (named, with what was expected).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxops.parallel.expert import MoEConfig, init_moe_params, moe_layer
+      >>> mesh = jax.make_mesh((len(jax.devices()),), ("expert",))
+      >>> cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, expert_ffn=128, data_axes=())
+      >>> params = init_moe_params(jax.random.key(0), cfg)
+      >>> x = jax.random.normal(jax.random.key(1), (8, 16, 64), jnp.bfloat16)
+      >>> y, aux = jax.jit(lambda p, x: moe_layer(p, x, cfg, mesh=mesh))(params, x)
+      >>> y.shape, y.dtype, int(aux.tokens_per_expert.sum())
+      ((8, 16, 64), dtype(bfloat16), 256)
+    """
+    op = f"{_PREFIX}.moe_layer"
+    if isinstance(cfg, MoEConfig) and _inside_shard_map(op, cfg):
+        return _local_call(op, params, x, cfg, mesh, impl)
+    params, x, plan, specs, x_spec = _prepare(op, params, x, cfg, mesh)
+    aux_specs = MoEAux(P(), P(), P(), P(), P())
+    body = functools.partial(local_layer, cfg, plan, impl)
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(specs, x_spec), out_specs=(x_spec, aux_specs), check_vma=True
+    )(params, x)
+
+
+def stage_probe(params, x, cfg: MoEConfig, *, mesh, upto: str, impl: str | None = None):
+    """The layer cut after stage `upto` (one of :data:`STAGES`): a float32 per token shard.
+
+    For benchmarks: timing the cuts one after another splits the layer's time into router /
+    permute / exchange / FFN / combine (exchange back + unpermute).
+    """
+    op = f"{_PREFIX}._stage_probe"
+    if upto not in STAGES:
+        raise ValueError(f"{op}: upto must be one of {STAGES}, got {upto!r}")
+    params, x, plan, specs, x_spec = _prepare(op, params, x, cfg, mesh)
+
+    def body(p, x):
+        out = local_layer(cfg, plan, impl, p, x, upto=upto)
+        return _probe(out[0]) if upto == "combine" else out  # the whole layer, reduced alike
+
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(specs, x_spec), out_specs=P(cfg.token_axes), check_vma=True
+    )(params, x)

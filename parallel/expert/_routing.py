@@ -1,0 +1,126 @@
+"""Routing: the router's choice and weights, the auxiliary losses, the correction bias update.
+
+Shared by the expert-parallel layer and its dense reference: :func:`route` (float32 logits,
+softmax or sigmoid scores, correction bias, group-limited choice, top-k weights),
+:func:`aux_from_sums` (:class:`MoEAux` from global sums) and :func:`update_router_bias`
+(DeepSeek-V3's auxiliary-loss-free balancing).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxops import _checks
+
+from ._config import MoEAux, MoEConfig
+
+__all__ = ["aux_from_sums", "route", "update_router_bias"]
+
+_COUNT_DTYPES = tuple(np.dtype(d) for d in ("int32", "int64", "uint32", "float32"))
+
+
+def route(cfg: MoEConfig, tokens: jax.Array, w_router: jax.Array, bias=None):
+    """(logits, probabilities over experts, expert_ids [T, K], their weights [T, K]), float32.
+
+    Scores are softmax or sigmoid of the float32 logits. The choice: the scores plus the
+    correction bias (no gradient), limited to each token's `topk_group` best groups (a group's
+    score: the sum of its two best), then the top k. The weights: the chosen experts' raw scores,
+    normalized to sum 1 if asked (sigmoid: the sum plus 1e-20, as DeepSeek-V3), times
+    routed_scaling_factor.
+
+    Args:
+      cfg: the layer's config.
+      tokens: ``[T, H]``, any float dtype.
+      w_router: ``[H, E]``.
+      bias: None or float32 ``[E]``, the correction bias.
+    """
+    logits = jnp.dot(
+        tokens.astype(jnp.float32),
+        w_router.astype(jnp.float32),
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    if cfg.router == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+        dist = scores
+    else:
+        scores = jax.nn.sigmoid(logits)
+        # Every score can underflow to 0 for very negative logits: then dist is 0, not 0 / 0,
+        # and so is its gradient (a safe denominator, not a where around the quotient).
+        total = jnp.sum(scores, axis=-1, keepdims=True)
+        dist = scores / jnp.where(total > 0, total, 1.0)
+    choice = scores
+    if bias is not None:
+        choice = choice + jax.lax.stop_gradient(bias.astype(jnp.float32))
+    if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
+        t, g = tokens.shape[0], cfg.n_group
+        grouped = choice.reshape(t, g, cfg.num_experts // g)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
+        _, keep = jax.lax.top_k(group_scores, cfg.topk_group)
+        kept = jnp.any(keep[:, :, None] == jnp.arange(g)[None, None, :], axis=1)  # [T, G]
+        choice = jnp.where(kept[:, :, None], grouped, -jnp.inf).reshape(t, cfg.num_experts)
+    if bias is None and choice is scores:
+        top, ids = jax.lax.top_k(scores, cfg.top_k)
+    else:
+        _, ids = jax.lax.top_k(jax.lax.stop_gradient(choice), cfg.top_k)
+        top = jnp.take_along_axis(scores, ids, axis=-1)
+    if cfg.normalize_topk:
+        total = jnp.sum(top, axis=-1, keepdims=True)
+        if cfg.router == "softmax":
+            top = top / total
+        else:  # DeepSeek-V3's + 1e-20; all-zero scores stay 0 (with a finite gradient)
+            top = top / jnp.where(total > 0, total + 1e-20, 1.0)
+    if cfg.routed_scaling_factor != 1.0:
+        top = top * cfg.routed_scaling_factor
+    return logits, dist, ids.astype(jnp.int32), top
+
+
+def aux_from_sums(cfg: MoEConfig, counts, dist_sum, lse_sq_sum, dropped, num_tokens: int) -> MoEAux:
+    """MoEAux from global sums: counts [E] int32, dist_sum [E], lse_sq_sum [] (float32)."""
+    f = counts.astype(jnp.float32) / (num_tokens * cfg.top_k)
+    p = dist_sum / num_tokens
+    lb = cfg.num_experts * jnp.sum(f * p)
+    z = lse_sq_sum / num_tokens
+    loss = cfg.router_aux_loss_coef * lb + cfg.router_z_loss_coef * z
+    return MoEAux(loss, lb, z, counts, dropped)
+
+
+def update_router_bias(
+    bias: jax.Array, tokens_per_expert: jax.Array, rate: float = 1e-3
+) -> jax.Array:
+    """Auxiliary-loss-free load balancing (DeepSeek-V3): one update of the correction bias.
+
+    ``bias + rate * sign(mean(load) - load)``: experts that received more than the mean number of
+    slots this step become less likely to be chosen, the others more. Jittable; works on stacked
+    layers (``[..., E]``, the mean taken over the last axis). Use it with
+    ``MoEConfig(router_bias=True)`` and ``MoEAux.tokens_per_expert`` (global counts), outside the
+    gradient (the bias has none).
+
+    Args:
+      bias: float32 ``[..., E]``, ``params["router_bias"]``.
+      tokens_per_expert: int ``[..., E]`` slots routed to each expert (before drops).
+      rate: the update speed gamma (DeepSeek-V3 used 1e-3).
+
+    Returns:
+      The updated bias, float32 ``[..., E]``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxops.parallel.expert import update_router_bias
+      >>> update_router_bias(jnp.zeros(4), jnp.array([10, 2, 2, 2]), rate=0.1).tolist()
+      [-0.10000000149011612, 0.10000000149011612, 0.10000000149011612, 0.10000000149011612]
+    """
+    op = "jaxops.parallel.expert.update_router_bias"
+    bias = _checks.check_array(op, "bias", bias, min_rank=1)
+    load = _checks.check_array(
+        op, "tokens_per_expert", tokens_per_expert, dtypes=_COUNT_DTYPES, min_rank=1
+    )
+    if load.shape != bias.shape:
+        raise ValueError(
+            f"{op}: tokens_per_expert must have bias's shape "
+            f"{tuple(bias.shape)}, got {tuple(load.shape)}"
+        )
+    load = load.astype(jnp.float32)
+    step = jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    return (bias + rate * step).astype(bias.dtype)
