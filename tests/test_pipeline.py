@@ -4,6 +4,7 @@ model on 8 CPU devices, bounded 1F1B memory, data and expert axes, optax, 2 proc
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from jaxops.parallel import expert as ep
 from jaxops.parallel import pipeline as pl
+from jaxops.parallel.pipeline import _schedule
 
 from jaxops.testing import assert_allclose, count_collectives, run_processes
 
@@ -154,8 +156,9 @@ def test_schedule_table_print_and_plot(tmp_path):
 
 
 def test_forward_table():
-    table = pl._table("gpipe", 4, 8, 1, True)
-    assert table.num_ticks == 8 + 4 - 1 and not (table.kind == pl.BACKWARD).any()
+    table = _schedule.cached_table("gpipe", 4, 8, 1, True)
+    assert table.num_ticks == 8 + 4 - 1 and not (table.kind == _schedule.BACKWARD).any()
+    assert table.schedule == "forward"
 
 
 # -------------------------------------------------------------------------------------------------
@@ -363,7 +366,13 @@ def test_moe_stages():
     """Expert-parallel MoE stages: the layer runs on the stage's shards inside the pipeline."""
     mesh = jax.make_mesh((2, 4), ("pipe", "expert"))
     cfg = ep.MoEConfig(
-        num_experts=8, top_k=2, hidden=16, ffn_hidden=24, data_axes=(), dtype=jnp.float32, align=4
+        num_experts=8,
+        top_k=2,
+        hidden_size=16,
+        expert_ffn=24,
+        data_axes=(),
+        dtype=jnp.float32,
+        align=4,
     )
     keys = jax.random.split(jax.random.key(13), 4)
     params = jax.tree.map(lambda *a: jnp.stack(a), *[ep.init_moe_params(k, cfg) for k in keys[:2]])
@@ -513,8 +522,13 @@ def test_interleave_roundtrip():
     assert laid[:, 0].tolist() == [0, 12, 3, 15, 6, 18, 9, 21]
     back = pl.deinterleave({"a": laid}, num_stages=4, virtual_stages=2)["a"]
     assert (back == a).all()
-    with pytest.raises(ValueError, match="num_stages \\* virtual_stages = 6"):
+    with pytest.raises(
+        ValueError,
+        match=r"^jaxops\.parallel\.pipeline\.interleave: .*num_stages \* virtual_stages = 6",
+    ):
         pl.interleave(a, num_stages=3, virtual_stages=2)
+    with pytest.raises(ValueError, match=r"^jaxops\.parallel\.pipeline\.deinterleave: "):
+        pl.deinterleave(a, num_stages=3, virtual_stages=2)
 
 
 def _call(**kw):
@@ -557,7 +571,7 @@ def _call(**kw):
             ValueError,
             r"stage_params\['w'\] has shape \(\)",
         ),
-        (dict(axis="stages"), ValueError, "axis 'stages' is not an axis of the mesh"),
+        (dict(pipe_axis="stages"), ValueError, "pipe_axis 'stages' is not an axis of the mesh"),
         (dict(data_axes=("pipe",)), ValueError, "data_axes must name mesh axes other than"),
         (dict(remat="yes"), TypeError, "remat must be True, False or a"),
         (
@@ -599,15 +613,62 @@ def _call(**kw):
     ],
 )
 def test_bad_input(kw, err, match):
-    with pytest.raises(err, match=match):
+    with pytest.raises(err, match=match) as info:
         _call(**kw)
+    assert str(info.value).startswith("jaxops.parallel.pipeline.pipeline_step: "), info.value
+
+
+def test_bad_forward_input():
+    mesh = _mesh(4)
+    params, _ = _model(4, jax.random.key(0))
+    x, _ = _batch(16, jax.random.key(1))
+    op = r"^jaxops\.parallel\.pipeline\.pipeline_forward: "
+    with pytest.raises(ValueError, match=op + "pipe_axis 'stages' is not an axis of the mesh"):
+        pl.pipeline_forward(_stage, params, x, mesh=mesh, num_microbatches=4, pipe_axis="stages")
+    with pytest.raises(ValueError, match=op + "the batch, split over"):
+        pl.pipeline_forward(_stage, params, x, mesh=mesh, num_microbatches=3)
+    with pytest.raises(TypeError, match=op + "stage_fn must be callable"):
+        pl.pipeline_forward(None, params, x, mesh=mesh, num_microbatches=4)
 
 
 def test_bad_schedule_table_input():
-    with pytest.raises(ValueError, match="num_stages must be >= 1"):
+    with pytest.raises(
+        ValueError, match=r"^jaxops\.parallel\.pipeline\.schedule_table: num_stages must be >= 1"
+    ):
         pl.schedule_table("1f1b", 0, 4)
-    with pytest.raises(TypeError, match="ScheduleTable or a schedule name"):
+    with pytest.raises(
+        TypeError,
+        match=r"^jaxops\.parallel\.pipeline\.plot_schedule: .*ScheduleTable or a schedule name",
+    ):
         pl.plot_schedule(3)
+    with pytest.raises(TypeError, match=r"^jaxops\.parallel\.pipeline\.plot_schedule: "):
+        pl.plot_schedule("1f1b", 4)
+
+
+def test_deprecated_axis_keyword():
+    """axis= is the old name of pipe_axis=: it warns, names both, and gives the same results."""
+    mesh = jax.make_mesh((4, 2), ("stages", "data"))
+    params, head = _model(4, jax.random.key(18))
+    x, t = _batch(16, jax.random.key(19))
+    kw = dict(targets=t, loss_params=head, loss_fn=_loss, mesh=mesh, num_microbatches=2)
+    loss, grads = pl.pipeline_step(_stage, params, x, pipe_axis="stages", **kw)
+    with pytest.warns(
+        DeprecationWarning, match=r"pipeline_step: the keyword axis= is renamed pipe_axis="
+    ):
+        old_loss, old_grads = pl.pipeline_step(_stage, params, x, axis="stages", **kw)
+    assert float(old_loss) == float(loss)
+    for a, b in zip(jax.tree.leaves(old_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    fkw = dict(mesh=mesh, num_microbatches=2)
+    out = pl.pipeline_forward(_stage, params, x, pipe_axis="stages", **fkw)
+    with pytest.warns(DeprecationWarning, match=r"pipeline_forward: the keyword axis= is renamed"):
+        old_out = pl.pipeline_forward(_stage, params, x, axis="stages", **fkw)
+    np.testing.assert_array_equal(np.asarray(old_out), np.asarray(out))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new name does not warn
+        pl.pipeline_forward(_stage, params, x, pipe_axis="stages", **fkw)
+    with pytest.raises(TypeError, match="got both pipe_axis= and its deprecated name axis="):
+        pl.pipeline_forward(_stage, params, x, axis="stages", pipe_axis="stages", **fkw)
 
 
 def test_without_input_grads():
