@@ -8,6 +8,7 @@ came. :func:`renamed_keywords` keeps a renamed keyword working for one release.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -19,6 +20,7 @@ import numpy as np
 from jaxops._errors import renamed_kwargs
 
 __all__ = [
+    "twin_signature",
     "FLOAT_DTYPES",
     "FP8_DTYPES",
     "check_array",
@@ -125,3 +127,15 @@ def renamed_keywords(op: str, renames: Mapping[str, str]) -> Callable[[_F], _F]:
         return wrapper  # type: ignore[return-value]
 
     return wrap
+
+
+def twin_signature(twin: Callable, op: Callable) -> Callable:
+    """Gives a twin the signature of `op` without `impl`; returns `twin`.
+
+    For twins written ``def twin(x, ..., **kwargs)`` that forward to `op` with ``impl="xla"``:
+    help(), IDEs and docs then show their real arguments.
+    """
+    sig = inspect.signature(op)
+    params = [p for p in sig.parameters.values() if p.name != "impl"]
+    twin.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    return twin

@@ -35,6 +35,7 @@ import numpy as np
 from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 
+from jaxops import _checks
 from jaxops._config import resolve_impl
 from jaxops._cublaslt import (
     ACTIVATIONS,
@@ -375,3 +376,6 @@ def gemm_reference(
 ) -> jax.Array:
     """The pure-JAX twin of :func:`gemm`: its arguments but `impl` (XLA's dot, same precision)."""
     return gemm(x, w, bias, impl="xla", **kwargs)
+
+
+_checks.twin_signature(gemm_reference, gemm)

@@ -193,3 +193,6 @@ def fp8_gemm(
 def fp8_gemm_reference(a: QuantizedArray, b: QuantizedArray, **kwargs: Any) -> jax.Array:
     """The twin of :func:`fp8_gemm` (its arguments but `impl`): dequantize, multiply in fp32."""
     return fp8_gemm(a, b, impl="xla", **kwargs)
+
+
+_checks.twin_signature(fp8_gemm_reference, fp8_gemm)

@@ -294,6 +294,9 @@ def quantize_reference(
     return quantize(x, impl="xla", **kwargs)
 
 
+_checks.twin_signature(quantize_reference, quantize)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _fake_quant(cfg: _Config, use_kernel: bool, x):
     data, scale, _, _, _ = _quantize_apply(cfg, x, None, use_kernel)

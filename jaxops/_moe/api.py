@@ -263,3 +263,7 @@ def permute_reference(tokens, expert_ids, num_experts, **kwargs) -> Permuted:
 def unpermute_reference(expert_out, permuted, **kwargs) -> jax.Array:
     """The pure-JAX twin of :func:`unpermute` (gather + weighted sum)."""
     return unpermute(expert_out, permuted, impl="xla", **kwargs)
+
+
+_checks.twin_signature(permute_reference, permute)
+_checks.twin_signature(unpermute_reference, unpermute)

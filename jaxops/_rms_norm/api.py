@@ -9,7 +9,12 @@ import jax
 from jaxops import _checks, _ffi
 from jaxops._config import check_impl
 from jaxops._rms_norm.autodiff import add_rms_norm_vjp, rms_norm_vjp
-from jaxops._rms_norm.reference import Config, reference_add_fwd, reference_fwd
+from jaxops._rms_norm.reference import (
+    Config,
+    add_rms_norm_reference,
+    reference_add_fwd,
+    reference_fwd,
+)
 
 __all__ = ["add_rms_norm", "rms_norm"]
 
@@ -133,3 +138,6 @@ def add_rms_norm(
     if not _ffi.use_kernel(impl, "jaxops.add_rms_norm"):
         return reference_add_fwd(cfg, x, residual, weight)[:2]
     return add_rms_norm_vjp(cfg, x, residual, weight)
+
+
+_checks.twin_signature(add_rms_norm_reference, add_rms_norm)
