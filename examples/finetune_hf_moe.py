@@ -93,7 +93,6 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import numpy as np
     import optax
-
     from jaxops.models import from_pretrained, save_pretrained
 
     work = Path(args.out or tempfile.mkdtemp(prefix="jaxops_finetune_"))
@@ -102,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"transformers wrote a tiny random {args.arch} to {src}")
 
     mesh = jax.make_mesh(sizes, ("pipe", "data", "expert"))
-    model, params = from_pretrained(src, mesh=mesh, microbatches=args.microbatches)
+    model, params = from_pretrained(src, mesh=mesh, num_microbatches=args.microbatches)
     n = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
     print(
         f"from_pretrained: {model.config.model_type}, {n:,} parameters on mesh {dict(mesh.shape)}"

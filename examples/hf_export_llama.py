@@ -3,7 +3,7 @@
 Builds a small Llama 3.2-shaped parameter tree (grouped-query attention, tied embeddings, fused
 qkv and gate/up kernels, ``[in, out]`` dense kernels) sharded on 8 simulated CPU devices, saves
 it with ``jaxops.parallel.checkpoint``, exports the checkpoint to the ``LlamaForCausalLM`` layout
-with ``llama_name_map(config)`` (split into several files, with config.json; the tied
+with ``jaxops.models.llama_name_map(config)`` (split into several files, with config.json; the tied
 ``lm_head`` is written once, as ``model.embed_tokens.weight``), checks the files with
 safetensors' own loader, and imports them back in one call, onto another mesh, with a target
 that ``hf_target`` builds from the files' headers.
@@ -26,6 +26,7 @@ jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
 
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from jaxops.models import llama_name_map  # noqa: E402
 from jaxops.parallel import checkpoint  # noqa: E402
 
 LAYERS, D, F, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 2, 64, 176, 512, 4, 2, 16
@@ -92,7 +93,7 @@ def main() -> None:
 def run(work: Path, tree: dict, params: dict) -> None:
     from safetensors.numpy import load_file
 
-    rules = checkpoint.llama_name_map(CONFIG)  # q/k/v sizes (64, 32, 32), lm_head tied
+    rules = llama_name_map(CONFIG)  # q/k/v sizes (64, 32, 32), lm_head tied
     checkpoint.save(work / "ckpt", params, step=0)
     names = checkpoint.export_safetensors(
         work / "ckpt",

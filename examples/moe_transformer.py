@@ -41,9 +41,9 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+from jaxops.models import DecoderConfig, MoEDecoder
 
 import jaxops
-from jaxops.models import DecoderConfig, MoEDecoder
 
 AXES = ("pipe", "data", "expert")
 
@@ -138,11 +138,11 @@ def make_model(cfg: Config, mesh: jax.sharding.Mesh) -> MoEDecoder:
     return MoEDecoder(
         decoder_config(cfg),
         mesh,
-        microbatches=cfg.microbatches,
+        num_microbatches=cfg.microbatches,
         schedule="1f1b",
         fp8="block" if cfg.fp8 else None,
-        aux_loss_coef=cfg.aux_loss_coef,
-        z_loss_coef=cfg.z_loss_coef,
+        router_aux_loss_coef=cfg.aux_loss_coef,
+        router_z_loss_coef=cfg.z_loss_coef,
     )
 
 

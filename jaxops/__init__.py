@@ -21,6 +21,22 @@ Public API (everything else is private):
 - ``jaxops.moe``: MoE token permute / unpermute (any expert count, alignment padding, capacity,
   FP8 scales, on device without host synchronization).
 - ``jaxops.parallel``: expert and pipeline parallelism, sharded checkpointing.
+- ``jaxops.models``: published MoE models (Mixtral, Qwen3-MoE, Qwen2-MoE) with Hugging Face
+  import and export.
+
+The three tiers, each a folder of the repository, imports running only downwards::
+
+    jaxops.models    (models/)    published models, their configs and name maps
+        |
+    jaxops.parallel  (parallel/)  expert and pipeline parallelism, checkpointing
+        |
+    jaxops           (jaxops/)    the core: kernels (rms_norm, fp8, moe, gemm), precision,
+                                  sharding helpers, errors
+
+No module imports from a tier above its own, and no underscore-prefixed name crosses a tier:
+what two tiers share lives in a core module under a public name (``jaxops._rows``,
+``jaxops._checks``, ``jaxops._sharding``, ``jaxops._errors``, ...). ``tests/test_layout.py``
+checks both on the installed package.
 """
 
 from jaxops import fp8, moe

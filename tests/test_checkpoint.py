@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jaxops.models import LLAMA_NAME_MAP
 from jaxops.parallel import checkpoint as ckpt
 from jaxops.parallel.checkpoint import _index as ckpt_index
 from jaxops.parallel.checkpoint import _io as ckpt_io
@@ -635,7 +636,7 @@ def test_export_llama_layout_loads_with_safetensors(tmp_path):
     tree = _llama_tree()
     mesh = _mesh()
     sharded = jax.tree.map(lambda a: _put(a, mesh), tree)
-    names = ckpt.export_safetensors(sharded, tmp_path / "hf", name_map=ckpt.LLAMA_NAME_MAP)
+    names = ckpt.export_safetensors(sharded, tmp_path / "hf", name_map=LLAMA_NAME_MAP)
     assert "model.layers.1.self_attn.k_proj.weight" in names
     loaded = load_file(tmp_path / "hf" / "model.safetensors")
     assert sorted(loaded) == sorted(names) and len(names) == 2 + 2 * 9 + 1
@@ -650,7 +651,7 @@ def test_export_llama_layout_loads_with_safetensors(tmp_path):
         assert f.metadata() == {"format": "pt"}
     # And back into a sharded target.
     target = jax.tree.map(lambda a: _like(a, a.sharding), sharded)
-    back = ckpt.import_safetensors(tmp_path / "hf", target, name_map=ckpt.LLAMA_NAME_MAP)
+    back = ckpt.import_safetensors(tmp_path / "hf", target, name_map=LLAMA_NAME_MAP)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(tree), strict=True):
         assert _bits(a) == _bits(b)
     assert jax.tree.leaves(back)[0].sharding == jax.tree.leaves(sharded)[0].sharding

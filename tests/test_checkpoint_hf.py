@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jaxops.models import llama_name_map
 from jaxops.parallel import checkpoint as ckpt
 
 pytest.importorskip("safetensors")
@@ -92,7 +93,7 @@ def _max_rel_err(got, want) -> float:
 
 def _import(path, config, **kw):
     """The whole import: one call with a target built from the files' headers."""
-    rules = ckpt.llama_name_map(config, **kw)
+    rules = llama_name_map(config, **kw)
     return ckpt.import_safetensors(
         path, ckpt.hf_target(path, rules, _mesh(), SPECS), name_map=rules
     )
@@ -150,25 +151,25 @@ def _np_llama(tree, config, tokens, rope="rotate_half"):
 
 def test_llama_name_map_from_config(tmp_path):
     cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
-    rules = {r.ours: r for r in ckpt.llama_name_map(cfg)}
+    rules = {r.ours: r for r in llama_name_map(cfg)}
     assert rules["layers/{i}/attn/qkv/kernel"].sizes == (64, 32, 32)
     assert rules["lm_head/kernel"].theirs == "lm_head.weight"
     assert "layers/{i}/attn/qkv/bias" not in rules
     cfg.update(head_dim=8, tie_word_embeddings=True, attention_bias=True, mlp_bias=True)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     for source in (cfg, transformers.LlamaConfig(**cfg), tmp_path, tmp_path / "config.json"):
-        rules = {r.ours: r for r in ckpt.llama_name_map(source, rope="interleaved")}
+        rules = {r.ours: r for r in llama_name_map(source, rope="interleaved")}
         assert rules["layers/{i}/attn/qkv/kernel"].sizes == (32, 16, 16)
         assert rules["layers/{i}/attn/qkv/bias"].rope == (8, 8, None)
         assert rules["lm_head/kernel"].theirs == "model.embed_tokens.weight"
         assert rules["layers/{i}/mlp/down/bias"].theirs == "model.layers.{i}.mlp.down_proj.bias"
-    assert ckpt.llama_name_map(cfg)[2].rope is None  # rotate_half: nothing to permute
+    assert llama_name_map(cfg)[2].rope is None  # rotate_half: nothing to permute
     with pytest.raises(ValueError, match="num_key_value_heads that divides"):
-        ckpt.llama_name_map({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 3})
+        llama_name_map({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 3})
     with pytest.raises(ValueError, match="rope must be"):
-        ckpt.llama_name_map(cfg, rope="neox")
+        llama_name_map(cfg, rope="neox")
     with pytest.raises(TypeError, match="config must be"):
-        ckpt.llama_name_map(42)
+        llama_name_map(42)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -223,7 +224,7 @@ def test_import_in_one_call_matches_the_state_dict(hf_models, tie):
 @pytest.mark.parametrize("tie", ["tied", "untied"])
 def test_export_loads_in_transformers_with_the_same_logits(hf_models, tmp_path, tie):
     model, path = hf_models[tie]
-    rules = ckpt.llama_name_map(model.config)
+    rules = llama_name_map(model.config)
     tree = _import(path, model.config)
     names = ckpt.export_safetensors(
         tree, tmp_path / "out", name_map=rules, max_shard_size="40KB", config=model.config
@@ -257,7 +258,7 @@ def test_export_loads_in_transformers_with_the_same_logits(hf_models, tmp_path, 
 
 def test_tied_keys_must_be_bitwise_equal(hf_models, tmp_path):
     model, path = hf_models["tied"]
-    rules = ckpt.llama_name_map(model.config)
+    rules = llama_name_map(model.config)
     tree = jax.tree.map(np.asarray, _import(path, model.config))
     head = tree["lm_head"]["kernel"].copy()
     head[3, 5] = np.nextafter(head[3, 5], np.float32(1))  # one ulp
@@ -301,7 +302,7 @@ def test_tied_keys_must_be_bitwise_equal(hf_models, tmp_path):
 
 def test_hf_target_specs_dtype_and_unmapped(hf_models, tmp_path):
     model, path = hf_models["untied"]
-    rules = ckpt.llama_name_map(model.config)
+    rules = llama_name_map(model.config)
     mesh = _mesh()
     by_callable = ckpt.hf_target(
         path, rules, mesh, lambda key: P("model") if "norm" in key else None
@@ -504,7 +505,7 @@ def test_interleaved_import_runs_meta_style_rope(hf_models, tmp_path, tie):
     want = _logits(model, tokens)
     assert _max_rel_err(_np_llama(tree, model.config, tokens, rope="interleaved"), want) < 1e-5
     assert _max_rel_err(_np_llama(tree, model.config, tokens, rope="rotate_half"), want) > 1e-3
-    rules = ckpt.llama_name_map(model.config, rope="interleaved")
+    rules = llama_name_map(model.config, rope="interleaved")
     ckpt.export_safetensors(tree, tmp_path / "out", name_map=rules, config=model.config)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert _max_rel_err(_logits(back, tokens), want) <= TOL

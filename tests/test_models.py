@@ -127,7 +127,7 @@ def _max_rel_err(got, want) -> float:
 def test_logits_match_transformers(hf_dirs, family, mesh_name):
     mesh = _mesh(mesh_name)
     model, params = models.from_pretrained(
-        hf_dirs[family], mesh=mesh, dtype=jnp.float32, microbatches=2
+        hf_dirs[family], mesh=mesh, dtype=jnp.float32, num_microbatches=2
     )
     assert model.config.model_type == family
     assert model.pipe == (2 if mesh_name == "p2e4" else 1)
@@ -149,7 +149,10 @@ def test_pipeline_loss_and_grads_equal_the_unpipelined_model(hf_dirs):
     results = {}
     for mesh_name in ("d2e4", "p2e4"):
         model, params = models.from_pretrained(
-            hf_dirs["qwen3_moe"], mesh=_mesh(mesh_name), microbatches=2, aux_loss_coef=0.0
+            hf_dirs["qwen3_moe"],
+            mesh=_mesh(mesh_name),
+            num_microbatches=2,
+            router_aux_loss_coef=0.0,
         )
         results[mesh_name] = jax.jit(model.loss_and_grads)(
             params, *model.place_batch(tokens, targets)
@@ -173,7 +176,9 @@ def test_pipeline_loss_and_grads_equal_the_unpipelined_model(hf_dirs):
     ids=["qwen3-d2e4", "mixtral-p2e4"],
 )
 def test_finetune_and_save_round_trip(hf_dirs, tmp_path, family, mesh_name):
-    model, params = models.from_pretrained(hf_dirs[family], mesh=_mesh(mesh_name), microbatches=2)
+    model, params = models.from_pretrained(
+        hf_dirs[family], mesh=_mesh(mesh_name), num_microbatches=2
+    )
     opt = optax.adam(3e-3)
     rng = np.random.default_rng(5)
     tokens = rng.integers(0, 16, (16, 12)).astype(np.int32)  # a small sub-vocabulary: learnable
@@ -208,7 +213,7 @@ def test_finetune_and_save_round_trip(hf_dirs, tmp_path, family, mesh_name):
     print(f"{family} trained on {mesh_name}: losses {losses}, saved logit error {err:.2e}")
     assert err <= TOL, err
     # And back in: the written files load into the same parameters.
-    _, again = models.from_pretrained(out, mesh=_mesh(mesh_name), microbatches=2)
+    _, again = models.from_pretrained(out, mesh=_mesh(mesh_name), num_microbatches=2)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -260,7 +265,7 @@ def test_deepseek_v3_moe_block_matches_transformers(tmp_path, groups, mesh_name)
     data_axes = ("data",) if mesh_name == "d2e4" else ()
     cfg, params = models.load_moe_block(path, 1, mesh=mesh, data_axes=data_axes)
     assert (cfg.router, cfg.router_bias, cfg.n_group, cfg.topk_group) == ("sigmoid", True, *groups)
-    assert cfg.shared_ffn_hidden == 64 and cfg.routed_scaling_factor == 2.5
+    assert cfg.shared_ffn == 64 and cfg.routed_scaling_factor == 2.5
     x = np.random.default_rng(3).normal(size=(16, 8, 64)).astype(np.float32)
     with torch.no_grad():
         want = model.model.layers[1].mlp(torch.tensor(x)).numpy()
@@ -296,7 +301,7 @@ def test_qwen2_moe_sparse_block_matches_transformers(hf_dirs):
     assert type(block).__name__ == "Qwen2MoeSparseMoeBlock"
     mesh = _mesh("d2e4")
     cfg, params = models.load_moe_block(hf_dirs["qwen2_moe"], 0, mesh=mesh, data_axes=("data",))
-    assert cfg.shared_gate and cfg.shared_ffn_hidden == 48 and not cfg.normalize_probs
+    assert cfg.shared_gate and cfg.shared_ffn == 48 and not cfg.normalize_topk
     x = np.random.default_rng(4).normal(size=(8, 6, 64)).astype(np.float32)
     with torch.no_grad():
         want = block(torch.tensor(x)).numpy()
@@ -418,14 +423,14 @@ def test_decoder_config_round_trips_through_hf_dict(hf_dirs):
 def test_docstring_examples():
     import doctest
 
-    from jaxops.models import _blocks, _config, _decoder, _hf
+    from jaxops.models import _blocks, _config, _decoder, _hf, _layers, _names
 
     attempted = 0
-    for module in (_config, _blocks, _decoder, _hf):
+    for module in (_config, _blocks, _decoder, _hf, _layers, _names):
         result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert result.failed == 0, (module.__name__, result)
         attempted += result.attempted
-    assert attempted >= 15, attempted
+    assert attempted >= 20, attempted
 
 
 def test_absent_config_keys_take_transformers_defaults():

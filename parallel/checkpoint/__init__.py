@@ -26,9 +26,11 @@ reshards freely: another mesh, device count or process count, sharded to replica
 
 Functions: :func:`save`, :func:`restore`, :func:`describe`, :class:`CheckpointManager` (steps,
 retention, async save, host EMA), :func:`export_safetensors` / :func:`import_safetensors`
-(Hugging Face layouts, with declarative :class:`Rule` name maps such as :data:`LLAMA_NAME_MAP`
-or :func:`llama_name_map`, which derives the GQA sizes and tied embeddings from a config), and
-:func:`hf_target` (an import target, with shardings, built from the files' headers).
+(Hugging Face layouts, with declarative :class:`Rule` name maps; the maps of published models,
+such as ``jaxops.models.llama_name_map``, live in :mod:`jaxops.models`), :func:`hf_target` (an
+import target, with shardings, built from the files' headers) and :func:`hf_tensors` (the
+tensors of a Hugging Face checkpoint, from its headers). Every exception it raises for a
+checkpoint is a :class:`CheckpointError` (a ``jaxops.JaxopsError`` and a ``RuntimeError``).
 
 Example:
   >>> import tempfile, jax, jax.numpy as jnp, numpy as np
@@ -55,29 +57,50 @@ Modules, one concern each (lower ones never import higher ones):
 - ``_coordination``: processes agreeing over ``jax.distributed``, the atomic commit;
 - ``_save`` / ``_restore``: :func:`save`, :func:`restore`, :func:`describe`;
 - ``_manager``: :class:`CheckpointManager`;
-- ``_rules``, ``_hf_export``, ``_hf_import``, ``_hf_target``: Hugging Face name maps, export,
-  import and import targets.
+- ``_rules``, ``_hf_export``, ``_hf_import``, ``_hf_target``: the name-map Rule, Hugging Face
+  export, import (and the header index) and import targets.
 """
 
 from ._format import CheckpointError
 from ._hf_export import export_safetensors
-from ._hf_import import import_safetensors
+from ._hf_import import HFTensor, hf_tensors, import_safetensors
 from ._hf_target import hf_target
 from ._manager import CheckpointManager
 from ._restore import describe, restore
-from ._rules import LLAMA_NAME_MAP, Rule, llama_name_map
+from ._rules import Rule
 from ._save import save
 
 __all__ = [
-    "LLAMA_NAME_MAP",
     "CheckpointError",
     "CheckpointManager",
+    "HFTensor",
     "Rule",
     "describe",
     "export_safetensors",
     "hf_target",
+    "hf_tensors",
     "import_safetensors",
-    "llama_name_map",
     "restore",
     "save",
 ]
+
+_MOVED = {"LLAMA_NAME_MAP", "llama_name_map"}
+
+
+def __getattr__(name: str):
+    # The Llama name map moved to jaxops.models (every published model's map in one module).
+    # Deprecated alias for one release: the only reference from this tier to the one above, made
+    # on first use of the old name, never at import.
+    if name in _MOVED:
+        import warnings
+
+        warnings.warn(
+            f"jaxops.parallel.checkpoint.{name} moved to jaxops.models.{name}; the old name goes "
+            "in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        from jaxops.models import _names
+
+        return getattr(_names, name)
+    raise AttributeError(f"module 'jaxops.parallel.checkpoint' has no attribute {name!r}")

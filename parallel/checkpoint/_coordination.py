@@ -89,7 +89,7 @@ def _write_checkpoint(
     if pid == 0:
         try:
             if path.exists():
-                raise FileExistsError(f"checkpoint.save: {path} already exists")
+                raise FileExistsError(f"jaxops.parallel.checkpoint.save: {path} already exists")
             path.parent.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
                 shutil.rmtree(tmp)
@@ -101,7 +101,9 @@ def _write_checkpoint(
     else:
         status = coord.from_zero("ready")
         if status != "ok":
-            raise CheckpointError(f"checkpoint.save: process 0 could not start: {status[1:]}")
+            raise CheckpointError(
+                f"jaxops.parallel.checkpoint.save: process 0 could not start: {status[1:]}"
+            )
 
     # 2. Every process writes and flushes its own file, then reports its blocks.
     fragment: dict[str, list[dict[str, Any]]] = {}
@@ -152,12 +154,14 @@ def _write_checkpoint(
     if pid != 0:
         status = coord.from_zero("committed")
         if status != "ok":
-            raise CheckpointError(f"checkpoint.save: {path} was not committed: {status[1:]}")
+            raise CheckpointError(
+                f"jaxops.parallel.checkpoint.save: {path} was not committed: {status[1:]}"
+            )
         return
     try:
         for text in coord.collect("written"):
             if text.startswith("!"):
-                raise CheckpointError(f"checkpoint.save: {text[1:]}")
+                raise CheckpointError(f"jaxops.parallel.checkpoint.save: {text[1:]}")
             for key, blocks in json.loads(text).items():
                 fragment.setdefault(key, []).extend(blocks)
         index = {
@@ -178,7 +182,7 @@ def _write_checkpoint(
             stored = sum(math.prod(b["shape"]) for b in info["blocks"])
             if stored != math.prod(info["shape"]):
                 raise CheckpointError(
-                    f"checkpoint.save: blocks of {key!r} cover {stored} of "
+                    f"jaxops.parallel.checkpoint.save: blocks of {key!r} cover {stored} of "
                     f"{math.prod(info['shape'])} elements"
                 )
         data = json.dumps(index, indent=1).encode()

@@ -11,6 +11,8 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from jaxops._errors import JaxopsError
+
 # numpy dtype name <-> safetensors dtype code. float8 names are ml_dtypes'.
 _ST_CODES = {
     "bool": "BOOL",
@@ -65,7 +67,7 @@ _ST_BITS = {
 _MAX_HEADER = 100 << 20  # bytes; the limit the safetensors library applies too
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(JaxopsError, RuntimeError):
     """A checkpoint is missing, incomplete, corrupt, or does not match the restore target."""
 
 

@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from jaxops._errors import named_errors
+
 from ._format import _dtype_name, _is_float, _little_endian, _np_dtype
 from ._index import _load_index
 from ._io import (
@@ -43,6 +45,7 @@ def _parse_size(op: str, size: int | str) -> int:
     return int(float(m.group(1)) * base**power)
 
 
+@named_errors("jaxops.parallel.checkpoint.export_safetensors")
 def export_safetensors(
     source: str | os.PathLike | Any,
     out_dir: str | os.PathLike,
@@ -92,7 +95,7 @@ def export_safetensors(
       >>> load_file(out + "/model.safetensors")["proj.weight"].shape
       (3, 2)
     """
-    op = "export_safetensors"
+    op = "jaxops.parallel.checkpoint.export_safetensors"
     limit = _parse_size(op, max_shard_size)
     out = Path(out_dir)
     cast = _np_dtype(dtype) if dtype else None

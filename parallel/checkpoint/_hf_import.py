@@ -6,10 +6,12 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+
+from jaxops._errors import named_errors
 
 from ._format import (
     _ST_DTYPES,
@@ -92,6 +94,46 @@ def _hf_tensors(src: Path) -> dict[str, tuple[Path, dict[str, Any], int]]:
                 f"file holds no such tensor (it has e.g. {have})"
             )
     return table
+
+
+class HFTensor(NamedTuple):
+    """One tensor of a Hugging Face safetensors checkpoint, as its validated header states it."""
+
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@named_errors("jaxops.parallel.checkpoint.hf_tensors")
+def hf_tensors(src: str | os.PathLike) -> dict[str, HFTensor]:
+    """The tensors of a Hugging Face checkpoint, read from the headers only (no tensor data).
+
+    Args:
+      src: a ``.safetensors`` file, or a directory of them (with
+        ``model.safetensors.index.json``, which is then the authority on which tensor is where).
+
+    Returns:
+      Tensor name -> :class:`HFTensor` (file, safetensors dtype code such as ``"BF16"``, shape).
+
+    Raises:
+      CheckpointError: a malformed header or index, a tensor in several files no index
+        assigns, an index entry its file does not hold, a directory without .safetensors files.
+
+    Example:
+      >>> import tempfile, numpy as np
+      >>> from safetensors.numpy import save_file
+      >>> from jaxops.parallel.checkpoint import hf_tensors
+      >>> d = tempfile.mkdtemp()
+      >>> save_file({"w": np.zeros((2, 3), np.float32)}, f"{d}/model.safetensors")
+      >>> t = hf_tensors(d)["w"]
+      >>> t.dtype, t.shape
+      ('F32', (2, 3))
+    """
+    table = _hf_tensors(Path(src))
+    return {
+        name: HFTensor(file, entry["dtype"], tuple(entry["shape"]))
+        for name, (file, entry, _) in table.items()
+    }
 
 
 def _read_hf_tensor(name: str, file: Path, entry: dict[str, Any], start: int) -> np.ndarray:
@@ -207,6 +249,7 @@ def _import_stacked(op, src, table, key, rule: Rule, shape, dtype, sharding, cas
     return jax.make_array_from_callback(shape, sharding, block)
 
 
+@named_errors("jaxops.parallel.checkpoint.import_safetensors")
 def import_safetensors(
     src: str | os.PathLike,
     target: Any,
@@ -255,7 +298,7 @@ def import_safetensors(
       >>> out["dense"]["kernel"].tolist()
       [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]
     """
-    op = "import_safetensors"
+    op = "jaxops.parallel.checkpoint.import_safetensors"
     table = _hf_tensors(Path(src))
     keys, leaves, treedef = _flatten(op, target)
     targets = [_target_of(op, k, leaf) for k, leaf in zip(keys, leaves, strict=True)]

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxops._errors import named_errors
+
 from ._format import _ST_DTYPES, CheckpointError, _is_float, _np_dtype
 from ._hf_import import _hf_tensors
 from ._rules import _PLACEHOLDER, Rule, _fill_template, _rule_for, _template_regex
@@ -27,6 +29,7 @@ _MISSING = object()
 Specs = Mapping[str, Any] | Callable[[str], Any] | PartitionSpec | None
 
 
+@named_errors("jaxops.parallel.checkpoint.hf_target")
 def hf_target(
     src: str | os.PathLike,
     name_map: Sequence[Rule] | None,
@@ -84,7 +87,7 @@ def hf_target(
       >>> import_safetensors(f, target, name_map=rules)["ffn"]["w_in"].sharding.spec
       P(None, None, 'model')
     """
-    op = "hf_target"
+    op = "jaxops.parallel.checkpoint.hf_target"
     if unmapped not in ("error", "skip", "keep"):
         raise ValueError(f"{op}: unmapped must be 'error', 'skip' or 'keep', got {unmapped!r}")
     table = _hf_tensors(Path(src))

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxops import _jaxops_cpu
+from jaxops._ffi import crc32c_chunks
 
 from . import _index
 from ._format import (
@@ -33,7 +33,7 @@ _WRITE_SLICE = 16 << 20  # bytes per os.write call
 
 def _crc32c(view: memoryview, chunk: int) -> list[int]:
     """CRC-32C of each `chunk`-byte piece of `view` (native, SSE4.2 where available, no GIL)."""
-    return _jaxops_cpu.crc32c_chunks(np.frombuffer(view, np.uint8), chunk)
+    return crc32c_chunks(view, chunk)
 
 
 def _write_all(fd: int, view: memoryview) -> None:

@@ -81,7 +81,7 @@ class CheckpointManager:
         progress: bool | None = None,
         timeout: float = 600.0,
     ):
-        op = "CheckpointManager"
+        op = "jaxops.parallel.checkpoint.CheckpointManager"
         for name, value in (("max_to_keep", max_to_keep), ("keep_every", keep_every)):
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
@@ -162,7 +162,7 @@ class CheckpointManager:
           tree: as for :func:`save`.
           metadata: JSON-serializable, stored in the index.
         """
-        op = "CheckpointManager.save"
+        op = "jaxops.parallel.checkpoint.CheckpointManager.save"
         self.wait()
         step = _step_value(op, step, none_ok=False)
         if self.step_path(step).exists():
@@ -252,13 +252,12 @@ class CheckpointManager:
         processes, a ``subtree``: those warn, and the EMA starts again at the next save.
           subtree: as for :func:`restore`.
         """
+        op = "jaxops.parallel.checkpoint.CheckpointManager.restore"
         self.wait()
         if step is None:
             step = self.latest_step()
             if step is None:
-                raise CheckpointError(
-                    f"CheckpointManager.restore: no checkpoint in {self.directory}"
-                )
+                raise CheckpointError(f"{op}: no checkpoint in {self.directory}")
         path = self.step_path(step)
         if ema:
             if target is None:
@@ -290,7 +289,7 @@ class CheckpointManager:
 
     def _restore_ema(self, path: Path, target: Any, subtree: str | None) -> Any:
         """The EMA of each target leaf that has one (cast to its dtype), else its saved value."""
-        op = "CheckpointManager.restore"
+        op = "jaxops.parallel.checkpoint.CheckpointManager.restore"
         index = _load_index(path)
         keys, leaves, treedef = _flatten(op, target)
         full, targets = [], []

@@ -10,6 +10,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxops._errors import named_errors
+
 from ._format import CheckpointError, _np_dtype
 from ._index import _load_index, _lookup
 from ._io import (
@@ -103,6 +105,7 @@ def _restore_leaves(
     return out
 
 
+@named_errors("jaxops.parallel.checkpoint.restore")
 def restore(
     path: str | os.PathLike,
     target: Any = None,
@@ -144,7 +147,7 @@ def restore(
       ...                    subtree="params")["w"]
       Array([0., 1., 2., 3.], dtype=float32)
     """
-    op = "checkpoint.restore"
+    op = "jaxops.parallel.checkpoint.restore"
     root = Path(path)
     index = _load_index(root)
     if target is None:
@@ -170,6 +173,7 @@ def restore(
     return jax.tree_util.tree_unflatten(treedef, values)
 
 
+@named_errors("jaxops.parallel.checkpoint.describe")
 def describe(path: str | os.PathLike) -> dict[str, Any]:
     """The step, metadata and arrays (shape, dtype) of a checkpoint, from its index.
 

@@ -11,6 +11,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxops._errors import named_errors
+
 from ._coordination import _Coordinator, _write_checkpoint
 from ._format import _dtype_name
 from ._index import _step_value
@@ -50,6 +52,7 @@ def _snapshot(op: str, tree: Any, *, copy: bool, prefix: str | None = None) -> _
     return _Snapshot(arrays, owned)
 
 
+@named_errors("jaxops.parallel.checkpoint.save")
 def save(
     path: str | os.PathLike,
     tree: Any,
@@ -91,10 +94,10 @@ def save(
       >>> checkpoint.describe(f"{d}/ckpt")["arrays"]
       {'w': {'shape': (2, 3), 'dtype': 'bfloat16'}}
     """
-    step = _step_value("checkpoint.save", step, none_ok=True)
+    step = _step_value("jaxops.parallel.checkpoint.save", step, none_ok=True)
     if metadata is not None:
         json.dumps(dict(metadata))  # raises TypeError early for non-JSON metadata
-    snap = _snapshot("checkpoint.save", tree, copy=False)
+    snap = _snapshot("jaxops.parallel.checkpoint.save", tree, copy=False)
     coord = _Coordinator(timeout)
     _write_checkpoint(
         Path(path), snap, step=step, metadata=metadata, progress=progress, coord=coord

@@ -1,4 +1,10 @@
-"""The MoE decoder on jaxops' kernels and parallel layers: Mixtral, Qwen3-MoE, Qwen2-MoE."""
+"""The MoE decoder laid out on a mesh: Mixtral, Qwen3-MoE, Qwen2-MoE.
+
+:class:`MoEDecoder` holds the mesh layout (parameter specs and shardings, initialization, batch
+placement) and the public methods; the layers it runs are the pure functions of
+:mod:`jaxops.models._layers`. Every public method validates its arguments once and then runs
+the private objective.
+"""
 
 from __future__ import annotations
 
@@ -12,32 +18,39 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-
-import jaxops
-from jaxops import _checks
-from jaxops._sharding import place
+from jaxops.models import _layers
 from jaxops.models._config import DecoderConfig
 from jaxops.parallel import expert as ep
 from jaxops.parallel import pipeline as pl
 
-__all__ = ["MOE_IMPLS", "SCHEDULES", "MoEDecoder"]
+from jaxops import _checks
+from jaxops._errors import ConfigError, renamed_fields
+from jaxops._ffi import has_kernel
+from jaxops._sharding import place
 
-#: Pipeline schedules the decoder trains with (one stage per device of the pipe axis).
-SCHEDULES = ("1f1b", "gpipe")
+__all__ = ["DECODER_SCHEDULES", "MOE_IMPLS", "MoEDecoder"]
+
+#: The pipeline schedules the decoder trains with (of :data:`jaxops.parallel.pipeline.SCHEDULES`;
+#: "interleaved" would need the layers stored in its round-robin layout).
+DECODER_SCHEDULES = tuple(s for s in pl.SCHEDULES if s != "interleaved")
 #: MoE implementations: the expert-parallel layer or its dense masked twin.
 MOE_IMPLS = ("ep", "dense")
 _INIT_STD = 0.02  # transformers' initializer_range for these models
+_OP = "jaxops.models.MoEDecoder"
+_TOKEN_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
 
 
-def _rotate_half(x: jax.Array) -> jax.Array:
-    half = x.shape[-1] // 2
-    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-
-
+@renamed_fields(
+    {
+        "microbatches": "num_microbatches",
+        "aux_loss_coef": "router_aux_loss_coef",
+        "z_loss_coef": "router_z_loss_coef",
+    }
+)
 @dataclasses.dataclass(frozen=True)
 class MoEDecoder:
     """A decoder-only MoE transformer laid out on a mesh: parameters, forward, loss, gradients.
@@ -51,7 +64,8 @@ class MoEDecoder:
     then ``rms_norm`` and the output projection (``jaxops.gemm``; the embedding table with tied
     embeddings). Attention is grouped-query causal attention in plain jnp with rotary position
     embeddings (rotate-half layout), float32 softmax, Qwen3's q/k RMSNorm and an optional
-    sliding window, as transformers computes it.
+    sliding window, as transformers computes it (the layer functions are in
+    ``jaxops.models._layers``). `impl` reaches every jaxops op the model runs.
 
     The mesh: experts over `expert_axis` (which must exist; size 1 on one device), layers over
     `pipe_axis` when the mesh has it with size > 1 (``L / P`` consecutive layers per pipeline
@@ -63,8 +77,9 @@ class MoEDecoder:
       mesh: the device mesh.
       expert_axis: the mesh axis the experts are split over.
       pipe_axis: the pipeline mesh axis (ignored when the mesh has none or it has size 1).
-      microbatches: microbatches per data shard in the pipeline (>= the pipe size is efficient).
-      schedule: "1f1b" or "gpipe".
+      num_microbatches: microbatches per data shard in the pipeline (>= the pipe size is
+        efficient). Formerly ``microbatches`` (deprecated alias for one release).
+      schedule: "1f1b" or "gpipe" (:data:`DECODER_SCHEDULES`).
       remat: recompute each layer's forward in the backward (``jax.checkpoint``).
       dtype: compute dtype (float32, bfloat16 or float16); parameters may be stored in another.
       capacity_factor: None (dropless, as transformers) or the MoE layer's capacity factor.
@@ -74,11 +89,13 @@ class MoEDecoder:
         quantizes its own tokens.
       dispatch: the MoE layer's dispatch ("dtype", or "fp8" with fp8="block": tokens cross the
         expert exchange as FP8 with their 1 x 128 scales; see ``MoEConfig.dispatch``).
-      aux_loss_coef: weight of each layer's load-balancing loss (None: the config's
-        ``router_aux_loss_coef``).
-      z_loss_coef: weight of each layer's router z-loss.
+      router_aux_loss_coef: weight of each layer's load-balancing loss (None: the config's
+        ``router_aux_loss_coef``). Formerly ``aux_loss_coef``.
+      router_z_loss_coef: weight of each layer's router z-loss. Formerly ``z_loss_coef``.
       align: the MoE layer's group alignment.
-      impl: None, "ffi" or "xla": jaxops' kernels or their pure-JAX twins.
+      impl: None, "ffi" or "xla": jaxops' kernels or their pure-JAX twins, for every op of the
+        model (norms, projections, FP8, the MoE layer). "ffi" runs a kernel wherever jaxops has
+        one for the platform (the GEMMs run XLA's dot on CPU, where jaxops has no GEMM kernel).
       moe_impl: "ep": the expert-parallel layer; "dense": its dense twin
         ``moe_layer_reference`` (every expert on every token, experts replicated; no pipeline),
         the baseline of benchmarks/bench_models.py.
@@ -100,21 +117,21 @@ class MoEDecoder:
     mesh: jax.sharding.Mesh
     expert_axis: str = "expert"
     pipe_axis: str = "pipe"
-    microbatches: int = 1
+    num_microbatches: int = 1
     schedule: str = "1f1b"
     remat: bool = False
     dtype: Any = jnp.float32
     capacity_factor: float | None = None
     fp8: str | None = None
     dispatch: str = "dtype"
-    aux_loss_coef: float | None = None
-    z_loss_coef: float = 0.0
+    router_aux_loss_coef: float | None = None
+    router_z_loss_coef: float = 0.0
     align: int = 8
     impl: str | None = None
     moe_impl: str = "ep"
 
     def __post_init__(self):
-        op = "MoEDecoder"
+        op = _OP
         if not isinstance(self.config, DecoderConfig):
             raise TypeError(
                 f"{op}: config must be a DecoderConfig, got {type(self.config).__name__}"
@@ -125,27 +142,31 @@ class MoEDecoder:
             )
         shape = dict(self.mesh.shape)
         if self.expert_axis not in shape:
-            raise ValueError(
+            raise ConfigError(
                 f"{op}: the mesh has no axis {self.expert_axis!r} (expert_axis); its axes are "
                 f"{tuple(shape)}. On one device use jax.make_mesh((1,), ('expert',))"
             )
         if self.config.num_experts % shape[self.expert_axis]:
-            raise ValueError(
+            raise ConfigError(
                 f"{op}: num_experts = {self.config.num_experts} must be divisible by the size "
                 f"{shape[self.expert_axis]} of the expert axis {self.expert_axis!r}"
             )
         if self.config.num_layers % self.pipe:
-            raise ValueError(
+            raise ConfigError(
                 f"{op}: num_layers = {self.config.num_layers} must be divisible by the size "
                 f"{self.pipe} of the pipe axis {self.pipe_axis!r}"
             )
-        _checks.check_int(op, "microbatches", self.microbatches, 1)
+        _checks.check_int(op, "num_microbatches", self.num_microbatches, 1)
         if self.moe_impl not in MOE_IMPLS:
-            raise ValueError(f"{op}: moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+            raise ConfigError(f"{op}: moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
         if self.moe_impl == "dense" and self.pipe > 1:
-            raise ValueError(f"{op}: moe_impl='dense' runs without a pipeline (pipe axis size 1)")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"{op}: schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+            raise ConfigError(f"{op}: moe_impl='dense' runs without a pipeline (pipe axis size 1)")
+        if self.schedule not in DECODER_SCHEDULES:
+            raise ConfigError(
+                f"{op}: schedule must be one of {DECODER_SCHEDULES}, got {self.schedule!r}"
+            )
+        if self.impl not in (None, "ffi", "xla"):
+            raise ConfigError(f"{op}: impl must be None, 'ffi' or 'xla', got {self.impl!r}")
         dtype = np.dtype(self.dtype)
         if dtype not in _checks.FLOAT_DTYPES:
             raise TypeError(f"{op}: dtype must be float32, bfloat16 or float16, got {dtype.name}")
@@ -174,25 +195,25 @@ class MoEDecoder:
     def moe(self) -> ep.MoEConfig:
         """The MoE layer's config (SwiGLU experts, softmax router, the shared expert if any)."""
         c = self.config
-        coef = c.router_aux_loss_coef if self.aux_loss_coef is None else self.aux_loss_coef
+        coef = self.router_aux_loss_coef
         return ep.MoEConfig(
             num_experts=c.num_experts,
             top_k=c.top_k,
-            hidden=c.hidden_size,
-            ffn_hidden=c.expert_ffn,
+            hidden_size=c.hidden_size,
+            expert_ffn=c.expert_ffn,
             activation="swiglu",
             router="softmax",
-            normalize_probs=c.normalize_topk,
+            normalize_topk=c.normalize_topk,
             capacity_factor=self.capacity_factor,
-            aux_loss_coef=coef,
-            z_loss_coef=self.z_loss_coef,
+            router_aux_loss_coef=c.router_aux_loss_coef if coef is None else coef,
+            router_z_loss_coef=self.router_z_loss_coef,
             align=self.align,
             expert_axis=self.expert_axis,
             data_axes=self.data_axes,
             dtype=self.dtype,
             fp8=self.fp8,
             dispatch=self.dispatch,
-            shared_ffn_hidden=c.shared_ffn,
+            shared_ffn=c.shared_ffn,
             shared_gate=c.shared_ffn > 0,
         )
 
@@ -305,102 +326,32 @@ class MoEDecoder:
         return out[0] if len(out) == 1 else out
 
     # ---------------------------------------------------------------------------------------------
-    # The model.
+    # The model: unvalidated internals on the layer functions.
 
-    def _attention(self, p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-        """Causal GQA self-attention of ``x [b, s, D]`` (compute dtype)."""
-        c, dt = self.config, self.dtype
-        b, s, _ = x.shape
-        hq, hkv, dh = c.num_heads, c.num_kv_heads, c.head_dim
-        bias = p["b_qkv"].astype(dt) if c.qkv_bias else None
-        qkv = self._dense(x, p["w_qkv"], bias)
-        q, k, v = jnp.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=-1)
-        q = q.reshape(b, s, hq, dh)
-        k = k.reshape(b, s, hkv, dh)
-        v = v.reshape(b, s, hkv, dh)
-        if c.qk_norm:
-            q = jaxops.rms_norm(q, p["q_norm"], eps=c.rms_norm_eps)
-            k = jaxops.rms_norm(k, p["k_norm"], eps=c.rms_norm_eps)
-        # Rotary embeddings as transformers computes them: float32 angles, cast to the dtype.
-        inv_freq = 1.0 / (c.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
-        angles = jnp.arange(s, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-        angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
-        cos, sin = jnp.cos(angles).astype(dt), jnp.sin(angles).astype(dt)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        q = q.reshape(b, s, hkv, hq // hkv, dh)
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-        scores = scores * (dh**-0.5)
-        i = jnp.arange(s)[:, None]
-        j = jnp.arange(s)[None, :]
-        allowed = j <= i
-        if c.sliding_window is not None:
-            allowed &= i - j < c.sliding_window
-        scores = jnp.where(allowed, scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
-        out = out.astype(dt).reshape(b, s, c.q_size)
-        bias = p["b_o"].astype(dt) if c.o_bias else None
-        return self._dense(out, p["w_o"], bias)
-
-    def _dense(self, x: jax.Array, w: jax.Array, bias: jax.Array | None) -> jax.Array:
-        """A projection: jaxops.gemm (bias in the epilogue), or fp8.linear with fp8="block"."""
-        w = w.astype(self.dtype)
-        if self.fp8 != "block":
-            return jaxops.gemm(x, w, bias)
-
-        def linear(x, w, *bias):
-            return jaxops.fp8.linear(x, w, *(bias or (None,)), recipe="block", impl=self.impl)
-
-        spec = getattr(jax.typeof(x).sharding, "spec", None)
-        if spec is None or all(s is None for s in spec):  # local (a pipeline stage) or whole
-            return linear(x, w, *([] if bias is None else [bias]))
-        # Batch-sharded tokens: each device quantizes its own (the recipe's 128-row blocks of
-        # the weight gradient's transposed operand would otherwise gather every row of x), as
-        # inside a pipeline stage and in the expert GEMMs; the weight gradient is summed.
-        operands = (x, w) if bias is None else (x, w, bias)
-        return jax.shard_map(
-            linear,
-            mesh=self.mesh,
-            in_specs=(P(*spec),) + (P(),) * (len(operands) - 1),
-            out_specs=P(*spec),
-        )(*operands)
+    @functools.cached_property
+    def _ops(self) -> _layers.Ops:
+        platform = self.mesh.devices.flat[0].platform
+        gemm_impl = self.impl
+        if self.impl == "ffi" and not has_kernel("gemm", platform):
+            gemm_impl = "xla"
+        return _layers.Ops(self.dtype, self.impl, self.fp8, self.mesh, gemm_impl)
 
     def _moe_fn(self) -> Callable:
         cfg = self.moe
 
         def moe(p, y):
             if self.moe_impl == "dense":
-                return ep.moe_layer_reference(p, y, cfg)
+                return ep.moe_layer_reference(p, y, cfg, impl=self.impl)
             return ep.moe_layer(p, y, cfg, mesh=self.mesh, impl=self.impl)
 
         return moe
 
     def _layers(self, layers: dict[str, Any], h: jax.Array) -> tuple[jax.Array, ep.MoEAux]:
         """``h`` through the stacked `layers` (one lax.scan); the per-layer MoEAux, stacked."""
-        c, moe = self.config, self._moe_fn()
-
-        def body(h, p):
-            a = jaxops.rms_norm(h, p["attn_norm"], eps=c.rms_norm_eps)
-            a = self._attention(p, a)
-            y, h = jaxops.add_rms_norm(a, h, p["mlp_norm"], eps=c.rms_norm_eps)
-            m, aux = moe(p["moe"], y)
-            return h + m, aux
-
+        body = functools.partial(_layers.decoder_layer, self._ops, self.config, self._moe_fn())
         if self.remat:
             body = jax.checkpoint(body)
         return jax.lax.scan(body, h, layers)
-
-    def _embed(self, table: jax.Array, tokens: jax.Array) -> jax.Array:
-        sharding = jax.typeof(tokens).sharding
-        if getattr(sharding, "spec", None) is not None and any(
-            s is not None for s in sharding.spec
-        ):
-            out = NamedSharding(sharding.mesh, P(*sharding.spec, None))
-            rows = table.at[tokens].get(out_sharding=out)
-        else:
-            rows = jnp.take(table, tokens, axis=0)
-        return rows.astype(self.dtype)
 
     def _place(self, x: jax.Array) -> jax.Array:
         """Activations ``[B, ...]`` split over the batch axes (a no-op off Explicit meshes)."""
@@ -411,63 +362,90 @@ class MoEDecoder:
         return {"final_norm": params["final_norm"], key: params[key]}
 
     def _head(self, head: dict[str, Any], h: jax.Array) -> jax.Array:
-        """Final norm and the output projection: float32 logits ``[..., V]``."""
-        h = jaxops.rms_norm(h, head["final_norm"], eps=self.config.rms_norm_eps)
-        if "lm_head" in head:
-            logits = jaxops.gemm(h, head["lm_head"].astype(self.dtype))
-        else:  # tied: the embedding table [V, D] is the [N, K] weight
-            logits = jaxops.gemm(h, head["embed"].astype(self.dtype), transpose_w=True)
-        return logits.astype(jnp.float32)
-
-    @staticmethod
-    def _cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
-
-    def _stage_fn(self) -> Callable:
-        def stage(sp, x):
-            h, aux = self._layers(sp, x)
-            return h, jnp.sum(aux.loss)
-
-        return stage
+        return _layers.head(self._ops, self.config, head, h)
 
     def _stages(self, layers: dict[str, Any]) -> dict[str, Any]:
+        """``[L, ...]`` layers as ``[P, L / P, ...]`` pipeline stages (a view of the sharding)."""
         n = self.pipe
         return jax.tree.map(lambda a: a.reshape(n, a.shape[0] // n, *a.shape[1:]), layers)
 
+    def _pipeline(self) -> dict[str, Any]:
+        """The keywords every pipeline call of the decoder shares."""
+        return {
+            "mesh": self.mesh,
+            "num_microbatches": self.num_microbatches,
+            "pipe_axis": self.pipe_axis,
+            "data_axes": self.batch_axes,
+            "has_aux": True,
+            "param_specs": self._layer_specs(None),
+        }
+
+    def _stage(self, sp: dict[str, Any], x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """One pipeline stage: its layers, and the sum of their MoE aux losses."""
+        h, aux = self._layers(sp, x)
+        return h, jnp.sum(aux.loss)
+
+    def _hidden(self, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
+        x = _layers.embed(self._ops, params["embed"], tokens)
+        if self.pipe > 1:
+            stages = self._stages(params["layers"])
+            return pl.pipeline_forward(self._stage, stages, x, **self._pipeline())
+        return self._layers(params["layers"], self._place(x))[0]
+
+    def _objective(self, params: dict[str, Any], tokens: jax.Array, targets: jax.Array):
+        """The training loss: mean next-token cross-entropy plus the layers' MoE aux losses.
+
+        Without a pipeline the aux losses are each layer's over the whole batch; with one, per
+        microbatch, averaged over the microbatches and data shards as :meth:`loss_and_grads`
+        computes them, from a forward-only pipeline (each stage adds its aux loss to a
+        per-example carry).
+        """
+        x = _layers.embed(self._ops, params["embed"], tokens)
+        if self.pipe == 1:
+            h, aux = self._layers(params["layers"], self._place(x))
+            return _layers.cross_entropy(self._head(self._head_params(params), h), targets) + (
+                jnp.sum(aux.loss)
+            )
+
+        def stage(sp, carry):
+            h, aux = self._stage(sp, carry["h"])
+            return {"h": h, "aux": carry["aux"] + aux}, jnp.zeros((), jnp.float32)
+
+        carry = {"h": x, "aux": self._place(jnp.zeros(tokens.shape[:1], jnp.float32))}
+        out = pl.pipeline_forward(stage, self._stages(params["layers"]), carry, **self._pipeline())
+        logits = self._head(self._head_params(params), out["h"])
+        return _layers.cross_entropy(logits, targets) + jnp.mean(out["aux"])
+
+    # ---------------------------------------------------------------------------------------------
+    # Public methods: validate once, then run the internals.
+
     def _check_tokens(self, op: str, tokens: Any, name: str = "tokens") -> jax.Array:
-        tokens = _checks.check_array(
-            op, name, tokens, dtypes=(np.dtype(np.int32), np.dtype(np.int64)), min_rank=2
-        )
+        tokens = _checks.check_array(op, name, tokens, dtypes=_TOKEN_DTYPES, min_rank=2)
         if tokens.ndim != 2:
             raise ValueError(f"{op}: {name} must be [batch, seq], got shape {tuple(tokens.shape)}")
         shards = int(np.prod([dict(self.mesh.shape)[a] for a in self.batch_axes]))
-        per = shards * (self.microbatches if self.pipe > 1 else 1)
+        per = shards * (self.num_microbatches if self.pipe > 1 else 1)
         if tokens.shape[0] % per:
             raise ValueError(
                 f"{op}: {name}' batch ({tokens.shape[0]}) must be a multiple of {per} (the "
                 f"{shards} devices of the batch axes {self.batch_axes}"
-                + (f" times {self.microbatches} microbatches)" if self.pipe > 1 else ")")
+                + (f" times {self.num_microbatches} microbatches)" if self.pipe > 1 else ")")
             )
         return tokens
 
+    def _check_pair(self, op: str, tokens: Any, targets: Any) -> tuple[jax.Array, jax.Array]:
+        tokens = self._check_tokens(op, tokens)
+        targets = self._check_tokens(op, targets, "targets")
+        if targets.shape != tokens.shape:
+            raise ValueError(
+                f"{op}: targets must have the shape of tokens {tuple(tokens.shape)}, got "
+                f"{tuple(targets.shape)}"
+            )
+        return tokens, targets
+
     def hidden_states(self, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
         """The last layer's output ``[B, S, D]`` (compute dtype), before the final norm."""
-        tokens = self._check_tokens("MoEDecoder.hidden_states", tokens)
-        x = self._embed(params["embed"], tokens)
-        if self.pipe > 1:
-            return pl.pipeline_forward(
-                self._stage_fn(),
-                self._stages(params["layers"]),
-                x,
-                mesh=self.mesh,
-                num_microbatches=self.microbatches,
-                axis=self.pipe_axis,
-                data_axes=self.batch_axes,
-                has_aux=True,
-                param_specs=self._layer_specs(None),
-            )
-        return self._layers(params["layers"], self._place(x))[0]
+        return self._hidden(params, self._check_tokens(f"{_OP}.hidden_states", tokens))
 
     def logits(self, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
         """float32 logits ``[B, S, V]`` of int ``tokens [B, S]`` (call it under ``jax.jit``).
@@ -475,7 +453,7 @@ class MoEDecoder:
         B must be a multiple of the devices of the batch axes (times the microbatches with a
         pipeline). Positions are ``0 .. S-1``; there is no padding mask and no KV cache.
         """
-        h = self.hidden_states(params, tokens)
+        h = self._hidden(params, self._check_tokens(f"{_OP}.logits", tokens))
         return self._head(self._head_params(params), h)
 
     def forward(self, params: dict[str, Any], tokens: jax.Array) -> tuple[jax.Array, ep.MoEAux]:
@@ -483,22 +461,25 @@ class MoEDecoder:
 
         ``aux.tokens_per_expert [L, E]`` is the load of every expert of every layer.
         """
+        op = f"{_OP}.forward"
         if self.pipe > 1:
             raise ValueError(
-                "MoEDecoder.forward: per-layer MoE statistics are not available through the "
-                "pipeline; use logits() or loss()"
+                f"{op}: per-layer MoE statistics are not available through the pipeline; use "
+                "logits() or loss()"
             )
-        tokens = self._check_tokens("MoEDecoder.forward", tokens)
-        h, aux = self._layers(params["layers"], self._place(self._embed(params["embed"], tokens)))
+        tokens = self._check_tokens(op, tokens)
+        x = self._place(_layers.embed(self._ops, params["embed"], tokens))
+        h, aux = self._layers(params["layers"], x)
         return self._head(self._head_params(params), h), aux
 
     def loss(self, params: dict[str, Any], tokens: jax.Array, targets: jax.Array) -> jax.Array:
-        """Mean next-token cross-entropy of ``targets [B, S]`` plus the layers' MoE aux losses."""
-        targets = self._check_tokens("MoEDecoder.loss", targets, "targets")
-        if self.pipe > 1:
-            return self.loss_and_grads(params, tokens, targets)[0]
-        logits, aux = self.forward(params, tokens)
-        return self._cross_entropy(logits, targets) + jnp.sum(aux.loss)
+        """Mean next-token cross-entropy of ``targets [B, S]`` plus the layers' MoE aux losses.
+
+        With a pipe axis it runs the pipeline's forwards only (no backward); the value equals
+        :meth:`loss_and_grads`'s loss. For gradients on a pipe mesh use :meth:`loss_and_grads`.
+        """
+        tokens, targets = self._check_pair(f"{_OP}.loss", tokens, targets)
+        return self._objective(params, tokens, targets)
 
     def loss_and_grads(
         self, params: dict[str, Any], tokens: jax.Array, targets: jax.Array
@@ -506,30 +487,25 @@ class MoEDecoder:
         """``(loss, grads)``, grads like params.
 
         With a pipe axis: one :func:`~jaxops.parallel.pipeline.pipeline_step` (the schedule,
-        ``microbatches`` per data shard; the MoE aux losses are computed per microbatch); else
-        ``jax.value_and_grad`` of :meth:`loss`.
+        ``num_microbatches`` per data shard; the MoE aux losses are computed per microbatch);
+        else ``jax.value_and_grad`` of the loss.
         """
-        op = "MoEDecoder.loss_and_grads"
-        tokens = self._check_tokens(op, tokens)
-        targets = self._check_tokens(op, targets, "targets")
+        tokens, targets = self._check_pair(f"{_OP}.loss_and_grads", tokens, targets)
         if self.pipe == 1:
-            return jax.value_and_grad(self.loss)(params, tokens, targets)
-        x, embed_vjp = jax.vjp(lambda e: self._embed(e, tokens), params["embed"])
+            return jax.value_and_grad(self._objective)(params, tokens, targets)
+        x, embed_vjp = jax.vjp(
+            lambda e: self._place(_layers.embed(self._ops, e, tokens)), params["embed"]
+        )
         loss, g = pl.pipeline_step(
-            self._stage_fn(),
+            self._stage,
             self._stages(params["layers"]),
             x,
             targets=targets,
             loss_params=self._head_params(params),
-            loss_fn=lambda head, h, t: self._cross_entropy(self._head(head, h), t),
-            mesh=self.mesh,
-            num_microbatches=self.microbatches,
-            axis=self.pipe_axis,
-            data_axes=self.batch_axes,
+            loss_fn=lambda head, h, t: _layers.cross_entropy(self._head(head, h), t),
             schedule=self.schedule,
-            has_aux=True,
-            param_specs=self._layer_specs(None),
             remat=self.remat,
+            **self._pipeline(),
         )
         (d_embed,) = embed_vjp(g.inputs)
         layers = jax.tree.map(lambda a, p: a.reshape(p.shape), g.stage_params, params["layers"])

@@ -14,11 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
-
-from jaxops.models._config import ConfigError, _get, _positive, _refuse_quantized
+from jaxops.models._config import _get, _positive, _refuse_quantized
+from jaxops.models._names import moe_block_rules
 from jaxops.parallel import checkpoint
 from jaxops.parallel import expert as ep
-from jaxops.parallel.checkpoint import Rule
+
+from jaxops._errors import ConfigError, named_errors
 
 __all__ = ["BLOCK_MODEL_TYPES", "is_moe_layer", "load_moe_block", "moe_block_config"]
 
@@ -38,6 +39,7 @@ def _model_type(hf: Any) -> str:
     return kind
 
 
+@named_errors("jaxops.models.is_moe_layer")
 def is_moe_layer(hf: dict[str, Any], layer: int) -> bool:
     """Whether layer `layer` of the model is an MoE layer.
 
@@ -61,6 +63,7 @@ def is_moe_layer(hf: dict[str, Any], layer: int) -> bool:
     return True
 
 
+@named_errors("jaxops.models.moe_block_config")
 def moe_block_config(
     hf: dict[str, Any],
     *,
@@ -84,14 +87,14 @@ def moe_block_config(
       expert_axis: the mesh axis of the experts.
       data_axes: further mesh axes the tokens are split over.
       dtype: the experts' compute dtype.
-      **overrides: other MoEConfig fields (capacity_factor, fp8, aux_loss_coef, ...).
+      **overrides: other MoEConfig fields (capacity_factor, fp8, router_aux_loss_coef, ...).
 
     Example:
       >>> from jaxops.models import moe_block_config
       >>> cfg = moe_block_config({"model_type": "deepseek_v3", "hidden_size": 64,
       ...     "moe_intermediate_size": 32, "n_routed_experts": 16, "num_experts_per_tok": 4,
       ...     "n_group": 4, "topk_group": 2, "n_shared_experts": 2})
-      >>> cfg.router, cfg.router_bias, cfg.routed_scaling_factor, cfg.shared_ffn_hidden
+      >>> cfg.router, cfg.router_bias, cfg.routed_scaling_factor, cfg.shared_ffn
       ('sigmoid', True, 2.5, 64)
     """
     kind = _model_type(hf)
@@ -99,82 +102,50 @@ def moe_block_config(
     if act != "silu":
         raise ConfigError(f"config.json: hidden_act {act!r} is not supported; supported: silu")
     kw: dict[str, Any] = {
-        "hidden": _positive(hf, "hidden_size"),
+        "hidden_size": _positive(hf, "hidden_size"),
         "top_k": _positive(hf, "num_experts_per_tok"),
         "activation": "swiglu",
         "expert_axis": expert_axis,
         "data_axes": data_axes,
         "dtype": dtype,
-        "aux_loss_coef": 0.0,
-        "z_loss_coef": 0.0,
+        "router_aux_loss_coef": 0.0,
+        "router_z_loss_coef": 0.0,
     }
     if kind == "deepseek_v3":
         f = _positive(hf, "moe_intermediate_size")
         kw.update(
             num_experts=_positive(hf, "n_routed_experts"),
-            ffn_hidden=f,
+            expert_ffn=f,
             router="sigmoid",
             router_bias=True,
             # Absent keys take transformers' DeepseekV3Config defaults.
             n_group=_positive(hf, "n_group", 8),
             topk_group=_positive(hf, "topk_group", 4),
-            normalize_probs=_get(hf, "norm_topk_prob", bool, True),
+            normalize_topk=_get(hf, "norm_topk_prob", bool, True),
             routed_scaling_factor=_get(hf, "routed_scaling_factor", float, 2.5),
-            shared_ffn_hidden=_get(hf, "n_shared_experts", int, 1) * f,
+            shared_ffn=_get(hf, "n_shared_experts", int, 1) * f,
         )
     elif kind == "mixtral":
         kw.update(
             num_experts=_positive(hf, "num_local_experts"),
-            ffn_hidden=_positive(hf, "intermediate_size"),
-            normalize_probs=True,
+            expert_ffn=_positive(hf, "intermediate_size"),
+            normalize_topk=True,
         )
     else:
         key = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
         kw.update(
             num_experts=_positive(hf, key if hf.get(key) is not None else "num_experts"),
-            ffn_hidden=_positive(hf, "moe_intermediate_size"),
-            normalize_probs=_get(hf, "norm_topk_prob", bool, False),
+            expert_ffn=_positive(hf, "moe_intermediate_size"),
+            normalize_topk=_get(hf, "norm_topk_prob", bool, False),
         )
         if kind == "qwen2_moe":
             shared = _get(hf, "shared_expert_intermediate_size", int, 0)
-            kw.update(shared_ffn_hidden=shared, shared_gate=shared > 0)
+            kw.update(shared_ffn=shared, shared_gate=shared > 0)
     kw.update(overrides)
     return ep.MoEConfig(**kw)
 
 
-def _block_rules(kind: str, layer: int, cfg: ep.MoEConfig) -> list[Rule]:
-    pre = f"model.layers.{layer}."
-    t = (1, 0)
-    if kind == "mixtral":
-        moe, gate, up, down = "block_sparse_moe", "w1", "w3", "w2"
-    else:
-        moe, gate, up, down = "mlp", "gate_proj", "up_proj", "down_proj"
-    experts = pre + f"{moe}.experts.{{e}}."
-    rules = [
-        Rule("router", pre + f"{moe}.gate.weight", transpose=t),
-        Rule(
-            "w_in",
-            (experts + f"{gate}.weight", experts + f"{up}.weight"),
-            transpose=t,
-            stack=("e",),
-        ),
-        Rule("w_out", experts + f"{down}.weight", transpose=t, stack=("e",)),
-    ]
-    if cfg.router_bias:
-        rules.append(Rule("router_bias", pre + f"{moe}.gate.e_score_correction_bias"))
-    if cfg.shared_ffn_hidden:
-        shared = pre + ("mlp.shared_experts." if kind == "deepseek_v3" else "mlp.shared_expert.")
-        rules += [
-            Rule(
-                "shared_w_in", (shared + "gate_proj.weight", shared + "up_proj.weight"), transpose=t
-            ),
-            Rule("shared_w_out", shared + "down_proj.weight", transpose=t),
-        ]
-        if cfg.shared_gate:
-            rules.append(Rule("shared_gate", pre + "mlp.shared_expert_gate.weight", transpose=t))
-    return rules
-
-
+@named_errors("jaxops.models.load_moe_block")
 def load_moe_block(
     path: str | os.PathLike,
     layer: int,
@@ -211,12 +182,13 @@ def load_moe_block(
         raise ConfigError(f"{root}: no config.json") from None
     _refuse_quantized(hf)
     kind = _model_type(hf)
+    op = "jaxops.models.load_moe_block"
     layers = _positive(hf, "num_hidden_layers")
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
-        raise ValueError(f"load_moe_block: layer must be an int in [0, {layers}), got {layer!r}")
+        raise ValueError(f"{op}: layer must be an int in [0, {layers}), got {layer!r}")
     if not is_moe_layer(hf, layer):
         raise ValueError(
-            f"load_moe_block: layer {layer} of {root} is a dense layer (first_k_dense_replace / "
+            f"{op}: layer {layer} of {root} is a dense layer (first_k_dense_replace / "
             "mlp_only_layers / decoder_sparse_step in config.json)"
         )
     cfg = moe_block_config(hf, **config_options)
@@ -231,5 +203,5 @@ def load_moe_block(
         )
         for name, shape in cfg.param_shapes.items()
     }
-    params = checkpoint.import_safetensors(root, target, name_map=_block_rules(kind, layer, cfg))
+    params = checkpoint.import_safetensors(root, target, name_map=moe_block_rules(kind, layer, cfg))
     return cfg, params

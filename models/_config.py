@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from jaxops._errors import ConfigError, named_errors
+
 __all__ = ["MODEL_TYPES", "ConfigError", "DecoderConfig", "read_config"]
 
 #: The ``model_type`` values :class:`DecoderConfig` reads (the decoder covers them end to end).
@@ -19,10 +21,6 @@ _ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
 }
-
-
-class ConfigError(ValueError):
-    """A config.json the decoder cannot build (names the key, what it needs and what came)."""
 
 
 def _get(cfg: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
@@ -164,31 +162,32 @@ class DecoderConfig:
     hf: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
+        op = "jaxops.models.DecoderConfig"
         if self.model_type not in MODEL_TYPES:
             raise ConfigError(
-                f"DecoderConfig: model_type must be one of {MODEL_TYPES}, got {self.model_type!r}"
+                f"{op}: model_type must be one of {MODEL_TYPES}, got {self.model_type!r}"
             )
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "num_experts", "top_k", "expert_ffn"):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"DecoderConfig: {name} must be an int >= 1, got {value!r}")
+                raise ConfigError(f"{op}: {name} must be an int >= 1, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
-                f"DecoderConfig: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"{op}: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
         if self.top_k > self.num_experts:
             raise ConfigError(
-                f"DecoderConfig: top_k ({self.top_k}) must be <= num_experts ({self.num_experts})"
+                f"{op}: top_k ({self.top_k}) must be <= num_experts ({self.num_experts})"
             )
         if self.head_dim % 2:
-            raise ConfigError(f"DecoderConfig: head_dim must be even for RoPE, got {self.head_dim}")
+            raise ConfigError(f"{op}: head_dim must be even for RoPE, got {self.head_dim}")
         if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
-            raise ConfigError(f"DecoderConfig: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+            raise ConfigError(f"{op}: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(
-                f"DecoderConfig: sliding_window must be >= 1 or None, got {self.sliding_window}"
+                f"{op}: sliding_window must be >= 1 or None, got {self.sliding_window}"
             )
 
     @property
@@ -202,6 +201,7 @@ class DecoderConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
+    @named_errors("jaxops.models.DecoderConfig.from_hf")
     def from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
         """Reads a Hugging Face config dict (config.json of Mixtral, Qwen3-MoE or Qwen2-MoE).
 
@@ -297,6 +297,7 @@ class DecoderConfig:
             **kw,
         )
 
+    @named_errors("jaxops.models.DecoderConfig.to_hf")
     def to_hf(self, dtype: Any = None) -> dict[str, Any]:
         """The config.json dict: the one read (if any) with this config's values and `dtype`.
 
@@ -364,7 +365,8 @@ class DecoderConfig:
         ]
         if wrong:
             raise ConfigError(
-                f"DecoderConfig.to_hf: {self.model_type} cannot express {', '.join(wrong)}; "
+                f"jaxops.models.DecoderConfig.to_hf: {self.model_type} cannot express "
+                f"{', '.join(wrong)}; "
                 "transformers would build another model (qwen3_moe has q/k norms and no shared "
                 "expert; mixtral renormalizes the top-k weights and has no shared expert or "
                 "biases; qwen2_moe has no q/k norms)"
@@ -372,6 +374,7 @@ class DecoderConfig:
         return out
 
 
+@named_errors("jaxops.models.read_config")
 def read_config(path: str | os.PathLike) -> DecoderConfig:
     """:class:`DecoderConfig` from a model directory's config.json (or the file itself)."""
     p = Path(path)

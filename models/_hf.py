@@ -11,105 +11,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from jaxops.models._config import ConfigError, DecoderConfig, read_config
+from jaxops.models._config import read_config
 from jaxops.models._decoder import MoEDecoder
+from jaxops.models._names import name_map
 from jaxops.parallel import checkpoint
 from jaxops.parallel.checkpoint import Rule
-from jaxops.parallel.checkpoint._hf_import import _hf_tensors
+
+from jaxops._errors import ConfigError, named_errors
 
 __all__ = ["from_pretrained", "name_map", "save_pretrained"]
 
 # Tensors a model directory may hold that the decoder does not use (rotary caches of old exports).
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
-
-
-def _expert_names(model_type: str) -> tuple[str, str, str, str]:
-    """(MoE module, gate, up, down) names in the published checkpoints."""
-    if model_type == "mixtral":
-        return "block_sparse_moe", "w1", "w3", "w2"
-    return "mlp", "gate_proj", "up_proj", "down_proj"
-
-
-def name_map(config: DecoderConfig) -> tuple[Rule, ...]:
-    """The checkpoint Rules between :class:`MoEDecoder` parameters and published tensor names.
-
-    The names are those of the model's published checkpoints (what ``save_pretrained`` of
-    transformers writes), as :class:`~jaxops.parallel.checkpoint.Rule` s.
-
-    Layers are stacked on our leading axis (placeholder ``{i}``) and experts on the next
-    (``{e}``); q/k/v and gate/up are fused on our side (the GQA split sizes come from the
-    config); our kernels are ``[in, out]``, torch Linear weights ``[out, in]``.
-
-    Example:
-      >>> from jaxops.models import DecoderConfig, name_map
-      >>> cfg = DecoderConfig("mixtral", 128, 64, 2, 4, 2, 16, 8, 2, 96)
-      >>> rule = [r for r in name_map(cfg) if r.ours == "layers/moe/w_in"][0]
-      >>> rule.stack, rule.theirs[1]
-      (('i', 'e'), 'model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight')
-    """
-    c = config
-    lay = "model.layers.{i}."
-    moe, gate, up, down = _expert_names(c.model_type)
-    sizes = (c.q_size, c.kv_size, c.kv_size)
-    qkv = [lay + f"self_attn.{n}_proj" for n in ("q", "k", "v")]
-    t = (1, 0)
-    rules = [
-        Rule("embed", "model.embed_tokens.weight"),
-        Rule("layers/attn_norm", lay + "input_layernorm.weight", stack=("i",)),
-        Rule(
-            "layers/w_qkv",
-            tuple(n + ".weight" for n in qkv),
-            transpose=t,
-            sizes=sizes,
-            stack=("i",),
-        ),
-        Rule("layers/w_o", lay + "self_attn.o_proj.weight", transpose=t, stack=("i",)),
-        Rule("layers/mlp_norm", lay + "post_attention_layernorm.weight", stack=("i",)),
-        Rule("layers/moe/router", lay + f"{moe}.gate.weight", transpose=t, stack=("i",)),
-        Rule(
-            "layers/moe/w_in",
-            (lay + f"{moe}.experts.{{e}}.{gate}.weight", lay + f"{moe}.experts.{{e}}.{up}.weight"),
-            transpose=t,
-            stack=("i", "e"),
-        ),
-        Rule(
-            "layers/moe/w_out",
-            lay + f"{moe}.experts.{{e}}.{down}.weight",
-            transpose=t,
-            stack=("i", "e"),
-        ),
-        Rule("final_norm", "model.norm.weight"),
-    ]
-    if c.qkv_bias:
-        rules.append(
-            Rule("layers/b_qkv", tuple(n + ".bias" for n in qkv), sizes=sizes, stack=("i",))
-        )
-    if c.o_bias:
-        rules.append(Rule("layers/b_o", lay + "self_attn.o_proj.bias", stack=("i",)))
-    if c.qk_norm:
-        rules.append(Rule("layers/q_norm", lay + "self_attn.q_norm.weight", stack=("i",)))
-        rules.append(Rule("layers/k_norm", lay + "self_attn.k_norm.weight", stack=("i",)))
-    if c.shared_ffn:
-        shared = lay + "mlp.shared_expert."
-        rules += [
-            Rule(
-                "layers/moe/shared_w_in",
-                (shared + "gate_proj.weight", shared + "up_proj.weight"),
-                transpose=t,
-                stack=("i",),
-            ),
-            Rule("layers/moe/shared_w_out", shared + "down_proj.weight", transpose=t, stack=("i",)),
-            Rule(
-                "layers/moe/shared_gate",
-                lay + "mlp.shared_expert_gate.weight",
-                transpose=t,
-                stack=("i",),
-            ),
-        ]
-    if not c.tie_word_embeddings:
-        rules.append(Rule("lm_head", "lm_head.weight", transpose=t))
-    return tuple(rules)
 
 
 def _expected_names(model: MoEDecoder, rules: Sequence[Rule]) -> set[str]:
@@ -126,6 +39,7 @@ def _expected_names(model: MoEDecoder, rules: Sequence[Rule]) -> set[str]:
     return names
 
 
+@named_errors("jaxops.models.from_pretrained")
 def from_pretrained(
     path: str | os.PathLike,
     *,
@@ -149,9 +63,9 @@ def from_pretrained(
       dtype: parameter dtype (default: the config's ``dtype`` / ``torch_dtype``, else float32).
       compute_dtype: the model's compute dtype (default: `dtype`).
       progress: a progress bar (None: only on a terminal).
-      **options: further :class:`MoEDecoder` fields (expert_axis, pipe_axis, microbatches,
-        schedule, remat, capacity_factor, fp8, dispatch, aux_loss_coef, z_loss_coef, align,
-        impl).
+      **options: further :class:`MoEDecoder` fields (expert_axis, pipe_axis, num_microbatches,
+        schedule, remat, capacity_factor, fp8, dispatch, router_aux_loss_coef,
+        router_z_loss_coef, align, impl).
 
     Returns:
       ``(model, params)``.
@@ -167,6 +81,7 @@ def from_pretrained(
       >>> model, params = from_pretrained("Qwen3-30B-A3B", mesh=jax.make_mesh((8,), ("expert",)),
       ...                                 dtype=jnp.bfloat16)  # doctest: +SKIP
     """
+    op = "jaxops.models.from_pretrained"
     root = Path(path)
     config = read_config(root)
     if mesh is None:
@@ -176,15 +91,15 @@ def from_pretrained(
     try:
         dtype = np.dtype(jnp.dtype(dtype))
     except TypeError:
-        raise ConfigError(f"from_pretrained: dtype {dtype!r} is not a dtype") from None
+        raise ConfigError(f"{op}: dtype {dtype!r} is not a dtype") from None
     model = MoEDecoder(config, mesh, dtype=compute_dtype or dtype, **options)
     rules = name_map(config)
-    have = set(_hf_tensors(root))  # validated headers and index
+    have = set(checkpoint.hf_tensors(root))  # validated headers and index
     want = _expected_names(model, rules)
     missing = sorted(want - have)
     if missing:
         raise checkpoint.CheckpointError(
-            f"from_pretrained: {root} lacks {len(missing)} tensor(s) config.json implies, e.g. "
+            f"{op}: {root} lacks {len(missing)} tensor(s) config.json implies, e.g. "
             f"{missing[:3]} (num_hidden_layers = {config.num_layers}, num_experts = "
             f"{config.num_experts})"
         )
@@ -193,7 +108,7 @@ def from_pretrained(
         extra = [n for n in extra if n != "lm_head.weight"]
     if extra:
         raise checkpoint.CheckpointError(
-            f"from_pretrained: {root} holds {len(extra)} tensor(s) config.json does not account "
+            f"{op}: {root} holds {len(extra)} tensor(s) config.json does not account "
             f"for, e.g. {extra[:3]} (num_hidden_layers = {config.num_layers}, num_experts = "
             f"{config.num_experts}, tie_word_embeddings = {config.tie_word_embeddings})"
         )
@@ -203,6 +118,7 @@ def from_pretrained(
     return model, params
 
 
+@named_errors("jaxops.models.save_pretrained")
 def save_pretrained(
     model: MoEDecoder,
     params: dict[str, Any],
@@ -237,8 +153,9 @@ def save_pretrained(
       >>> from jaxops.models import save_pretrained  # doctest: +SKIP
       >>> save_pretrained(model, params, "/tmp/finetuned", dtype="bfloat16")  # doctest: +SKIP
     """
+    op = "jaxops.models.save_pretrained"
     if not isinstance(model, MoEDecoder):
-        raise TypeError(f"save_pretrained: model must be a MoEDecoder, got {type(model).__name__}")
+        raise TypeError(f"{op}: model must be a MoEDecoder, got {type(model).__name__}")
     written = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(params["embed"].dtype)
     return checkpoint.export_safetensors(
         params,

@@ -1,0 +1,64 @@
+"""jaxops.models: published MoE architectures on jaxops' kernels and parallel layers.
+
+- :class:`DecoderConfig` (from a Hugging Face ``config.json``: Mixtral, Qwen3-MoE, Qwen2-MoE)
+  and :class:`MoEDecoder`: the decoder laid out on a mesh (experts over an ``expert`` axis,
+  layers over a ``pipe`` axis as pipeline stages, the batch over the rest) with ``init``,
+  ``logits``, ``loss`` and ``loss_and_grads``.
+- :func:`from_pretrained` / :func:`save_pretrained`: a Hugging Face model directory in, sharded
+  parameters out, and back (transformers loads what it writes); :func:`name_map` is the mapping.
+- :data:`DECODER_SCHEDULES`, :data:`MOE_IMPLS`, :data:`MODEL_TYPES`, :data:`BLOCK_MODEL_TYPES`:
+  what the decoder and the blocks take.
+
+The sources live in the repository's top-level ``models/`` folder, the top tier: it builds on
+``jaxops.parallel`` and the core ``jaxops``, and nothing below imports it.
+- :func:`llama_name_map` and :data:`LLAMA_NAME_MAP`: a Llama-style dense tree and
+  ``LlamaForCausalLM`` (every published model's name map lives in this package).
+- :func:`moe_block_config`, :func:`load_moe_block`, :func:`is_moe_layer`: one layer's MoE block
+  of DeepSeek-V3, Qwen2-MoE, Qwen3-MoE or Mixtral as a ``jaxops.parallel.expert.moe_layer``.
+"""
+
+if __name__ != "jaxops.models":
+    raise ImportError(
+        f"this is jaxops.models and cannot be imported as {__name__!r}; use `import jaxops.models`"
+    )
+
+import warnings as _warnings
+
+from jaxops.models._blocks import BLOCK_MODEL_TYPES, is_moe_layer, load_moe_block, moe_block_config
+from jaxops.models._config import MODEL_TYPES, DecoderConfig, read_config
+from jaxops.models._decoder import DECODER_SCHEDULES, MOE_IMPLS, MoEDecoder
+from jaxops.models._hf import from_pretrained, save_pretrained
+from jaxops.models._names import LLAMA_NAME_MAP, llama_name_map, name_map
+
+from jaxops._errors import ConfigError
+
+__all__ = [
+    "BLOCK_MODEL_TYPES",
+    "DECODER_SCHEDULES",
+    "LLAMA_NAME_MAP",
+    "MODEL_TYPES",
+    "MOE_IMPLS",
+    "ConfigError",
+    "DecoderConfig",
+    "MoEDecoder",
+    "from_pretrained",
+    "is_moe_layer",
+    "llama_name_map",
+    "load_moe_block",
+    "moe_block_config",
+    "name_map",
+    "read_config",
+    "save_pretrained",
+]
+
+
+def __getattr__(name: str):
+    if name == "SCHEDULES":
+        _warnings.warn(
+            "jaxops.models.SCHEDULES is renamed DECODER_SCHEDULES (the decoder's subset of "
+            "jaxops.parallel.pipeline.SCHEDULES) and the old name goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return DECODER_SCHEDULES
+    raise AttributeError(f"module 'jaxops.models' has no attribute {name!r}")

@@ -1,0 +1,290 @@
+"""Every Hugging Face name map of jaxops.models: our parameter trees <-> published tensor names.
+
+- :func:`name_map`: :class:`~jaxops.models.MoEDecoder` (Mixtral, Qwen3-MoE, Qwen2-MoE).
+- :func:`moe_block_rules`: one layer's MoE block (``moe_layer`` parameters) of DeepSeek-V3,
+  Qwen2-MoE, Qwen3-MoE or Mixtral.
+- :data:`LLAMA_NAME_MAP` and :func:`llama_name_map`: a Llama-style dense tree and
+  ``LlamaForCausalLM`` (formerly in ``jaxops.parallel.checkpoint``, where the names stay as
+  deprecated aliases for one release).
+
+Each map is a tuple of :class:`jaxops.parallel.checkpoint.Rule` for ``import_safetensors``,
+``export_safetensors`` and ``hf_target``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from jaxops.models._config import DecoderConfig
+from jaxops.parallel import expert as ep
+from jaxops.parallel.checkpoint import Rule
+
+from jaxops._errors import named_errors
+
+__all__ = ["LLAMA_NAME_MAP", "expert_names", "llama_name_map", "moe_block_rules", "name_map"]
+
+
+def expert_names(model_type: str) -> tuple[str, str, str, str]:
+    """(MoE module, gate, up, down) names in the published checkpoints."""
+    if model_type == "mixtral":
+        return "block_sparse_moe", "w1", "w3", "w2"
+    return "mlp", "gate_proj", "up_proj", "down_proj"
+
+
+@named_errors("jaxops.models.name_map")
+def name_map(config: DecoderConfig) -> tuple[Rule, ...]:
+    """The checkpoint Rules between :class:`MoEDecoder` parameters and published tensor names.
+
+    The names are those of the model's published checkpoints (what ``save_pretrained`` of
+    transformers writes), as :class:`~jaxops.parallel.checkpoint.Rule` s.
+
+    Layers are stacked on our leading axis (placeholder ``{i}``) and experts on the next
+    (``{e}``); q/k/v and gate/up are fused on our side (the GQA split sizes come from the
+    config); our kernels are ``[in, out]``, torch Linear weights ``[out, in]``.
+
+    Example:
+      >>> from jaxops.models import DecoderConfig, name_map
+      >>> cfg = DecoderConfig("mixtral", 128, 64, 2, 4, 2, 16, 8, 2, 96)
+      >>> rule = [r for r in name_map(cfg) if r.ours == "layers/moe/w_in"][0]
+      >>> rule.stack, rule.theirs[1]
+      (('i', 'e'), 'model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight')
+    """
+    c = config
+    lay = "model.layers.{i}."
+    moe, gate, up, down = expert_names(c.model_type)
+    sizes = (c.q_size, c.kv_size, c.kv_size)
+    qkv = [lay + f"self_attn.{n}_proj" for n in ("q", "k", "v")]
+    t = (1, 0)
+    rules = [
+        Rule("embed", "model.embed_tokens.weight"),
+        Rule("layers/attn_norm", lay + "input_layernorm.weight", stack=("i",)),
+        Rule(
+            "layers/w_qkv",
+            tuple(n + ".weight" for n in qkv),
+            transpose=t,
+            sizes=sizes,
+            stack=("i",),
+        ),
+        Rule("layers/w_o", lay + "self_attn.o_proj.weight", transpose=t, stack=("i",)),
+        Rule("layers/mlp_norm", lay + "post_attention_layernorm.weight", stack=("i",)),
+        Rule("layers/moe/router", lay + f"{moe}.gate.weight", transpose=t, stack=("i",)),
+        Rule(
+            "layers/moe/w_in",
+            (lay + f"{moe}.experts.{{e}}.{gate}.weight", lay + f"{moe}.experts.{{e}}.{up}.weight"),
+            transpose=t,
+            stack=("i", "e"),
+        ),
+        Rule(
+            "layers/moe/w_out",
+            lay + f"{moe}.experts.{{e}}.{down}.weight",
+            transpose=t,
+            stack=("i", "e"),
+        ),
+        Rule("final_norm", "model.norm.weight"),
+    ]
+    if c.qkv_bias:
+        rules.append(
+            Rule("layers/b_qkv", tuple(n + ".bias" for n in qkv), sizes=sizes, stack=("i",))
+        )
+    if c.o_bias:
+        rules.append(Rule("layers/b_o", lay + "self_attn.o_proj.bias", stack=("i",)))
+    if c.qk_norm:
+        rules.append(Rule("layers/q_norm", lay + "self_attn.q_norm.weight", stack=("i",)))
+        rules.append(Rule("layers/k_norm", lay + "self_attn.k_norm.weight", stack=("i",)))
+    if c.shared_ffn:
+        shared = lay + "mlp.shared_expert."
+        rules += [
+            Rule(
+                "layers/moe/shared_w_in",
+                (shared + "gate_proj.weight", shared + "up_proj.weight"),
+                transpose=t,
+                stack=("i",),
+            ),
+            Rule("layers/moe/shared_w_out", shared + "down_proj.weight", transpose=t, stack=("i",)),
+            Rule(
+                "layers/moe/shared_gate",
+                lay + "mlp.shared_expert_gate.weight",
+                transpose=t,
+                stack=("i",),
+            ),
+        ]
+    if not c.tie_word_embeddings:
+        rules.append(Rule("lm_head", "lm_head.weight", transpose=t))
+    return tuple(rules)
+
+
+def moe_block_rules(kind: str, layer: int, cfg: ep.MoEConfig) -> list[Rule]:
+    """The Rules of layer `layer`'s MoE block (``moe_layer`` parameters) in a `kind` checkpoint."""
+    pre = f"model.layers.{layer}."
+    t = (1, 0)
+    moe, gate, up, down = expert_names(kind)
+    experts = pre + f"{moe}.experts.{{e}}."
+    rules = [
+        Rule("router", pre + f"{moe}.gate.weight", transpose=t),
+        Rule(
+            "w_in",
+            (experts + f"{gate}.weight", experts + f"{up}.weight"),
+            transpose=t,
+            stack=("e",),
+        ),
+        Rule("w_out", experts + f"{down}.weight", transpose=t, stack=("e",)),
+    ]
+    if cfg.router_bias:
+        rules.append(Rule("router_bias", pre + f"{moe}.gate.e_score_correction_bias"))
+    if cfg.shared_ffn:
+        shared = pre + ("mlp.shared_experts." if kind == "deepseek_v3" else "mlp.shared_expert.")
+        rules += [
+            Rule(
+                "shared_w_in", (shared + "gate_proj.weight", shared + "up_proj.weight"), transpose=t
+            ),
+            Rule("shared_w_out", shared + "down_proj.weight", transpose=t),
+        ]
+        if cfg.shared_gate:
+            rules.append(Rule("shared_gate", pre + "mlp.shared_expert_gate.weight", transpose=t))
+    return rules
+
+
+LLAMA_NAME_MAP: tuple[Rule, ...] = (
+    Rule("embed/embedding", "model.embed_tokens.weight"),
+    Rule("layers/{i}/attn_norm/scale", "model.layers.{i}.input_layernorm.weight"),
+    Rule(
+        "layers/{i}/attn/qkv/kernel",
+        [
+            "model.layers.{i}.self_attn.q_proj.weight",
+            "model.layers.{i}.self_attn.k_proj.weight",
+            "model.layers.{i}.self_attn.v_proj.weight",
+        ],
+        transpose=(1, 0),
+    ),
+    Rule(
+        "layers/{i}/attn/out/kernel", "model.layers.{i}.self_attn.o_proj.weight", transpose=(1, 0)
+    ),
+    Rule("layers/{i}/mlp_norm/scale", "model.layers.{i}.post_attention_layernorm.weight"),
+    Rule(
+        "layers/{i}/mlp/gate_up/kernel",
+        ["model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"],
+        transpose=(1, 0),
+    ),
+    Rule("layers/{i}/mlp/down/kernel", "model.layers.{i}.mlp.down_proj.weight", transpose=(1, 0)),
+    Rule("final_norm/scale", "model.norm.weight"),
+    Rule("lm_head/kernel", "lm_head.weight", transpose=(1, 0)),
+)
+"""Our Llama-style tree <-> Hugging Face ``LlamaForCausalLM`` names (multi-head attention).
+
+Our layout: ``embed/embedding [V, D]``, per layer ``i``: ``attn_norm/scale [D]``,
+``attn/qkv/kernel [D, 3D]`` (q, k, v fused), ``attn/out/kernel [D, D]``,
+``mlp_norm/scale [D]``, ``mlp/gate_up/kernel [D, 2F]`` (gate, up fused),
+``mlp/down/kernel [F, D]``; then ``final_norm/scale [D]`` and ``lm_head/kernel [D, V]``. Dense
+kernels are ``[in, out]``; Hugging Face stores torch Linear weights ``[out, in]``, hence the
+transposes. For grouped-query attention, tied embeddings or biases use :func:`llama_name_map`,
+which derives them from the model's config.
+"""
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    """A Hugging Face config as a dict: a dict, an object with to_dict(), or a config.json path."""
+    if isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        config = json.loads(path.read_text())
+    elif hasattr(config, "to_dict"):
+        config = config.to_dict()
+    if not isinstance(config, Mapping):
+        raise TypeError(
+            "config must be a dict, an object with to_dict() or a "
+            f"path to a config.json, got {type(config).__name__}"
+        )
+    return dict(config)
+
+
+@named_errors("jaxops.models.llama_name_map")
+def llama_name_map(config: Any, *, rope: str = "rotate_half") -> tuple[Rule, ...]:
+    """The Rules between our Llama-style tree and ``LlamaForCausalLM``, for `config`.
+
+    The layout of :data:`LLAMA_NAME_MAP` (fused q/k/v and gate/up kernels ``[in, out]``), with
+    what the config decides filled in: the q/k/v split ``sizes=(H*Dh, K*Dh, K*Dh)`` from
+    ``num_attention_heads`` (H), ``num_key_value_heads`` (K, default H) and ``head_dim`` (Dh,
+    default ``hidden_size // H``); with ``tie_word_embeddings`` our ``lm_head/kernel [D, V]``
+    reads (and, on export, must equal) ``model.embed_tokens.weight``, so no ``lm_head.weight`` is
+    written; with ``attention_bias`` the rules for ``attn/qkv/bias [(H+2K)*Dh]`` and
+    ``attn/out/bias [D]``, with ``mlp_bias`` those for ``mlp/gate_up/bias [2F]`` and
+    ``mlp/down/bias [D]``.
+
+    Args:
+      config: the Hugging Face config: a dict (``config.to_dict()``, a loaded config.json), an
+        object with ``to_dict()`` (a ``transformers.LlamaConfig``), or the path of a config.json
+        or of a model directory holding one.
+      rope: our q/k layout: ``"rotate_half"`` (transformers', nothing to permute) or
+        ``"interleaved"`` (Meta's original code: the q/k rows of each head are permuted, see
+        ``Rule.rope``).
+
+    Returns:
+      The rules, for ``export_safetensors``, ``import_safetensors`` and ``hf_target`` of
+      :mod:`jaxops.parallel.checkpoint`.
+
+    Raises:
+      ValueError: a missing or inconsistent head count.
+
+    Example:
+      >>> from jaxops.models import llama_name_map
+      >>> rules = llama_name_map({"hidden_size": 2048, "num_attention_heads": 32, "head_dim": 64,
+      ...                         "num_key_value_heads": 8, "tie_word_embeddings": True})
+      >>> [r.sizes for r in rules if r.ours == "layers/{i}/attn/qkv/kernel"]
+      [(2048, 512, 512)]
+      >>> [r.theirs for r in rules if r.ours == "lm_head/kernel"]
+      ['model.embed_tokens.weight']
+    """
+    c = _config_dict(config)
+    if rope not in ("rotate_half", "interleaved"):
+        raise ValueError(f"rope must be 'rotate_half' or 'interleaved', got {rope!r}")
+    heads = c.get("num_attention_heads")
+    kv = c.get("num_key_value_heads") or heads
+    head_dim = c.get("head_dim") or (
+        c["hidden_size"] // heads if isinstance(heads, int) and c.get("hidden_size") else None
+    )
+    if not all(isinstance(v, int) and v > 0 for v in (heads, kv, head_dim)) or heads % kv:
+        raise ValueError(
+            "the config needs num_attention_heads, a "
+            "num_key_value_heads that divides it and head_dim or hidden_size; got "
+            f"{ {k: c.get(k) for k in ('num_attention_heads', 'num_key_value_heads', 'head_dim')} }"
+        )
+    sizes = (heads * head_dim, kv * head_dim, kv * head_dim)
+    qk_rope = (head_dim, head_dim, None) if rope == "interleaved" else None
+    lay = "model.layers.{i}."
+    qkv = [lay + f"self_attn.{n}_proj" for n in "qkv"]
+    gate_up = [lay + "mlp.gate_proj", lay + "mlp.up_proj"]
+    t = (1, 0)
+    rules = [
+        Rule("embed/embedding", "model.embed_tokens.weight"),
+        Rule("layers/{i}/attn_norm/scale", lay + "input_layernorm.weight"),
+        Rule(
+            "layers/{i}/attn/qkv/kernel",
+            [n + ".weight" for n in qkv],
+            transpose=t,
+            sizes=sizes,
+            rope=qk_rope,
+        ),
+        Rule("layers/{i}/attn/out/kernel", lay + "self_attn.o_proj.weight", transpose=t),
+        Rule("layers/{i}/mlp_norm/scale", lay + "post_attention_layernorm.weight"),
+        Rule("layers/{i}/mlp/gate_up/kernel", [n + ".weight" for n in gate_up], transpose=t),
+        Rule("layers/{i}/mlp/down/kernel", lay + "mlp.down_proj.weight", transpose=t),
+        Rule("final_norm/scale", "model.norm.weight"),
+    ]
+    if c.get("attention_bias"):
+        rules += [
+            Rule("layers/{i}/attn/qkv/bias", [n + ".bias" for n in qkv], sizes=sizes, rope=qk_rope),
+            Rule("layers/{i}/attn/out/bias", lay + "self_attn.o_proj.bias"),
+        ]
+    if c.get("mlp_bias"):
+        rules += [
+            Rule("layers/{i}/mlp/gate_up/bias", [n + ".bias" for n in gate_up]),
+            Rule("layers/{i}/mlp/down/bias", lay + "mlp.down_proj.bias"),
+        ]
+    tied = bool(c.get("tie_word_embeddings", False))
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    rules.append(Rule("lm_head/kernel", head, transpose=t))
+    return tuple(rules)

@@ -1,0 +1,167 @@
+"""MoEDecoder without transformers: `impl` reaching every op, the forward-only pipeline loss,
+one validation per call, and the deprecated names of the decoder and its package."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxops.parallel import checkpoint
+
+import jaxops
+from jaxops import models
+
+CFG = models.DecoderConfig(
+    "qwen3_moe",
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    num_experts=4,
+    top_k=2,
+    expert_ffn=16,
+    qk_norm=True,
+)
+_CALL = re.compile(r'custom_call_target="(jaxops_[a-z0-9_]+)"')
+
+
+def _mesh(shape, names):
+    return jax.make_mesh(shape, names, devices=jax.devices()[: int(np.prod(shape))])
+
+
+def _batch(batch=8, seq=8, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, CFG.vocab_size, (batch, seq)).astype(np.int32)
+    return tokens, np.roll(tokens, -1, axis=1)
+
+
+def _custom_calls(fn, *args) -> set[str]:
+    return set(_CALL.findall(jax.jit(fn).lower(*args).compile().as_text()))
+
+
+@pytest.mark.parametrize("fp8", [None, "block"], ids=["bf16-free", "fp8"])
+def test_impl_reaches_every_op_of_the_loss_gradient(fp8):
+    mesh = _mesh((1,), ("expert",))
+    tokens, targets = _batch()
+    found = {}
+    for impl in ("xla", "ffi"):
+        model = models.MoEDecoder(CFG, mesh, impl=impl, fp8=fp8)
+        params = model.init(jax.random.key(0))
+        found[impl] = _custom_calls(jax.grad(model.loss), params, tokens, targets)
+    assert found["xla"] == set(), found["xla"]
+    # The CPU kernels: RMSNorm (q/k norms, layer and final norms) forward and backward, the
+    # fused add + RMSNorm, the MoE permute / unpermute, and with FP8 the quantization.
+    want = {
+        "jaxops_rms_norm_fwd",
+        "jaxops_rms_norm_bwd",
+        "jaxops_add_rms_norm_fwd",
+        "jaxops_moe_permute",
+        "jaxops_moe_unpermute",
+    }
+    if fp8:
+        want.add("jaxops_fp8_quantize")
+    assert want <= found["ffi"], found["ffi"]
+
+
+def test_impl_xla_dense_twin_runs_no_custom_call():
+    mesh = _mesh((1,), ("expert",))
+    tokens, targets = _batch()
+    model = models.MoEDecoder(CFG, mesh, impl="xla", moe_impl="dense")
+    params = model.init(jax.random.key(0))
+    assert _custom_calls(jax.grad(model.loss), params, tokens, targets) == set()
+
+
+def test_pipe_loss_is_a_forward_and_equals_the_training_loss():
+    mesh = _mesh((2, 4), ("pipe", "expert"))
+    model = models.MoEDecoder(CFG, mesh, num_microbatches=2, dtype=jnp.float32)
+    params = model.init(jax.random.key(1))
+    tokens, targets = _batch(batch=16)
+    loss_fn = jax.jit(model.loss)
+    train_fn = jax.jit(model.loss_and_grads)
+    loss = float(loss_fn(params, tokens, targets))
+    train_loss = float(train_fn(params, tokens, targets)[0])
+    assert abs(loss - train_loss) <= 1e-5 * abs(train_loss), (loss, train_loss)
+    # No backward: the loss runs no backward kernel; the training step does.
+    calls = {
+        name: set(_CALL.findall(fn.lower(params, tokens, targets).compile().as_text()))
+        for name, fn in (("loss", loss_fn), ("train", train_fn))
+    }
+    assert "jaxops_rms_norm_fwd" in calls["loss"], calls["loss"]
+    assert "jaxops_rms_norm_bwd" in calls["train"], calls["train"]
+    assert not any(c.endswith("_bwd") for c in calls["loss"]), calls["loss"]
+
+
+def test_loss_validates_once(monkeypatch):
+    mesh = _mesh((1,), ("expert",))
+    model = models.MoEDecoder(CFG, mesh)
+    params = model.init(jax.random.key(0))
+    tokens, targets = _batch()
+    calls = []
+    original = models.MoEDecoder._check_tokens
+
+    def counting(self, op, tokens, name="tokens"):
+        calls.append((op, name))
+        return original(self, op, tokens, name)
+
+    monkeypatch.setattr(models.MoEDecoder, "_check_tokens", counting)
+    model.loss(params, tokens, targets)
+    assert calls == [
+        ("jaxops.models.MoEDecoder.loss", "tokens"),
+        ("jaxops.models.MoEDecoder.loss", "targets"),
+    ]
+    calls.clear()
+    model.loss_and_grads(params, tokens, targets)
+    assert [name for _, name in calls] == ["tokens", "targets"]
+
+
+def test_errors_name_the_public_call():
+    mesh = _mesh((1,), ("expert",))
+    with pytest.raises(jaxops.ConfigError, match=r"^jaxops\.models\.MoEDecoder: schedule must"):
+        models.MoEDecoder(CFG, mesh, schedule="interleaved")
+    with pytest.raises(jaxops.ConfigError, match=r"^jaxops\.models\.MoEDecoder: impl must"):
+        models.MoEDecoder(CFG, mesh, impl="cuda")
+    model = models.MoEDecoder(CFG, mesh)
+    params = model.init(jax.random.key(0))
+    tokens, _ = _batch()
+    with pytest.raises(ValueError, match=r"^jaxops\.models\.MoEDecoder\.loss: targets must have"):
+        model.loss(params, tokens, tokens[:, :4])
+    with pytest.raises(jaxops.ConfigError, match=r"^jaxops\.models\.DecoderConfig\.from_hf: "):
+        models.DecoderConfig.from_hf({"model_type": "llama"})
+    with pytest.raises(ValueError, match=r"^jaxops\.models\.llama_name_map: rope must"):
+        models.llama_name_map({"num_attention_heads": 4, "hidden_size": 32}, rope="neox")
+    assert issubclass(checkpoint.CheckpointError, jaxops.JaxopsError)
+    assert issubclass(checkpoint.CheckpointError, RuntimeError)
+    assert issubclass(models.ConfigError, ValueError) and models.ConfigError is jaxops.ConfigError
+
+
+def test_deprecated_names_warn_and_still_work():
+    mesh = _mesh((1,), ("expert",))
+    with pytest.warns(DeprecationWarning, match=r"microbatches= is renamed num_microbatches="):
+        model = models.MoEDecoder(CFG, mesh, microbatches=2)
+    assert model.num_microbatches == 2
+    with pytest.warns(DeprecationWarning, match=r"aux_loss_coef= is renamed router_aux_loss_coef"):
+        model = models.MoEDecoder(CFG, mesh, aux_loss_coef=0.5, router_z_loss_coef=0.25)
+    with pytest.warns(DeprecationWarning, match=r"z_loss_coef= is renamed router_z_loss_coef"):
+        assert models.MoEDecoder(CFG, mesh, z_loss_coef=0.25).router_z_loss_coef == 0.25
+    assert (model.router_aux_loss_coef, model.router_z_loss_coef) == (0.5, 0.25)
+    assert model.moe.router_aux_loss_coef == 0.5
+    with pytest.warns(DeprecationWarning, match=r"MoEDecoder\.microbatches is renamed"):
+        assert model.microbatches == 1
+    with pytest.raises(TypeError, match="got both num_microbatches= and its deprecated name"):
+        models.MoEDecoder(CFG, mesh, microbatches=2, num_microbatches=2)
+    with pytest.warns(DeprecationWarning, match="renamed DECODER_SCHEDULES"):
+        assert models.SCHEDULES == models.DECODER_SCHEDULES == ("gpipe", "1f1b")
+    with pytest.warns(DeprecationWarning, match=r"moved to jaxops\.models\.llama_name_map"):
+        old = checkpoint.llama_name_map({"num_attention_heads": 4, "hidden_size": 32})
+    assert old == models.llama_name_map({"num_attention_heads": 4, "hidden_size": 32})
+    with pytest.warns(DeprecationWarning, match=r"moved to jaxops\.models\.LLAMA_NAME_MAP"):
+        assert checkpoint.LLAMA_NAME_MAP is models.LLAMA_NAME_MAP
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new names do not warn
+        models.MoEDecoder(CFG, mesh, num_microbatches=2, router_aux_loss_coef=0.5)
