@@ -1,19 +1,25 @@
-"""Shared helpers for jaxops benchmarks: timing, bandwidth, result tables and result files.
+"""Shared helpers for jaxops benchmarks: the command line, the driver, timing, tables, results.
 
 Every benchmark script in this directory imports this module (``import _harness`` works when the
 script is run as ``python benchmarks/bench_<name>.py``, because Python puts the script's directory
-first on ``sys.path``).
+first on ``sys.path``; under ``python -m benchmarks.bench_<name>`` it is ``benchmarks._harness``).
+A benchmark is a ``parse_args(argv)`` built on :func:`parser`, a ``run(args) -> Result`` with its
+measurements, and ``sys.exit(H.main(parse_args, run))``.
 
+- :func:`parser`: the flags every benchmark has: ``--out DIR`` (``<name>.md`` and ``<name>.json``
+  there), ``--name``, ``--repeats``, ``--quick`` (a smoke test for CI) and ``--busy``; its
+  ``add_list`` adds comma-separated options such as ``--cases``.
+- :func:`main`: simulated CPU devices if asked, parse, log the setup, run under :func:`measuring`
+  (``--busy``, load averages), :func:`report` the :class:`Result` (printed; written with --out).
 - :func:`time_fn` / :func:`time_interleaved`: time jitted functions in this process, compilation
   and warm-up excluded, ``block_until_ready`` on every result, median and min over N samples.
 - :func:`gbps` and :func:`copy_bandwidth`: achieved bandwidth, and the device's copy bandwidth
   as the yardstick for memory-bound kernels.
 - :class:`Column`, :func:`format_table`, :func:`format_markdown`: fixed-width text and Markdown
-  tables from rows of raw numbers.
-- :func:`environment` and :func:`write_results`: ``<name>.md`` and ``<name>.json`` (raw numbers and
-  the environment they were measured in) in an output directory.
-- :func:`busy_core` and :func:`add_busy_argument`: ``--busy`` runs the timings while a second
-  process keeps one core busy; :func:`ratio_goal`: "every row >= N x XLA".
+  tables from rows of raw numbers; :func:`environment` and :func:`write_results`: the result files.
+- :class:`Goal`, :func:`ratio_goal` ("every row >= N x XLA"), :func:`worst_goal`; :class:`FfiXla`,
+  :func:`tokens_fields`: the columns, fields and goals that several benchmarks share.
+- :func:`busy_core`: a second process keeping one core busy (``--busy``).
 """
 
 from __future__ import annotations
@@ -39,23 +45,40 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "Column",
-    "CopyBandwidth",
-    "Timing",
-    "add_busy_argument",
     "busy_core",
+    "busy_ratio_goal",
+    "Column",
     "copy_bandwidth",
+    "CopyBandwidth",
     "environment",
+    "FFI_XLA_COLUMNS",
+    "ffi_xla_fields",
+    "FfiXla",
     "format_markdown",
     "format_table",
     "gbps",
-    "load_summary",
-    "measuring",
+    "Goal",
     "is_gpu",
+    "load_summary",
+    "log_row",
+    "main",
+    "measuring",
+    "mesh",
     "parse_shapes",
+    "Parser",
+    "parser",
     "ratio_goal",
+    "report",
+    "Result",
+    "settings",
+    "simulate_cpu_devices",
+    "Table",
     "time_fn",
     "time_interleaved",
+    "Timing",
+    "tokens_columns",
+    "tokens_fields",
+    "worst_goal",
     "write_results",
 ]
 
@@ -516,52 +539,6 @@ class Goal:
         return f"goal {self.text}: {self.value} {'met' if self.met else 'NOT met'}"
 
 
-def report(
-    args: Any,
-    rows: Sequence[Mapping[str, Any]],
-    columns: Sequence[Column],
-    copy: CopyBandwidth | None,
-    goals: Sequence[Goal],
-    copy_line: str | None,
-) -> None:
-    """Prints the table, `copy_line` and the goals; writes ``args.out/args.name`` files if asked.
-
-    `args` is the script's argparse namespace (``out``, ``name``; its other fields, except the
-    parsed ``*_list`` ones, are saved as the settings). `copy` / `copy_line` are None for a
-    benchmark without a copy-bandwidth probe.
-    """
-    print(format_table(rows, columns))
-    if copy_line is not None:
-        print(copy_line)
-    load_line = load_summary(args)
-    print(load_line)
-    for goal in goals:
-        print(goal.line())
-    if not args.out:
-        return
-    settings = {
-        k: v for k, v in vars(args).items() if not k.endswith("_list") and not k.startswith("_")
-    }
-    md, js = write_results(
-        args.out,
-        args.name,
-        rows,
-        columns,
-        extra={
-            "settings": settings,
-            **({"copy_bandwidth": copy.to_json()} if copy is not None else {}),
-            "goals": [dataclasses.asdict(g) for g in goals],
-        },
-        notes=[
-            *([copy_line, ""] if copy_line is not None else []),
-            load_line,
-            "",
-            *[f"- {g.line()}" for g in goals],
-        ],
-    )
-    print(f"wrote {md} and {js}", file=sys.stderr)
-
-
 def ratio_goal(
     rows: Sequence[Mapping[str, Any]],
     ratio: float,
@@ -580,6 +557,253 @@ def ratio_goal(
     if below:
         value += "; below: " + ", ".join(f"{label(r)} {r[key]:.2f}x" for r in below)
     return Goal(text, value, not below)
+
+
+def busy_ratio_goal(rows, label, what: str, busy: bool, ratio: float, busy_ratio: float) -> Goal:
+    """:func:`ratio_goal`: `ratio` quiet, `busy_ratio` "with one core busy" under ``--busy``."""
+    if busy:
+        return ratio_goal(rows, busy_ratio, label, what + " with one core busy")
+    return ratio_goal(rows, ratio, label, what)
+
+
+def worst_goal(rows, key: str, bar: float, text: str, label, fmt: str = "{:.2f}x") -> Goal:
+    """`text`, met when the smallest ``row[key]`` of `rows` (not empty) is >= `bar`.
+
+    Its value reads ``worst <fmt of the value> (<label of that row>)``.
+    """
+    worst = min(rows, key=lambda r: r[key])
+    return Goal(text, f"worst {fmt.format(worst[key])} ({label(worst)})", worst[key] >= bar)
+
+
+# -------------------------------------------------------------------------------------------------
+# Custom call against its pure-JAX twin: the shared columns and row fields.
+
+FFI_XLA_COLUMNS = (
+    Column("ffi_ms", "ffi ms", "{:.3f}"),
+    Column("xla_ms", "xla ms", "{:.3f}"),
+    Column("ffi_gbps", "ffi GB/s", "{:.1f}"),
+    Column("xla_gbps", "xla GB/s", "{:.1f}"),
+    Column("speedup", "xla/ffi", "{:.2f}x"),
+    Column("ffi_copy_frac", "ffi %copy", lambda v: f"{100 * v:.1f}%"),
+)
+
+
+def ffi_xla_fields(
+    timings: Mapping[str, Timing], nbytes: int, copy: CopyBandwidth
+) -> dict[str, Any]:
+    """The row fields of :data:`FFI_XLA_COLUMNS` (and the raw timings) from the ``"ffi"`` and
+    ``"xla"`` timings of an op that must move `nbytes`."""
+    ffi_s, xla_s = timings["ffi"].median, timings["xla"].median
+    return {
+        "bytes": nbytes,
+        "ffi_ms": 1e3 * ffi_s,
+        "xla_ms": 1e3 * xla_s,
+        "ffi_gbps": gbps(nbytes, ffi_s),
+        "xla_gbps": gbps(nbytes, xla_s),
+        "speedup": xla_s / ffi_s,
+        "ffi_copy_frac": gbps(nbytes, ffi_s) / copy.gbps,
+        "timings": {k: t.to_json() for k, t in timings.items()},
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class FfiXla:
+    """How bench_fp8 and bench_moe judge and report custom calls against their pure-JAX twins.
+
+    Goals: on CPU, xla/ffi >= ``cpu[0]`` on every row (``cpu[1]`` with ``--busy``, and nothing
+    more then). On the goal rows (``row[keys[1]]`` in `goal_values`, bfloat16): the worst xla/ffi
+    >= ``cpu[2]`` on CPU or ``gpu[0]`` on a GPU, and on a GPU ffi >= ``gpu[1]`` GB/s.
+
+    Attributes:
+      keys: the row keys naming a row besides its dtype, e.g. ``("mode", "shape")``.
+      goal_values: the stated ``row[keys[1]]`` of the goal rows, e.g. shapes.
+      cpu: (every row, every row with --busy, the goal rows) xla/ffi on CPU.
+      gpu: (the goal rows' xla/ffi, their ffi GB/s) on a GPU.
+    """
+
+    keys: tuple[str, str]
+    goal_values: tuple[str, ...]
+    cpu: tuple[float, float, float]
+    gpu: tuple[float, float]
+
+    def goals(self, rows: Sequence[Mapping[str, Any]], *, gpu: bool, busy: bool) -> list[Goal]:
+        """The verdicts on `rows`."""
+        first, second = self.keys
+        goals = []
+        if not gpu:
+
+            def label(r: Mapping[str, Any]) -> str:
+                return f"{r[first]} {r['dtype']} {r[second]}"
+
+            what = f"{first}, dtype and {second}"
+            goals.append(busy_ratio_goal(rows, label, what, busy, self.cpu[0], self.cpu[1]))
+            if busy:
+                return goals
+        goal_rows = [r for r in rows if r[second] in self.goal_values and r["dtype"] == "bfloat16"]
+        if not goal_rows:
+            text = f"xla/ffi on the goal {second}s"
+            return [*goals, Goal(text, f"run with the default {second}s", None)]
+        ratio = self.gpu[0] if gpu else self.cpu[2]
+
+        def goal_label(r: Mapping[str, Any]) -> str:
+            return f"{r[first]} {r[second]}"
+
+        text = f"xla/ffi >= {ratio} on {' and '.join(self.goal_values)} bf16 (every {first})"
+        goals.append(worst_goal(goal_rows, "speedup", ratio, text, goal_label))
+        if gpu:
+            bar = self.gpu[1]
+            text = f"ffi >= {bar:.0f} GB/s on the goal {second}s"
+            goals.append(worst_goal(goal_rows, "ffi_gbps", bar, text, goal_label, "{:.0f} GB/s"))
+        return goals
+
+    def result(
+        self,
+        args: argparse.Namespace,
+        rows: Sequence[Mapping[str, Any]],
+        columns: Sequence[Column],
+        copy: CopyBandwidth,
+        bytes_counted: str,
+    ) -> Result:
+        """The :class:`Result` of `rows`: the goals, and a copy-bandwidth line that says what GB/s
+        counts (`bytes_counted`)."""
+        copy_line = (
+            f"copy bandwidth: {copy.gbps:.1f} GB/s; times are medians of {args.repeats} samples; "
+            f"GB/s counts {bytes_counted}"
+        )
+        goals = self.goals(rows, gpu=is_gpu(), busy=args.busy)
+        return Result(rows, columns, goals, lines=[copy_line], copy=copy)
+
+
+def tokens_columns(mine: str, peer: str, ms: str = "{:.2f}") -> list[Column]:
+    """Step times (format `ms`), tokens/s and ``peer/mine`` of :func:`tokens_fields`."""
+    return [
+        Column(f"{mine}_ms", f"{mine} ms", ms),
+        Column(f"{peer}_ms", f"{peer} ms", ms),
+        Column(f"{mine}_tok_s", f"{mine} tokens/s", "{:,.0f}"),
+        Column(f"{peer}_tok_s", f"{peer} tokens/s", "{:,.0f}"),
+        Column("ratio", f"{peer}/{mine}", "{:.2f}x"),
+    ]
+
+
+def tokens_fields(timings: Mapping[str, Timing], mine: str, peer: str, tokens: int) -> dict:
+    """Row fields of two timed steps over `tokens` tokens: ms, tokens/s, ``ratio`` (peer / mine)
+    and the raw timings."""
+    mine_s, peer_s = timings[mine].median, timings[peer].median
+    return {
+        f"{mine}_ms": 1e3 * mine_s,
+        f"{peer}_ms": 1e3 * peer_s,
+        f"{mine}_tok_s": tokens / mine_s,
+        f"{peer}_tok_s": tokens / peer_s,
+        "ratio": peer_s / mine_s,
+        "timings": {k: t.to_json() for k, t in timings.items()},
+    }
+
+
+def log_row(row: Mapping[str, Any], columns: Sequence[Column]) -> None:
+    """Prints `row` as a line of the text table of `columns` on stderr (progress)."""
+    print(format_table([row], columns).splitlines()[-1], file=sys.stderr, flush=True)
+
+
+# -------------------------------------------------------------------------------------------------
+# What a benchmark returns, and how it is printed and written.
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """A further table of a result: printed under the main one, in the notes and in the JSON.
+
+    `key` names its rows in the JSON file; `title` is printed above the text table, `md_title`
+    (default: `title`) above the Markdown one; None: no title.
+    """
+
+    key: str
+    rows: Sequence[Mapping[str, Any]]
+    columns: Sequence[Column]
+    title: str | None = None
+    md_title: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """What a benchmark's ``run(args)`` returns to :func:`main`.
+
+    Attributes:
+      rows: the main table's rows (raw values; every key goes to the JSON file).
+      columns: what the main table shows.
+      goals: the verdicts, printed last.
+      tables: further tables, in order.
+      lines: printed under the tables and written as notes (copy bandwidth, setup).
+      copy: the copy-bandwidth probe, saved as ``copy_bandwidth`` in the JSON file.
+      extra: more JSON-serializable data for the JSON file.
+    """
+
+    rows: Sequence[Mapping[str, Any]]
+    columns: Sequence[Column]
+    goals: Sequence[Goal] = ()
+    tables: Sequence[Table] = ()
+    lines: Sequence[str] = ()
+    copy: CopyBandwidth | None = None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The options a run used: `args` without the parsed ``*_list`` fields and ``_`` ones."""
+    return {
+        k: v for k, v in vars(args).items() if not k.endswith("_list") and not k.startswith("_")
+    }
+
+
+def _goal_lines(goals: Sequence[Goal]) -> list[str]:
+    """One line per goal; a single line when three or more are unmeasured for the same reason."""
+    if len(goals) >= 3 and all(g.met is None for g in goals) and len({g.value for g in goals}) == 1:
+        return [f"goals: none measured ({goals[0].value})"]
+    return [g.line() for g in goals]
+
+
+def report(args: argparse.Namespace, result: Result) -> tuple[Path, Path] | None:
+    """Prints `result` (tables, lines, load line, goals); with ``args.out``, writes its files.
+
+    The files are ``<args.out>/<args.name>.md`` and ``.json`` (see :func:`write_results`); the
+    JSON has the :func:`settings`, the copy bandwidth, `result.extra`, every further table's rows
+    under its key, and the goals. Returns their paths, or None without ``args.out``.
+    """
+    print(format_table(result.rows, result.columns))
+    for table in result.tables:
+        print()
+        if table.title is not None:
+            print(table.title)
+        print(format_table(table.rows, table.columns))
+    for line in result.lines:
+        print(line)
+    load_line = load_summary(args)
+    print(load_line)
+    for line in _goal_lines(result.goals):
+        print(line)
+    if not args.out:
+        return None
+    notes: list[str] = []
+    for table in result.tables:
+        title = table.md_title if table.md_title is not None else table.title
+        notes += [
+            *([title, ""] if title is not None else []),
+            format_markdown(table.rows, table.columns),
+            "",
+        ]
+    for line in result.lines:
+        notes += [line, ""]
+    notes += [load_line, "", *[f"- {g.line()}" for g in result.goals]]
+    extra = {
+        "settings": settings(args),
+        **({"copy_bandwidth": result.copy.to_json()} if result.copy is not None else {}),
+        **result.extra,
+        **{table.key: list(table.rows) for table in result.tables},
+        "goals": [dataclasses.asdict(g) for g in result.goals],
+    }
+    paths = write_results(
+        args.out, args.name, result.rows, result.columns, extra=extra, notes=notes
+    )
+    print(f"wrote {paths[0]} and {paths[1]}", file=sys.stderr)
+    return paths
 
 
 # -------------------------------------------------------------------------------------------------
@@ -632,15 +856,6 @@ def busy_core(enabled: bool = True) -> Iterator[subprocess.Popen | None]:
         print("busy: stopped", file=sys.stderr)
 
 
-def add_busy_argument(parser: argparse.ArgumentParser) -> None:
-    """Adds ``--busy``: time everything while a second process keeps one core busy."""
-    parser.add_argument(
-        "--busy",
-        action="store_true",
-        help="keep one core busy with a second process (a spinning numpy loop) during the timings",
-    )
-
-
 def load_summary(args: Any) -> str:
     """One line: whether --busy was on and the load averages seen at the start and now."""
     start = getattr(args, "_load_start", None)
@@ -660,7 +875,147 @@ def measuring(args: Any) -> Iterator[None]:
 
 
 # -------------------------------------------------------------------------------------------------
-# Command-line helpers.
+# Command line and the driver every benchmark's main() calls.
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser that applies the common rules after parsing (see :func:`parser`)."""
+
+    def __init__(self, quick_repeats: int | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.quick_repeats = quick_repeats
+        self.lists: list[tuple[str, str, str | None, Sequence[str] | None]] = []
+
+    def add_list(
+        self,
+        flag: str,
+        default: str,
+        help: str,
+        *,
+        quick: str | None = None,
+        choices: Sequence[str] | None = None,
+    ) -> None:
+        """A comma-separated list option, e.g. ``--cases``.
+
+        After parsing, ``args.cases`` is the text given, else `quick` under ``--quick`` (when not
+        None), else `default`; ``args.case_list`` (the name without its trailing ``s``) holds its
+        items, each one of `choices` unless that is None.
+        """
+        self.add_argument(flag, default=None, help=f"{help} (default {default})")
+        self.lists.append((flag[2:].replace("-", "_"), default, quick, choices))
+
+    def parse_args(self, args=None, namespace=None):
+        ns = super().parse_args(args, namespace)
+        if ns.quick and self.quick_repeats is not None and ns.repeats is not None:
+            ns.repeats = min(ns.repeats, self.quick_repeats)
+        if ns.repeats is not None and ns.repeats < 1:
+            self.error("--repeats must be >= 1")
+        for dest, default, quick, choices in self.lists:
+            if getattr(ns, dest) is None:
+                setattr(ns, dest, quick if ns.quick and quick is not None else default)
+            items = getattr(ns, dest).split(",")
+            unknown = [v for v in items if choices is not None and v not in choices]
+            if unknown:
+                self.error(f"unknown {dest} {unknown}; choose from {list(choices)}")
+            setattr(ns, dest.removesuffix("s") + "_list", items)
+        return ns
+
+
+def parser(
+    doc: str,
+    *,
+    name: str,
+    quick: str,
+    repeats: int | None,
+    quick_repeats: int | None = 3,
+    repeats_help: str | None = None,
+    out_what: str = "",
+) -> Parser:
+    """The argument parser every benchmark starts from; it adds its own flags to it.
+
+    Common flags: ``--out DIR`` (write ``<name>.md`` and ``<name>.json`` there; default: print
+    only), ``--name`` (their stem, default `name`), ``--repeats`` (default `repeats`; at most
+    `quick_repeats` with ``--quick``, unless that is None: the benchmark resolves it), ``--quick``
+    (a smoke test for CI; `quick` says what it runs) and ``--busy`` (:func:`busy_core`).
+
+    Args:
+      doc: the script's docstring; its first paragraph is the description.
+      name: the default stem of the result files, e.g. ``"rms_norm"``.
+      quick: help of ``--quick``.
+      repeats: default of ``--repeats``; None: the benchmark picks it after parsing.
+      quick_repeats: the most repeats ``--quick`` keeps; None: the benchmark resolves it.
+      repeats_help: help of ``--repeats``; None: the default and the --quick cap.
+      out_what: what ``--out`` writes besides the two files, e.g. ``" and the schedule PNGs"``.
+    """
+    p = Parser(quick_repeats, description=doc.split("\n\n")[0])
+    p.add_argument(
+        "--out",
+        default=None,
+        help=f"directory for {name}.md and {name}.json{out_what} (default: print only)",
+    )
+    p.add_argument("--name", default=name, help="stem of the result files in --out")
+    if repeats_help is None:
+        repeats_help = f"timed samples per case (default {repeats}"
+        repeats_help += f"; at most {quick_repeats} with --quick)" if quick_repeats else ")"
+    p.add_argument("--repeats", type=int, default=repeats, help=repeats_help)
+    p.add_argument("--quick", action="store_true", help=quick)
+    p.add_argument(
+        "--busy",
+        action="store_true",
+        help="keep one core busy with a second process (a spinning numpy loop) during the timings",
+    )
+    return p
+
+
+def simulate_cpu_devices(default: int) -> None:
+    """Makes jax's CPU backend `default` devices (``JAX_NUM_CPU_DEVICES`` overrides it).
+
+    Must run before jax starts a backend (the first ``jax.devices()`` or computation).
+    """
+    count = int(os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(default)))
+    jax.config.update("jax_num_cpu_devices", count)
+
+
+def mesh(shape: str, axes: Sequence[str], *, gpu_axis: str | None = None) -> jax.sharding.Mesh:
+    """A mesh of ``"DxE"``-style `shape` over `axes`; on a GPU with `gpu_axis`, every local GPU
+    on that axis (size 1 on the others)."""
+    if gpu_axis is not None and is_gpu():
+        sizes = tuple(len(jax.devices()) if a == gpu_axis else 1 for a in axes)
+    else:
+        sizes = tuple(int(v) for v in shape.split("x"))
+    return jax.make_mesh(sizes, tuple(axes))
+
+
+def main(
+    parse_args: Callable[[Sequence[str] | None], argparse.Namespace],
+    run: Callable[[argparse.Namespace], Result],
+    argv: Sequence[str] | None = None,
+    *,
+    cpu_devices: int | None = None,
+    header: Callable[[argparse.Namespace], str] | None = None,
+) -> int:
+    """The flow of every benchmark; returns its exit status (0).
+
+    Sets up `cpu_devices` simulated CPU devices (:func:`simulate_cpu_devices`) if given, parses
+    `argv`, logs jax, the devices, the jaxops build and the repeats (then `header(args)`) on
+    stderr, runs ``run(args)`` under :func:`measuring` (``--busy``, load averages) and hands its
+    :class:`Result` to :func:`report` (printed; written with ``--out``).
+    """
+    if cpu_devices is not None:
+        simulate_cpu_devices(cpu_devices)
+    args = parse_args(argv)
+    import jaxops
+
+    devices = jax.devices()
+    line = (
+        f"jax {jax.__version__} on {len(devices)} x {devices[0].device_kind} "
+        f"({jax.default_backend()}); jaxops build {jaxops.build_info()}; repeats {args.repeats}"
+    )
+    print(line + (f"; {header(args)}" if header is not None else ""), file=sys.stderr, flush=True)
+    with measuring(args):
+        result = run(args)
+    report(args, result)
+    return 0
 
 
 def parse_shapes(text: str) -> list[tuple[int, ...]]:

@@ -42,16 +42,14 @@ Goals: save >= 0.9x numpy tofile+fsync; restore with resharding >= 0.8x the cold
 Orbax's default save; restore >= 2x Orbax's default restore; the async save blocks no longer
 than the device-to-host copy (tolerance: <= 1.1x the copy + 5 ms).
 
-Usage (from the repository root)::
-
-    python benchmarks/bench_checkpoint.py
-    python benchmarks/bench_checkpoint.py --quick
-    python benchmarks/bench_checkpoint.py --out benchmarks/results/cpu
+Usage: ``python benchmarks/bench_checkpoint.py`` from the repository root, ``--quick`` for 32 MiB
+and 2 rounds, ``--no-orbax`` without the Orbax cases, ``--out benchmarks/results/cpu`` to save the
+tables.
 """
 
 from __future__ import annotations
 
-import argparse
+import importlib
 import math
 import os
 import shutil
@@ -63,22 +61,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxops.parallel import checkpoint
 
-jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
-
-from jaxops.parallel import checkpoint  # noqa: E402
-
-import jaxops  # noqa: E402
-
-if __package__:
-    from . import _harness as H
-else:
-    import _harness as H
+# The harness next to this script (also under ``python -m benchmarks.<script>``).
+H = importlib.import_module(f"{__package__}._harness" if __package__ else "_harness")
 
 try:
     import orbax.checkpoint as ocp
@@ -402,7 +391,8 @@ def _d2h_copy(shards: list[jax.Shard]) -> float:
 # Running.
 
 
-def run(args) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[H.Goal], dict[str, Any]]:
+def run(args) -> H.Result:
+    """Verifies then times every case in rounds; the rows, the async rows and the goals."""
     mesh = jax.make_mesh(SAVE_MESH, ("data", "model"))
     t0 = time.perf_counter()
     tree, host, target = _make_tree(args.size_mib, mesh, args.data)
@@ -524,13 +514,30 @@ def run(args) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[H.Goal],
     async_rows[1]["samples_s"] = async_s["block"]
     async_rows[1]["total_samples_s"] = async_s["total"]
 
-    goals = _goals(by, async_rows, d2h)
     info = {
         "nbytes": nbytes,
         "arrays": {k: f"{v.dtype}{list(v.shape)}" for k, v in host.items()},
         "prefault_bytes": touch,
     }
-    return rows, async_rows, goals, info
+    return H.Result(
+        rows,
+        COLUMNS,
+        _goals(by, async_rows, d2h),
+        tables=[H.Table("async", async_rows, ASYNC_COLUMNS)],
+        lines=[_setup_line(args, info)],
+        extra={"tree": info, "orbax": getattr(ocp, "__version__", None)},
+    )
+
+
+def _setup_line(args, info: dict[str, Any]) -> str:
+    arrays = ", ".join(f"{k} {v}" for k, v in info["arrays"].items())
+    return (
+        f"{info['nbytes'] / 2**20:.0f} MiB ({arrays}), saved on a "
+        f"{SAVE_MESH[0]}x{SAVE_MESH[1]} mesh, restored onto {RESTORE_MESH[0]}x"
+        f"{RESTORE_MESH[1]}; {args.data} values; medians of {args.repeats}; cold reads by "
+        f"{args.cold_method}; {info['prefault_bytes'] / 2**20:.0f} MiB of memory touched before "
+        "every timed step"
+    )
 
 
 def _goals(by: dict[str, dict[str, Any]], async_rows, d2h: float) -> list[H.Goal]:
@@ -586,10 +593,10 @@ def _goals(by: dict[str, dict[str, Any]], async_rows, d2h: float) -> list[H.Goal
     return goals
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: Sequence[str] | None = None):
+    """Command-line options: the common ones (:func:`_harness.parser`) and the tree and reads."""
+    p = H.parser(__doc__, name="checkpoint", repeats=5, quick="32 MiB, 2 repeats", quick_repeats=2)
     p.add_argument("--size-mib", type=int, default=1024, help="MiB of array data in the tree")
-    p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
         "--cold",
         default="auto",
@@ -610,72 +617,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--dir", default=None, help="parent of the work directory (default: TMPDIR)")
     p.add_argument("--no-orbax", action="store_true", help="skip the Orbax cases")
-    p.add_argument("--quick", action="store_true", help="32 MiB, 2 repeats")
-    p.add_argument("--out", default=None, help="directory for checkpoint.md / .json")
-    p.add_argument("--name", default="checkpoint")
     args = p.parse_args(argv)
     if args.quick:
         args.size_mib = min(args.size_mib, 32)
-        args.repeats = min(args.repeats, 2)
-    return args
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the benchmark, prints the tables and the goals, writes files when --out is given."""
-    args = parse_args(argv)
     args.cold_method = _cold_method(args.cold)
-    device = jax.devices()[0]
-    print(
-        f"jax {jax.__version__} on {len(jax.devices())} x {device.device_kind} "
-        f"({jax.default_backend()}); jaxops build {jaxops.build_info()}; "
-        f"orbax {getattr(ocp, '__version__', None) or 'not installed'}; repeats {args.repeats}; "
-        f"cold reads by {args.cold_method}",
-        file=sys.stderr,
-    )
     if ocp is None:
         print(
             f"note: orbax not importable ({_ORBAX_ERROR}); its cases are skipped", file=sys.stderr
         )
-    rows, async_rows, goals, info = run(args)
-    arrays = ", ".join(f"{k} {v}" for k, v in info["arrays"].items())
-    setup_line = (
-        f"{info['nbytes'] / 2**20:.0f} MiB ({arrays}), saved on a "
-        f"{SAVE_MESH[0]}x{SAVE_MESH[1]} mesh, restored onto {RESTORE_MESH[0]}x"
-        f"{RESTORE_MESH[1]}; {args.data} values; medians of {args.repeats}; cold reads by "
-        f"{args.cold_method}; {info['prefault_bytes'] / 2**20:.0f} MiB of memory touched before "
-        "every timed step"
-    )
-    print(H.format_table(rows, COLUMNS))
-    print()
-    print(H.format_table(async_rows, ASYNC_COLUMNS))
-    print(setup_line)
-    for goal in goals:
-        print(goal.line())
-    if args.out:
-        notes = [
-            setup_line,
-            "",
-            H.format_markdown(async_rows, ASYNC_COLUMNS),
-            "",
-            *[f"- {g.line()}" for g in goals],
-        ]
-        md, js = H.write_results(
-            args.out,
-            args.name,
-            rows,
-            COLUMNS,
-            extra={
-                "settings": vars(args),
-                "tree": info,
-                "orbax": getattr(ocp, "__version__", None),
-                "async": async_rows,
-                "goals": [g.__dict__ for g in goals],
-            },
-            notes=notes,
-        )
-        print(f"wrote {md} and {js}", file=sys.stderr)
-    return 0
+    return args
+
+
+def _header(args) -> str:
+    orbax = getattr(ocp, "__version__", None) or "not installed"
+    return f"orbax {orbax}; cold reads by {args.cold_method}"
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(H.main(parse_args, run, cpu_devices=8, header=_header))

@@ -21,40 +21,28 @@ On CPU the mesh is 8 simulated devices ``data x expert`` (default 2 x 4); on a G
 GPUs on the expert axis. The goal line: the EP layer's fwd+bwd is faster than the dense one
 (ratio >= 1) on every case with E / K >= 4, where the dense layer does >= 4x the FLOPs.
 
-Usage (from the repository root)::
-
-    python benchmarks/bench_expert_parallel.py
-    python benchmarks/bench_expert_parallel.py --quick
-    python benchmarks/bench_expert_parallel.py --out benchmarks/results/cpu
+Run it from the repository root as ``python benchmarks/bench_expert_parallel.py``; add ``--quick``
+for one small case or ``--out benchmarks/results/cpu`` to save the tables.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
+import importlib
 import re
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxops.parallel import expert
 
-jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
+from jaxops.testing import collective_bytes, collective_shapes
 
-from jaxops.parallel import expert  # noqa: E402
-
-import jaxops  # noqa: E402
-from jaxops.testing import collective_bytes, collective_shapes  # noqa: E402
-
-if __package__:
-    from . import _harness as H
-else:
-    import _harness as H
+# The harness next to this script (also under ``python -m benchmarks.<script>``).
+H = importlib.import_module(f"{__package__}._harness" if __package__ else "_harness")
 
 # T (global tokens) x H x F x E x K
 CASES = "4096x256x512x16x2,4096x256x512x32x4"
@@ -65,11 +53,7 @@ COLUMNS = [
     H.Column("op", "op", align="<"),
     H.Column("case", "T x H x F x E x K", align="<"),
     H.Column("mesh", "mesh", align="<"),
-    H.Column("ep_ms", "ep ms", "{:.2f}"),
-    H.Column("dense_ms", "dense ms", "{:.2f}"),
-    H.Column("ep_tok_s", "ep tokens/s", "{:,.0f}"),
-    H.Column("dense_tok_s", "dense tokens/s", "{:,.0f}"),
-    H.Column("ratio", "dense/ep", "{:.2f}x"),
+    *H.tokens_columns("ep", "dense"),
 ]
 DISPATCH_COLUMNS = [
     H.Column("case", "T x H x F x E x K", align="<"),
@@ -90,13 +74,6 @@ STAGE_COLUMNS = [
 ]
 
 
-def _mesh(args) -> jax.sharding.Mesh:
-    if H.is_gpu():
-        return jax.make_mesh((1, len(jax.devices())), ("data", "expert"))
-    d, e = (int(v) for v in args.mesh.split("x"))
-    return jax.make_mesh((d, e), ("data", "expert"))
-
-
 def _loss(layer):
     def loss(params, x):
         y, aux = layer(params, x)
@@ -105,17 +82,23 @@ def _loss(layer):
     return loss
 
 
-def _case(args, mesh, case: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _setup(args, mesh, case: str, dtype, **config):
+    """The config of `case` (T x H x F x E x K), its params (on the host and sharded for EP) and
+    its T tokens, sharded."""
     t, h, f, e, k = (int(v) for v in case.split("x"))
     cfg = expert.MoEConfig(
-        num_experts=e, top_k=k, hidden=h, ffn_hidden=f, dtype=DTYPES[args.dtype], align=args.align
+        num_experts=e, top_k=k, hidden_size=h, expert_ffn=f, dtype=dtype, align=args.align, **config
     )
     params = expert.init_moe_params(jax.random.key(0), cfg)
     specs = expert.moe_param_specs(cfg)
-    params_ep = {n: jax.device_put(v, jax.NamedSharding(mesh, specs[n])) for n, v in params.items()}
-    params_dense = jax.device_put(params, jax.NamedSharding(mesh, jax.P()))
+    sharded = {n: jax.device_put(v, jax.NamedSharding(mesh, specs[n])) for n, v in params.items()}
     x = jax.random.normal(jax.random.key(1), (t, h), cfg.dtype)
-    x = jax.device_put(x, jax.NamedSharding(mesh, jax.P(cfg.token_axes)))
+    return cfg, params, sharded, jax.device_put(x, jax.NamedSharding(mesh, jax.P(cfg.token_axes)))
+
+
+def _case(args, mesh, case: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    cfg, params, params_ep, x = _setup(args, mesh, case, DTYPES[args.dtype])
+    params_dense = jax.device_put(params, jax.NamedSharding(mesh, jax.P()))
 
     def ep(p, x):
         return expert.moe_layer(p, x, cfg, mesh=mesh)
@@ -142,23 +125,10 @@ def _case(args, mesh, case: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             {"ep": (pair["ep"], (params_ep, x)), "dense": (pair["dense"], (params_dense, x))},
             repeats=args.repeats,
         )
-        ep_s, dense_s = timings["ep"].median, timings["dense"].median
-        rows.append(
-            {
-                "op": op,
-                "case": case,
-                "mesh": mesh_text,
-                "dtype": args.dtype,
-                "ep_ms": 1e3 * ep_s,
-                "dense_ms": 1e3 * dense_s,
-                "ep_tok_s": t / ep_s,
-                "dense_tok_s": t / dense_s,
-                "ratio": dense_s / ep_s,
-                "experts_per_top_k": e / k,
-                "timings": {kk: tt.to_json() for kk, tt in timings.items()},
-            }
-        )
-        print(H.format_table(rows[-1:], COLUMNS).splitlines()[-1], file=sys.stderr)
+        row = {"op": op, "case": case, "mesh": mesh_text, "dtype": args.dtype}
+        fields = H.tokens_fields(timings, "ep", "dense", x.shape[0])
+        rows.append({**row, **fields, "experts_per_top_k": cfg.num_experts / cfg.top_k})
+        H.log_row(rows[-1], COLUMNS)
     cuts = {
         stage: (
             jax.jit(lambda p, x, s=stage: expert._stage_probe(p, x, cfg, mesh=mesh, upto=s)),
@@ -195,21 +165,8 @@ def _a2a_bytes(text: str, hidden: int) -> tuple[int, int, int]:
 
 def _dispatch_case(args, mesh, case: str) -> dict[str, Any]:
     """fp8="block": the dispatch in the activation dtype vs dispatch="fp8"."""
-    t, h, f, e, k = (int(v) for v in case.split("x"))
-    cfg = expert.MoEConfig(
-        num_experts=e,
-        top_k=k,
-        hidden=h,
-        ffn_hidden=f,
-        dtype=jnp.bfloat16,
-        align=args.align,
-        fp8="block",
-    )
-    params = expert.init_moe_params(jax.random.key(0), cfg)
-    specs = expert.moe_param_specs(cfg)
-    params = {n: jax.device_put(v, jax.NamedSharding(mesh, specs[n])) for n, v in params.items()}
-    x = jax.random.normal(jax.random.key(1), (t, h), cfg.dtype)
-    x = jax.device_put(x, jax.NamedSharding(mesh, jax.P(cfg.token_axes)))
+    cfg, _, params, x = _setup(args, mesh, case, jnp.bfloat16, fp8="block")
+    h = cfg.hidden_size
     row: dict[str, Any] = {"case": case}
     steps, outs = {}, {}
     for tag, c in (("", cfg), ("8", dataclasses.replace(cfg, dispatch="fp8"))):
@@ -252,100 +209,55 @@ def _dispatch_case(args, mesh, case: str) -> dict[str, Any]:
         time_ratio=timings[""].median / timings["8"].median,
         timings={kk or "bf16": tt.to_json() for kk, tt in timings.items()},
     )
-    print(H.format_table([row], DISPATCH_COLUMNS).splitlines()[-1], file=sys.stderr)
+    H.log_row(row, DISPATCH_COLUMNS)
     return row
 
 
-def run(args) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[H.Goal]]:
-    mesh = _mesh(args)
+def run(args) -> H.Result:
+    """Checks and times every case; the rows, the stage split, the dispatch rows and the goal."""
+    mesh = H.mesh(args.mesh, ("data", "expert"), gpu_axis="expert")
     rows, stages = [], []
     for case in args.case_list:
         case_rows, stage_row = _case(args, mesh, case)
         rows += case_rows
         stages.append(stage_row)
-    args.dispatch_rows = [_dispatch_case(args, mesh, case) for case in args.case_list]
+    dispatch_rows = [_dispatch_case(args, mesh, case) for case in args.case_list]
     goal_rows = [r for r in rows if r["op"] == "fwd+bwd" and r["experts_per_top_k"] >= 4]
     if not goal_rows:
         goals = [H.Goal("ep faster than dense (E/K >= 4)", "no case with E/K >= 4", None)]
     else:
-        worst = min(goal_rows, key=lambda r: r["ratio"])
-        goals = [
-            H.Goal(
-                "ep fwd+bwd faster than dense masked (dense/ep >= 1) where E/K >= 4",
-                f"worst {worst['ratio']:.2f}x ({worst['case']})",
-                worst["ratio"] >= 1.0,
-            )
-        ]
-    return rows, stages, goals
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default=None, help=f"comma-separated TxHxFxExK (default {CASES})")
-    p.add_argument("--mesh", default="2x4", help="data x expert on CPU (8 devices)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    p.add_argument("--align", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--quick", action="store_true", help=f"case {QUICK_CASES}, 3 repeats")
-    p.add_argument("--out", default=None, help="directory for expert_parallel.md / .json")
-    p.add_argument("--name", default="expert_parallel")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.cases = args.cases or QUICK_CASES
-        args.repeats = min(args.repeats, 3)
-    args.case_list = (args.cases or CASES).split(",")
-    return args
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the benchmark, prints the tables and the goal, writes files when --out is given."""
-    args = parse_args(argv)
-    device = jax.devices()[0]
-    print(
-        f"jax {jax.__version__} on {len(jax.devices())} x {device.device_kind} "
-        f"({jax.default_backend()}); jaxops build {jaxops.build_info()}; repeats {args.repeats}",
-        file=sys.stderr,
-    )
-    rows, stages, goals = run(args)
-    print(H.format_table(rows, COLUMNS))
-    print()
-    print("forward time split (differences of the layer cut after each stage):")
-    print(H.format_table(stages, STAGE_COLUMNS))
-    print()
-    print('fp8="block": dispatch in bf16 vs dispatch="fp8" (bytes per device, from the HLO):')
-    print(H.format_table(args.dispatch_rows, DISPATCH_COLUMNS))
-    for goal in goals:
-        print(goal.line())
-    if args.out:
-        notes = [
+        text = "ep fwd+bwd faster than dense masked (dense/ep >= 1) where E/K >= 4"
+        goals = [H.worst_goal(goal_rows, "ratio", 1.0, text, lambda r: r["case"])]
+    tables = [
+        H.Table(
+            "stages",
+            stages,
+            STAGE_COLUMNS,
+            "forward time split (differences of the layer cut after each stage):",
             "Forward time split, ms (differences of the layer cut after each stage):",
-            "",
-            H.format_markdown(stages, STAGE_COLUMNS),
-            "",
+        ),
+        H.Table(
+            "dispatch",
+            dispatch_rows,
+            DISPATCH_COLUMNS,
+            'fp8="block": dispatch in bf16 vs dispatch="fp8" (bytes per device, from the HLO):',
             'fp8="block": dispatch in bf16 vs dispatch="fp8". All-to-all bytes per device from the'
             " program's HLO (what a GPU moves) and from XLA:CPU's compiled HLO (bf16 widened to"
             " f32 there); fwd+bwd step time:",
-            "",
-            H.format_markdown(args.dispatch_rows, DISPATCH_COLUMNS),
-            "",
-            *[f"- {g.line()}" for g in goals],
-        ]
-        md, js = H.write_results(
-            args.out,
-            args.name,
-            rows,
-            COLUMNS,
-            extra={
-                "settings": {k: v for k, v in vars(args).items() if not k.endswith("_list")},
-                "stages": stages,
-                "dispatch": args.dispatch_rows,
-                "goals": [g.__dict__ for g in goals],
-            },
-            notes=notes,
-        )
-        print(f"wrote {md} and {js}", file=sys.stderr)
-    return 0
+        ),
+    ]
+    return H.Result(rows, COLUMNS, goals, tables=tables)
+
+
+def parse_args(argv: Sequence[str] | None = None):
+    """Command-line options: the common ones (:func:`_harness.parser`) and the cases and mesh."""
+    p = H.parser(__doc__, name="expert_parallel", repeats=7, quick=f"case {QUICK_CASES}, 3 repeats")
+    p.add_list("--cases", CASES, "comma-separated TxHxFxExK", quick=QUICK_CASES)
+    p.add_argument("--mesh", default="2x4", help="data x expert on CPU (8 devices)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--align", type=int, default=8)
+    return p.parse_args(argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(H.main(parse_args, run, cpu_devices=8))

@@ -9,36 +9,31 @@ device's copy bandwidth. The last lines check the project's goals: on CPU ``xla/
 every row (``>= 1.2`` with ``--busy``, one core kept busy by a second process) and on the
 4096x7168 and 16384x7168 bfloat16 rows; on a GPU ``>= 1.5`` and ``>= 2.7 TB/s`` on the latter.
 
-Usage (from the repository root)::
-
-    python benchmarks/bench_fp8.py                 # 4096x1024 ... 16384x7168, bf16 and f32
-    python benchmarks/bench_fp8.py --quick         # smoke test, well under a minute on 2 cores
-    python benchmarks/bench_fp8.py --out benchmarks/results/cpu
-    python benchmarks/bench_fp8.py --busy --name fp8_busy --out benchmarks/results/cpu
+Usage, from the repository root: ``python benchmarks/bench_fp8.py`` times 4096x1024 ... 16384x7168
+in bf16 and f32; ``--quick`` is a smoke test, well under a minute on 2 cores; ``--busy --name
+fp8_busy --out benchmarks/results/cpu`` writes the busy table. ``--shapes``, ``--dtypes`` and
+``--modes`` pick the rows; the flags every benchmark has are described in ``_harness.parser``.
 """
 
 from __future__ import annotations
 
-import argparse
+import importlib
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxops
 from jaxops import fp8
 
-if __package__:
-    from . import _harness as H
-else:
-    import _harness as H
+# The harness next to this script (also under ``python -m benchmarks.<script>``).
+H = importlib.import_module(f"{__package__}._harness" if __package__ else "_harness")
 
 SHAPES = "4096x1024,8192x1024,4096x7168,16384x7168"
 QUICK_SHAPES = "512x1024"
 GOAL_SHAPES = ("4096x7168", "16384x7168")
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 MODES = {
     "tensor": {"block": None, "transpose": False},
     "tensor+T": {"block": None, "transpose": True},
@@ -48,22 +43,14 @@ MODES = {
     "128x128+T": {"block": (128, 128), "transpose": True},
     "split-T": None,  # quantize_split_transpose over 8 uneven experts
 }
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
-CPU_GOAL_RATIO = 1.5
-CPU_BUSY_GOAL_RATIO = 1.2  # every row, with --busy
-GPU_GOAL_RATIO = 1.5
-GPU_GOAL_GBPS = 2700.0
+# xla/ffi goals: CPU (every row, every row with --busy, goal rows); GPU (goal rows, their GB/s)
+FFI_XLA = H.FfiXla(("mode", "shape"), GOAL_SHAPES, cpu=(1.5, 1.2, 1.5), gpu=(1.5, 2700))
 
 COLUMNS = [
     H.Column("mode", "mode", align="<"),
     H.Column("dtype", "dtype", align="<"),
     H.Column("shape", "shape", align="<"),
-    H.Column("ffi_ms", "ffi ms", "{:.3f}"),
-    H.Column("xla_ms", "xla ms", "{:.3f}"),
-    H.Column("ffi_gbps", "ffi GB/s", "{:.1f}"),
-    H.Column("xla_gbps", "xla GB/s", "{:.1f}"),
-    H.Column("speedup", "xla/ffi", "{:.2f}x"),
-    H.Column("ffi_copy_frac", "ffi %copy", lambda v: f"{100 * v:.1f}%"),
+    *H.FFI_XLA_COLUMNS,
 ]
 
 
@@ -88,9 +75,9 @@ def _bytes(outs: Sequence[jax.Array], x: jax.Array) -> int:
     return int(x.nbytes) + sum(int(o.nbytes) for o in outs)
 
 
-def run(args) -> tuple[list[dict[str, Any]], H.CopyBandwidth, list[H.Goal]]:
+def run(args) -> H.Result:
+    """Checks and times every (shape, dtype, mode); the rows, copy bandwidth and goals."""
     copy = H.copy_bandwidth()
-    gpu = H.is_gpu()
     rows = []
     for shape_text in args.shape_list:
         shape = tuple(int(v) for v in shape_text.split("x"))
@@ -107,102 +94,20 @@ def run(args) -> tuple[list[dict[str, Any]], H.CopyBandwidth, list[H.Goal]]:
                 timings = H.time_interleaved(
                     {impl: (fn, operands) for impl, fn in fns.items()}, repeats=args.repeats
                 )
-                nbytes = _bytes(outs["ffi"], x)
-                ffi_s, xla_s = timings["ffi"].median, timings["xla"].median
-                rows.append(
-                    {
-                        "mode": mode,
-                        "dtype": dtype_name,
-                        "shape": shape_text,
-                        "bytes": nbytes,
-                        "ffi_ms": 1e3 * ffi_s,
-                        "xla_ms": 1e3 * xla_s,
-                        "ffi_gbps": H.gbps(nbytes, ffi_s),
-                        "xla_gbps": H.gbps(nbytes, xla_s),
-                        "speedup": xla_s / ffi_s,
-                        "ffi_copy_frac": H.gbps(nbytes, ffi_s) / copy.gbps,
-                        "timings": {k: t.to_json() for k, t in timings.items()},
-                    }
-                )
-                print(H.format_table(rows[-1:], COLUMNS).splitlines()[-1], file=sys.stderr)
-    goal_rows = [r for r in rows if r["shape"] in GOAL_SHAPES and r["dtype"] == "bfloat16"]
-    goals = []
-    if not gpu:
-        goals.append(
-            H.ratio_goal(
-                rows,
-                CPU_BUSY_GOAL_RATIO if args.busy else CPU_GOAL_RATIO,
-                lambda r: f"{r['mode']} {r['dtype']} {r['shape']}",
-                "mode, dtype and shape" + (" with one core busy" if args.busy else ""),
-            )
-        )
-        if args.busy:
-            return rows, copy, goals
-    if not goal_rows:
-        goals.append(H.Goal("xla/ffi on the goal shapes", "goal shapes not run", None))
-    else:
-        worst = min(goal_rows, key=lambda r: r["speedup"])
-        ratio = GPU_GOAL_RATIO if gpu else CPU_GOAL_RATIO
-        goals.append(
-            H.Goal(
-                f"xla/ffi >= {ratio} on {'/'.join(GOAL_SHAPES)} bf16 (every mode)",
-                f"worst {worst['speedup']:.2f}x ({worst['mode']} {worst['shape']})",
-                worst["speedup"] >= ratio,
-            )
-        )
-        if gpu:
-            slow = min(goal_rows, key=lambda r: r["ffi_gbps"])
-            goals.append(
-                H.Goal(
-                    f"ffi >= {GPU_GOAL_GBPS:.0f} GB/s on the goal shapes",
-                    f"worst {slow['ffi_gbps']:.0f} GB/s ({slow['mode']} {slow['shape']})",
-                    slow["ffi_gbps"] >= GPU_GOAL_GBPS,
-                )
-            )
-    return rows, copy, goals
+                fields = H.ffi_xla_fields(timings, _bytes(outs["ffi"], x), copy)
+                rows.append({"mode": mode, "dtype": dtype_name, "shape": shape_text, **fields})
+                H.log_row(rows[-1], COLUMNS)
+    return FFI_XLA.result(args, rows, COLUMNS, copy, "reading x once and writing every output once")
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default=None, help=f"comma-separated MxK (default {SHAPES})")
-    p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated x dtypes")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, 3 repeats")
-    p.add_argument("--out", default=None, help="directory for fp8.md / fp8.json")
-    p.add_argument("--name", default="fp8")
-    H.add_busy_argument(p)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.shapes = args.shapes or QUICK_SHAPES
-        args.repeats = min(args.repeats, 3)
-    args.shape_list = (args.shapes or SHAPES).split(",")
-    args.dtype_list = args.dtypes.split(",")
-    args.mode_list = args.modes.split(",")
-    unknown = [m for m in args.mode_list if m not in MODES]
-    if unknown:
-        p.error(f"unknown modes {unknown}; choose from {list(MODES)}")
-    return args
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the benchmark, prints the table and the goals, writes files when --out is given."""
-    args = parse_args(argv)
-    device = jax.devices()[0]
-    print(
-        f"jax {jax.__version__} on {device.device_kind} ({jax.default_backend()}); "
-        f"jaxops build {jaxops.build_info()}; repeats {args.repeats}",
-        file=sys.stderr,
-    )
-    with H.measuring(args):
-        rows, copy, goals = run(args)
-    copy_line = (
-        f"copy bandwidth: {copy.gbps:.1f} GB/s; times are medians of {args.repeats} samples; "
-        "GB/s counts reading x once and writing every output once"
-    )
-    H.report(args, rows, COLUMNS, copy, goals, copy_line)
-    return 0
+def parse_args(argv: Sequence[str] | None = None):
+    """Command-line options: the common ones (:func:`_harness.parser`) and the shapes and modes."""
+    p = H.parser(__doc__, name="fp8", repeats=7, quick=f"shapes {QUICK_SHAPES}, 3 repeats")
+    p.add_list("--shapes", SHAPES, "comma-separated MxK", quick=QUICK_SHAPES)
+    p.add_list("--dtypes", "bfloat16,float32", "comma-separated x dtypes")
+    p.add_list("--modes", ",".join(MODES), "comma-separated modes", choices=list(MODES))
+    return p.parse_args(argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(H.main(parse_args, run))

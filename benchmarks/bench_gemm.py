@@ -19,8 +19,9 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
+import importlib
 import sys
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +29,8 @@ import numpy as np
 
 import jaxops
 
-if __package__:
-    from . import _harness as H
-else:
-    import _harness as H
+# The harness next to this script (also under ``python -m benchmarks.<script>``).
+H = importlib.import_module(f"{__package__}._harness" if __package__ else "_harness")
 
 GPU_SHAPES = "4096x7168x16384,8192x8192x8192,4096x4096x4096"
 CPU_SHAPES = "1024x1024x1024,512x2048x1024"
@@ -156,44 +155,29 @@ def goals(rows, gpu):
     return out
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", default=None, help="comma-separated MxNxK")
-    p.add_argument("--repeats", type=int, default=11)
-    p.add_argument("--quick", action="store_true", help="one small shape, 3 repeats")
-    p.add_argument("--out", default=None, help="directory for gemm.md / gemm.json")
-    p.add_argument("--name", default="gemm")
-    args = p.parse_args(argv)
-    gpu = H.is_gpu()
-    if args.quick:
-        args.repeats = 3
-    default = (
-        (GPU_QUICK if args.quick else GPU_SHAPES)
-        if gpu
-        else (CPU_QUICK if args.quick else CPU_SHAPES)
-    )
-    shapes = H.parse_shapes(args.shapes or default)
+def run(args) -> H.Result:
+    """Checks and times every shape's three cases; the rows and the goals."""
     rows = []
-    for shape in shapes:
-        if len(shape) != 3:
-            raise SystemExit(f"--shapes: expected MxNxK, got {shape}")
+    for shape in args.shape_list:
         rows.extend(bench_shape(shape, args.repeats))
-    print(f"device: {jax.devices()[0].device_kind}; jaxops build: {jaxops.build_info()}")
-    print(H.format_table(rows, COLUMNS))
-    verdicts = goals(rows, gpu)
-    for goal in verdicts:
-        print(goal.line())
-    if args.out:
-        md, js = H.write_results(
-            args.out,
-            args.name,
-            rows,
-            COLUMNS,
-            extra={"goals": [g.__dict__ for g in verdicts]},
-            notes=[f"- {g.line()}" for g in verdicts],
-        )
-        print(f"wrote {md} and {js}", file=sys.stderr)
+    return H.Result(rows, COLUMNS, goals(rows, H.is_gpu()))
+
+
+def parse_args(argv: Sequence[str] | None = None):
+    """Command-line options: the common ones (:func:`_harness.parser`) and the shapes."""
+    p = H.parser(__doc__, name="gemm", repeats=11, quick="one small shape, 3 repeats")
+    p.add_argument("--shapes", default=None, help="comma-separated MxNxK")
+    args = p.parse_args(argv)
+    if H.is_gpu():
+        default = GPU_QUICK if args.quick else GPU_SHAPES
+    else:
+        default = CPU_QUICK if args.quick else CPU_SHAPES
+    args.shape_list = H.parse_shapes(args.shapes or default)
+    for shape in args.shape_list:
+        if len(shape) != 3:
+            p.error(f"--shapes: expected MxNxK, got {shape}")
+    return args
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(H.main(parse_args, run))

@@ -15,39 +15,27 @@ Both jax models are checked to give the same loss before anything is timed (and 
 too with ``--torch``). Printed: step time, tokens/s and the ratios. On CPU the mesh is 8
 simulated devices ``data x expert`` (default 2 x 4); on GPUs every local GPU on the expert axis.
 
-Usage (from the repository root)::
-
-    python benchmarks/bench_models.py
-    python benchmarks/bench_models.py --quick
-    python benchmarks/bench_models.py --torch --out benchmarks/results/cpu
+Run from the repository root: ``python benchmarks/bench_models.py``, with ``--quick`` (one small
+case) for a smoke test, or ``--torch --out benchmarks/results/cpu`` for the saved table.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
+import importlib
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jaxops.models import DecoderConfig, MoEDecoder, from_pretrained, save_pretrained
 
-jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
-
-import jaxops  # noqa: E402
-from jaxops.models import DecoderConfig, MoEDecoder, from_pretrained, save_pretrained  # noqa: E402
-
-if __package__:
-    from . import _harness as H
-else:
-    import _harness as H
+# The harness next to this script (also under ``python -m benchmarks.<script>``).
+H = importlib.import_module(f"{__package__}._harness" if __package__ else "_harness")
 
 # layers x hidden x experts x top_k x expert_ffn, batch x seq
 CASES = "4x256x16x2x256:16x128,4x256x32x4x128:16x128"
@@ -56,21 +44,10 @@ QUICK_CASES = "2x64x8x2x64:8x32"
 COLUMNS = [
     H.Column("case", "L x D x E x K x F : B x S", align="<"),
     H.Column("mesh", "mesh", align="<"),
-    H.Column("ep_ms", "ep ms", "{:.1f}"),
-    H.Column("dense_ms", "dense ms", "{:.1f}"),
-    H.Column("ep_tok_s", "ep tokens/s", "{:,.0f}"),
-    H.Column("dense_tok_s", "dense tokens/s", "{:,.0f}"),
-    H.Column("ratio", "dense/ep", "{:.2f}x"),
+    *H.tokens_columns("ep", "dense", "{:.1f}"),
     H.Column("torch_ms", "torch ms", "{:.1f}"),
     H.Column("torch_ratio", "torch/ep", "{:.2f}x"),
 ]
-
-
-def _mesh(args) -> jax.sharding.Mesh:
-    if H.is_gpu():
-        return jax.make_mesh((1, len(jax.devices())), ("data", "expert"))
-    d, e = (int(v) for v in args.mesh.split("x"))
-    return jax.make_mesh((d, e), ("data", "expert"))
 
 
 def _config(case: str) -> tuple[DecoderConfig, int, int]:
@@ -148,7 +125,7 @@ def _torch_step(path: Path, tokens: np.ndarray, targets: np.ndarray, repeats: in
 def _case(args, mesh, case: str) -> dict[str, Any]:
     cfg, b, s = _config(case)
     # aux losses off: transformers' training loss is the cross-entropy (comparable losses).
-    kw = dict(aux_loss_coef=0.0, z_loss_coef=0.0, dtype=jnp.float32)
+    kw = dict(router_aux_loss_coef=0.0, router_z_loss_coef=0.0, dtype=jnp.float32)
     ep_model = MoEDecoder(cfg, mesh, **kw)
     dense_model = MoEDecoder(cfg, mesh, moe_impl="dense", **kw)
     params_ep = ep_model.init(jax.random.key(0))
@@ -174,19 +151,13 @@ def _case(args, mesh, case: str) -> dict[str, Any]:
             },
             repeats=args.repeats,
         )
-    ep_s, dense_s = timings["ep"].median, timings["dense"].median
     row: dict[str, Any] = {
         "case": case,
         "mesh": "x".join(str(n) for n in mesh.devices.shape),
-        "ep_ms": 1e3 * ep_s,
-        "dense_ms": 1e3 * dense_s,
-        "ep_tok_s": b * s / ep_s,
-        "dense_tok_s": b * s / dense_s,
-        "ratio": dense_s / ep_s,
+        **H.tokens_fields(timings, "ep", "dense", b * s),
         "torch_ms": float("nan"),
         "torch_ratio": float("nan"),
         "loss": loss_ep,
-        "timings": {k: t.to_json() for k, t in timings.items()},
     }
     if args.torch:
         with tempfile.TemporaryDirectory() as tmp:
@@ -200,58 +171,29 @@ def _case(args, mesh, case: str) -> dict[str, Any]:
             torch_s, torch_loss = _torch_step(Path(tmp) / "m", tokens, targets, args.repeats)
         if not np.isclose(torch_loss, loss_ep, rtol=1e-4):
             raise AssertionError(f"{case}: transformers' loss {torch_loss} != jaxops' {loss_ep}")
-        row.update(torch_ms=1e3 * torch_s, torch_ratio=torch_s / ep_s)
+        row.update(torch_ms=1e3 * torch_s, torch_ratio=torch_s / timings["ep"].median)
     return row
 
 
-def run(args) -> tuple[list[dict[str, Any]], list[H.Goal]]:
-    mesh = _mesh(args)
+def run(args) -> H.Result:
+    """Checks and times every case; the rows and the goal."""
+    mesh = H.mesh(args.mesh, ("data", "expert"), gpu_axis="expert")
     rows = []
     for case in args.case_list:
         rows.append(_case(args, mesh, case))
-        print(H.format_table(rows[-1:], COLUMNS).splitlines()[-1], file=sys.stderr)
-    worst = min(rows, key=lambda r: r["ratio"])
-    goals = [
-        H.Goal(
-            "EP decoder train step faster than the dense-MoE decoder (dense/ep >= 1)",
-            f"worst {worst['ratio']:.2f}x ({worst['case']})",
-            worst["ratio"] >= 1.0,
-        )
-    ]
-    return rows, goals
+        H.log_row(rows[-1], COLUMNS)
+    text = "EP decoder train step faster than the dense-MoE decoder (dense/ep >= 1)"
+    return H.Result(rows, COLUMNS, [H.worst_goal(rows, "ratio", 1.0, text, lambda r: r["case"])])
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default=None, help=f"comma-separated cases (default {CASES})")
+def parse_args(argv: Sequence[str] | None = None):
+    """Command-line options: the common ones (:func:`_harness.parser`) and the cases and mesh."""
+    p = H.parser(__doc__, name="models", repeats=7, quick=f"case {QUICK_CASES}, 3 repeats")
+    p.add_list("--cases", CASES, "comma-separated cases", quick=QUICK_CASES)
     p.add_argument("--mesh", default="2x4", help="data x expert on CPU (8 devices)")
-    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--torch", action="store_true", help="also transformers' step in torch")
-    p.add_argument("--quick", action="store_true", help=f"case {QUICK_CASES}, 3 repeats")
-    p.add_argument("--out", default=None, help="directory for models.md / .json")
-    p.add_argument("--name", default="models")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.cases = args.cases or QUICK_CASES
-        args.repeats = min(args.repeats, 3)
-    args.case_list = (args.cases or CASES).split(",")
-    return args
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the benchmark, prints the table and the goal, writes files when --out is given."""
-    args = parse_args(argv)
-    device = jax.devices()[0]
-    print(
-        f"jax {jax.__version__} on {len(jax.devices())} x {device.device_kind} "
-        f"({jax.default_backend()}); jaxops build {jaxops.build_info()}; repeats {args.repeats}",
-        file=sys.stderr,
-    )
-    with H.measuring(args):
-        rows, goals = run(args)
-    H.report(args, rows, COLUMNS, None, goals, None)
-    return 0
+    return p.parse_args(argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(H.main(parse_args, run, cpu_devices=8))

@@ -18,17 +18,15 @@ project's goals: on CPU ``xla/ffi >= 1.5`` on every row (``>= 1.2`` with ``--bus
 busy by a second process) and ``>= 3`` for every op on the two stated bfloat16 cases; on a GPU
 ``>= 2`` and ``>= 2400 GB/s`` on those.
 
-Usage (from the repository root)::
-
-    python benchmarks/bench_moe.py                 # H = 1024 cases and the two goal cases
-    python benchmarks/bench_moe.py --quick         # smoke test, well under a minute on 2 cores
-    python benchmarks/bench_moe.py --out benchmarks/results/cpu
-    python benchmarks/bench_moe.py --busy --name moe_busy --out benchmarks/results/cpu
+Usage, from the repository root: ``python benchmarks/bench_moe.py`` runs the H = 1024 cases and the
+two goal cases, ``--quick`` a smoke test (well under a minute on 2 cores), and ``--busy --name
+moe_busy --out benchmarks/results/cpu`` the busy table; ``--cases``, ``--dtypes``, ``--ops`` and
+``--align`` pick what runs (the common flags: ``_harness.parser``).
 """
 
 from __future__ import annotations
 
-import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -37,37 +35,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxops
 from jaxops import moe
 
-if __package__:
-    from . import _harness as H
-else:
-    import _harness as H
+# The harness next to this script (also under ``python -m benchmarks.<script>``).
+H = importlib.import_module(f"{__package__}._harness" if __package__ else "_harness")
 
 # T x K x E x H
 CASES = "4096x2x8x1024,8192x2x8x1024,4096x8x128x7168,16384x2x8x4096"
 QUICK_CASES = "512x4x16x512"
 GOAL_CASES = ("4096x8x128x7168", "16384x2x8x4096")
-OPS = ("permute", "permute+bwd", "unpermute", "unpermute+bwd")
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
-CPU_GOAL_RATIO = 3.0
-CPU_ROW_GOAL_RATIO = 1.5  # every row
-CPU_BUSY_GOAL_RATIO = 1.2  # every row, with --busy
-GPU_GOAL_RATIO = 2.0
-GPU_GOAL_GBPS = 2400.0
+OPS = ("permute", "permute+bwd", "unpermute", "unpermute+bwd")
+# xla/ffi goals: CPU (every row, every row with --busy, goal rows); GPU (goal rows, their GB/s)
+FFI_XLA = H.FfiXla(("op", "case"), GOAL_CASES, cpu=(1.5, 1.2, 3.0), gpu=(2.0, 2400))
 
 COLUMNS = [
     H.Column("op", "op", align="<"),
     H.Column("dtype", "dtype", align="<"),
     H.Column("case", "T x K x E x H", align="<"),
     H.Column("align", "align"),
-    H.Column("ffi_ms", "ffi ms", "{:.3f}"),
-    H.Column("xla_ms", "xla ms", "{:.3f}"),
-    H.Column("ffi_gbps", "ffi GB/s", "{:.1f}"),
-    H.Column("xla_gbps", "xla GB/s", "{:.1f}"),
-    H.Column("speedup", "xla/ffi", "{:.2f}x"),
-    H.Column("ffi_copy_frac", "ffi %copy", lambda v: f"{100 * v:.1f}%"),
+    *H.FFI_XLA_COLUMNS,
 ]
 
 
@@ -128,9 +115,9 @@ def _check(op: str, case: str, ffi_out, xla_out, dtype) -> None:
             raise AssertionError(f"{op} {case}: ffi and xla results differ")
 
 
-def run(args) -> tuple[list[dict[str, Any]], H.CopyBandwidth, list[H.Goal]]:
+def run(args) -> H.Result:
+    """Checks and times every (case, dtype, op); the rows, copy bandwidth and goals."""
     copy = H.copy_bandwidth()
-    gpu = H.is_gpu()
     rows_out = []
     for case in args.case_list:
         t, k, e, h = (int(v) for v in case.split("x"))
@@ -161,106 +148,24 @@ def run(args) -> tuple[list[dict[str, Any]], H.CopyBandwidth, list[H.Goal]]:
                     repeats=args.repeats,
                 )
                 nbytes = _row_bytes(op, t, k, rows, h, jnp.dtype(dtype).itemsize)
-                ffi_s, xla_s = timings["ffi"].median, timings["xla"].median
-                rows_out.append(
-                    {
-                        "op": op,
-                        "dtype": dtype_name,
-                        "case": case,
-                        "align": args.align,
-                        "bytes": nbytes,
-                        "ffi_ms": 1e3 * ffi_s,
-                        "xla_ms": 1e3 * xla_s,
-                        "ffi_gbps": H.gbps(nbytes, ffi_s),
-                        "xla_gbps": H.gbps(nbytes, xla_s),
-                        "speedup": xla_s / ffi_s,
-                        "ffi_copy_frac": H.gbps(nbytes, ffi_s) / copy.gbps,
-                        "timings": {kk: tt.to_json() for kk, tt in timings.items()},
-                    }
-                )
-                print(H.format_table(rows_out[-1:], COLUMNS).splitlines()[-1], file=sys.stderr)
-    return rows_out, copy, _goals(rows_out, gpu, args.busy)
+                fields = H.ffi_xla_fields(timings, nbytes, copy)
+                row = {"op": op, "dtype": dtype_name, "case": case, "align": args.align}
+                rows_out.append({**row, **fields})
+                H.log_row(rows_out[-1], COLUMNS)
+    return FFI_XLA.result(
+        args, rows_out, COLUMNS, copy, "the rows each op reads and writes once (see bench_moe.py)"
+    )
 
 
-def _goals(rows: Sequence[dict[str, Any]], gpu: bool, busy: bool = False) -> list[H.Goal]:
-    goals = []
-    if not gpu:
-        goals.append(
-            H.ratio_goal(
-                rows,
-                CPU_BUSY_GOAL_RATIO if busy else CPU_ROW_GOAL_RATIO,
-                lambda r: f"{r['op']} {r['dtype']} {r['case']}",
-                "op, dtype and case" + (" with one core busy" if busy else ""),
-            )
-        )
-        if busy:
-            return goals
-    goal_rows = [r for r in rows if r["case"] in GOAL_CASES and r["dtype"] == "bfloat16"]
-    if not goal_rows:
-        return [*goals, H.Goal("xla/ffi on the goal cases", "run with the default cases", None)]
-    ratio = GPU_GOAL_RATIO if gpu else CPU_GOAL_RATIO
-    worst = min(goal_rows, key=lambda r: r["speedup"])
-    goals += [
-        H.Goal(
-            f"xla/ffi >= {ratio} on {' and '.join(GOAL_CASES)} bf16 (every op)",
-            f"worst {worst['speedup']:.2f}x ({worst['op']} {worst['case']})",
-            worst["speedup"] >= ratio,
-        )
-    ]
-    if gpu:
-        slow = min(goal_rows, key=lambda r: r["ffi_gbps"])
-        goals.append(
-            H.Goal(
-                f"ffi >= {GPU_GOAL_GBPS:.0f} GB/s on the goal cases",
-                f"worst {slow['ffi_gbps']:.0f} GB/s ({slow['op']} {slow['case']})",
-                slow["ffi_gbps"] >= GPU_GOAL_GBPS,
-            )
-        )
-    return goals
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default=None, help=f"comma-separated TxKxExH (default {CASES})")
-    p.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated token dtypes")
-    p.add_argument("--ops", default=",".join(OPS), help="comma-separated ops")
+def parse_args(argv: Sequence[str] | None = None):
+    """Command-line options: the common ones (:func:`_harness.parser`) and the cases and ops."""
+    p = H.parser(__doc__, name="moe", repeats=11, quick=f"case {QUICK_CASES}, 3 repeats")
+    p.add_list("--cases", CASES, "comma-separated TxKxExH", quick=QUICK_CASES)
+    p.add_list("--dtypes", "bfloat16,float32", "comma-separated token dtypes")
+    p.add_list("--ops", ",".join(OPS), "comma-separated ops", choices=OPS)
     p.add_argument("--align", type=int, default=1, help="group size multiple")
-    p.add_argument("--repeats", type=int, default=11)
-    p.add_argument("--quick", action="store_true", help=f"case {QUICK_CASES}, 3 repeats")
-    p.add_argument("--out", default=None, help="directory for moe.md / moe.json")
-    p.add_argument("--name", default="moe")
-    H.add_busy_argument(p)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.cases = args.cases or QUICK_CASES
-        args.repeats = min(args.repeats, 3)
-    args.case_list = (args.cases or CASES).split(",")
-    args.dtype_list = args.dtypes.split(",")
-    args.op_list = args.ops.split(",")
-    unknown = [o for o in args.op_list if o not in OPS]
-    if unknown:
-        p.error(f"unknown ops {unknown}; choose from {list(OPS)}")
-    return args
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the benchmark, prints the table and the goals, writes files when --out is given."""
-    args = parse_args(argv)
-    device = jax.devices()[0]
-    print(
-        f"jax {jax.__version__} on {device.device_kind} ({jax.default_backend()}); "
-        f"jaxops build {jaxops.build_info()}; repeats {args.repeats}",
-        file=sys.stderr,
-    )
-    with H.measuring(args):
-        rows, copy, goals = run(args)
-    copy_line = (
-        f"copy bandwidth: {copy.gbps:.1f} GB/s; times are medians of {args.repeats} samples; "
-        "GB/s counts the rows each op reads and writes once (see bench_moe.py)"
-    )
-    H.report(args, rows, COLUMNS, copy, goals, copy_line)
-    return 0
+    return p.parse_args(argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(H.main(parse_args, run))

@@ -19,37 +19,25 @@ the 8 devices are simulated and share its cores, so idle pipeline devices lend t
 busy ones: the measured bubble there is smaller than on real devices; the memory figures are
 what XLA allocates either way. With --out the schedule PNGs (``plot_schedule``) are written too.
 
-Usage (from the repository root)::
-
-    python benchmarks/bench_pipeline.py
-    python benchmarks/bench_pipeline.py --quick
-    python benchmarks/bench_pipeline.py --out benchmarks/results/cpu
+From the repository root: ``python benchmarks/bench_pipeline.py`` (``--quick``: hidden 64, M 4 and
+16; ``--out benchmarks/results/cpu``: the tables and the schedule PNGs).
 """
 
 from __future__ import annotations
 
-import argparse
+import importlib
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxops.parallel import pipeline
 
-jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
-
-from jaxops.parallel import pipeline  # noqa: E402
-
-import jaxops  # noqa: E402
-
-if __package__:
-    from . import _harness as H
-else:
-    import _harness as H
+# The harness next to this script (also under ``python -m benchmarks.<script>``).
+H = importlib.import_module(f"{__package__}._harness" if __package__ else "_harness")
 
 # (name, schedule, virtual stages); "autodiff-gpipe" is the peer.
 SCHEDULES = [
@@ -131,7 +119,8 @@ def _step_fn(mesh, name: str, schedule: str | None, v: int, m: int, remat: bool)
     return jax.jit(step)
 
 
-def run(args) -> tuple[list[dict[str, Any]], list[H.Goal]]:
+def run(args) -> H.Result:
+    """Checks and times every schedule at every M; the rows, the goals and the PNGs."""
     p, d = (int(s) for s in args.mesh.split("x"))
     mesh = jax.make_mesh((p, d), ("pipe", "data"))
     hidden, rows_per_mb = args.hidden, args.rows
@@ -176,9 +165,22 @@ def run(args) -> tuple[list[dict[str, Any]], list[H.Goal]]:
         for r in rows[-len(SCHEDULES) :]:
             r["vs_gpipe"] = gp["step_ms"] / r["step_ms"]
             r["mem_vs_gpipe"] = r["temp_mib"] / gp["temp_mib"]
-            print(H.format_table([r], COLUMNS).splitlines()[-1], file=sys.stderr)
+            H.log_row(r, COLUMNS)
     _measured_bubbles(rows)
-    return rows, _goals(rows)
+    return H.Result(rows, COLUMNS, _goals(rows), lines=_plots(args, p, max(args.m_list)))
+
+
+def _plots(args, p: int, m: int) -> list[str]:
+    """With --out, the timeline PNG of every schedule at `m` microbatches; the line naming them."""
+    if not args.out:
+        return []
+    os.makedirs(args.out, exist_ok=True)
+    pngs = []
+    for name, schedule, v in SCHEDULES[:3]:
+        path = os.path.join(args.out, f"{args.name}_{name}.png")
+        pipeline.plot_schedule(schedule, p, m, v, path=path)
+        pngs.append(os.path.basename(path))
+    return [f"Schedule timelines (P={p}, M={m}): " + ", ".join(pngs)]
 
 
 def _measured_bubbles(rows: list[dict[str, Any]]) -> None:
@@ -227,66 +229,27 @@ def _goals(rows: list[dict[str, Any]]) -> list[H.Goal]:
     ]
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: Sequence[str] | None = None):
+    """Command-line options: the common ones (:func:`_harness.parser`) and the model and mesh."""
+    p = H.parser(
+        __doc__,
+        name="pipeline",
+        repeats=7,
+        quick="hidden 64, M 4 and 16, 3 repeats",
+        out_what=" and the schedule PNGs",
+    )
     p.add_argument("--mesh", default="4x2", help="pipe x data (8 devices on CPU)")
     p.add_argument("--microbatches", default="4,8,16", help="comma-separated M values")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--rows", type=int, default=64, help="rows per microbatch per data shard")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--remat", action="store_true", help="stash stage inputs only")
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--quick", action="store_true", help="hidden 64, M 4 and 16, 3 repeats")
-    p.add_argument("--out", default=None, help="directory for pipeline.md / .json and PNGs")
-    p.add_argument("--name", default="pipeline")
     args = p.parse_args(argv)
     if args.quick:
         args.hidden, args.microbatches = 64, "4,16"
-        args.repeats = min(args.repeats, 3)
     args.m_list = [int(m) for m in args.microbatches.split(",")]
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the benchmark, prints the table and the goals, writes files when --out is given."""
-    args = parse_args(argv)
-    device = jax.devices()[0]
-    print(
-        f"jax {jax.__version__} on {len(jax.devices())} x {device.device_kind} "
-        f"({jax.default_backend()}); jaxops build {jaxops.build_info()}; repeats {args.repeats}",
-        file=sys.stderr,
-    )
-    rows, goals = run(args)
-    print(H.format_table(rows, COLUMNS))
-    for goal in goals:
-        print(goal.line())
-    if args.out:
-        p = int(args.mesh.split("x")[0])
-        m = max(args.m_list)
-        pngs = []
-        for name, schedule, v in SCHEDULES[:3]:
-            path = os.path.join(args.out, f"{args.name}_{name}.png")
-            pipeline.plot_schedule(schedule, p, m, v, path=path)
-            pngs.append(os.path.basename(path))
-        notes = [
-            f"Schedule timelines (P={p}, M={m}): " + ", ".join(pngs),
-            "",
-            *[f"- {g.line()}" for g in goals],
-        ]
-        md, js = H.write_results(
-            args.out,
-            args.name,
-            rows,
-            COLUMNS,
-            extra={
-                "settings": {k: v for k, v in vars(args).items() if not k.endswith("_list")},
-                "goals": [g.__dict__ for g in goals],
-            },
-            notes=notes,
-        )
-        print(f"wrote {md} and {js}", file=sys.stderr)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(H.main(parse_args, run, cpu_devices=8))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -32,10 +33,8 @@ import numpy as np
 
 import jaxops
 
-if __package__:
-    from . import _harness as H
-else:
-    import _harness as H
+# The harness next to this script (also under ``python -m benchmarks.<script>``).
+H = importlib.import_module(f"{__package__}._harness" if __package__ else "_harness")
 
 IMPLS = ("ffi", "xla")
 DEFAULT_OPS = ("rms_norm_fwd", "rms_norm_fwd_bwd", "add_rms_norm_fwd", "add_rms_norm_fwd_bwd")
@@ -283,10 +282,15 @@ def evaluate_goals(
         return [H.Goal("(all)", "goals are stated for weight dtype = input dtype", None)]
     goals = []
     if not gpu:
-        ratio = CPU_BUSY_GOAL_SPEEDUP if busy else CPU_GOAL_SPEEDUP
-        what = "op, dtype and shape" + (" with one core busy" if busy else "")
         goals.append(
-            H.ratio_goal(rows, ratio, lambda r: f"{r['op']} {r['dtype_label']} {r['shape']}", what)
+            H.busy_ratio_goal(
+                rows,
+                lambda r: f"{r['op']} {r['dtype_label']} {r['shape']}",
+                "op, dtype and shape",
+                busy,
+                CPU_GOAL_SPEEDUP,
+                CPU_BUSY_GOAL_SPEEDUP,
+            )
         )
         if busy:
             return goals
@@ -332,12 +336,7 @@ COLUMNS = [
     H.Column("op", "op", align="<"),
     H.Column("dtype_label", "dtype", align="<"),
     H.Column("shape", "shape", align="<"),
-    H.Column("ffi_ms", "ffi ms", "{:.3f}"),
-    H.Column("xla_ms", "xla ms", "{:.3f}"),
-    H.Column("ffi_gbps", "ffi GB/s", "{:.1f}"),
-    H.Column("xla_gbps", "xla GB/s", "{:.1f}"),
-    H.Column("speedup", "xla/ffi", "{:.2f}x"),
-    H.Column("ffi_copy_frac", "ffi %copy", lambda v: f"{100 * v:.1f}%"),
+    *H.FFI_XLA_COLUMNS,
     H.Column("xla_copy_frac", "xla %copy", lambda v: f"{100 * v:.1f}%"),
 ]
 
@@ -347,10 +346,14 @@ def _csv(text: str) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Command-line options; platform-dependent defaults are filled in by :func:`main`."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--out", help="directory for rms_norm.md and rms_norm.json (default: print only)"
+    """Command-line options; platform-dependent defaults are filled in here."""
+    p = H.parser(
+        __doc__,
+        name="rms_norm",
+        quick="small shapes and few repeats: a smoke test for CI",
+        repeats=None,
+        quick_repeats=None,
+        repeats_help="timed samples per impl (default CPU 10, GPU 30; 3 with --quick)",
     )
     p.add_argument(
         "--shapes",
@@ -369,7 +372,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=",".join(DEFAULT_OPS),
         help=f"comma-separated ops or 'all' (choices: {', '.join(OPS)})",
     )
-    p.add_argument("--repeats", type=int, help="timed samples per impl (default CPU 10, GPU 30)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls after compilation")
     p.add_argument("--eps", type=float, default=1e-6)
     p.add_argument("--seed", type=int, default=0)
@@ -378,11 +380,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         help="buffer size of the copy-bandwidth probe (default CPU 256, GPU 1024)",
     )
-    p.add_argument(
-        "--quick", action="store_true", help="small shapes and few repeats: a smoke test for CI"
-    )
-    p.add_argument("--name", default="rms_norm", help="stem of the result files in --out")
-    H.add_busy_argument(p)
     args = p.parse_args(argv)
 
     gpu = H.is_gpu()
@@ -412,8 +409,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.dtype_list.append(jnp.dtype(DTYPES[d]).name)
     if args.weight_dtype != "same" and args.weight_dtype not in DTYPES:
         p.error(f"unknown weight dtype {args.weight_dtype!r}")
-    if args.repeats < 1:
-        p.error("--repeats must be >= 1")
     return args
 
 
@@ -421,8 +416,8 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], H.CopyBandwidth, list[H.Goal]]:
-    """Checks and times every (op, dtype, shape); returns the rows, copy bandwidth and goals."""
+def run(args: argparse.Namespace) -> H.Result:
+    """Checks and times every (op, dtype, shape); the rows, copy bandwidth and goals."""
     gpu = H.is_gpu()
     if gpu and not jaxops.cuda_available():
         raise SystemExit(
@@ -438,7 +433,6 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], H.CopyBandwidth
 
     rows: list[dict[str, Any]] = []
     total = len(args.dtype_list) * len(args.shape_list) * len(args.op_list)
-    done = 0
     for dtype_name in args.dtype_list:
         wname = (
             dtype_name if args.weight_dtype == "same" else jnp.dtype(DTYPES[args.weight_dtype]).name
@@ -466,78 +460,27 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], H.CopyBandwidth
                     "dtype_label": label,
                     "shape": shape_text,
                     "shape_tuple": list(shape),
-                    "bytes": nbytes,
-                    "ffi_ms": ffi.median_ms,
-                    "xla_ms": xla.median_ms,
+                    **H.ffi_xla_fields(timings, nbytes, copy),
                     "ffi_min_ms": ffi.min_ms,
                     "xla_min_ms": xla.min_ms,
-                    "ffi_gbps": H.gbps(nbytes, ffi.median),
-                    "xla_gbps": H.gbps(nbytes, xla.median),
-                    "speedup": xla.median / ffi.median,
                     "copy_gbps": copy.gbps,
-                    "ffi_timing": ffi.to_json(),
-                    "xla_timing": xla.to_json(),
                 }
-                row["ffi_copy_frac"] = row["ffi_gbps"] / copy.gbps
                 row["xla_copy_frac"] = row["xla_gbps"] / copy.gbps
                 rows.append(row)
-                done += 1
                 _log(
-                    f"[{done}/{total}] {op.label} {label} {shape_text}: "
+                    f"[{len(rows)}/{total}] {op.label} {label} {shape_text}: "
                     f"ffi {row['ffi_ms']:.3f} ms, xla {row['xla_ms']:.3f} ms, "
                     f"xla/ffi {row['speedup']:.2f}x"
                 )
                 del built, timings
             del inputs
     goals = evaluate_goals(rows, gpu, args.op_list, args.weight_dtype == "same", args.busy)
-    return rows, copy, goals
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the benchmark, prints the table and the goals, writes files when --out is given."""
-    args = parse_args(argv)
-    device = jax.devices()[0]
-    _log(
-        f"jax {jax.__version__} on {device.device_kind} ({jax.default_backend()}); "
-        f"jaxops build {jaxops.build_info()}; repeats {args.repeats}"
-    )
-    with H.measuring(args):
-        rows, copy, goals = run(args)
-    table = H.format_table(rows, COLUMNS)
     copy_line = (
         f"copy bandwidth: {copy.gbps:.1f} GB/s (median of x + 0 on {copy.nbytes / 2**20:.0f} MiB); "
         f"times are medians of {args.repeats} samples; GB/s counts the bytes each op must move"
     )
-    load_line = H.load_summary(args)
-    print(table)
-    print(copy_line)
-    print(load_line)
-    if goals and all(g.met is None for g in goals):
-        print(f"goals: none measured ({goals[0].value})")
-    else:
-        for goal in goals:
-            print(goal.line())
-    if args.out:
-        settings = {
-            k: v
-            for k, v in vars(args).items()
-            if k not in ("shape_list", "op_list", "dtype_list") and not k.startswith("_")
-        }
-        md, js = H.write_results(
-            args.out,
-            args.name,
-            rows,
-            COLUMNS,
-            extra={
-                "settings": settings,
-                "copy_bandwidth": copy.to_json(),
-                "goals": [dataclasses.asdict(g) for g in goals],
-            },
-            notes=[copy_line, "", load_line, "", *[f"- {g.line()}" for g in goals]],
-        )
-        _log(f"wrote {md} and {js}")
-    return 0
+    return H.Result(rows, COLUMNS, goals, lines=[copy_line], copy=copy)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(H.main(parse_args, run))
