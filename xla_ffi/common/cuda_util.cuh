@@ -1,13 +1,12 @@
-// Device helpers shared by the CUDA kernels of every op family (compiled by nvcc only).
+// Helpers shared by the CUDA code of every op family (compiled by nvcc only); the vectorized
+// accesses are in cuda_vec.cuh.
 //
 //   * ToFloat / FromFloat: fp32 <-> float32 / bfloat16 / float16 (round to nearest even).
-//   * Pack<T, N>: N consecutive elements moved with the widest aligned accesses (16 bytes at most);
-//     ForgetValue keeps a register cache of packs packed.
 //   * WarpSum: butterfly sum over a warp; every lane gets the same bits. BlockInclusiveScan:
 //     prefix sums over a CTA.
-//   * TypeTag, DispatchFloat: the switch from a float32 / bfloat16 / float16 dtype to a type.
-//   * IsAligned, LastLaunchError: host helpers for choosing the access width and for turning a
-//     failed kernel launch into an ffi::Error.
+//   * Host side: DispatchFloat (the dtype switch of the CUDA dispatch), grid sizes, stream fills,
+//     the dynamic shared memory opt-in, and LastLaunchError, which turns a failed kernel launch
+//     into an ffi::Error.
 #ifndef JAXOPS_XLA_FFI_COMMON_CUDA_UTIL_CUH_
 #define JAXOPS_XLA_FFI_COMMON_CUDA_UTIL_CUH_
 
@@ -15,6 +14,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -32,6 +33,7 @@
 #pragma nv_diagnostic pop
 
 #include "xla_ffi/common/ffi_util.h"
+#include "xla_ffi/common/math.h"
 
 namespace jaxops {
 
@@ -58,77 +60,6 @@ __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
 template <>
 __device__ __forceinline__ __half FromFloat<__half>(float v) {
   return __float2half_rn(v);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Vectorized memory access.
-
-// The widest single access (in bytes) used to move `bytes` contiguous bytes: 16 at most.
-__host__ __device__ constexpr int AccessBytes(int bytes) { return bytes < 16 ? bytes : 16; }
-
-template <int kBytes>
-struct RawWord;
-template <>
-struct RawWord<2> {
-  using type = unsigned short;
-};
-template <>
-struct RawWord<4> {
-  using type = unsigned int;
-};
-template <>
-struct RawWord<8> {
-  using type = uint2;
-};
-template <>
-struct RawWord<16> {
-  using type = uint4;
-};
-
-// N consecutive elements of T, aligned for the accesses that LoadPack / StorePack issue.
-template <typename T, int N>
-struct alignas(AccessBytes(static_cast<int>(sizeof(T)) * N)) Pack {
-  T v[N];
-};
-
-// Loads p[0, N). p must be aligned to AccessBytes(N * sizeof(T)) bytes.
-template <typename T, int N>
-__device__ __forceinline__ void LoadPack(const T* p, Pack<T, N>& out) {
-  constexpr int kBytes = static_cast<int>(sizeof(T)) * N;
-  using Word = typename RawWord<AccessBytes(kBytes)>::type;
-  const Word* src = reinterpret_cast<const Word*>(p);
-  Word* dst = reinterpret_cast<Word*>(&out);
-#pragma unroll
-  for (int i = 0; i < kBytes / AccessBytes(kBytes); ++i) dst[i] = src[i];
-}
-
-// Stores p[0, N). p must be aligned to AccessBytes(N * sizeof(T)) bytes.
-template <typename T, int N>
-__device__ __forceinline__ void StorePack(T* p, const Pack<T, N>& in) {
-  constexpr int kBytes = static_cast<int>(sizeof(T)) * N;
-  using Word = typename RawWord<AccessBytes(kBytes)>::type;
-  const Word* src = reinterpret_cast<const Word*>(&in);
-  Word* dst = reinterpret_cast<Word*>(p);
-#pragma unroll
-  for (int i = 0; i < kBytes / AccessBytes(kBytes); ++i) dst[i] = src[i];
-}
-
-// Hides the value of p from the optimizer at this point (an empty volatile asm that claims to
-// rewrite each 32-bit word; it emits no instruction). fp32 values converted from p before this
-// point cannot be reused after it, nor hoisted out of the enclosing loop, so code that reads a
-// register cache of 16-bit elements more than once keeps the packed words (two elements per
-// register) live instead of one fp32 register per element, and converts again when it reads
-// (one cheap integer op per element). This keeps the row caches of the RMSNorm kernels in
-// registers without spilling.
-template <typename T, int N>
-__device__ __forceinline__ void ForgetValue(Pack<T, N>& p) {
-  if constexpr (sizeof(Pack<T, N>) % sizeof(unsigned) == 0) {
-    unsigned* words = reinterpret_cast<unsigned*>(&p);
-#pragma unroll
-    for (int i = 0; i < static_cast<int>(sizeof(Pack<T, N>) / sizeof(unsigned)); ++i) {
-      asm volatile("" : "+r"(words[i]));
-    }
-  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -173,32 +104,51 @@ __device__ __forceinline__ long long BlockInclusiveScan(long long v, long long* 
 // ---------------------------------------------------------------------------------------------
 // Host helpers.
 
-template <typename T>
-struct TypeTag {
-  using type = T;
-};
+// Grid cap of the kernels that loop over their work (grid-stride): it only bounds the launch.
+inline constexpr int64_t kMaxGridCtas = int64_t{1} << 20;
+// Dynamic shared memory a kernel may use without opting in (ReserveDynamicShared).
+inline constexpr size_t kDefaultDynamicSharedBytes = 48 * 1024;
 
-// The one place where a float dtype becomes a template argument: calls launch(TypeTag<T>{}) for
-// float32, bfloat16 or float16.
+// CTAs for `work` items at `per_cta` items per CTA: at least 1, at most `cap`.
+inline unsigned GridCtas(int64_t work, int64_t per_cta, int64_t cap = kMaxGridCtas) {
+  return static_cast<unsigned>(std::clamp<int64_t>(CeilDiv(work, per_cta), 1, cap));
+}
+
+// The smallest power of two >= n (1 for n <= 1).
+inline int64_t NextPowerOfTwo(int64_t n) {
+  int64_t p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+
+// Calls launch(TypeTag<T>{}) for a float32, bfloat16 or float16 dtype, with T = float,
+// __nv_bfloat16 or __half; any other dtype is an InvalidArgument error naming the supported ones.
 template <typename Launch>
 ffi::Error DispatchFloat(const char* op, const char* operand, ffi::DataType dtype,
                          Launch&& launch) {
-  switch (dtype) {
-    case ffi::DataType::F32:
-      return launch(TypeTag<float>{});
-    case ffi::DataType::BF16:
-      return launch(TypeTag<__nv_bfloat16>{});
-    case ffi::DataType::F16:
-      return launch(TypeTag<__half>{});
-    default:
-      return InvalidArgument(std::string(op) + ": " + operand +
-                             " dtype must be float32, bfloat16 or float16, got " +
-                             DataTypeName(dtype));
-  }
+  return SwitchFloat<float, __nv_bfloat16, __half>(op, operand, dtype, launch,
+                                                   [](ffi::Error error) { return error; });
 }
 
-inline bool IsAligned(const void* p, uintptr_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+// Sets `bytes` bytes at p to `value` on the stream (nothing for 0 bytes); `what` names the fill
+// in the error.
+inline ffi::Error FillAsync(const char* what, void* p, int value, int64_t bytes,
+                            cudaStream_t stream) {
+  if (bytes == 0) return ffi::Error::Success();
+  const cudaError_t status = cudaMemsetAsync(p, value, static_cast<size_t>(bytes), stream);
+  if (status == cudaSuccess) return ffi::Error::Success();
+  return Internal(std::string(what) + " failed: " + cudaGetErrorString(status));
+}
+
+// Lets `kernel` use `bytes` of dynamic shared memory: an opt-in above the default 48 KiB.
+template <typename Kernel>
+ffi::Error ReserveDynamicShared(const char* op, Kernel kernel, size_t bytes) {
+  if (bytes <= kDefaultDynamicSharedBytes) return ffi::Error::Success();
+  const cudaError_t status = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (status == cudaSuccess) return ffi::Error::Success();
+  return Internal(std::string(op) + ": cannot reserve " + std::to_string(bytes) +
+                  " bytes of shared memory: " + cudaGetErrorString(status));
 }
 
 // Checks the launch that was just issued on this thread (launch configuration errors surface here;

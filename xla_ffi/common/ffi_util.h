@@ -1,4 +1,5 @@
-// Host-side helpers for FFI handlers of every op family (CPU and CUDA dispatch code).
+// Host-side helpers for FFI handlers of every op family (CPU and CUDA dispatch code): errors,
+// shapes of buffers, and SwitchFloat, the one switch from a float dtype to a storage type.
 #ifndef JAXOPS_XLA_FFI_COMMON_FFI_UTIL_H_
 #define JAXOPS_XLA_FFI_COMMON_FFI_UTIL_H_
 
@@ -82,6 +83,40 @@ inline std::string ShapeString(const BufferT& b) {
 // The failure of a Check* function that returns an ErrorOr.
 inline ffi::Unexpected<ffi::Error> Bad(const std::string& message) {
   return ffi::Unexpected<ffi::Error>(InvalidArgument(message));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dtype dispatch.
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// The error of an operand that must be float32, bfloat16 or float16 but has another dtype.
+inline ffi::Error UnsupportedFloatDtype(const char* op, const char* operand, ffi::DataType dtype) {
+  return InvalidArgument(std::string(op) + ": " + operand +
+                         " dtype must be float32, bfloat16 or float16, got " + DataTypeName(dtype));
+}
+
+// The one place where a float dtype becomes a template argument, for the CPU and the CUDA
+// dispatch alike (each names its storage types: F32, BF16 and F16 for float32, bfloat16 and
+// float16): returns fn(TypeTag<F32>{}), fn(TypeTag<BF16>{}) or fn(TypeTag<F16>{}), and for any
+// other dtype fail(UnsupportedFloatDtype(op, operand, dtype)), which turns the error into fn's
+// return type. See DispatchFloat in cuda_util.cuh and cpu_dispatch.h.
+template <typename F32, typename BF16, typename F16, typename Fn, typename Fail>
+auto SwitchFloat(const char* op, const char* operand, ffi::DataType dtype, Fn&& fn, Fail&& fail)
+    -> decltype(fn(TypeTag<F32>{})) {
+  switch (dtype) {
+    case ffi::DataType::F32:
+      return fn(TypeTag<F32>{});
+    case ffi::DataType::BF16:
+      return fn(TypeTag<BF16>{});
+    case ffi::DataType::F16:
+      return fn(TypeTag<F16>{});
+    default:
+      return fail(UnsupportedFloatDtype(op, operand, dtype));
+  }
 }
 
 }  // namespace jaxops

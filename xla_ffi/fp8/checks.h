@@ -1,4 +1,5 @@
-// Shape validation of the FP8 FFI handlers, shared by the CPU and CUDA dispatch.
+// Shape validation of the FP8 FFI handlers and their dtype switch (SwitchTypes), shared by the
+// CPU and CUDA dispatch.
 //
 // The Python wrappers validate everything at trace time; these checks guard the kernels against
 // anything that reaches them another way, so a bad call is an error, never an out-of-bounds access.
@@ -88,13 +89,16 @@ inline ffi::Error CheckGroup(const char* op, int64_t group) {
                          std::to_string(group));
 }
 
-inline ffi::ErrorOr<QuantizeShape> CheckQuantize(const ffi::AnyBuffer& x, int64_t scale_in_count,
-                                                 const ffi::AnyBuffer& data, int64_t scale_count,
-                                                 const ffi::AnyBuffer& data_t,
-                                                 int64_t scale_t_count, int64_t amax_count,
-                                                 int32_t block_mode, int64_t group, bool transpose,
-                                                 bool col_tma, float amax_floor) {
+inline ffi::ErrorOr<QuantizeShape> CheckQuantize(
+    const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& scale_in, const ffi::AnyBuffer& data,
+    const ffi::Buffer<ffi::F32>& scale, const ffi::AnyBuffer& data_t,
+    const ffi::Buffer<ffi::F32>& scale_t, const ffi::Buffer<ffi::F32>& amax, int32_t block_mode,
+    int64_t group, bool transpose, bool col_tma, float amax_floor) {
   constexpr const char* kOp = "fp8 quantize";
+  const auto scale_in_count = static_cast<int64_t>(scale_in.element_count());
+  const auto scale_count = static_cast<int64_t>(scale.element_count());
+  const auto scale_t_count = static_cast<int64_t>(scale_t.element_count());
+  const auto amax_count = static_cast<int64_t>(amax.element_count());
   QuantizeShape s;
   auto dims = x.dimensions();
   const size_t rank = dims.size();
@@ -158,15 +162,20 @@ inline ffi::ErrorOr<QuantizeShape> CheckQuantize(const ffi::AnyBuffer& x, int64_
   return s;
 }
 
-inline ffi::Error CheckAmax(const ffi::AnyBuffer& x, int64_t amax_count) {
+inline ffi::Error CheckAmax(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& amax) {
   (void)x;
-  return CheckCount("fp8 amax", "amax", amax_count, 1);
+  return CheckCount("fp8 amax", "amax", static_cast<int64_t>(amax.element_count()), 1);
 }
 
 inline ffi::ErrorOr<SplitShape> CheckSplitTranspose(
-    const ffi::AnyBuffer& x, int64_t experts, const ffi::AnyBuffer& data_t, int64_t scale_t_count,
-    int64_t col_offsets_count, int64_t scale_offsets_count, int64_t group, float amax_floor) {
+    const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& group_sizes, const ffi::AnyBuffer& data_t,
+    const ffi::Buffer<ffi::F32>& scale_t, const ffi::Buffer<ffi::S32>& col_offsets,
+    const ffi::Buffer<ffi::S32>& scale_offsets, int64_t group, float amax_floor) {
   constexpr const char* kOp = "fp8 quantize_split_transpose";
+  const auto experts = static_cast<int64_t>(group_sizes.element_count());
+  const auto scale_t_count = static_cast<int64_t>(scale_t.element_count());
+  const auto col_offsets_count = static_cast<int64_t>(col_offsets.element_count());
+  const auto scale_offsets_count = static_cast<int64_t>(scale_offsets.element_count());
   auto dims = x.dimensions();
   if (dims.size() != 2) {
     return ffi::Unexpected(
@@ -200,6 +209,30 @@ inline ffi::ErrorOr<SplitShape> CheckSplitTranspose(
   if (auto e = CheckCount(kOp, "scale_offsets", scale_offsets_count, experts + 1); e.failure())
     return ffi::Unexpected(std::move(e));
   return s;
+}
+
+// The one place where the dtypes of x and of the fp8 output become template arguments, for the
+// CPU and the CUDA dispatch alike (each names its storage types of x, as in SwitchFloat): returns
+// fn(TypeTag<X>{}, TypeTag<F>{}) with X the storage type of x's float32 / bfloat16 / float16 and
+// F = E4M3 for float8_e4m3fn, E5M2 for float8_e5m2; any other dtype gives fail(error).
+template <typename F32, typename BF16, typename F16, typename Fn, typename Fail>
+auto SwitchTypes(const char* op, ffi::DataType x_dtype, ffi::DataType fp8_dtype, Fn&& fn,
+                 Fail&& fail) {
+  return SwitchFloat<F32, BF16, F16>(
+      op, "x", x_dtype,
+      [&](auto x_tag) {
+        switch (fp8_dtype) {
+          case ffi::DataType::F8E4M3FN:
+            return fn(x_tag, TypeTag<E4M3>{});
+          case ffi::DataType::F8E5M2:
+            return fn(x_tag, TypeTag<E5M2>{});
+          default:
+            return fail(InvalidArgument(
+                std::string(op) + ": output dtype must be float8_e4m3fn or float8_e5m2, got " +
+                DataTypeName(fp8_dtype)));
+        }
+      },
+      fail);
 }
 
 }  // namespace jaxops::fp8

@@ -17,7 +17,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <string>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -25,6 +24,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/common/cpu_dispatch.h"
 #include "xla_ffi/common/cpu_memory.h"
 #include "xla_ffi/common/cpu_parallel.h"
 #include "xla_ffi/common/ffi_util.h"
@@ -422,27 +422,12 @@ ffi::Future SplitTransposeImpl(ffi::ThreadPool& pool, const SplitShape& s, const
 // ---------------------------------------------------------------------------------------------
 // Dispatch: validation and the dtype switches.
 
-ffi::Error UnsupportedInput(const char* op, ffi::DataType dtype) {
-  return InvalidArgument(std::string(op) + ": x dtype must be float32, bfloat16 or float16, got " +
-                         DataTypeName(dtype));
-}
-
-// Calls fn(X{}, F{}) with the storage type of x and the fp8 format of `data`.
+// Returns fn(TypeTag<X>{}, TypeTag<F>{}) with the storage type X of x and the fp8 format F of
+// the output: checks.h's SwitchTypes with the host types.
 template <typename Fn>
 ffi::Future DispatchTypes(const char* op, ffi::DataType x_type, ffi::DataType fp8_type, Fn fn) {
-  auto with_format = [&](auto x_tag) {
-    return fp8_type == ffi::DataType::F8E4M3FN ? fn(x_tag, E4M3{}) : fn(x_tag, E5M2{});
-  };
-  switch (x_type) {
-    case ffi::DataType::F32:
-      return with_format(float{});
-    case ffi::DataType::BF16:
-      return with_format(BFloat16{});
-    case ffi::DataType::F16:
-      return with_format(Float16{});
-    default:
-      return ReadyFuture(UnsupportedInput(op, x_type));
-  }
+  return SwitchTypes<float, BFloat16, Float16>(
+      op, x_type, fp8_type, fn, [](ffi::Error error) { return ReadyFuture(std::move(error)); });
 }
 
 ffi::Future QuantizeDispatch(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale_in,
@@ -453,9 +438,8 @@ ffi::Future QuantizeDispatch(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer
                              ffi::Result<ffi::Buffer<ffi::F32>> amax, int32_t block_mode,
                              int32_t group, bool transpose, bool col_tma, bool pow2_scale,
                              float amax_floor) {
-  auto shape = CheckQuantize(x, scale_in.element_count(), *data, scale->element_count(), *data_t,
-                             scale_t->element_count(), amax->element_count(), block_mode, group,
-                             transpose, col_tma, amax_floor);
+  auto shape = CheckQuantize(x, scale_in, *data, *scale, *data_t, *scale_t, *amax, block_mode,
+                             group, transpose, col_tma, amax_floor);
   if (shape.has_error()) return ReadyFuture(shape.error());
   QuantizeParams params;
   params.shape = *shape;
@@ -476,28 +460,20 @@ ffi::Future QuantizeDispatch(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer
     return ReadyFuture();
   }
   return DispatchTypes("fp8 quantize", x.element_type(), data->element_type(),
-                       [&](auto x_tag, auto format) {
-                         using X = decltype(x_tag);
-                         using F = decltype(format);
+                       [&](auto x_tag, auto f_tag) {
+                         using X = typename decltype(x_tag)::type;
+                         using F = typename decltype(f_tag)::type;
                          return QuantizeImpl<X, F>(pool, params, In<X>(x), out);
                        });
 }
 
 ffi::Future AmaxDispatch(ffi::ThreadPool pool, ffi::AnyBuffer x,
                          ffi::Result<ffi::Buffer<ffi::F32>> amax) {
-  if (auto e = CheckAmax(x, amax->element_count()); e.failure()) return ReadyFuture(std::move(e));
-  const int64_t n = ElementCount(x);
-  float* out = amax->typed_data();
-  switch (x.element_type()) {
-    case ffi::DataType::F32:
-      return AmaxImpl(pool, In<float>(x), n, out);
-    case ffi::DataType::BF16:
-      return AmaxImpl(pool, In<BFloat16>(x), n, out);
-    case ffi::DataType::F16:
-      return AmaxImpl(pool, In<Float16>(x), n, out);
-    default:
-      return ReadyFuture(UnsupportedInput("fp8 amax", x.element_type()));
-  }
+  if (auto e = CheckAmax(x, *amax); e.failure()) return ReadyFuture(std::move(e));
+  return DispatchFloat("fp8 amax", "x", x.element_type(), [&](auto x_tag) {
+    using X = typename decltype(x_tag)::type;
+    return AmaxImpl(pool, In<X>(x), ElementCount(x), amax->typed_data());
+  });
 }
 
 ffi::Future SplitTransposeDispatch(ffi::ThreadPool pool, ffi::AnyBuffer x,
@@ -507,11 +483,10 @@ ffi::Future SplitTransposeDispatch(ffi::ThreadPool pool, ffi::AnyBuffer x,
                                    ffi::Result<ffi::Buffer<ffi::S32>> col_offsets,
                                    ffi::Result<ffi::Buffer<ffi::S32>> scale_offsets, int32_t group,
                                    bool pow2_scale, float amax_floor) {
-  const int64_t experts = group_sizes.element_count();
-  auto shape = CheckSplitTranspose(x, experts, *data_t, scale_t->element_count(),
-                                   col_offsets->element_count(), scale_offsets->element_count(),
+  auto shape = CheckSplitTranspose(x, group_sizes, *data_t, *scale_t, *col_offsets, *scale_offsets,
                                    group, amax_floor);
   if (shape.has_error()) return ReadyFuture(shape.error());
+  const int64_t experts = shape->experts;
   auto layout = std::make_shared<SplitLayout>(MakeSplitLayout(*shape, group_sizes.typed_data()));
   for (int64_t e = 0; e <= experts; ++e) {
     col_offsets->typed_data()[e] = static_cast<int32_t>(layout->col_offset[e]);
@@ -521,9 +496,9 @@ ffi::Future SplitTransposeDispatch(ffi::ThreadPool pool, ffi::AnyBuffer x,
   uint8_t* data = Out<uint8_t>(data_t);
   float* scales = scale_t->typed_data();
   return DispatchTypes("fp8 quantize_split_transpose", x.element_type(), data_t->element_type(),
-                       [&](auto x_tag, auto format) {
-                         using X = decltype(x_tag);
-                         using F = decltype(format);
+                       [&](auto x_tag, auto f_tag) {
+                         using X = typename decltype(x_tag)::type;
+                         using F = typename decltype(f_tag)::type;
                          return SplitTransposeImpl<X, F>(pool, *shape, In<X>(x), layout, amax_floor,
                                                          pow2_scale, data, scales);
                        });

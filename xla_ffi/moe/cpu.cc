@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <string>
 #include <type_traits>
 
 #if defined(__SSE2__)
@@ -22,6 +21,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/common/cpu_convert.h"
+#include "xla_ffi/common/cpu_dispatch.h"
 #include "xla_ffi/common/cpu_memory.h"
 #include "xla_ffi/common/cpu_parallel.h"
 #include "xla_ffi/common/ffi_util.h"
@@ -291,26 +291,6 @@ ffi::Future UnpermuteBwdImpl(ffi::ThreadPool& pool, const RowsShape& s, const X*
 // ---------------------------------------------------------------------------------------------
 // Dispatch: validation and the dtype switches.
 
-ffi::Error UnsupportedFloat(const char* op, const char* name, ffi::DataType dtype) {
-  return InvalidArgument(std::string(op) + ": " + name +
-                         " dtype must be float32, bfloat16 or float16, got " + DataTypeName(dtype));
-}
-
-// Calls fn(X{}) with the storage type of a float32 / bfloat16 / float16 buffer.
-template <typename Fn>
-ffi::Future DispatchFloat(const char* op, const char* name, ffi::DataType dtype, Fn fn) {
-  switch (dtype) {
-    case ffi::DataType::F32:
-      return fn(float{});
-    case ffi::DataType::BF16:
-      return fn(BFloat16{});
-    case ffi::DataType::F16:
-      return fn(Float16{});
-    default:
-      return ReadyFuture(UnsupportedFloat(op, name, dtype));
-  }
-}
-
 ffi::Error RouteDispatch(ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::Buffer<ffi::S32>> row_map,
                          ffi::Result<ffi::Buffer<ffi::S32>> source,
                          ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
@@ -365,7 +345,7 @@ ffi::Future UnpermuteDispatch(ffi::ThreadPool pool, ffi::AnyBuffer expert_out,
   if (shape.has_error()) return ReadyFuture(shape.error());
   const float* p = shape->has_probs ? probs.typed_data() : nullptr;
   return DispatchFloat("moe unpermute", "expert_out", expert_out.element_type(), [&](auto tag) {
-    using X = decltype(tag);
+    using X = typename decltype(tag)::type;
     return UnpermuteImpl<X>(pool, *shape, In<X>(expert_out), row_map.typed_data(), p, Out<X>(out));
   });
 }
@@ -378,7 +358,7 @@ ffi::Future UnpermuteBwdDispatch(ffi::ThreadPool pool, ffi::AnyBuffer d_out,
       CheckUnpermuteBwd(d_out, expert_out, source.element_count(), probs, *d_expert, *d_probs);
   if (shape.has_error()) return ReadyFuture(shape.error());
   return DispatchFloat("moe unpermute_bwd", "d_out", d_out.element_type(), [&](auto tag) {
-    using X = decltype(tag);
+    using X = typename decltype(tag)::type;
     return UnpermuteBwdImpl<X>(pool, *shape, In<X>(d_out), In<X>(expert_out), source.typed_data(),
                                probs.typed_data(), Out<X>(d_expert), d_probs->typed_data());
   });

@@ -66,20 +66,28 @@ inline ffi::Error CheckRowVector(const char* name, int64_t count, int64_t rows, 
                          " elements (one per row), got " + std::to_string(count));
 }
 
-inline ffi::ErrorOr<RowShape> CheckForward(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
-                                           int64_t rstd_in_count, const ffi::AnyBuffer& y,
-                                           int64_t rstd_count) {
+// x, the weight and rstd [rows]: the first checks of every handler.
+inline ffi::ErrorOr<RowShape> CheckRowsAndRstd(const ffi::AnyBuffer& x,
+                                               const ffi::AnyBuffer& weight, int64_t rstd_count) {
   RowShape shape;
   if (auto e = CheckInput(x, shape); e.failure()) return ffi::Unexpected(std::move(e));
   if (auto e = CheckWeight(weight, shape); e.failure()) return ffi::Unexpected(std::move(e));
-  if (auto e = CheckRowVector("rstd_in", rstd_in_count, shape.rows, true); e.failure())
-    return ffi::Unexpected(std::move(e));
   if (auto e = CheckRowVector("rstd", rstd_count, shape.rows, false); e.failure())
+    return ffi::Unexpected(std::move(e));
+  return shape;
+}
+
+inline ffi::ErrorOr<RowShape> CheckForward(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
+                                           int64_t rstd_in_count, const ffi::AnyBuffer& y,
+                                           int64_t rstd_count) {
+  auto shape = CheckRowsAndRstd(x, weight, rstd_count);
+  if (shape.has_error()) return shape;
+  if (auto e = CheckRowVector("rstd_in", rstd_in_count, shape->rows, true); e.failure())
     return ffi::Unexpected(std::move(e));
   if (!SameShape(x, y) || x.element_type() != y.element_type()) {
     return ffi::Unexpected(InvalidArgument("rms_norm: y must match x in shape and dtype"));
   }
-  shape.has_rstd_in = rstd_in_count != 0;
+  shape->has_rstd_in = rstd_in_count != 0;
   return shape;
 }
 
@@ -87,11 +95,8 @@ inline ffi::ErrorOr<RowShape> CheckAddForward(const ffi::AnyBuffer& x,
                                               const ffi::AnyBuffer& residual,
                                               const ffi::AnyBuffer& weight, const ffi::AnyBuffer& y,
                                               const ffi::AnyBuffer& h, int64_t rstd_count) {
-  RowShape shape;
-  if (auto e = CheckInput(x, shape); e.failure()) return ffi::Unexpected(std::move(e));
-  if (auto e = CheckWeight(weight, shape); e.failure()) return ffi::Unexpected(std::move(e));
-  if (auto e = CheckRowVector("rstd", rstd_count, shape.rows, false); e.failure())
-    return ffi::Unexpected(std::move(e));
+  auto shape = CheckRowsAndRstd(x, weight, rstd_count);
+  if (shape.has_error()) return shape;
   for (const ffi::AnyBuffer* other : {&residual, &y, &h}) {
     if (!SameShape(x, *other) || x.element_type() != other->element_type()) {
       return ffi::Unexpected(
@@ -106,11 +111,9 @@ inline ffi::ErrorOr<BackwardShape> CheckBackward(const ffi::AnyBuffer& dy, const
                                                  int64_t dot_in_count, const ffi::AnyBuffer& dh,
                                                  const ffi::AnyBuffer& dx, int64_t dw_count,
                                                  const ffi::AnyBuffer& dw_partial) {
-  RowShape row;
-  if (auto e = CheckInput(x, row); e.failure()) return ffi::Unexpected(std::move(e));
-  if (auto e = CheckWeight(weight, row); e.failure()) return ffi::Unexpected(std::move(e));
-  if (auto e = CheckRowVector("rstd", rstd_count, row.rows, false); e.failure())
-    return ffi::Unexpected(std::move(e));
+  const auto checked = CheckRowsAndRstd(x, weight, rstd_count);
+  if (checked.has_error()) return ffi::Unexpected(checked.error());
+  const RowShape& row = *checked;
   if (auto e = CheckRowVector("dot_in", dot_in_count, row.rows, true); e.failure())
     return ffi::Unexpected(std::move(e));
   for (const ffi::AnyBuffer* other : {&dy, &dx}) {

@@ -12,6 +12,7 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/common/cpu_convert.h"
+#include "xla_ffi/common/cpu_dispatch.h"
 #include "xla_ffi/common/cpu_memory.h"
 #include "xla_ffi/common/cpu_parallel.h"
 #include "xla_ffi/common/ffi_util.h"
@@ -302,27 +303,17 @@ ffi::ErrorOr<Weights> EffectiveWeights(const ffi::AnyBuffer& weight, bool zero_c
   const int64_t n = ElementCount(weight);
   if (n == 0) return Weights();
   auto out = std::make_shared<std::vector<float>>(n);
-  auto fill = [&](auto typed) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
+  auto fill = [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* typed = static_cast<const T*>(weight.untyped_data());
     for (int64_t j = 0; j < n; ++j) {
       (*out)[j] = EffectiveWeight(HostType<T>::Load(typed[j]), zero_centered);
     }
+    return ffi::Error::Success();
   };
-  switch (weight.element_type()) {
-    case ffi::DataType::F32:
-      fill(static_cast<const float*>(weight.untyped_data()));
-      break;
-    case ffi::DataType::BF16:
-      fill(static_cast<const BFloat16*>(weight.untyped_data()));
-      break;
-    case ffi::DataType::F16:
-      fill(static_cast<const Float16*>(weight.untyped_data()));
-      break;
-    default:
-      return ffi::Unexpected(InvalidArgument(
-          std::string("rms_norm: weight dtype must be float32, bfloat16 or float16, got ") +
-          DataTypeName(weight.element_type())));
-  }
+  ffi::Error filled = SwitchFloat<float, BFloat16, Float16>(
+      "rms_norm", "weight", weight.element_type(), fill, [](ffi::Error error) { return error; });
+  if (filled.failure()) return ffi::Unexpected(std::move(filled));
   return Weights(std::move(out));
 }
 
@@ -330,11 +321,6 @@ ffi::ErrorOr<Weights> EffectiveWeights(const ffi::AnyBuffer& weight, bool zero_c
 template <typename X>
 const X* In(const ffi::AnyBuffer& b) {
   return ElementCount(b) == 0 ? nullptr : static_cast<const X*>(b.untyped_data());
-}
-
-ffi::Error UnsupportedInput(const char* op, ffi::DataType dtype) {
-  return InvalidArgument(std::string(op) + ": x dtype must be float32, bfloat16 or float16, got " +
-                         DataTypeName(dtype));
 }
 
 ffi::Future RmsNormFwdDispatch(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer weight,
@@ -346,19 +332,10 @@ ffi::Future RmsNormFwdDispatch(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyB
   auto w = EffectiveWeights(weight, zero_centered_weight);
   if (w.has_error()) return ReadyFuture(w.error());
   const float* given = shape->has_rstd_in ? rstd_in.typed_data() : nullptr;
-  switch (x.element_type()) {
-    case ffi::DataType::F32:
-      return RmsNormFwdImpl(pool, *shape, In<float>(x), *w, given, Out<float>(y),
-                            rstd->typed_data(), eps);
-    case ffi::DataType::BF16:
-      return RmsNormFwdImpl(pool, *shape, In<BFloat16>(x), *w, given, Out<BFloat16>(y),
-                            rstd->typed_data(), eps);
-    case ffi::DataType::F16:
-      return RmsNormFwdImpl(pool, *shape, In<Float16>(x), *w, given, Out<Float16>(y),
-                            rstd->typed_data(), eps);
-    default:
-      return ReadyFuture(UnsupportedInput("rms_norm", x.element_type()));
-  }
+  return DispatchFloat("rms_norm", "x", x.element_type(), [&](auto tag) {
+    using X = typename decltype(tag)::type;
+    return RmsNormFwdImpl(pool, *shape, In<X>(x), *w, given, Out<X>(y), rstd->typed_data(), eps);
+  });
 }
 
 ffi::Future AddRmsNormFwdDispatch(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer residual,
@@ -370,19 +347,11 @@ ffi::Future AddRmsNormFwdDispatch(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::A
   if (shape.has_error()) return ReadyFuture(shape.error());
   auto w = EffectiveWeights(weight, zero_centered_weight);
   if (w.has_error()) return ReadyFuture(w.error());
-  switch (x.element_type()) {
-    case ffi::DataType::F32:
-      return AddRmsNormFwdImpl(pool, *shape, In<float>(x), In<float>(residual), *w, Out<float>(y),
-                               Out<float>(h), rstd->typed_data(), eps);
-    case ffi::DataType::BF16:
-      return AddRmsNormFwdImpl(pool, *shape, In<BFloat16>(x), In<BFloat16>(residual), *w,
-                               Out<BFloat16>(y), Out<BFloat16>(h), rstd->typed_data(), eps);
-    case ffi::DataType::F16:
-      return AddRmsNormFwdImpl(pool, *shape, In<Float16>(x), In<Float16>(residual), *w,
-                               Out<Float16>(y), Out<Float16>(h), rstd->typed_data(), eps);
-    default:
-      return ReadyFuture(UnsupportedInput("add_rms_norm", x.element_type()));
-  }
+  return DispatchFloat("add_rms_norm", "x", x.element_type(), [&](auto tag) {
+    using X = typename decltype(tag)::type;
+    return AddRmsNormFwdImpl(pool, *shape, In<X>(x), In<X>(residual), *w, Out<X>(y), Out<X>(h),
+                             rstd->typed_data(), eps);
+  });
 }
 
 ffi::Future RmsNormBwdDispatch(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::AnyBuffer x,
@@ -399,19 +368,11 @@ ffi::Future RmsNormBwdDispatch(ffi::ThreadPool pool, ffi::AnyBuffer dy, ffi::Any
   const float* dot = shape->has_dot_in ? dot_in.typed_data() : nullptr;
   float* dw_data = dw->typed_data();
   float* partial = static_cast<float*>(dw_partial->untyped_data());
-  switch (x.element_type()) {
-    case ffi::DataType::F32:
-      return RmsNormBwdImpl(pool, *shape, In<float>(dy), In<float>(x), *w, rstd.typed_data(), dot,
-                            In<float>(dh), Out<float>(dx), dw_data, partial);
-    case ffi::DataType::BF16:
-      return RmsNormBwdImpl(pool, *shape, In<BFloat16>(dy), In<BFloat16>(x), *w, rstd.typed_data(),
-                            dot, In<BFloat16>(dh), Out<BFloat16>(dx), dw_data, partial);
-    case ffi::DataType::F16:
-      return RmsNormBwdImpl(pool, *shape, In<Float16>(dy), In<Float16>(x), *w, rstd.typed_data(),
-                            dot, In<Float16>(dh), Out<Float16>(dx), dw_data, partial);
-    default:
-      return ReadyFuture(UnsupportedInput("rms_norm backward", x.element_type()));
-  }
+  return DispatchFloat("rms_norm backward", "x", x.element_type(), [&](auto tag) {
+    using X = typename decltype(tag)::type;
+    return RmsNormBwdImpl(pool, *shape, In<X>(dy), In<X>(x), *w, rstd.typed_data(), dot, In<X>(dh),
+                          Out<X>(dx), dw_data, partial);
+  });
 }
 
 }  // namespace
