@@ -1,11 +1,13 @@
 // CUDA handlers of the FP8 quantization family: quantize (per-tensor, 1 x G row groups or G x G
 // tiles, optionally with a transposed copy), amax (the per-tensor amax that current scaling runs
 // first) and quantize_split_transpose (the per-expert transposed layout of grouped GEMMs). The
-// kernels and their designs live in kernels.cuh, the math in fp8.h and the contracts in checks.h.
+// kernels and their designs live in quantize_kernels.cuh and split_kernels.cuh (building blocks in
+// kernel_util.cuh), the math in fp8.h and the contracts in checks.h.
 //
 // Three layers, as in jax's examples/ffi:
 //   1. Templated kernels over F (the fp8 format traits E4M3 / E5M2), T (x's dtype) and kVec
-//      (elements per load: 16 bytes of T, or 1 for the scalar fallback): kernels.cuh.
+//      (elements per load: 16 bytes of T, or 1 for the scalar fallback): quantize_kernels.cuh and
+//      split_kernels.cuh.
 //   2. Typed implementations (QuantizeTyped<F, T>, AmaxTyped<T>, SplitTransposeTyped<F, T>) that
 //      pick the kernels, launch them on the XLA stream and turn launch failures into errors.
 //   3. One dispatch per handler: validates with checks.h, then DispatchFloat / DispatchTypes
@@ -25,7 +27,9 @@
 #include "xla_ffi/fp8/checks.h"
 #include "xla_ffi/fp8/fp8.h"
 #include "xla_ffi/fp8/handlers.h"
-#include "xla_ffi/fp8/kernels.cuh"
+#include "xla_ffi/fp8/kernel_util.cuh"
+#include "xla_ffi/fp8/quantize_kernels.cuh"
+#include "xla_ffi/fp8/split_kernels.cuh"
 
 namespace jaxops::fp8 {
 namespace {

@@ -1,10 +1,11 @@
 // CUDA handlers of the RMSNorm family: rms_norm forward, fused residual add + rms_norm forward,
-// and the backward pass. The kernels and their designs live in kernels.cuh, the math in
-// rms_norm.h and the contracts in checks.h.
+// and the backward pass. The kernels live in fwd_kernels.cuh and bwd_kernels.cuh, their designs
+// and building blocks in kernel_util.cuh, the math in rms_norm.h and the contracts in checks.h.
 //
 // Three layers, as in jax's examples/ffi:
 //   1. Templated kernels over T (x's dtype), W (the weight's dtype) and kVec (elements per
-//      memory access: 16 bytes of T, or 1 for the scalar fallback): kernels.cuh.
+//      memory access: 16 bytes of T, or 1 for the scalar fallback): fwd_kernels.cuh and
+//      bwd_kernels.cuh.
 //   2. Typed implementations (RmsNormFwdTyped<kAdd, T, W>, RmsNormBwdTyped<T, W>) that pick the
 //      access width and a design for the row length (PlanRows), launch on the XLA stream and turn
 //      launch failures into errors.
@@ -24,9 +25,11 @@
 #include "xla_ffi/common/cuda_vec.cuh"
 #include "xla_ffi/common/ffi_util.h"
 #include "xla_ffi/common/math.h"
+#include "xla_ffi/rms_norm/bwd_kernels.cuh"
 #include "xla_ffi/rms_norm/checks.h"
+#include "xla_ffi/rms_norm/fwd_kernels.cuh"
 #include "xla_ffi/rms_norm/handlers.h"
-#include "xla_ffi/rms_norm/kernels.cuh"
+#include "xla_ffi/rms_norm/kernel_util.cuh"
 #include "xla_ffi/rms_norm/rms_norm.h"
 
 namespace jaxops::rms_norm {

@@ -1,0 +1,257 @@
+// Device building blocks shared by the FP8 quantization kernels (quantize_kernels.cuh and
+// split_kernels.cuh): launch geometry, element loads, the quantizer (Quant, QuantizeValue,
+// QuantizePack), code stores, warp and CTA amax reductions, scale writes and the shared-memory
+// tile load. Templated over F (the fp8 format traits E4M3 / E5M2), T (x's dtype) and kVec
+// (elements per load: 16 bytes of T, or 1 for the scalar fallback).
+//
+// Every value goes through fp8.h (FiniteAbsBits, ScaleFromAmax, EncodeFp8, DivRn), so the bits
+// equal the CPU handlers'. Two device-only details keep them equal:
+//   * x / scale for a power-of-two scale (always the case with pow2_scale) is computed as
+//     x * (1 / scale) when that reciprocal is an exact normal float: both are the correctly
+//     rounded value of the same real number, and the multiply saves the division.
+//   * GPU arithmetic returns a canonical NaN, while a CPU division returns its NaN operand (x,
+//     else the scale) with its sign; since the sign of a NaN reaches the fp8 code, the quotient
+//     of a NaN operand is replaced by that operand (QuantizeValue), and float16 NaNs keep their
+//     sign through the conversion to fp32 (LoadFloat).
+// amaxes are unsigned maxima over fp32 bits (non-negative floats order like their bits), so
+// every reduction - shuffles, shared and global atomicMax - is exact and order-independent.
+#ifndef JAXOPS_XLA_FFI_FP8_KERNEL_UTIL_CUH_
+#define JAXOPS_XLA_FFI_FP8_KERNEL_UTIL_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "xla_ffi/common/cuda_util.cuh"
+#include "xla_ffi/common/cuda_vec.cuh"
+#include "xla_ffi/common/math.h"
+#include "xla_ffi/fp8/fp8.h"
+
+namespace jaxops::fp8 {
+
+// ---------------------------------------------------------------------------------------------
+// Launch geometry (the host-only grid caps are in cuda.cu).
+
+__host__ __device__ constexpr int Log2(int n) { return n <= 1 ? 0 : 1 + Log2(n / 2); }
+
+constexpr int kThreads = 256;       // CTA size of every kernel but the offsets scan.
+constexpr int kScanThreads = 1024;  // CTA size of Fp8SplitOffsetsKernel.
+constexpr int kMaxTile = 128;       // Largest G (rows and columns of a tile).
+constexpr int kPerTensorTile = 64;  // Tile of the per-tensor transpose.
+constexpr int kPerTensorTileLog2 = Log2(kPerTensorTile);
+constexpr int kSplitTileCols = 64;  // K columns per panel tile of the split transpose.
+constexpr int kSplitTileColsLog2 = Log2(kSplitTileCols);
+constexpr int kCodePad = 4;  // Row padding (bytes) of the shared code tile.
+
+static_assert(kThreads % kMaxTile == 0 && kThreads >= 2 * kMaxTile,
+              "the tile kernel gives one thread to each row and each column of a tile");
+
+// Row padding (elements) of a shared tile of T: one 32-bit word, so that a row is an odd number
+// of words long (tile widths are multiples of 4 elements) and column walks are conflict-free.
+template <typename T>
+constexpr int kTilePad = 4 / static_cast<int>(sizeof(T));
+
+// Bytes of a shared tile of `rows` x `cols` elements of T (padded rows), rounded to 16.
+template <typename T>
+__host__ __device__ __forceinline__ int64_t TileBytes(int64_t rows, int64_t cols) {
+  const int64_t elements = rows * (cols + kTilePad<T>);
+  return RoundUp(elements * static_cast<int64_t>(sizeof(T)), 16);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device building blocks.
+
+template <typename A>
+__device__ __forceinline__ A MinOf(A a, A b) {
+  return a < b ? a : b;
+}
+
+// n / d for non-negative operands: 32-bit division when both fit (the common case), which is
+// several times cheaper than the 64-bit one.
+__device__ __forceinline__ int64_t DivNonNegative(int64_t n, int64_t d) {
+  if (((n | d) >> 32) == 0) {
+    return static_cast<int64_t>(static_cast<uint32_t>(n) / static_cast<uint32_t>(d));
+  }
+  return n / d;
+}
+
+// Element -> fp32. bfloat16 is widened by a shift; a float16 NaN keeps its sign (the hardware
+// conversion may return a canonical NaN), as the CPU conversion does.
+__device__ __forceinline__ float LoadFloat(float v) { return v; }
+__device__ __forceinline__ float LoadFloat(__nv_bfloat16 v) {
+  return __uint_as_float(static_cast<uint32_t>(__bfloat16_as_ushort(v)) << 16);
+}
+__device__ __forceinline__ float LoadFloat(__half v) {
+  const float f = __half2float(v);
+  const uint32_t sign = (static_cast<uint32_t>(__half_as_ushort(v)) & 0x8000u) << 16;
+  return isnan(f) ? __uint_as_float(__float_as_uint(f) | sign) : f;
+}
+
+// A block's quantizer: the scale, and 1 / scale when x * (1 / scale) == x / scale for every x
+// (scale a positive power of two whose reciprocal is a normal float), else 0. Plain data, so it
+// can live in shared memory.
+struct Quant {
+  float scale;
+  float inv;
+};
+
+__device__ __forceinline__ Quant MakeQuant(float scale) {
+  const uint32_t u = Bits(scale);
+  const uint32_t exponent = u >> 23;  // with the sign bit: negative scales fail the range test
+  const bool pow2 = (u & 0x007fffffu) == 0 && exponent >= 1 && exponent <= 253;
+  return Quant{scale, pow2 ? FromBits((254u - exponent) << 23) : 0.0f};
+}
+
+// fp8 code of x given y = x / scale: a NaN quotient takes the sign of the NaN operand the CPU
+// division returns (x first, then the scale); only the sign of a NaN reaches the code.
+template <typename F>
+__device__ __forceinline__ uint8_t EncodeQuotient(float x, float y, float scale) {
+  if (isnan(y)) y = isnan(x) ? x : (isnan(scale) ? scale : y);
+  return EncodeFp8<F>(y);
+}
+
+template <typename F>
+__device__ __forceinline__ uint8_t QuantizeValue(float x, const Quant& q) {
+  const float y = q.inv != 0.0f ? __fmul_rn(x, q.inv) : DivRn(x, q.scale);
+  return EncodeQuotient<F>(x, y, q.scale);
+}
+
+// Codes of a pack of kVec elements (one branch on the quantizer for the whole pack).
+template <typename F, int kVec, typename T>
+__device__ __forceinline__ void QuantizePack(const Pack<T, kVec>& in, const Quant& q,
+                                             uint8_t (&codes)[kVec]) {
+  if (q.inv != 0.0f) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float x = LoadFloat(in.v[j]);
+      codes[j] = EncodeQuotient<F>(x, __fmul_rn(x, q.inv), q.scale);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float x = LoadFloat(in.v[j]);
+      codes[j] = EncodeQuotient<F>(x, DivRn(x, q.scale), q.scale);
+    }
+  }
+}
+
+// Stores kVec codes at p (aligned to kVec bytes): one access.
+template <int kVec>
+__device__ __forceinline__ void StoreCodes(uint8_t* p, const uint8_t (&codes)[kVec]) {
+  if constexpr (kVec == 1) {
+    *p = codes[0];
+  } else {
+    Pack<uint8_t, kVec> pack;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) pack.v[j] = codes[j];
+    StorePack(p, pack);
+  }
+}
+
+template <typename T, int kVec>
+__device__ __forceinline__ uint32_t PackAmax(const Pack<T, kVec>& p) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) m = MaxBits(m, FiniteAbsBits(LoadFloat(p.v[j])));
+  return m;
+}
+
+// Max over aligned groups of `width` lanes (a power of two <= 32); all lanes of the warp call it
+// and every lane of a group gets the group's max.
+__device__ __forceinline__ uint32_t GroupMax(uint32_t v, int width) {
+#pragma unroll
+  for (int offset = 1; offset < kWarpSize; offset *= 2) {
+    if (offset < width) v = MaxBits(v, __shfl_xor_sync(kFullWarpMask, v, offset));
+  }
+  return v;
+}
+
+// Max over the lanes whose index agrees modulo `stride` (a power of two); all lanes call it.
+__device__ __forceinline__ uint32_t StridedMax(uint32_t v, int stride) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    if (offset >= stride) v = MaxBits(v, __shfl_xor_sync(kFullWarpMask, v, offset));
+  }
+  return v;
+}
+
+// Writes the scale of block (b, r, c) of `grid`, and the col_tma padding after the last row.
+__device__ __forceinline__ void WriteScale(float* scale, const ScaleGrid& grid, int64_t b,
+                                           int64_t r, int64_t c, float value) {
+  const int64_t index = grid.Index(b, r, c);
+  scale[index] = value;
+  if (r == grid.rows - 1) {
+    const int64_t padding = grid.PaddingAfterLastRow();
+    for (int64_t i = 1; i <= padding; ++i) scale[index + i] = 0.0f;
+  }
+}
+
+// atomicMax of the CTA's max of v into *amax (fp32 bits of a non-negative float in global
+// memory); warp_max holds kThreads / 32 entries. All threads of a kThreads CTA call it, once.
+__device__ __forceinline__ void BlockMaxToGlobal(uint32_t v, uint32_t* warp_max, uint32_t* amax) {
+  v = __reduce_max_sync(kFullWarpMask, v);
+  if (threadIdx.x % kWarpSize == 0) warp_max[threadIdx.x / kWarpSize] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t block_max = 0;
+    for (int w = 0; w < kThreads / kWarpSize; ++w) block_max = MaxBits(block_max, warp_max[w]);
+    if (block_max != 0) atomicMax(amax, block_max);
+  }
+}
+
+// Loads the rows x cols block at src (row stride ld) into tile[r * pitch + c] (r < rows,
+// c < cols; the rest of the tile_rows x 2^cols_log2 tile is not written) and reduces amaxes from
+// the loaded registers: row_amax[r] and col_amax[c] (shared, zero before the call; each skipped
+// when nullptr) get atomicMax'ed, and the thread's max over everything it loaded is returned
+// (for a tile amax). A tile row is 2^cols_log2 / kVec consecutive threads (`lanes`); with
+// kVec > 1, cols and every offset are multiples of kVec and src is 16-byte aligned. Every thread
+// of the CTA must call it (shuffles).
+template <int kVec, typename T>
+__device__ __forceinline__ uint32_t LoadTile(const T* src, int64_t ld, int rows, int cols,
+                                             int tile_rows, int cols_log2, T* tile, int pitch,
+                                             uint32_t* row_amax, uint32_t* col_amax) {
+  const int lanes_log2 = cols_log2 - Log2(kVec);
+  const int lanes = 1 << lanes_log2;
+  const int row_lanes = lanes < kWarpSize ? lanes : kWarpSize;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  // tile_rows * lanes is a multiple of 32, so every warp runs the same number of iterations.
+  const int slots = tile_rows << lanes_log2;
+  // blockDim.x is a multiple of lanes: a thread always loads the same columns.
+  const int col = (static_cast<int>(threadIdx.x) & (lanes - 1)) * kVec;
+  uint32_t col_max[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) col_max[j] = 0;
+  uint32_t total = 0;
+  for (int s = threadIdx.x; s < slots; s += blockDim.x) {
+    const int r = s >> lanes_log2;
+    uint32_t vmax = 0;
+    if (r < rows && col < cols) {
+      Pack<T, kVec> p;
+      LoadPack(src + r * ld + col, p);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        tile[r * pitch + col + j] = p.v[j];
+        const uint32_t bits = FiniteAbsBits(LoadFloat(p.v[j]));
+        vmax = MaxBits(vmax, bits);
+        col_max[j] = MaxBits(col_max[j], bits);
+      }
+    }
+    total = MaxBits(total, vmax);
+    if (row_amax != nullptr) {
+      const uint32_t rmax = GroupMax(vmax, row_lanes);
+      if (lane % row_lanes == 0 && rmax != 0) atomicMax(&row_amax[r], rmax);
+    }
+  }
+  if (col_amax != nullptr) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const uint32_t cmax = StridedMax(col_max[j], lanes);
+      if (lane < lanes && cmax != 0) atomicMax(&col_amax[col + j], cmax);
+    }
+  }
+  return total;
+}
+
+}  // namespace jaxops::fp8
+
+#endif  // JAXOPS_XLA_FFI_FP8_KERNEL_UTIL_CUH_
