@@ -1,7 +1,8 @@
 """Testing helpers: per-dtype tolerances, collective counting in compiled HLO, multi-process runs.
 
 Used by jaxops' own test suite and useful to check that user code built on jaxops stays local
-under sharding. :func:`run_processes` runs a script in N local ``jax.distributed`` processes
+under sharding. :func:`run_docstring_examples` runs the examples of every module of a package.
+:func:`run_processes` runs a script in N local ``jax.distributed`` processes
 (gloo on 127.0.0.1) with a hard deadline, for multi-host code on one machine.
 
 Example:
@@ -33,6 +34,7 @@ __all__ = [
     "collective_shapes",
     "count_collectives",
     "free_port",
+    "run_docstring_examples",
     "run_processes",
     "spawn_processes",
     "tolerance",
@@ -249,3 +251,38 @@ def run_processes(
             f"jaxops.testing.run_processes: exit codes {codes}:\n" + "\n----\n".join(outputs)
         )
     return outputs
+
+
+def run_docstring_examples(package: Any) -> int:
+    """Runs the docstring examples of `package` and of every module in it (private ones too).
+
+    Args:
+      package: an imported module or package (e.g. ``jaxops.parallel.expert``).
+
+    Returns:
+      The number of examples run.
+
+    Raises:
+      AssertionError: naming the module whose examples failed (doctest printed which).
+
+    Example:
+      >>> from jaxops import _rows, testing
+      >>> testing.run_docstring_examples(_rows)
+      4
+    """
+    import doctest
+    import importlib
+    import pkgutil
+
+    modules = [package]
+    if hasattr(package, "__path__"):
+        modules += [
+            importlib.import_module(f"{package.__name__}.{m.name}")
+            for m in pkgutil.walk_packages(package.__path__)
+        ]
+    attempted = 0
+    for module in modules:
+        result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+        assert result.failed == 0, (module.__name__, result)
+        attempted += result.attempted
+    return attempted

@@ -834,19 +834,9 @@ def test_process_death_commits_nothing(tmp_path):
 
 
 def test_docstring_examples():
-    import doctest
-    import importlib
-    import pkgutil
+    from jaxops import testing
 
-    attempted = 0
-    modules = [ckpt] + [
-        importlib.import_module(f"{ckpt.__name__}.{m.name}")
-        for m in pkgutil.iter_modules(ckpt.__path__)
-    ]
-    for module in modules:
-        result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
-        assert result.failed == 0, (module.__name__, result)
-        attempted += result.attempted
+    attempted = testing.run_docstring_examples(ckpt)
     assert attempted > 40, attempted
 
 

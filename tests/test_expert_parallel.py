@@ -900,19 +900,9 @@ def test_renamed_activations_tuple_warns_and_still_works():
 
 
 def test_docstring_examples():
-    import doctest
-    import importlib
-    import pkgutil
+    from jaxops import testing
 
-    attempted = 0
-    modules = [expert] + [
-        importlib.import_module(f"{expert.__name__}.{m.name}")
-        for m in pkgutil.iter_modules(expert.__path__)
-    ]
-    for module in modules:
-        result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
-        assert result.failed == 0, (module.__name__, result)
-        attempted += result.attempted
+    attempted = testing.run_docstring_examples(expert)
     assert attempted >= 30, attempted
 
 

@@ -421,16 +421,9 @@ def test_decoder_config_round_trips_through_hf_dict(hf_dirs):
 
 
 def test_docstring_examples():
-    import doctest
+    from jaxops import testing
 
-    from jaxops.models import _blocks, _config, _decoder, _hf, _layers, _names
-
-    attempted = 0
-    for module in (_config, _blocks, _decoder, _hf, _layers, _names):
-        result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
-        assert result.failed == 0, (module.__name__, result)
-        attempted += result.attempted
-    assert attempted >= 20, attempted
+    assert testing.run_docstring_examples(models) >= 20
 
 
 def test_absent_config_keys_take_transformers_defaults():

@@ -682,3 +682,9 @@ def test_without_input_grads():
     assert_allclose(grads.loss_params, dhead, np.float32, scale=4)
     for name in dparams:
         assert_allclose(grads.stage_params[name], dparams[name], np.float32, scale=4)
+
+
+def test_docstring_examples():
+    from jaxops import testing
+
+    assert testing.run_docstring_examples(pl) >= 25
