@@ -346,7 +346,7 @@ class MoEDecoder:
 
         return moe
 
-    def _layers(self, layers: dict[str, Any], h: jax.Array) -> tuple[jax.Array, ep.MoEAux]:
+    def _run_layers(self, layers: dict[str, Any], h: jax.Array) -> tuple[jax.Array, ep.MoEAux]:
         """``h`` through the stacked `layers` (one lax.scan); the per-layer MoEAux, stacked."""
         body = functools.partial(_layers.decoder_layer, self._ops, self.config, self._moe_fn())
         if self.remat:
@@ -382,7 +382,7 @@ class MoEDecoder:
 
     def _stage(self, sp: dict[str, Any], x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """One pipeline stage: its layers, and the sum of their MoE aux losses."""
-        h, aux = self._layers(sp, x)
+        h, aux = self._run_layers(sp, x)
         return h, jnp.sum(aux.loss)
 
     def _hidden(self, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
@@ -390,7 +390,7 @@ class MoEDecoder:
         if self.pipe > 1:
             stages = self._stages(params["layers"])
             return pl.pipeline_forward(self._stage, stages, x, **self._pipeline())
-        return self._layers(params["layers"], self._place(x))[0]
+        return self._run_layers(params["layers"], self._place(x))[0]
 
     def _objective(self, params: dict[str, Any], tokens: jax.Array, targets: jax.Array):
         """The training loss: mean next-token cross-entropy plus the layers' MoE aux losses.
@@ -402,7 +402,7 @@ class MoEDecoder:
         """
         x = _layers.embed(self._ops, params["embed"], tokens)
         if self.pipe == 1:
-            h, aux = self._layers(params["layers"], self._place(x))
+            h, aux = self._run_layers(params["layers"], self._place(x))
             return _layers.cross_entropy(self._head(self._head_params(params), h), targets) + (
                 jnp.sum(aux.loss)
             )
@@ -469,7 +469,7 @@ class MoEDecoder:
             )
         tokens = self._check_tokens(op, tokens)
         x = self._place(_layers.embed(self._ops, params["embed"], tokens))
-        h, aux = self._layers(params["layers"], x)
+        h, aux = self._run_layers(params["layers"], x)
         return self._head(self._head_params(params), h), aux
 
     def loss(self, params: dict[str, Any], tokens: jax.Array, targets: jax.Array) -> jax.Array:
