@@ -144,4 +144,26 @@ def cotangent_like(ct: Any, primal: Any) -> Any:
     if extra:
         ct = jax.lax.psum(ct, extra)
     missing = tuple(sorted(want - varying_axes(ct)))
-    return jax.lax.pcast(ct, missing, to="varying") if missing else ct
+    ct = jax.lax.pcast(ct, missing, to="varying") if missing else ct
+    return _explicit_like(ct, primal)
+
+
+def _explicit_like(ct: jax.Array, primal: Any) -> jax.Array:
+    """`ct` resharded to the Explicit-mesh sharding of `primal` where their types differ.
+
+    On an Explicit mesh the sharding is part of the type a ``custom_vjp`` backward must match; a
+    custom call's result may come back typed otherwise. Only the leading ``ct.ndim - 1`` axes
+    are compared (a marker may stand for the primal with an empty last axis).
+    """
+    want = jax.typeof(primal).sharding
+    mesh = getattr(want, "mesh", None)
+    if mesh is None or getattr(mesh, "empty", True) or ct.ndim != jax.typeof(primal).ndim:
+        return ct
+    if not any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        return ct
+    lead = padded_spec(want, ct.ndim)[:-1] if ct.ndim else ()
+    have = padded_spec(jax.typeof(ct).sharding, ct.ndim)[:-1] if ct.ndim else ()
+    if lead == have:
+        return ct
+    last = padded_spec(jax.typeof(ct).sharding, ct.ndim)[-1:]
+    return jax.reshard(ct, NamedSharding(mesh, P(*lead, *last)))

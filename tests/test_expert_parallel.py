@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -768,6 +769,153 @@ def test_jit_does_not_retrace_per_step():
 
 
 # -------------------------------------------------------------------------------------------------
+# Token mask: padded / packed batches.
+
+# Valid tokens per row of an [8, 4] batch (right padding; rows 2 and 6 are all padding, so on
+# the 8-device mesh two devices hold no valid token).
+_LENGTHS = np.array([4, 3, 0, 2, 4, 1, 0, 3])
+MASK_CASE = dict(num_experts=8, router="sigmoid", router_bias=True, shared_ffn=8, shared_gate=True)
+
+
+def _masked_case(lengths=_LENGTHS, seq=4, **kw):
+    """(cfg, params, x [B, seq, 32], mask [B, seq]) with the first `lengths[b]` tokens valid."""
+    cfg = _config("d2e4", **{**MASK_CASE, **kw})
+    rng = np.random.default_rng(40)  # numpy draws: no compile per shape, as jax.random has
+    # [..., in, out] weights scaled by 1 / sqrt(in); the router bias [E] by 0.2.
+    scales = {name: 0.2 if len(s) == 1 else s[-2] ** -0.5 for name, s in cfg.param_shapes.items()}
+    params = {
+        name: jnp.asarray(rng.normal(size=shape) * scales[name])
+        for name, shape in cfg.param_shapes.items()
+    }
+    x = jnp.asarray(rng.normal(size=(len(lengths), seq, 32)), jnp.float32)
+    return cfg, params, x, jnp.asarray(np.arange(seq)[None, :] < lengths[:, None])
+
+
+def _value_and_grads(layer, params, x, weights):
+    """((y, aux), (d params, d x)) of ``sum(y * weights) + aux.loss``, in one compiled call."""
+
+    def loss(p, x):
+        y, aux = layer(p, x)
+        return jnp.sum(y.astype(jnp.float32) * weights) + aux.loss, (y, aux)
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+    return out, grads
+
+
+def _masked_weights(mask, hidden=32):
+    """The output weights of the loss, zero at masked tokens."""
+    return _weights((*mask.shape, hidden)) * mask[..., None]
+
+
+def _sharded(mesh, cfg, params, *tokens):
+    """params on moe_param_specs and token arrays on the token axes: shard_map's inputs."""
+    specs, tok = expert.moe_param_specs(cfg), jax.NamedSharding(mesh, P(cfg.token_axes))
+    placed = {k: jax.device_put(v, jax.NamedSharding(mesh, specs[k])) for k, v in params.items()}
+    return (placed, *(jax.device_put(a, tok) for a in tokens))
+
+
+@functools.cache
+def _compacted_want():
+    """The reference on the unmasked tokens of :func:`_masked_case` only (no mask)."""
+    cfg, params, x, mask = _masked_case()
+    keep = np.asarray(mask)
+    layer = lambda p, x: moe_layer_reference(p, x, cfg)  # noqa: E731
+    return _value_and_grads(layer, params, x[keep], _masked_weights(mask)[keep])
+
+
+def _compare_masked(got, mask):
+    """The layer on the padded batch vs the reference on its unmasked tokens only."""
+    (y, aux), (grads, dx) = got
+    keep = np.asarray(mask)
+    np.testing.assert_array_equal(np.asarray(y)[~keep], 0.0)
+    np.testing.assert_array_equal(np.asarray(dx)[~keep], 0.0)
+    _compare(((np.asarray(y)[keep], aux), (grads, np.asarray(dx)[keep])), _compacted_want())
+
+
+@pytest.mark.parametrize("mesh_name", ["1", "d2e4"])
+def test_token_mask_equals_reference_on_unmasked_tokens(mesh_name):
+    """y, aux and gradients of the masked layer = the reference on the compacted tokens."""
+    cfg, params, x, mask = _masked_case()
+    if mesh_name == "1":
+        mesh = jax.make_mesh((1, 1), ("data", "expert"), devices=jax.devices()[:1])
+        given = mask.astype(jnp.int32)  # read as != 0
+    else:
+        mesh, given = _mesh(mesh_name), mask
+    layer = lambda p, x: moe_layer(p, x, cfg, mesh=mesh, token_mask=given)  # noqa: E731
+    got = _value_and_grads(layer, params, x, _masked_weights(mask))
+    _compare_masked(got, mask)
+    assert int(got[0][1].tokens_per_expert.sum()) == int(_LENGTHS.sum()) * cfg.top_k
+
+
+def test_token_mask_reference_equals_reference_on_unmasked_tokens():
+    cfg, params, x, mask = _masked_case()
+    layer = lambda p, x: moe_layer_reference(p, x, cfg, token_mask=mask)  # noqa: E731
+    _compare_masked(_value_and_grads(layer, params, x, _masked_weights(mask)), mask)
+
+
+def test_token_mask_inside_shard_map():
+    """The pipeline-stage path: the layer on this device's shards of x and of the mask."""
+    cfg, params, x, mask = _masked_case()
+    mesh, specs, tok = _mesh("d2e4"), expert.moe_param_specs(cfg), P(cfg.token_axes)
+
+    def body(p, x, m):
+        assert x.shape == (1, 4, 32) and m.shape == (1, 4)  # local shards
+        return moe_layer(p, x, cfg, mesh=mesh, token_mask=m)
+
+    aux_specs = expert.MoEAux(P(), P(), P(), P(), P())
+    layer = jax.shard_map(body, mesh=mesh, in_specs=(specs, tok, tok), out_specs=(tok, aux_specs))
+    y, aux = jax.jit(layer)(*_sharded(mesh, cfg, params, x, mask))
+    (y_ref, aux_ref), _ = _compacted_want()
+    keep = np.asarray(mask)
+    np.testing.assert_array_equal(np.asarray(y)[~keep], 0.0)
+    assert_allclose(np.asarray(y)[keep], y_ref, jnp.float32, err_msg="y")
+    np.testing.assert_array_equal(aux.tokens_per_expert, aux_ref.tokens_per_expert)
+    for name in ("loss", "load_balancing_loss", "z_loss"):
+        assert_allclose(getattr(aux, name), getattr(aux_ref, name), jnp.float32, err_msg=name)
+
+
+@pytest.mark.parametrize("layer", ["moe_layer", "moe_layer_reference"])
+def test_token_mask_all_masked_gives_zeros_and_zero_gradients(layer):
+    cfg, params, _, _ = _masked_case()
+    x = jnp.full((8, 2, 32), jnp.nan)  # padding garbage must not leak either
+    mask = jnp.zeros((8, 2), bool)
+    if layer == "moe_layer":
+        mesh = _mesh("d2e4")
+        call = lambda p, x: moe_layer(p, x, cfg, mesh=mesh, token_mask=mask)  # noqa: E731
+    else:
+        call = lambda p, x: moe_layer_reference(p, x, cfg, token_mask=mask)  # noqa: E731
+    (y, aux), (grads, dx) = _value_and_grads(call, params, x, 1.0)
+    assert not np.asarray(y).any()
+    for name, value in aux._asdict().items():
+        assert not np.asarray(value).any(), name
+    for name, g in grads.items():
+        assert not np.asarray(g).any(), name  # zero, not NaN
+    assert not np.asarray(dx).any()
+
+
+def test_token_mask_padding_takes_no_capacity():
+    """Padding rows first: unmasked, they would fill experts 0 and 1 before any real token."""
+    lengths = np.array([0, 0, 0, 0, 4, 4, 4, 4])
+    cfg, params, x, mask = _masked_case(
+        lengths, capacity_factor=0.5, router="softmax", router_bias=False
+    )
+    assert cfg.capacity(32) == 4  # from the static count: 32 tokens, padding included
+    x = jnp.where(mask[..., None], x, 0.0)
+    _, _, ids, _ = expert._router(cfg, x.reshape(-1, 32), params["router"])
+    assert set(np.asarray(ids)[:16].reshape(-1).tolist()) == {0, 1}  # 16 slots each, > C
+    mesh = _mesh("d2e4")
+    y, aux = jax.jit(lambda p, x: moe_layer(p, x, cfg, mesh=mesh, token_mask=mask))(params, x)
+    # The 16 real tokens alone, with the same C = ceil(1.0 * 16 * 2 / 8) = 4.
+    same_c = dataclasses.replace(cfg, capacity_factor=1.0)
+    keep = np.asarray(mask)
+    y_ref, aux_ref = jax.jit(lambda p, x: moe_layer_reference(p, x, same_c))(params, x[keep])
+    assert int(aux.dropped) == int(aux_ref.dropped) > 0
+    np.testing.assert_array_equal(aux.tokens_per_expert, aux_ref.tokens_per_expert)
+    assert_allclose(np.asarray(y)[keep], y_ref, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(y)[~keep], 0.0)
+
+
+# -------------------------------------------------------------------------------------------------
 # Bad input.
 
 
@@ -850,6 +998,32 @@ def test_bad_reference_input():
         moe_layer_reference(params, jnp.ones((4, 32)), {"num_experts": 16})
     with pytest.raises(TypeError, match=r"^jaxops\.parallel\.expert\.init_moe_params: cfg must"):
         init_moe_params(jax.random.key(0), {"num_experts": 16})
+
+
+def test_bad_token_mask():
+    cfg, params, x, mask = _masked_case()
+    mesh = _mesh("d2e4")
+    ref = r"^jaxops\.parallel\.expert\.moe_layer_reference: "
+    for op, call in (
+        (LAYER, lambda m: moe_layer(params, x, cfg, mesh=mesh, token_mask=m)),
+        (ref, lambda m: moe_layer_reference(params, x, cfg, token_mask=m)),
+    ):
+        with pytest.raises(
+            ValueError, match=op + r"token_mask must have x's leading shape \(8, 4\).*got \(8,\)"
+        ):
+            call(mask[:, 0])
+        with pytest.raises(TypeError, match=op + r"token_mask must have dtype bool, .*got float32"):
+            call(mask.astype(jnp.float32))
+    # Inside a shard_map the mask is this device's shard, like x.
+    specs, tok = expert.moe_param_specs(cfg), P(cfg.token_axes)
+    layer = jax.shard_map(
+        lambda p, x: moe_layer(p, x, cfg, mesh=mesh, token_mask=mask)[0],
+        mesh=mesh,
+        in_specs=(specs, tok),
+        out_specs=tok,
+    )
+    with pytest.raises(ValueError, match=LAYER + r"leading shape \(1, 4\).*got \(8, 4\)"):
+        layer(*_sharded(mesh, cfg, params, x))
 
 
 # -------------------------------------------------------------------------------------------------

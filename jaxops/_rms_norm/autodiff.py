@@ -165,8 +165,9 @@ def add_rms_norm_vjp(cfg: Config, x, residual, weight):
 
 def _add_rms_norm_vjp_fwd(cfg: Config, x, residual, weight):
     y, h, rstd = _add_fwd_apply(cfg, x, residual, weight)
-    # Empty arrays that carry the shard_map varying axes of x and residual, for the cotangents.
-    markers = tuple(vary_like(jnp.zeros((0,), jnp.float32), v) for v in (x, residual))
+    # Empty arrays that carry the shard_map varying axes and the Explicit-mesh sharding of the
+    # leading axes of x and residual, for the cotangents.
+    markers = tuple(vary_like(v[..., :0], v) for v in (x, residual))
     return (y, h), (h, weight, rstd, markers)
 
 

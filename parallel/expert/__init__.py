@@ -41,6 +41,11 @@ slots a single device (``jaxops.moe.permute(..., capacity=C)``) keeps, whatever 
 per-device prefix counts come from one more all-gather of ``[E]`` int32 over the token axes.
 Dropped slots contribute zero to their token's output.
 
+Padded or packed batches: ``token_mask=`` (bool, ``x.shape[:-1]``, sharded like x) routes the
+masked-out tokens to no expert (expert id -1: no row, no exchange, no capacity), zeroes their
+output and gradients, and leaves them out of ``MoEAux``: the losses are means over the unmasked
+tokens of the global batch (one more int32 in the aux psum). C still comes from the static T.
+
 The package's modules, by concern:
 
 - ``_config``: :class:`MoEConfig`, the choice tuples (:data:`FFN_ACTIVATIONS`, :data:`ROUTERS`,

@@ -310,9 +310,11 @@ class MoEAux(NamedTuple):
         (float32 scalar): add it to the training loss.
       load_balancing_loss: ``E * sum_e f_e * p_e`` with f_e the fraction of the T*K slots routed
         to expert e (before drops) and p_e the mean over tokens of the router's probability of e
-        (softmax, or sigmoid scores normalized over the experts).
-      z_loss: ``mean_t logsumexp(logits_t) ** 2``.
-      tokens_per_expert: int32 ``[E]``, slots routed to each expert (before drops).
+        (softmax, or sigmoid scores normalized over the experts). With a ``token_mask``, T
+        counts the unmasked tokens of the whole batch only.
+      z_loss: ``mean_t logsumexp(logits_t) ** 2`` (over the unmasked tokens).
+      tokens_per_expert: int32 ``[E]``, slots routed to each expert (before drops; unmasked
+        tokens only).
       dropped: int32 scalar, slots dropped by the capacity.
     """
 

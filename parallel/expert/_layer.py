@@ -28,7 +28,14 @@ from ._config import (
 )
 from ._exchange import Plan, exchange, fp8_dispatch, make_plan, offsets
 from ._ffn import grouped_ffn, shared_expert
-from ._routing import aux_from_sums, route
+from ._routing import (
+    aux_from_sums,
+    check_token_mask,
+    mask_tokens,
+    route,
+    router_sums,
+    slot_counts,
+)
 
 __all__ = ["STAGES", "local_layer", "moe_layer", "stage_probe"]
 
@@ -43,11 +50,16 @@ def _probe(*values) -> jax.Array:
     return sum(jnp.sum(v.astype(jnp.float32)) for v in values).reshape(1)
 
 
-def _route_and_count(cfg: MoEConfig, plan: Plan, params, tokens):
-    """(ids, probs, counts, kept, aux): routing, this device's kept slots, global MoEAux."""
+def _route_and_count(cfg: MoEConfig, plan: Plan, params, tokens, valid=None):
+    """(ids, probs, counts, kept, aux): routing, this device's kept slots, global MoEAux.
+
+    valid: None or bool ``[T]``; masked-out tokens take no slot and leave the aux sums out, and
+    the losses are means over the unmasked tokens of all shards.
+    """
     e, token_axes = cfg.num_experts, cfg.token_axes
-    logits, dist, ids, probs = route(cfg, tokens, params["router"], params.get("router_bias"))
-    counts = jnp.zeros((e,), jnp.int32).at[ids.reshape(-1)].add(1)
+    bias = params.get("router_bias")
+    logits, dist, ids, probs = route(cfg, tokens, params["router"], bias, valid)
+    counts = slot_counts(ids, e, masked=valid is not None)
     if plan.capacity is None:
         kept = counts
     else:
@@ -56,28 +68,28 @@ def _route_and_count(cfg: MoEConfig, plan: Plan, params, tokens):
         mask = (jnp.arange(before.shape[0]) < me_global)[:, None]
         prefix = jnp.sum(jnp.where(mask, before, 0), axis=0)
         kept = jnp.clip(plan.capacity - prefix, 0, counts)
-    stats = jax.lax.psum(
-        (
-            counts,
-            jnp.sum(dist, axis=0),
-            jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2),
-            jnp.sum(counts - kept),
-        ),
-        token_axes,
-    )
-    return ids, probs, counts, kept, aux_from_sums(cfg, *stats, plan.num_tokens)
+    sums = [counts, *router_sums(logits, dist, valid), jnp.sum(counts - kept)]
+    if valid is not None:  # the global number of unmasked tokens, summed with the rest
+        sums.append(jnp.sum(valid, dtype=jnp.int32))
+    stats = jax.lax.psum(tuple(sums), token_axes)
+    num_tokens = plan.num_tokens if valid is None else stats[4]
+    return ids, probs, counts, kept, aux_from_sums(cfg, *stats[:4], num_tokens)
 
 
-def local_layer(cfg: MoEConfig, plan: Plan, impl, params, x, upto: str = "combine"):
+def local_layer(
+    cfg: MoEConfig, plan: Plan, impl, params, x, token_mask=None, upto: str = "combine"
+):
     """The per-device body of :func:`moe_layer` (inside shard_map): ``(y, aux)``.
 
     With `upto` before "combine" it stops after that stage and returns :func:`_probe` of the
-    stage's results (for the benchmark's time split).
+    stage's results (for the benchmark's time split). token_mask: None or this device's bool
+    ``x.shape[:-1]`` (checked).
     """
     h = x.shape[-1]
-    tokens = x.reshape(-1, h)
+    valid = None if token_mask is None else token_mask.reshape(-1)
+    tokens = mask_tokens(x.reshape(-1, h), valid)
     e, axis = cfg.num_experts, cfg.expert_axis
-    ids, probs, counts, kept, aux = _route_and_count(cfg, plan, params, tokens)
+    ids, probs, counts, kept, aux = _route_and_count(cfg, plan, params, tokens, valid)
     if upto == "router":
         return _probe(probs, aux.loss, kept)
 
@@ -119,6 +131,8 @@ def local_layer(cfg: MoEConfig, plan: Plan, impl, params, x, upto: str = "combin
     shared = shared_expert(cfg, params, tokens, impl)
     if shared is not None:
         y = y.astype(jnp.float32) + shared
+    if valid is not None:  # the shared expert's output too
+        y = jnp.where(valid[:, None], y, 0)
     return y.astype(x.dtype).reshape(x.shape), aux
 
 
@@ -183,7 +197,7 @@ def _inside_shard_map(op: str, cfg: MoEConfig) -> bool:
     return all(inside)
 
 
-def _local_call(op: str, params, x, cfg: MoEConfig, mesh, impl):
+def _local_call(op: str, params, x, cfg: MoEConfig, mesh, impl, token_mask):
     """The layer on this device's shards, inside an enclosing shard_map over cfg's axes."""
     n, shards = _check_mesh(op, mesh, cfg)
     local = cfg.num_experts // n
@@ -199,8 +213,9 @@ def _local_call(op: str, params, x, cfg: MoEConfig, mesh, impl):
                 f"device's shard of shape {shape} (moe_param_specs), got {got}"
             )
     x = _check_x(op, x, cfg)
+    token_mask = check_token_mask(op, token_mask, x)
     plan = make_plan(cfg, mesh, n, shards, math.prod(x.shape[:-1]) * shards)
-    return local_layer(cfg, plan, impl, params, x)
+    return local_layer(cfg, plan, impl, params, x, token_mask=token_mask)
 
 
 def moe_layer(
@@ -210,6 +225,7 @@ def moe_layer(
     *,
     mesh: jax.sharding.Mesh,
     impl: str | None = None,
+    token_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, MoEAux]:
     """The expert-parallel MoE layer: ``y[t] = sum_k probs[t, k] * FFN_{ids[t, k]}(x[t])``.
 
@@ -220,7 +236,14 @@ def moe_layer(
     Inside an enclosing ``shard_map`` in which cfg's token axes are already manual (a stage of
     :func:`jaxops.parallel.pipeline.pipeline_step`, say), the layer runs directly on this
     device's shards: `params` are then the shards of :func:`moe_param_specs` (``E / N`` local
-    experts) and `x` this device's tokens.
+    experts), `x` this device's tokens and `token_mask` their mask.
+
+    With a `token_mask` (padded or packed batches), a masked-out token is routed to no expert:
+    it takes no slot (and no capacity), its output row is 0 (the shared expert's included), no
+    gradient reaches it, and it counts in neither ``MoEAux.tokens_per_expert`` / ``dropped`` nor
+    the losses, which are means over the unmasked tokens of the whole global batch (all 0 when
+    there is none). The capacity C is still computed from the static token count (masked tokens
+    included), so the buffers keep static shapes.
 
     Args:
       params: from :func:`init_moe_params` (float32 or cfg.dtype; any placement, resharded to
@@ -232,12 +255,15 @@ def moe_layer(
       mesh: the mesh holding cfg's axes (other axes hold replicas).
       impl: None, "ffi" or "xla": which implementation of jaxops' kernels (permute, unpermute,
         FP8 quantization) to use; "xla" runs their pure-JAX twins.
+      token_mask: None (every token counts) or a bool array of shape ``x.shape[:-1]``, True for
+        the tokens that count (an integer array is read as ``!= 0``); sharded like x.
 
     Returns:
       ``(y, aux)``: y like x, and a :class:`MoEAux`.
 
     Raises:
-      TypeError / ValueError: bad params, x, mesh or config (named, with what was expected).
+      TypeError / ValueError: bad params, x, token_mask, mesh or config (named, with what was
+        expected).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -252,13 +278,17 @@ def moe_layer(
     """
     op = f"{_PREFIX}.moe_layer"
     if isinstance(cfg, MoEConfig) and _inside_shard_map(op, cfg):
-        return _local_call(op, params, x, cfg, mesh, impl)
+        return _local_call(op, params, x, cfg, mesh, impl, token_mask)
     params, x, plan, specs, x_spec = _prepare(op, params, x, cfg, mesh)
+    token_mask = check_token_mask(op, token_mask, x)
     aux_specs = MoEAux(P(), P(), P(), P(), P())
     body = functools.partial(local_layer, cfg, plan, impl)
+    args, in_specs = (params, x), (specs, x_spec)
+    if token_mask is not None:  # sharded like x
+        args, in_specs = (*args, place(token_mask, mesh, x_spec)), (*in_specs, x_spec)
     return jax.shard_map(
-        body, mesh=mesh, in_specs=(specs, x_spec), out_specs=(x_spec, aux_specs), check_vma=True
-    )(params, x)
+        body, mesh=mesh, in_specs=in_specs, out_specs=(x_spec, aux_specs), check_vma=True
+    )(*args)
 
 
 def stage_probe(params, x, cfg: MoEConfig, *, mesh, upto: str, impl: str | None = None):

@@ -13,13 +13,18 @@ from jaxops import _checks
 
 from ._config import MoEAux, MoEConfig, check_params
 from ._ffn import expert_ffn, shared_expert
-from ._routing import aux_from_sums, route
+from ._routing import aux_from_sums, check_token_mask, mask_tokens, route, router_sums
 
 __all__ = ["moe_layer_reference"]
 
 
 def moe_layer_reference(
-    params: dict[str, jax.Array], x: jax.Array, cfg: MoEConfig, *, impl: str | None = None
+    params: dict[str, jax.Array],
+    x: jax.Array,
+    cfg: MoEConfig,
+    *,
+    impl: str | None = None,
+    token_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, MoEAux]:
     """The dense single-device twin of :func:`moe_layer`: every expert on every token, masked.
 
@@ -30,12 +35,19 @@ def moe_layer_reference(
     The oracle of the tests and the "dense" baseline of the benchmark (under jit with sharded
     tokens it computes all E experts on every device).
 
+    A `token_mask` has :func:`moe_layer`'s semantics: masked-out tokens are routed to no expert,
+    take no capacity (C still comes from the static token count), get a zero output row and no
+    gradient, and count in none of the aux values (the losses are means over the unmasked
+    tokens; all 0 when there is none).
+
     Args:
       params: from :func:`init_moe_params`.
       x: ``[..., H]`` float32, bfloat16 or float16 (``H = cfg.hidden_size``).
       cfg: a :class:`MoEConfig` (its mesh axes are ignored).
       impl: with cfg.fp8, "xla" runs ``fp8.linear``'s pure-JAX twin (no jaxops custom call);
         None or "ffi" its default. Without FP8 the twin is plain jnp either way.
+      token_mask: None (every token counts) or a bool array of shape ``x.shape[:-1]``, True for
+        the tokens that count (an integer array is read as ``!= 0``).
 
     Returns:
       ``(y, aux)``: y like x, and a :class:`MoEAux`.
@@ -60,9 +72,12 @@ def moe_layer_reference(
             f"{op}: x must have shape (..., H) with H = cfg.hidden_size = {cfg.hidden_size}, "
             f"got {tuple(x.shape)}"
         )
-    tokens = x.reshape(-1, cfg.hidden_size)
+    token_mask = check_token_mask(op, token_mask, x)
+    valid = None if token_mask is None else token_mask.reshape(-1)
+    tokens = mask_tokens(x.reshape(-1, cfg.hidden_size), valid)
     t, e, k = tokens.shape[0], cfg.num_experts, cfg.top_k
-    logits, dist, ids, probs = route(cfg, tokens, params["router"], params.get("router_bias"))
+    bias = params.get("router_bias")
+    logits, dist, ids, probs = route(cfg, tokens, params["router"], bias, valid)
     slot_expert = ids.reshape(-1)
     onehot = slot_expert[:, None] == jnp.arange(e)[None, :]  # [T*K, E], slot order
     cap = cfg.capacity(t)
@@ -79,8 +94,10 @@ def moe_layer_reference(
     shared = shared_expert(cfg, params, tokens, impl)
     if shared is not None:
         y = y.astype(cfg.dtype).astype(jnp.float32) + shared
+    if valid is not None:
+        y = jnp.where(valid[:, None], y, 0)
     counts = jnp.sum(onehot, axis=0, dtype=jnp.int32)
     dropped = jnp.sum(onehot & ~keep, dtype=jnp.int32)
-    lse_sq = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)
-    aux = aux_from_sums(cfg, counts, jnp.sum(dist, axis=0), lse_sq, dropped, t)
+    num_tokens = t if valid is None else jnp.sum(valid, dtype=jnp.int32)
+    aux = aux_from_sums(cfg, counts, *router_sums(logits, dist, valid), dropped, num_tokens)
     return y.astype(x.dtype).reshape(x.shape), aux

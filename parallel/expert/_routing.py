@@ -1,9 +1,10 @@
 """Routing: the router's choice and weights, the auxiliary losses, the correction bias update.
 
-Shared by the expert-parallel layer and its dense reference: :func:`route` (float32 logits,
-softmax or sigmoid scores, correction bias, group-limited choice, top-k weights),
-:func:`aux_from_sums` (:class:`MoEAux` from global sums) and :func:`update_router_bias`
-(DeepSeek-V3's auxiliary-loss-free balancing).
+Shared by the expert-parallel layer and its dense reference: :func:`check_token_mask` (the
+``token_mask=`` argument), :func:`route` (float32 logits, softmax or sigmoid scores, correction
+bias, group-limited choice, top-k weights; masked-out tokens routed nowhere), :func:`router_sums`
+and :func:`aux_from_sums` (:class:`MoEAux` from global sums over the unmasked tokens) and
+:func:`update_router_bias` (DeepSeek-V3's auxiliary-loss-free balancing).
 """
 
 from __future__ import annotations
@@ -16,12 +17,62 @@ from jaxops import _checks
 
 from ._config import MoEAux, MoEConfig
 
-__all__ = ["aux_from_sums", "route", "update_router_bias"]
+__all__ = [
+    "aux_from_sums",
+    "check_token_mask",
+    "mask_tokens",
+    "route",
+    "router_sums",
+    "slot_counts",
+    "update_router_bias",
+]
 
 _COUNT_DTYPES = tuple(np.dtype(d) for d in ("int32", "int64", "uint32", "float32"))
+_MASK_DTYPES = tuple(
+    np.dtype(d)
+    for d in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+)
 
 
-def route(cfg: MoEConfig, tokens: jax.Array, w_router: jax.Array, bias=None):
+def check_token_mask(op: str, token_mask, x: jax.Array) -> jax.Array | None:
+    """None, or `token_mask` as a bool array of x's leading shape ``x.shape[:-1]``.
+
+    Integer masks are read as ``!= 0``; another dtype is a TypeError, another shape a ValueError
+    (both messages start with `op`).
+    """
+    if token_mask is None:
+        return None
+    mask = _checks.check_array(op, "token_mask", token_mask, dtypes=_MASK_DTYPES)
+    if tuple(mask.shape) != tuple(x.shape[:-1]):
+        raise ValueError(
+            f"{op}: token_mask must have x's leading shape {tuple(x.shape[:-1])} (x: "
+            f"{tuple(x.shape)}), got {tuple(mask.shape)}"
+        )
+    mask = jnp.asarray(mask)
+    return mask if mask.dtype == jnp.bool_ else mask != 0
+
+
+def mask_tokens(tokens: jax.Array, valid: jax.Array | None) -> jax.Array:
+    """`tokens` ``[T, H]`` with the rows of masked-out tokens (valid ``[T]`` False) zeroed.
+
+    Masked rows are never read after this (no value, NaN included, and no gradient crosses).
+    """
+    return tokens if valid is None else jnp.where(valid[:, None], tokens, 0)
+
+
+def slot_counts(ids: jax.Array, num_experts: int, masked: bool = False) -> jax.Array:
+    """int32 ``[E]``: the slots of ids ``[T, K]`` routed to each expert.
+
+    masked: ids may hold -1 (a masked-out token's slots): those count nowhere.
+    """
+    counts = jnp.zeros((num_experts,), jnp.int32)
+    if not masked:
+        return counts.at[ids.reshape(-1)].add(1)
+    # .at[] would wrap -1 to expert E - 1: a masked slot adds 0 there.
+    return counts.at[ids.reshape(-1)].add((ids.reshape(-1) >= 0).astype(jnp.int32))
+
+
+def route(cfg: MoEConfig, tokens: jax.Array, w_router: jax.Array, bias=None, valid=None):
     """(logits, probabilities over experts, expert_ids [T, K], their weights [T, K]), float32.
 
     Scores are softmax or sigmoid of the float32 logits. The choice: the scores plus the
@@ -35,6 +86,7 @@ def route(cfg: MoEConfig, tokens: jax.Array, w_router: jax.Array, bias=None):
       tokens: ``[T, H]``, any float dtype.
       w_router: ``[H, E]``.
       bias: None or float32 ``[E]``, the correction bias.
+      valid: None or bool ``[T]``: a False token gets expert ids -1 (no expert) and weights 0.
     """
     logits = jnp.dot(
         tokens.astype(jnp.float32),
@@ -73,11 +125,33 @@ def route(cfg: MoEConfig, tokens: jax.Array, w_router: jax.Array, bias=None):
             top = top / jnp.where(total > 0, total + 1e-20, 1.0)
     if cfg.routed_scaling_factor != 1.0:
         top = top * cfg.routed_scaling_factor
-    return logits, dist, ids.astype(jnp.int32), top
+    ids = ids.astype(jnp.int32)
+    if valid is not None:
+        ids = jnp.where(valid[:, None], ids, -1)
+        top = jnp.where(valid[:, None], top, 0.0)
+    return logits, dist, ids, top
 
 
-def aux_from_sums(cfg: MoEConfig, counts, dist_sum, lse_sq_sum, dropped, num_tokens: int) -> MoEAux:
-    """MoEAux from global sums: counts [E] int32, dist_sum [E], lse_sq_sum [] (float32)."""
+def router_sums(logits: jax.Array, dist: jax.Array, valid: jax.Array | None = None):
+    """(dist summed over the tokens [E], logsumexp(logits)^2 summed []) over the valid tokens.
+
+    logits, dist: float32 ``[T, E]`` from :func:`route`; valid: None (all) or bool ``[T]``.
+    """
+    if valid is None:
+        return jnp.sum(dist, axis=0), jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    lse_sq = jax.nn.logsumexp(logits, axis=-1) ** 2
+    dist_sum = jnp.sum(jnp.where(valid[:, None], dist, 0.0), axis=0)
+    return dist_sum, jnp.sum(jnp.where(valid, lse_sq, 0.0))
+
+
+def aux_from_sums(cfg: MoEConfig, counts, dist_sum, lse_sq_sum, dropped, num_tokens) -> MoEAux:
+    """MoEAux from global sums: counts [E] int32, dist_sum [E], lse_sq_sum [] (float32).
+
+    num_tokens: the tokens the sums are over, a static int or (with a token mask) a traced int
+    scalar; then no token at all gives zero losses with zero gradients (denominator max(n, 1)).
+    """
+    if not isinstance(num_tokens, int):
+        num_tokens = jnp.maximum(num_tokens, 1).astype(jnp.float32)
     f = counts.astype(jnp.float32) / (num_tokens * cfg.top_k)
     p = dist_sum / num_tokens
     lb = cfg.num_experts * jnp.sum(f * p)
