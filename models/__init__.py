@@ -4,6 +4,10 @@
   and :class:`MoEDecoder`: the decoder laid out on a mesh (experts over an ``expert`` axis,
   layers over a ``pipe`` axis as pipeline stages, the batch over the rest) with ``init``,
   ``logits``, ``loss`` and ``loss_and_grads``.
+- Fine-tuning: ``attention_mask=``, ``positions=`` and ``segment_ids=`` on every
+  :class:`MoEDecoder` method, targets of :data:`IGNORE_INDEX` (-100) left out of the loss,
+  :func:`pack_sequences` (documents packed into rows, :class:`PackedBatch`), :func:`generate`
+  (a KV cache, greedy or sampled), :data:`REMAT_POLICIES` and gradient accumulation.
 - :func:`from_pretrained` / :func:`save_pretrained`: a Hugging Face model directory in, sharded
   parameters out, and back (transformers loads what it writes); :func:`name_map` is the mapping.
 - :data:`DECODER_SCHEDULES`, :data:`MOE_IMPLS`, :data:`MODEL_TYPES`, :data:`BLOCK_MODEL_TYPES`:
@@ -26,27 +30,34 @@ import warnings as _warnings
 
 from jaxops.models._blocks import BLOCK_MODEL_TYPES, is_moe_layer, load_moe_block, moe_block_config
 from jaxops.models._config import MODEL_TYPES, DecoderConfig, read_config
-from jaxops.models._decoder import DECODER_SCHEDULES, MOE_IMPLS, MoEDecoder
+from jaxops.models._decoder import DECODER_SCHEDULES, MOE_IMPLS, REMAT_POLICIES, MoEDecoder
+from jaxops.models._generate import generate
 from jaxops.models._hf import from_pretrained, save_pretrained
 from jaxops.models._names import LLAMA_NAME_MAP, llama_name_map, name_map
+from jaxops.models._packing import IGNORE_INDEX, PackedBatch, pack_sequences
 
 from jaxops._errors import ConfigError
 
 __all__ = [
     "BLOCK_MODEL_TYPES",
     "DECODER_SCHEDULES",
+    "IGNORE_INDEX",
     "LLAMA_NAME_MAP",
     "MODEL_TYPES",
     "MOE_IMPLS",
+    "REMAT_POLICIES",
     "ConfigError",
     "DecoderConfig",
     "MoEDecoder",
+    "PackedBatch",
     "from_pretrained",
+    "generate",
     "is_moe_layer",
     "llama_name_map",
     "load_moe_block",
     "moe_block_config",
     "name_map",
+    "pack_sequences",
     "read_config",
     "save_pretrained",
 ]

@@ -16,10 +16,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxops.models import _layers
+from jaxops.models import _batch, _layers, _objective
 from jaxops.models._config import DecoderConfig
+from jaxops.models._layout import Layout
 from jaxops.parallel import expert as ep
 from jaxops.parallel import pipeline as pl
 
@@ -28,20 +28,22 @@ from jaxops._errors import ConfigError, renamed_fields
 from jaxops._ffi import has_kernel
 from jaxops._sharding import place
 
-__all__ = ["DECODER_SCHEDULES", "MOE_IMPLS", "MoEDecoder"]
+__all__ = ["DECODER_SCHEDULES", "MOE_IMPLS", "REMAT_POLICIES", "MoEDecoder"]
 
 #: The pipeline schedules the decoder trains with (of :data:`jaxops.parallel.pipeline.SCHEDULES`;
 #: "interleaved" would need the layers stored in its round-robin layout).
 DECODER_SCHEDULES = tuple(s for s in pl.SCHEDULES if s != "interleaved")
 #: MoE implementations: the expert-parallel layer or its dense masked twin.
 MOE_IMPLS = ("ep", "dense")
-_INIT_STD = 0.02  # transformers' initializer_range for these models
 _OP = "jaxops.models.MoEDecoder"
-_TOKEN_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
-
-
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, P)
+#: The ``remat`` policies by name: what each layer keeps for its backward. "none": every
+#: residual; "full": only its input (the backward recomputes the layer); "matmuls": the outputs
+#: of the projections and of every XLA dot (the backward recomputes norms, softmax, activations).
+REMAT_POLICIES = ("none", "full", "matmuls")
+_MATMULS = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_saveable,
+    jax.checkpoint_policies.save_only_these_names(_layers.PROJECTION),
+)
 
 
 @renamed_fields(
@@ -52,7 +54,7 @@ def _is_spec(x: Any) -> bool:
     }
 )
 @dataclasses.dataclass(frozen=True)
-class MoEDecoder:
+class MoEDecoder(Layout):
     """A decoder-only MoE transformer laid out on a mesh: parameters, forward, loss, gradients.
 
     Per layer (``L`` of them, parameters stacked on a leading layer axis)::
@@ -80,7 +82,10 @@ class MoEDecoder:
       num_microbatches: microbatches per data shard in the pipeline (>= the pipe size is
         efficient). Formerly ``microbatches`` (deprecated alias for one release).
       schedule: "1f1b" or "gpipe" (:data:`DECODER_SCHEDULES`).
-      remat: recompute each layer's forward in the backward (``jax.checkpoint``).
+      remat: what each layer keeps for its backward (``jax.checkpoint``), one of
+        :data:`REMAT_POLICIES`: "none" (False; every residual), "full" (True; only the layer's
+        input, the backward recomputes its forward) or "matmuls" (the projections' and dots'
+        outputs); or a ``jax.checkpoint_policies`` policy.
       dtype: compute dtype (float32, bfloat16 or float16); parameters may be stored in another.
       capacity_factor: None (dropless, as transformers) or the MoE layer's capacity factor.
       fp8: None or "block": DeepSeek-V3 block-scaled FP8 numerics in the expert GEMMs and the
@@ -119,7 +124,7 @@ class MoEDecoder:
     pipe_axis: str = "pipe"
     num_microbatches: int = 1
     schedule: str = "1f1b"
-    remat: bool = False
+    remat: bool | str | Callable = False
     dtype: Any = jnp.float32
     capacity_factor: float | None = None
     fp8: str | None = None
@@ -156,7 +161,19 @@ class MoEDecoder:
                 f"{op}: num_layers = {self.config.num_layers} must be divisible by the size "
                 f"{self.pipe} of the pipe axis {self.pipe_axis!r}"
             )
+        if self.expert_axis == self.pipe_axis:
+            raise ConfigError(
+                f"{op}: expert_axis and pipe_axis are both {self.expert_axis!r}; the experts and "
+                "the pipeline stages need two different mesh axes"
+            )
         _checks.check_int(op, "num_microbatches", self.num_microbatches, 1)
+        if self.remat is None or isinstance(self.remat, bool):
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
+        elif not callable(self.remat) and self.remat not in REMAT_POLICIES:
+            raise ConfigError(
+                f"{op}: remat must be one of {REMAT_POLICIES}, a bool or a "
+                f"jax.checkpoint_policies policy, got {self.remat!r}"
+            )
         if self.moe_impl not in MOE_IMPLS:
             raise ConfigError(f"{op}: moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
         if self.moe_impl == "dense" and self.pipe > 1:
@@ -217,114 +234,6 @@ class MoEDecoder:
             shared_gate=c.shared_ffn > 0,
         )
 
-    def param_shapes(self) -> dict[str, Any]:
-        """The parameter tree's shapes (``layers`` leaves stacked ``[L, ...]``).
-
-        ``embed [V, D]``; per layer ``attn_norm [D]``, ``w_qkv [D, (Hq + 2 Hkv) Dh]`` (q, k, v
-        side by side), ``b_qkv`` (Qwen2), ``q_norm, k_norm [Dh]`` (Qwen3), ``w_o [Hq Dh, D]``,
-        ``b_o`` (Qwen3 attention_bias), ``mlp_norm [D]``, ``moe`` (``MoEConfig.param_shapes``:
-        ``router [D, E]``, ``w_in [E, D, 2F]`` (gate, up), ``w_out [E, F, D]``, the shared
-        expert); then ``final_norm [D]`` and ``lm_head [D, V]`` (absent with tied embeddings).
-        Kernels are ``[in, out]``.
-        """
-        c = self.config
-        d, qkv = c.hidden_size, c.q_size + 2 * c.kv_size
-        layer: dict[str, Any] = {"attn_norm": (d,), "w_qkv": (d, qkv)}
-        if c.qkv_bias:
-            layer["b_qkv"] = (qkv,)
-        if c.qk_norm:
-            layer["q_norm"] = (c.head_dim,)
-            layer["k_norm"] = (c.head_dim,)
-        layer["w_o"] = (c.q_size, d)
-        if c.o_bias:
-            layer["b_o"] = (d,)
-        layer["mlp_norm"] = (d,)
-        layer["moe"] = dict(self.moe.param_shapes)
-        stacked = jax.tree.map(
-            lambda s: (c.num_layers, *s), layer, is_leaf=lambda s: isinstance(s, tuple)
-        )
-        tree = {"embed": (c.vocab_size, d), "layers": stacked, "final_norm": (d,)}
-        if not c.tie_word_embeddings:
-            tree["lm_head"] = (d, c.vocab_size)
-        return tree
-
-    def _layer_specs(self, lead: Any) -> dict[str, Any]:
-        shapes = self.param_shapes()["layers"]
-        specs = {k: P(lead) for k in shapes if k != "moe"}
-        moe_specs = ep.moe_param_specs(self.moe)
-        if self.moe_impl == "dense":  # every device runs every expert
-            moe_specs = {k: P() for k in moe_specs}
-        specs["moe"] = {k: P(lead, *s) for k, s in moe_specs.items() if k in shapes["moe"]}
-        return specs
-
-    def param_specs(self) -> dict[str, Any]:
-        """PartitionSpecs of the parameters.
-
-        Layers over the pipe axis, experts over the expert axis, everything else replicated.
-        """
-        lead = self.pipe_axis if self.pipe > 1 else None
-        specs = {"embed": P(), "layers": self._layer_specs(lead), "final_norm": P()}
-        if not self.config.tie_word_embeddings:
-            specs["lm_head"] = P()
-        return specs
-
-    def shardings(self) -> dict[str, Any]:
-        """NamedShardings of :meth:`param_specs` on the mesh."""
-        return jax.tree.map(
-            lambda s: NamedSharding(self.mesh, s), self.param_specs(), is_leaf=_is_spec
-        )
-
-    def abstract_params(self, dtype: Any = jnp.float32) -> dict[str, Any]:
-        """The parameter tree as ``jax.ShapeDtypeStruct`` s with their shardings (a load target).
-
-        The MoE correction bias (none of these models has one) would stay float32.
-        """
-        dtype = np.dtype(dtype)
-        return jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s, dtype, sharding=sh),
-            self.param_shapes(),
-            self.shardings(),
-            is_leaf=lambda s: isinstance(s, tuple),
-        )
-
-    def init(self, key: jax.Array, dtype: Any = jnp.float32) -> dict[str, Any]:
-        """Random parameters placed on the mesh.
-
-        normal(0, 0.02) matrices (transformers' initializer_range), unit norms, zero biases.
-        """
-        abstract = self.abstract_params(dtype)
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-
-        def make(key):
-            keys = jax.random.split(key, len(leaves))
-            out = []
-            for (path, leaf), k in zip(leaves, keys, strict=True):
-                name = jax.tree_util.keystr(path)
-                if "norm" in name:
-                    out.append(jnp.ones(leaf.shape, leaf.dtype))
-                elif name.endswith("['b_qkv']") or name.endswith("['b_o']"):
-                    out.append(jnp.zeros(leaf.shape, leaf.dtype))
-                else:
-                    out.append((jax.random.normal(k, leaf.shape) * _INIT_STD).astype(leaf.dtype))
-            return jax.tree_util.tree_unflatten(treedef, out)
-
-        out_shardings = jax.tree.map(lambda a: a.sharding, abstract)
-        return jax.jit(make, out_shardings=out_shardings)(key)
-
-    def place_batch(self, *arrays: Any) -> Any:
-        """Host arrays ``[B, ...]`` as global arrays split over the batch axes.
-
-        Every process passes the same global values; one array in, one out.
-        """
-        sharding = NamedSharding(self.mesh, P(self.batch_axes))
-
-        def put(a):
-            a = np.asarray(a)
-            return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
-
-        out = tuple(put(a) for a in arrays)
-        return out[0] if len(out) == 1 else out
-
     # ---------------------------------------------------------------------------------------------
     # The model: unvalidated internals on the layer functions.
 
@@ -337,20 +246,33 @@ class MoEDecoder:
         return _layers.Ops(self.dtype, self.impl, self.fp8, self.mesh, gemm_impl)
 
     def _moe_fn(self) -> Callable:
+        """``moe(params, y, token_mask)``: the MoE layer; padding (mask False) is not routed."""
         cfg = self.moe
 
-        def moe(p, y):
+        def moe(p, y, token_mask=None):
             if self.moe_impl == "dense":
-                return ep.moe_layer_reference(p, y, cfg, impl=self.impl)
-            return ep.moe_layer(p, y, cfg, mesh=self.mesh, impl=self.impl)
+                return ep.moe_layer_reference(p, y, cfg, impl=self.impl, token_mask=token_mask)
+            return ep.moe_layer(p, y, cfg, mesh=self.mesh, impl=self.impl, token_mask=token_mask)
 
         return moe
 
-    def _run_layers(self, layers: dict[str, Any], h: jax.Array) -> tuple[jax.Array, ep.MoEAux]:
+    @property
+    def _remat(self) -> bool | Callable:
+        """What a layer keeps for its backward: False (everything), True (its input) or a policy."""
+        if callable(self.remat):
+            return self.remat
+        return {"none": False, "full": True, "matmuls": _MATMULS}[self.remat]
+
+    def _run_layers(
+        self, layers: dict[str, Any], h: jax.Array, where: _layers.Tokens
+    ) -> tuple[jax.Array, ep.MoEAux]:
         """``h`` through the stacked `layers` (one lax.scan); the per-layer MoEAux, stacked."""
-        body = functools.partial(_layers.decoder_layer, self._ops, self.config, self._moe_fn())
-        if self.remat:
-            body = jax.checkpoint(body)
+        body = functools.partial(
+            _layers.decoder_layer, self._ops, self.config, self._moe_fn(), where
+        )
+        remat = self._remat
+        if remat is not False:
+            body = jax.checkpoint(body, policy=None if remat is True else remat)
         return jax.lax.scan(body, h, layers)
 
     def _place(self, x: jax.Array) -> jax.Array:
@@ -380,86 +302,128 @@ class MoEDecoder:
             "param_specs": self._layer_specs(None),
         }
 
-    def _stage(self, sp: dict[str, Any], x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """One pipeline stage: its layers, and the sum of their MoE aux losses."""
-        h, aux = self._run_layers(sp, x)
-        return h, jnp.sum(aux.loss)
+    def _stage(self, sp: dict[str, Any], carry: dict[str, Any]) -> tuple[dict[str, Any], jax.Array]:
+        """One pipeline stage on ``{"h", "where"}``: its layers, the sum of their aux losses."""
+        h, aux = self._run_layers(sp, carry["h"], carry["where"])
+        return {**carry, "h": h}, jnp.sum(aux.loss)
 
-    def _hidden(self, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
-        x = _layers.embed(self._ops, params["embed"], tokens)
+    def _where(self, batch: _batch.Batch) -> tuple[_layers.Tokens, jax.Array | None]:
+        """``(where, targets)``: the tokens' placement; targets at padding are ignored."""
+        where = _batch.placement(batch)
+        targets = batch.targets
+        if targets is not None and where.segments is not None:
+            targets = jnp.where(where.valid, targets, _layers.IGNORE_INDEX)
+        return where, targets
+
+    def _inputs(self, params: dict[str, Any], batch: _batch.Batch):
+        """``(embedded tokens, where, targets)``: targets at padding are ignored."""
+        x = self._place(_layers.embed(self._ops, params["embed"], batch.tokens))
+        return (x, *self._where(batch))
+
+    def _hidden(self, params: dict[str, Any], batch: _batch.Batch) -> jax.Array:
+        x, where, _ = self._inputs(params, batch)
         if self.pipe > 1:
             stages = self._stages(params["layers"])
-            return pl.pipeline_forward(self._stage, stages, x, **self._pipeline())
-        return self._run_layers(params["layers"], self._place(x))[0]
+            carry = {"h": x, "where": where}
+            return pl.pipeline_forward(self._stage, stages, carry, **self._pipeline())["h"]
+        return self._run_layers(params["layers"], x, where)[0]
 
-    def _objective(self, params: dict[str, Any], tokens: jax.Array, targets: jax.Array):
-        """The training loss: mean next-token cross-entropy plus the layers' MoE aux losses.
-
-        Without a pipeline the aux losses are each layer's over the whole batch; with one, per
-        microbatch, averaged over the microbatches and data shards as :meth:`loss_and_grads`
-        computes them, from a forward-only pipeline (each stage adds its aux loss to a
-        per-example carry).
-        """
-        x = _layers.embed(self._ops, params["embed"], tokens)
-        if self.pipe == 1:
-            h, aux = self._run_layers(params["layers"], self._place(x))
-            return _layers.cross_entropy(self._head(self._head_params(params), h), targets) + (
-                jnp.sum(aux.loss)
-            )
-
-        def stage(sp, carry):
-            h, aux = self._stage(sp, carry["h"])
-            return {"h": h, "aux": carry["aux"] + aux}, jnp.zeros((), jnp.float32)
-
-        carry = {"h": x, "aux": self._place(jnp.zeros(tokens.shape[:1], jnp.float32))}
-        out = pl.pipeline_forward(stage, self._stages(params["layers"]), carry, **self._pipeline())
-        logits = self._head(self._head_params(params), out["h"])
-        return _layers.cross_entropy(logits, targets) + jnp.mean(out["aux"])
+    @functools.cached_property
+    def _pipe_loss(self) -> Callable:
+        """The pipe mesh's loss, differentiable: its gradient is the pipeline step's."""
+        return _objective.pipe_loss(self)
 
     # ---------------------------------------------------------------------------------------------
     # Public methods: validate once, then run the internals.
 
-    def _check_tokens(self, op: str, tokens: Any, name: str = "tokens") -> jax.Array:
-        tokens = _checks.check_array(op, name, tokens, dtypes=_TOKEN_DTYPES, min_rank=2)
-        if tokens.ndim != 2:
-            raise ValueError(f"{op}: {name} must be [batch, seq], got shape {tuple(tokens.shape)}")
+    def _check(self, op: str, tokens, targets, mask, positions, segments) -> _batch.Batch:
+        """The validated batch of a public method (targets None: logits and the like)."""
         shards = int(np.prod([dict(self.mesh.shape)[a] for a in self.batch_axes]))
-        per = shards * (self.num_microbatches if self.pipe > 1 else 1)
-        if tokens.shape[0] % per:
-            raise ValueError(
-                f"{op}: {name}' batch ({tokens.shape[0]}) must be a multiple of {per} (the "
-                f"{shards} devices of the batch axes {self.batch_axes}"
-                + (f" times {self.num_microbatches} microbatches)" if self.pipe > 1 else ")")
-            )
-        return tokens
+        split = targets is not None and (self.pipe > 1 or self.num_microbatches > 1)
+        split |= self.pipe > 1
+        m = self.num_microbatches if split else 1
+        why = f"(the {shards} devices of the batch axes {self.batch_axes}" + (
+            f" times {m} microbatches)" if m > 1 else ")"
+        )
+        return _batch.check_batch(
+            op,
+            self.config.vocab_size,
+            shards * m,
+            why,
+            tokens,
+            targets,
+            need_targets=targets is not None,
+            attention_mask=mask,
+            positions=positions,
+            segment_ids=segments,
+        )
 
-    def _check_pair(self, op: str, tokens: Any, targets: Any) -> tuple[jax.Array, jax.Array]:
-        tokens = self._check_tokens(op, tokens)
-        targets = self._check_tokens(op, targets, "targets")
-        if targets.shape != tokens.shape:
-            raise ValueError(
-                f"{op}: targets must have the shape of tokens {tuple(tokens.shape)}, got "
-                f"{tuple(targets.shape)}"
-            )
-        return tokens, targets
+    def hidden_states(
+        self,
+        params: dict[str, Any],
+        tokens: jax.Array,
+        *,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """The last layer's output ``[B, S, D]`` (compute dtype), before the final norm.
 
-    def hidden_states(self, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
-        """The last layer's output ``[B, S, D]`` (compute dtype), before the final norm."""
-        return self._hidden(params, self._check_tokens(f"{_OP}.hidden_states", tokens))
+        The batch arguments are those of :meth:`logits`.
+        """
+        op = f"{_OP}.hidden_states"
+        batch = self._check(op, tokens, None, attention_mask, positions, segment_ids)
+        return self._hidden(params, batch)
 
-    def logits(self, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
+    def logits(
+        self,
+        params: dict[str, Any],
+        tokens: jax.Array,
+        *,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
         """float32 logits ``[B, S, V]`` of int ``tokens [B, S]`` (call it under ``jax.jit``).
 
         B must be a multiple of the devices of the batch axes (times the microbatches with a
-        pipeline). Positions are ``0 .. S-1``; there is no padding mask and no KV cache.
-        """
-        h = self._hidden(params, self._check_tokens(f"{_OP}.logits", tokens))
-        return self._head(self._head_params(params), h)
+        pipeline).
 
-    def forward(self, params: dict[str, Any], tokens: jax.Array) -> tuple[jax.Array, ep.MoEAux]:
+        Args:
+          params: the parameters (:meth:`init`, :func:`~jaxops.models.from_pretrained`).
+          tokens: int32/int64 ``[B, S]`` ids in ``[0, V)``. Host (numpy) arrays are checked
+            and an id out of range raises ValueError naming it; on device arrays (under jit)
+            such an id embeds as NaN, so its row's logits (and any loss over them) are NaN.
+          attention_mask: bool or int ``[B, S]``, 0 at padding (left or right), or None. No
+            query sees a padding key, and padding never reaches the MoE router (its routing
+            statistics and load-balancing loss count real tokens only). Logits at padding are
+            meaningless.
+          positions: int ``[B, S]`` rotary positions (transformers' ``position_ids``), or None:
+            the index within the document with `segment_ids`, else ``cumsum(attention_mask) -
+            1`` with a mask (left padding as transformers' generate), else ``0 .. S-1``.
+          segment_ids: int ``[B, S]``: documents packed in one row (1, 2, ...; 0 = padding),
+            each attending only to itself (:func:`~jaxops.models.pack_sequences` makes them).
+            Causality and the sliding window count in row indices.
+
+        Returns:
+          float32 ``[B, S, V]``.
+        """
+        batch = self._check(f"{_OP}.logits", tokens, None, attention_mask, positions, segment_ids)
+        return self._head(self._head_params(params), self._hidden(params, batch))
+
+    def forward(
+        self,
+        params: dict[str, Any],
+        tokens: jax.Array,
+        *,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> tuple[jax.Array, ep.MoEAux]:
         """``(logits, aux)`` without a pipeline; aux: the layers' ``MoEAux``, stacked.
 
-        ``aux.tokens_per_expert [L, E]`` is the load of every expert of every layer.
+        ``aux.tokens_per_expert [L, E]`` is the load of every expert of every layer (real
+        tokens only). The batch arguments are those of :meth:`logits`.
         """
         op = f"{_OP}.forward"
         if self.pipe > 1:
@@ -467,51 +431,72 @@ class MoEDecoder:
                 f"{op}: per-layer MoE statistics are not available through the pipeline; use "
                 "logits() or loss()"
             )
-        tokens = self._check_tokens(op, tokens)
-        x = self._place(_layers.embed(self._ops, params["embed"], tokens))
-        h, aux = self._run_layers(params["layers"], x)
+        batch = self._check(op, tokens, None, attention_mask, positions, segment_ids)
+        x, where, _ = self._inputs(params, batch)
+        h, aux = self._run_layers(params["layers"], x, where)
         return self._head(self._head_params(params), h), aux
 
-    def loss(self, params: dict[str, Any], tokens: jax.Array, targets: jax.Array) -> jax.Array:
-        """Mean next-token cross-entropy of ``targets [B, S]`` plus the layers' MoE aux losses.
+    def loss(
+        self,
+        params: dict[str, Any],
+        tokens: jax.Array,
+        targets: jax.Array,
+        *,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """Next-token cross-entropy of ``targets [B, S]`` plus the layers' MoE aux losses.
 
-        With a pipe axis it runs the pipeline's forwards only (no backward); the value equals
-        :meth:`loss_and_grads`'s loss. For gradients on a pipe mesh use :meth:`loss_and_grads`.
+        The cross-entropy is the mean over the targets of the whole batch that count: a target
+        of -100 (transformers' ignore index) or at a padding token counts for nothing; a batch
+        with no target left has cross-entropy 0 (and zero gradients), never NaN. Targets are
+        already shifted: ``targets[b, i]`` is the token to predict after ``tokens[b, i]``.
+
+        With a pipe axis it runs the pipeline's forwards only; the value equals
+        :meth:`loss_and_grads`'s, and ``jax.grad`` of it runs the pipeline step (the backward
+        of the schedule). With ``num_microbatches > 1`` and no pipe axis the microbatches run
+        one after another (gradient accumulation, the aux losses per microbatch).
+
+        Args:
+          params: the parameters.
+          tokens: as in :meth:`logits`.
+          targets: int ``[B, S]``, ids in ``[0, V)`` or -100 (checked in host arrays; another
+            id on device gives a NaN loss).
+          attention_mask: as in :meth:`logits`.
+          positions: as in :meth:`logits`.
+          segment_ids: as in :meth:`logits`.
+
+        Returns:
+          The float32 loss.
         """
-        tokens, targets = self._check_pair(f"{_OP}.loss", tokens, targets)
-        return self._objective(params, tokens, targets)
+        batch = self._check(f"{_OP}.loss", tokens, targets, attention_mask, positions, segment_ids)
+        if self.pipe > 1:
+            return self._pipe_loss(params, batch)
+        return _objective.objective(self, params, batch)
 
     def loss_and_grads(
-        self, params: dict[str, Any], tokens: jax.Array, targets: jax.Array
+        self,
+        params: dict[str, Any],
+        tokens: jax.Array,
+        targets: jax.Array,
+        *,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, Any]]:
-        """``(loss, grads)``, grads like params.
+        """``(loss, grads)`` of :meth:`loss`, grads like params.
 
         With a pipe axis: one :func:`~jaxops.parallel.pipeline.pipeline_step` (the schedule,
-        ``num_microbatches`` per data shard; the MoE aux losses are computed per microbatch);
-        else ``jax.value_and_grad`` of the loss.
+        ``num_microbatches`` per data shard; the MoE aux losses per microbatch). Without one:
+        ``jax.value_and_grad`` of the loss, over ``num_microbatches`` microbatches one after
+        another when > 1 (gradient accumulation: the activations of one microbatch live at a
+        time). The arguments are those of :meth:`loss`.
         """
-        tokens, targets = self._check_pair(f"{_OP}.loss_and_grads", tokens, targets)
-        if self.pipe == 1:
-            return jax.value_and_grad(self._objective)(params, tokens, targets)
-        x, embed_vjp = jax.vjp(
-            lambda e: self._place(_layers.embed(self._ops, e, tokens)), params["embed"]
-        )
-        loss, g = pl.pipeline_step(
-            self._stage,
-            self._stages(params["layers"]),
-            x,
-            targets=targets,
-            loss_params=self._head_params(params),
-            loss_fn=lambda head, h, t: _layers.cross_entropy(self._head(head, h), t),
-            schedule=self.schedule,
-            remat=self.remat,
-            **self._pipeline(),
-        )
-        (d_embed,) = embed_vjp(g.inputs)
-        layers = jax.tree.map(lambda a, p: a.reshape(p.shape), g.stage_params, params["layers"])
-        grads = {"embed": d_embed, "layers": layers, "final_norm": g.loss_params["final_norm"]}
-        if self.config.tie_word_embeddings:
-            grads["embed"] = d_embed + g.loss_params["embed"]
-        else:
-            grads["lm_head"] = g.loss_params["lm_head"]
-        return loss, grads
+        op = f"{_OP}.loss_and_grads"
+        batch = self._check(op, tokens, targets, attention_mask, positions, segment_ids)
+        if self.pipe > 1:
+            return _objective.pipeline_step(self, params, batch)
+        if self.num_microbatches > 1:
+            return _objective.accumulate(self, params, batch, grads=True)
+        return jax.value_and_grad(functools.partial(_objective.objective, self))(params, batch)

@@ -1,7 +1,8 @@
 """The decoder's layers as pure functions.
 
-Projections, rotary embedding, attention, the decoder layer, embedding, output head and
-cross-entropy.
+Projections, rotary embedding, the attention mask (:class:`Tokens`, :func:`allowed`: causal,
+sliding window, packed documents, padding, KV-cache slots), attention, the decoder layer,
+embedding, output head and cross-entropy with ignored targets.
 
 Each function takes the arrays it computes on and an :class:`Ops` (compute dtype, FP8 recipe,
 jaxops implementation, mesh) and holds no state; :class:`~jaxops.models.MoEDecoder` lays them
@@ -26,23 +27,37 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxops.models._config import DecoderConfig
+from jaxops.models._packing import IGNORE_INDEX
 
 import jaxops
 
 __all__ = [
+    "IGNORE_INDEX",
+    "PROJECTION",
     "Ops",
+    "Tokens",
+    "allowed",
+    "attend",
     "attention",
     "cross_entropy",
     "decoder_layer",
     "embed",
     "head",
+    "output",
     "projection",
+    "qkv",
     "rotary",
     "rotate_half",
+    "token_losses",
 ]
+
+
+#: The ``jax.ad_checkpoint.checkpoint_name`` of every projection's output (remat policies).
+PROJECTION = "jaxops.models.projection"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,24 +95,26 @@ def projection(ops: Ops, x: jax.Array, w: jax.Array, bias: jax.Array | None) -> 
     """
     w = w.astype(ops.dtype)
     if ops.fp8 != "block":
-        return jaxops.gemm(x, w, bias, impl=ops.gemm_impl)
+        return checkpoint_name(jaxops.gemm(x, w, bias, impl=ops.gemm_impl), PROJECTION)
 
     def linear(x, w, *bias):
         return jaxops.fp8.linear(x, w, *(bias or (None,)), impl=ops.gemm_impl)
 
     spec = getattr(jax.typeof(x).sharding, "spec", None)
     if ops.mesh is None or spec is None or all(s is None for s in spec):
-        return linear(x, w, *([] if bias is None else [bias]))  # local (a pipeline stage) or whole
+        # local (a pipeline stage) or whole
+        return checkpoint_name(linear(x, w, *([] if bias is None else [bias])), PROJECTION)
     # Batch-sharded tokens: each device quantizes its own (the recipe's 128-row blocks of the
     # weight gradient's transposed operand would otherwise gather every row of x), as inside a
     # pipeline stage and in the expert GEMMs; the weight gradient is summed.
     operands = (x, w) if bias is None else (x, w, bias)
-    return jax.shard_map(
+    out = jax.shard_map(
         linear,
         mesh=ops.mesh,
         in_specs=(P(*spec),) + (P(),) * (len(operands) - 1),
         out_specs=P(*spec),
     )(*operands)
+    return checkpoint_name(out, PROJECTION)
 
 
 def rotate_half(x: jax.Array) -> jax.Array:
@@ -106,68 +123,160 @@ def rotate_half(x: jax.Array) -> jax.Array:
     return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
-def rotary(x: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding of ``x [b, s, heads, Dh]`` at positions ``0 .. s-1``.
+def rotary(x: jax.Array, theta: float, positions: jax.Array | None = None) -> jax.Array:
+    """Rotary position embedding of ``x [b, s, heads, Dh]`` at int ``positions [b, s]``.
 
-    Rotate-half layout; float32 angles cast to x's dtype, as transformers computes them.
+    Positions default to ``0 .. s-1``. Rotate-half layout; float32 angles cast to x's dtype, as
+    transformers computes them.
     """
     s, dh = x.shape[1], x.shape[-1]
+    if positions is None:
+        positions = jnp.arange(s, dtype=jnp.int32)[None, :]
     inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
-    angles = jnp.arange(s, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-    angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
     return x * cos + rotate_half(x) * sin
 
 
-def attention(ops: Ops, c: DecoderConfig, p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-    """Causal grouped-query self-attention of ``x [b, s, D]`` (compute dtype).
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+    """Where each token of a batch sits: its time index, its position and its document.
 
-    ``p``: ``w_qkv [D, (Hq + 2 Hkv) Dh]``, optional ``b_qkv``, ``q_norm`` / ``k_norm [Dh]``
-    (Qwen3), ``w_o [Hq Dh, D]``, optional ``b_o``. float32 scores and softmax; an optional
-    sliding window (`c.sliding_window`). Returns ``[b, s, D]``.
+    The attention mask of every layer is built from these (:func:`allowed`), for the training
+    forward and for the KV cache alike. A pytree (it passes through ``jit``, ``scan`` and the
+    pipeline like the activations).
+
+    Attributes:
+      index: int32 ``[b, s]``: the time step (causality and sliding windows count in it;
+        transformers' cache_position), ``0 .. s-1`` in a training batch.
+      positions: int32 ``[b, s]``: the rotary position (transformers' position_ids).
+      segments: int32 ``[b, s]``: the document of each token; 0 is padding, which no query
+        sees and which never reaches the MoE router. A query sees keys of its own document only.
+        None: one document per row, no padding (no mask work at all beyond causality).
+    """
+
+    index: jax.Array
+    positions: jax.Array
+    segments: jax.Array | None = None
+
+    @property
+    def valid(self) -> jax.Array | None:
+        """The real tokens, bool ``[b, s]`` (segment != 0); None without segments (all real)."""
+        return None if self.segments is None else self.segments != 0
+
+
+jax.tree_util.register_dataclass(
+    Tokens, data_fields=["index", "positions", "segments"], meta_fields=[]
+)
+
+
+def allowed(
+    q: Tokens, k: Tokens, window: int | None = None, *, valid_keys: jax.Array | None = None
+) -> jax.Array:
+    """Which key each query attends to, bool ``[b, sq, sk]`` (the one mask builder).
+
+    A query sees a key of its own document (equal nonzero segment ids: padding and packed
+    documents are excluded) at the same or an earlier time step, within `window` steps when
+    given (``q - k < window``, transformers' sliding window). `valid_keys` ``[b, sk]`` further
+    restricts the keys (the filled slots of a KV cache).
+    """
+    qi, ki = q.index[:, :, None], k.index[:, None, :]
+    ok = qi >= ki
+    if q.segments is not None and k.segments is not None:
+        ok &= q.segments[:, :, None] == k.segments[:, None, :]
+    if k.segments is not None:
+        ok &= k.valid[:, None, :]
+    if window is not None:
+        ok &= qi - ki < window
+    if valid_keys is not None:
+        ok &= valid_keys[:, None, :]
+    return ok
+
+
+def qkv(
+    ops: Ops, c: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Queries ``[b, s, Hq, Dh]``, keys and values ``[b, s, Hkv, Dh]`` of ``x [b, s, D]``.
+
+    The fused projection (``w_qkv``, optional ``b_qkv``), Qwen3's per-head q/k RMSNorm, then
+    the rotary embedding of q and k at int `positions` ``[b, s]``.
     """
     dt = ops.dtype
     b, s, _ = x.shape
     hq, hkv, dh = c.num_heads, c.num_kv_heads, c.head_dim
-    qkv = projection(ops, x, p["w_qkv"], p["b_qkv"].astype(dt) if c.qkv_bias else None)
-    q, k, v = jnp.split(qkv, [c.q_size, c.q_size + c.kv_size], axis=-1)
+    out = projection(ops, x, p["w_qkv"], p["b_qkv"].astype(dt) if c.qkv_bias else None)
+    q, k, v = jnp.split(out, [c.q_size, c.q_size + c.kv_size], axis=-1)
     q = q.reshape(b, s, hq, dh)
     k = k.reshape(b, s, hkv, dh)
     v = v.reshape(b, s, hkv, dh)
     if c.qk_norm:
         q = jaxops.rms_norm(q, p["q_norm"], eps=c.rms_norm_eps, impl=ops.impl)
         k = jaxops.rms_norm(k, p["k_norm"], eps=c.rms_norm_eps, impl=ops.impl)
-    q = rotary(q, c.rope_theta).reshape(b, s, hkv, hq // hkv, dh)
-    k = rotary(k, c.rope_theta)
+    return rotary(q, c.rope_theta, positions), rotary(k, c.rope_theta, positions), v
+
+
+def attend(
+    ops: Ops, c: DecoderConfig, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
+) -> jax.Array:
+    """Softmax attention of ``q [b, sq, Hq, Dh]`` over ``k, v [b, sk, Hkv, Dh]``.
+
+    Returns ``[b, sq, Hq Dh]``. `mask`: bool ``[b, sq, sk]`` (:func:`allowed`). float32 scores
+    and softmax; a query that sees no key at all (padding) gets zeros, never NaN.
+    """
+    b, sq, hq, dh = q.shape
+    hkv = k.shape[2]
+    q = q.reshape(b, sq, hkv, hq // hkv, dh)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
     scores = scores * (dh**-0.5)
-    i = jnp.arange(s)[:, None]
-    j = jnp.arange(s)[None, :]
-    allowed = j <= i
-    if c.sliding_window is not None:
-        allowed &= i - j < c.sliding_window
-    scores = jnp.where(allowed, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    mask = mask[:, None, None, :, :]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    e = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    probs = (e / jnp.where(total > 0, total, 1.0)).astype(ops.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
-    out = out.astype(dt).reshape(b, s, c.q_size)
-    return projection(ops, out, p["w_o"], p["b_o"].astype(dt) if c.o_bias else None)
+    return out.astype(ops.dtype).reshape(b, sq, hq * dh)
+
+
+def output(ops: Ops, c: DecoderConfig, p: dict[str, jax.Array], out: jax.Array) -> jax.Array:
+    """The attention's output projection of ``out [b, s, Hq Dh]`` (``w_o``, optional ``b_o``)."""
+    return projection(ops, out, p["w_o"], p["b_o"].astype(ops.dtype) if c.o_bias else None)
+
+
+def attention(
+    ops: Ops, c: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, where: Tokens
+) -> jax.Array:
+    """Grouped-query self-attention of ``x [b, s, D]`` (compute dtype) over its own tokens.
+
+    ``p``: ``w_qkv [D, (Hq + 2 Hkv) Dh]``, optional ``b_qkv``, ``q_norm`` / ``k_norm [Dh]``
+    (Qwen3), ``w_o [Hq Dh, D]``, optional ``b_o``. `where` places every token (causal,
+    document and padding mask, rotary positions); `c.sliding_window` limits how far back a
+    query sees. Returns ``[b, s, D]``.
+    """
+    q, k, v = qkv(ops, c, p, x, where.positions)
+    out = attend(ops, c, q, k, v, allowed(where, where, c.sliding_window))
+    return output(ops, c, p, out)
 
 
 def decoder_layer(
     ops: Ops,
     c: DecoderConfig,
-    moe: Callable[[Any, jax.Array], tuple[jax.Array, Any]],
+    moe: Callable[[Any, jax.Array, jax.Array | None], tuple[jax.Array, Any]],
+    where: Tokens,
     h: jax.Array,
     p: dict[str, Any],
 ) -> tuple[jax.Array, Any]:
     """One decoder layer: ``h + attention(rms_norm(h))``, then ``+ moe(rms_norm(...))``.
 
-    The argument order is that of a ``lax.scan`` body over stacked layers.
+    The argument order is that of a ``lax.scan`` body over stacked layers (after `where`).
 
     Args:
       ops: the compute settings.
       c: the architecture.
-      moe: ``(moe params, y [b, s, D]) -> (out [b, s, D], MoEAux)``.
+      moe: ``(moe params, y [b, s, D], token_mask [b, s] or None) -> (out [b, s, D], MoEAux)``.
+      where: the tokens' time steps, positions and documents (:class:`Tokens`); padding
+        (segment 0) is masked out of the attention and of the MoE router.
       h: the residual stream ``[b, s, D]`` (compute dtype).
       p: one layer's parameters (``attn_norm``, the attention's, ``mlp_norm``, ``moe``).
 
@@ -175,23 +284,27 @@ def decoder_layer(
       ``(h', aux)``: the layer's output and its MoE statistics.
     """
     a = jaxops.rms_norm(h, p["attn_norm"], eps=c.rms_norm_eps, impl=ops.impl)
-    a = attention(ops, c, p, a)
+    a = attention(ops, c, p, a, where)
     y, h = jaxops.add_rms_norm(a, h, p["mlp_norm"], eps=c.rms_norm_eps, impl=ops.impl)
-    m, aux = moe(p["moe"], y)
+    m, aux = moe(p["moe"], y, where.valid)
     return h + m, aux
 
 
 def embed(ops: Ops, table: jax.Array, tokens: jax.Array) -> jax.Array:
     """Rows of ``table [V, D]`` for int ``tokens [b, s]``, in the compute dtype.
 
-    Batch-sharded tokens gather their rows where they live (no gather of the tokens).
+    Batch-sharded tokens gather their rows where they live (no gather of the tokens). An id
+    outside ``[0, V)`` gets a row of NaN (so its logits and the loss are NaN), never another
+    token's row.
     """
     sharding = jax.typeof(tokens).sharding
     spec = getattr(sharding, "spec", None)
+    nan = jnp.nan
     if spec is not None and any(s is not None for s in spec):
-        rows = table.at[tokens].get(out_sharding=NamedSharding(sharding.mesh, P(*spec, None)))
+        out = NamedSharding(sharding.mesh, P(*spec, None))
+        rows = table.at[tokens].get(mode="fill", fill_value=nan, out_sharding=out)
     else:
-        rows = jnp.take(table, tokens, axis=0)
+        rows = table.at[tokens].get(mode="fill", fill_value=nan)
     return rows.astype(ops.dtype)
 
 
@@ -210,7 +323,25 @@ def head(ops: Ops, c: DecoderConfig, params: dict[str, Any], h: jax.Array) -> ja
     return logits.astype(jnp.float32)
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean cross-entropy of float ``logits [..., V]`` against int ``targets [...]`` (float32)."""
+def token_losses(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(sum, count)``: the summed cross-entropy of the counted targets and their number.
+
+    float ``logits [..., V]``, int ``targets [...]``; a target equal to :data:`IGNORE_INDEX`
+    counts for nothing. Both float32 scalars. Another id outside ``[0, V)`` gives NaN.
+    """
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+    keep = targets != IGNORE_INDEX
+    safe = jnp.where(keep, targets, 0)
+    picked = jnp.take_along_axis(logp, safe[..., None], axis=-1, mode="fill", fill_value=jnp.nan)
+    total = -jnp.sum(jnp.where(keep, picked[..., 0], 0.0))
+    return total, jnp.sum(keep, dtype=jnp.float32)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean cross-entropy of float ``logits [..., V]`` against int ``targets [...]`` (float32).
+
+    Targets equal to :data:`IGNORE_INDEX` (-100) are left out of the mean; with none left the
+    loss is 0 (and so is its gradient), never NaN.
+    """
+    total, count = token_losses(logits, targets)
+    return total / jnp.maximum(count, 1.0)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import sys
+
+# Test helper modules (tests/_*.py) import as top-level modules under --import-mode=importlib.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # Before jax initializes its backends: 8 CPU devices for the sharded tests.
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")

@@ -1,0 +1,455 @@
+"""Text generation with a KV cache: :func:`generate` for :class:`~jaxops.models.MoEDecoder`.
+
+Two compiled functions per model, prompt shape and number of new tokens (the sampling settings
+are arguments, not constants: greedy and sampled generation share them): the prefill runs the
+whole prompt at once, fills the cache and picks the first new token; the decode runs
+one ``lax.while_loop`` whose body (the decode step, traced once and reused for every new token)
+feeds the last token through the layers, writes its keys and values into the cache (donated,
+updated in place) and picks the next token. Both are laid out like training: the batch over the
+model's batch axes, the experts over its expert axis (the expert-parallel MoE layer).
+
+The cache of a model with ``L`` layers, ``Hkv`` key/value heads of width ``Dh``:
+``k, v [L, B, C, Hkv, Dh]`` in the compute dtype and, shared by the layers, each slot's time
+step and document (``index, segments`` int32 ``[B, C]``; segment 0 is an empty or padding slot)
+from which :func:`~jaxops.models._layers.allowed` builds the mask. ``C = S + max_new_tokens``;
+with a sliding window ``W`` the cache is a ring buffer of ``C = min(W, S + max_new_tokens)``
+slots (time step ``t`` in slot ``t % C``). A cached token costs
+``2 * L * Hkv * Dh * itemsize + 8`` bytes (Mixtral-8x7B in bfloat16: 128 KiB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxops.models._decoder import MoEDecoder
+from jaxops.models._layers import Tokens, allowed, attend, embed, output, qkv
+
+import jaxops
+from jaxops import _checks
+from jaxops._errors import ConfigError
+
+__all__ = ["generate"]
+
+_OP = "jaxops.models.generate"
+_TOKEN_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sampling:
+    """How the next token is chosen: arrays only, so greedy and sampling share one compile.
+
+    Attributes:
+      greedy: bool scalar: the most likely token (the filters and the key are then unused).
+      temperature: float32 scalar > 0.
+      top_k: int32 scalar in ``[1, V]`` (V: no filter).
+      top_p: float32 scalar in ``(0, 1]`` (1: no filter).
+      eos: int32 ``[n]``: the ids that end a row (-1: none), n a multiple of 8.
+      pad: int32 scalar: what a finished row emits.
+      key: a typed ``jax.random`` key; new token i samples with ``fold_in(key, i)``.
+    """
+
+    greedy: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    eos: jax.Array
+    pad: jax.Array
+    key: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    _Sampling,
+    data_fields=["greedy", "temperature", "top_k", "top_p", "eos", "pad", "key"],
+    meta_fields=[],
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cache:
+    """The KV cache: ``k, v [L, B, C, Hkv, Dh]``; each slot's ``index`` and ``segments [B, C]``."""
+
+    k: jax.Array
+    v: jax.Array
+    index: jax.Array
+    segments: jax.Array
+
+
+jax.tree_util.register_dataclass(
+    _Cache, data_fields=["k", "v", "index", "segments"], meta_fields=[]
+)
+
+
+def _sample(s: _Sampling, logits: jax.Array, key: jax.Array) -> jax.Array:
+    """int32 ``[B]`` drawn from ``softmax(logits [B, V] / temperature)`` after top-k, top-p."""
+    logits = logits / s.temperature
+    ranked = -jnp.sort(-logits, axis=-1)
+    kth = jax.lax.dynamic_index_in_dim(ranked, s.top_k - 1, axis=1)
+    logits, ranked = (jnp.where(x < kth, -jnp.inf, x) for x in (logits, ranked))
+    # top_p: the smallest set of most likely tokens whose probability reaches top_p; a token
+    # stays when the tokens more likely than it hold less than top_p (the most likely always).
+    probs = jax.nn.softmax(ranked, axis=-1)
+    keep = (jnp.cumsum(probs, axis=-1) - probs < s.top_p) | (s.top_p >= 1.0)
+    cutoff = jnp.min(jnp.where(keep, ranked, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    sharding = jax.typeof(logits).sharding
+    out = sharding.update(spec=P(*sharding.spec[:1])) if sharding.spec else None
+    return jax.random.categorical(key, logits, out_sharding=out).astype(jnp.int32)
+
+
+def _choose(s: _Sampling, logits: jax.Array, key: jax.Array) -> jax.Array:
+    """int32 ``[B]``: the next token of float32 ``logits [B, V]`` (transformers' warpers).
+
+    Greedy runs only the argmax (a ``lax.cond``: no sort of the vocabulary).
+    """
+    argmax = lambda logits, key: jnp.argmax(logits, axis=-1).astype(jnp.int32)  # noqa: E731
+    return jax.lax.cond(s.greedy, argmax, functools.partial(_sample, s), logits, key)
+
+
+def _next(s: _Sampling, logits: jax.Array, i: Any, done: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(token, done)``: new token `i` of each row, and which rows emitted an EOS token.
+
+    A finished row emits `s.pad`.
+    """
+    token = jnp.where(done, s.pad, _choose(s, logits, jax.random.fold_in(s.key, i)))
+    return token, done | jnp.isin(token, s.eos)
+
+
+def _slots(x: jax.Array, slots: int) -> jax.Array:
+    """``x [B, S, ...]`` (time on axis 1) as the cache's ``[B, slots, ...]``.
+
+    The last `slots` time steps, step ``t`` in slot ``t % slots``; zeros (segment 0: empty)
+    after a prompt shorter than the cache.
+    """
+    s = x.shape[1]
+    if s < slots:
+        return jnp.pad(x, [(0, 0), (0, slots - s)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.roll(x[:, s - slots :], (s - slots) % slots, axis=1)
+
+
+def _layer(
+    model: MoEDecoder,
+    moe: Callable,
+    where: Tokens,
+    keys: Tokens,
+    keep: Callable[[jax.Array], jax.Array],
+    h: jax.Array,
+    xs: tuple[dict[str, Any], tuple[jax.Array, jax.Array] | None],
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """One decoder layer over `h` whose queries are placed by `where`, keys by `keys`.
+
+    ``xs``: the layer's parameters and its cached ``k, v [B, C, Hkv, Dh]`` (None in the
+    prefill, where the queries attend to their own keys). Returns ``(h', (keep(k), keep(v)))``:
+    this call's keys and values as the cache stores them.
+    """
+    ops, c = model._ops, model.config
+    p, past = xs
+    a = jaxops.rms_norm(h, p["attn_norm"], eps=c.rms_norm_eps, impl=ops.impl)
+    q, k, v = qkv(ops, c, p, a, where.positions)
+    ks, vs = k, v
+    if past is not None:  # the cached keys and values, then this step's
+        ks, vs = jnp.concatenate([past[0], k], 1), jnp.concatenate([past[1], v], 1)
+    a = output(ops, c, p, attend(ops, c, q, ks, vs, allowed(where, keys, c.sliding_window)))
+    y, h = jaxops.add_rms_norm(a, h, p["mlp_norm"], eps=c.rms_norm_eps, impl=ops.impl)
+    m, _ = moe(p["moe"], y, where.valid)
+    return h + m, (keep(k), keep(v))
+
+
+def _run(
+    model: MoEDecoder,
+    params: dict[str, Any],
+    tokens: jax.Array,
+    where: Tokens,
+    keys: Tokens,
+    keep: Callable[[jax.Array], jax.Array],
+    past: tuple[jax.Array, jax.Array] | None,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Embedding, the layers (one ``lax.scan``) and the last query's float32 logits ``[B, V]``."""
+    x = model._place(embed(model._ops, params["embed"], jnp.where(where.valid, tokens, 0)))
+    body = functools.partial(_layer, model, model._moe_fn(), where, keys, keep)
+    h, kv = jax.lax.scan(body, x, (params["layers"], past))
+    return model._head(model._head_params(params), h[:, -1:])[:, 0], kv
+
+
+@functools.partial(jax.jit, static_argnames=("model", "slots", "steps"))
+def _prefill(
+    params: dict[str, Any],
+    prompt: jax.Array,
+    mask: jax.Array,
+    sampling: _Sampling,
+    *,
+    model: MoEDecoder,
+    slots: int,
+    steps: int,
+) -> tuple[_Cache, jax.Array, jax.Array]:
+    """The prompt through the model: the filled cache, the first new token, the EOS flags."""
+    b, s = prompt.shape
+    where = Tokens(
+        index=model._place(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))),
+        positions=jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32),
+        segments=mask.astype(jnp.int32),
+    )
+    logits, (k, v) = _run(model, params, prompt, where, where, lambda x: _slots(x, slots), None)
+    cache = _Cache(k, v, _slots(where.index, slots), _slots(where.segments, slots))
+    token, done = _next(sampling, logits, 0, model._place(jnp.zeros((b,), bool)))
+    out = jnp.where(jnp.arange(steps) == 0, token[:, None], sampling.pad)
+    return cache, out, done
+
+
+@functools.partial(jax.jit, static_argnames=("model", "start"), donate_argnames=("cache", "out"))
+def _decode(
+    params: dict[str, Any],
+    cache: _Cache,
+    out: jax.Array,
+    done: jax.Array,
+    first: jax.Array,
+    sampling: _Sampling,
+    *,
+    model: MoEDecoder,
+    start: int,
+) -> tuple[jax.Array, _Cache]:
+    """The new tokens after the first: one ``lax.while_loop`` over the decode step.
+
+    `out` int32 ``[B, N]`` holds the first new token in column 0; `done` bool ``[B]``; `first`
+    int32 ``[B]`` the position of the first new token; `start` the prompt length S.
+    """
+    steps = out.shape[1]
+    slots = cache.index.shape[1]
+
+    def step(carry):
+        i, cache, out, done = carry
+        t = start + i - 1  # the time step of the token fed (the one chosen last)
+        fed = jax.lax.dynamic_index_in_dim(out, i - 1, axis=1)
+        where = Tokens(
+            index=jnp.full_like(fed, t),
+            positions=first[:, None] + i - 1,
+            segments=(~done[:, None]).astype(jnp.int32),  # a finished row's tokens are padding
+        )
+        keys = Tokens(
+            index=jnp.concatenate([cache.index, where.index], 1),
+            positions=jnp.concatenate([cache.index, where.index], 1),
+            segments=jnp.concatenate([cache.segments, where.segments], 1),
+        )
+        logits, (k, v) = _run(model, params, fed, where, keys, lambda x: x, (cache.k, cache.v))
+        slot = t % slots
+        cache = _Cache(
+            jax.lax.dynamic_update_slice_in_dim(cache.k, k, slot, axis=2),
+            jax.lax.dynamic_update_slice_in_dim(cache.v, v, slot, axis=2),
+            jax.lax.dynamic_update_slice_in_dim(cache.index, where.index, slot, axis=1),
+            jax.lax.dynamic_update_slice_in_dim(cache.segments, where.segments, slot, axis=1),
+        )
+        token, done = _next(sampling, logits, i, done)
+        out = jax.lax.dynamic_update_index_in_dim(out, token[:, None], i, axis=1)
+        return i + 1, cache, out, done
+
+    def more(carry):
+        i, _, _, done = carry
+        return (i < steps) & ~jnp.all(done)
+
+    _, cache, out, _ = jax.lax.while_loop(more, step, (jnp.int32(1), cache, out, done))
+    return out, cache  # the cache out too, so that the donated one is updated in place
+
+
+def _check_mask(mask: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """The attention mask as int32 host values: 0/1, left padding, a real token in every row."""
+    if mask is None:
+        return np.ones(shape, np.int32)
+    if not hasattr(mask, "shape") or not hasattr(mask, "dtype"):
+        raise TypeError(f"{_OP}: attention_mask must be an array, got {type(mask).__name__}")
+    values = np.asarray(mask)
+    if values.shape != shape:
+        raise ValueError(
+            f"{_OP}: attention_mask must have the prompt's shape {shape}, got {values.shape}"
+        )
+    if values.dtype != bool and not np.issubdtype(values.dtype, np.integer):
+        raise TypeError(f"{_OP}: attention_mask must be bool or int, got {values.dtype.name}")
+    if not np.isin(values, (0, 1)).all():
+        raise ValueError(f"{_OP}: attention_mask must hold 0 and 1 only")
+    values = values.astype(np.int32)
+    empty = np.flatnonzero(values.sum(1) == 0)
+    if empty.size:
+        raise ValueError(f"{_OP}: attention_mask row {empty[0]} has no real token (all 0)")
+    right = np.flatnonzero((np.diff(values, axis=1) < 0).any(1))
+    if right.size:
+        raise ValueError(
+            f"{_OP}: attention_mask must be left-padded (padding first, as transformers' "
+            f"padding_side='left' gives), got a 0 after a 1 in row {right[0]}"
+        )
+    return values
+
+
+def _sampling(
+    vocab: int,
+    temperature: Any,
+    top_k: Any,
+    top_p: Any,
+    key: Any,
+    eos_token_id: Any,
+    pad_token_id: Any,
+) -> _Sampling:
+    """The checked sampling settings (host arrays and the key)."""
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        optional = value is None and name == "top_p"
+        if not optional and (
+            isinstance(value, bool) or not isinstance(value, (int, float, np.number))
+        ):
+            raise TypeError(f"{_OP}: {name} must be a number, got {type(value).__name__}")
+    if not (np.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"{_OP}: temperature must be finite and >= 0, got {temperature!r}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"{_OP}: top_p must be in (0, 1], got {top_p!r}")
+    if top_k is not None:
+        top_k = _checks.check_int(_OP, "top_k", top_k, 1)
+    if temperature > 0 and key is None:
+        raise ValueError(
+            f"{_OP}: key is required when temperature > 0 (sampling), e.g. jax.random.key(0); "
+            "got None"
+        )
+    if eos_token_id is None:
+        eos = [-1]
+    elif isinstance(eos_token_id, Sequence) and eos_token_id:
+        eos = [_checks.check_int(_OP, "eos_token_id", e, 0) for e in eos_token_id]
+    else:
+        eos = [_checks.check_int(_OP, "eos_token_id", eos_token_id, 0)]
+    if pad_token_id is not None:
+        pad = _checks.check_int(_OP, "pad_token_id", pad_token_id, 0)
+    if key is None:
+        key = jax.random.key(0)  # unused: greedy
+    elif not isinstance(key, jax.Array):
+        raise TypeError(f"{_OP}: key must be a jax.random key, got {type(key).__name__}")
+    elif not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)  # a raw uint32 key: one compile for both kinds
+    return _Sampling(
+        greedy=np.bool_(temperature == 0),
+        temperature=np.float32(temperature or 1.0),
+        top_k=np.int32(min(top_k or vocab, vocab)),
+        top_p=np.float32(1.0 if top_p is None else top_p),
+        eos=np.asarray(eos + [-1] * (-len(eos) % 8), np.int32),  # 1 to 8 ids: one compile
+        pad=np.int32(max(eos[0], 0) if pad_token_id is None else pad),
+        key=key,
+    )
+
+
+def generate(
+    model: MoEDecoder,
+    params: dict[str, Any],
+    prompt: Any,
+    max_new_tokens: int,
+    *,
+    attention_mask: Any = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    key: jax.Array | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
+) -> jax.Array:
+    """The prompt followed by `max_new_tokens` generated tokens, as transformers' ``generate``.
+
+    The prompt runs at once (prefill), then each new token is one decode step over the KV cache
+    (see the module docstring for its layout and size); the two are compiled once per model
+    and shapes. Prompt tokens sit at positions ``cumsum(attention_mask) - 1``
+    (transformers' position ids), new tokens continue from there; a sliding window (Mixtral)
+    counts time steps, padding included, as transformers does. Call it outside ``jax.jit`` (it
+    checks host values and compiles its own functions; the sampling settings, the key and the
+    EOS ids are arguments of those, so changing them compiles nothing new).
+
+    Args:
+      model: the decoder; its mesh must have no pipe axis of size > 1.
+      params: its parameters (:meth:`MoEDecoder.init`, :func:`from_pretrained`).
+      prompt: int32 or int64 ``[B, S]`` token ids; B a multiple of the devices of
+        ``model.batch_axes`` (the batch is split over them, the experts over the expert axis).
+        Host (numpy) ids of real tokens are checked against ``[0, V)``; on device arrays an id
+        out of range embeds as NaN (its row's tokens are then meaningless).
+      max_new_tokens: the tokens to generate, >= 1.
+      attention_mask: 0/1 ``[B, S]`` (bool or int), 1 for real tokens: left padding (the
+        padding before each row's prompt, transformers' ``padding_side="left"``); right padding
+        is refused. None: every token is real.
+      temperature: 0 picks the most likely token (greedy); > 0 samples from
+        ``softmax(logits / temperature)`` after the `top_k` then `top_p` filters.
+      top_k: keep the k most likely tokens (None: all).
+      top_p: keep the smallest set of most likely tokens whose probability reaches top_p, at
+        least one (nucleus sampling; None or 1: all).
+      key: a ``jax.random`` key (typed or raw uint32), required when temperature > 0; the
+        same key gives the same tokens, on any mesh (step i samples with ``fold_in(key, i)``).
+      eos_token_id: an id or ids that end a row: a row that emitted one continues with
+        `pad_token_id`, and generation stops once every row did (the output keeps its shape).
+      pad_token_id: what a finished row emits (default: the first eos_token_id).
+
+    Returns:
+      int32 ``[B, S + max_new_tokens]``: the prompt, then the new tokens (batch-sharded).
+
+    Raises:
+      ConfigError: a mesh with pipeline stages.
+      TypeError / ValueError: a bad argument (named, with what was expected and what came).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxops.models import DecoderConfig, MoEDecoder, generate
+      >>> cfg = DecoderConfig("mixtral", vocab_size=64, hidden_size=32, num_layers=2,
+      ...                     num_heads=4, num_kv_heads=2, head_dim=8, num_experts=4, top_k=2,
+      ...                     expert_ffn=16)
+      >>> model = MoEDecoder(cfg, jax.make_mesh((1,), ("expert",)))
+      >>> params = model.init(jax.random.key(0))
+      >>> prompt = jnp.array([[0, 0, 5, 7], [1, 2, 3, 4]], jnp.int32)
+      >>> mask = jnp.array([[0, 0, 1, 1], [1, 1, 1, 1]], jnp.int32)
+      >>> out = generate(model, params, prompt, 3, attention_mask=mask)
+      >>> out.shape, out.dtype, bool((out[:, :4] == prompt).all())
+      ((2, 7), dtype('int32'), True)
+      >>> sampled = generate(model, params, prompt, 3, attention_mask=mask, temperature=0.8,
+      ...                    top_p=0.9, key=jax.random.key(1))
+      >>> bool((sampled == generate(model, params, prompt, 3, attention_mask=mask,
+      ...       temperature=0.8, top_p=0.9, key=jax.random.key(1))).all())
+      True
+    """
+    if not isinstance(model, MoEDecoder):
+        raise TypeError(f"{_OP}: model must be a MoEDecoder, got {type(model).__name__}")
+    if model.pipe > 1:
+        raise ConfigError(
+            f"{_OP}: generation needs a mesh without pipeline stages, got the pipe axis "
+            f"{model.pipe_axis!r} of size {model.pipe}; use dataclasses.replace(model, "
+            "mesh=jax.make_mesh(...)) with a mesh of data and expert axes only, and reshard the "
+            "params onto it: jax.device_put(params, new_model.shardings())"
+        )
+    if isinstance(prompt, jax.core.Tracer):
+        raise TypeError(f"{_OP}: call generate outside jax.jit (it got a traced prompt)")
+    prompt = _checks.check_array(_OP, "prompt", prompt, dtypes=_TOKEN_DTYPES, min_rank=2)
+    if prompt.ndim != 2 or prompt.shape[1] < 1:
+        raise ValueError(f"{_OP}: prompt must be [batch, seq], got shape {tuple(prompt.shape)}")
+    b, s = prompt.shape
+    shards = int(np.prod([dict(model.mesh.shape)[a] for a in model.batch_axes]))
+    if b % shards:
+        raise ValueError(
+            f"{_OP}: prompt's batch ({b}) must be a multiple of {shards} (the devices of the "
+            f"batch axes {model.batch_axes})"
+        )
+    steps = _checks.check_int(_OP, "max_new_tokens", max_new_tokens, 1)
+    mask = _check_mask(attention_mask, (b, s))
+    vocab = model.config.vocab_size
+    if isinstance(prompt, np.ndarray):
+        real = prompt[mask == 1]
+        if real.min() < 0 or real.max() >= vocab:
+            raise ValueError(
+                f"{_OP}: prompt token ids must be in [0, {vocab}) (the vocabulary), got ids "
+                f"from {real.min()} to {real.max()}"
+            )
+    sampling = _sampling(vocab, temperature, top_k, top_p, key, eos_token_id, pad_token_id)
+    replicated = NamedSharding(model.mesh, P())
+    sampling = dataclasses.replace(sampling, key=jax.device_put(sampling.key, replicated))
+    window = model.config.sliding_window
+    slots = s + steps if window is None else min(window, s + steps)
+    prompt, mask_dev = model.place_batch(np.asarray(prompt).astype(np.int32), mask)
+    cache, out, done = _prefill(
+        params, prompt, mask_dev, sampling, model=model, slots=slots, steps=steps
+    )
+    if steps > 1:
+        first = model.place_batch(mask.sum(1).astype(np.int32))
+        out, _ = _decode(params, cache, out, done, first, sampling, model=model, start=s)
+    return jnp.concatenate([prompt, out], axis=1)

@@ -1,0 +1,161 @@
+"""The decoder's training objective: the loss, gradient accumulation and the pipeline step.
+
+Functions of a :class:`~jaxops.models.MoEDecoder` and a validated batch
+(:class:`~jaxops.models._batch.Batch`): the cross-entropy over the counted targets of the whole
+global batch plus the MoE aux losses, without a pipeline (one pass, or microbatches one after
+another), through a forward-only pipeline, and as one pipeline step (the schedule's backward).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxops.models import _batch, _layers
+from jaxops.parallel import pipeline as pl
+
+if TYPE_CHECKING:
+    from jaxops.models._decoder import MoEDecoder
+
+__all__ = ["accumulate", "objective", "pipe_loss", "pipeline_step", "terms"]
+
+
+def terms(model: MoEDecoder, params, x, where, targets) -> tuple[jax.Array, jax.Array]:
+    """(summed cross-entropy, summed MoE aux losses) of one batch without a pipeline."""
+    h, aux = model._run_layers(params["layers"], x, where)
+    total, _ = _layers.token_losses(model._head(model._head_params(params), h), targets)
+    return total, jnp.sum(aux.loss)
+
+
+def accumulate(model: MoEDecoder, params, batch: _batch.Batch, grads: bool):
+    """The loss (and its gradients) over the microbatches without a pipeline, one at a time.
+
+    Each microbatch adds its summed cross-entropy over the global target count and its MoE
+    aux losses over M; the gradients accumulate in float32.
+    """
+    m = model.num_microbatches
+    count = _target_count(model._where(batch)[1])
+    parts = _batch.split_microbatches(batch, m, (model.mesh, model.batch_axes))
+
+    def one(params, mb):
+        x, where, targets = model._inputs(params, mb)
+        total, aux = terms(model, params, x, where, targets)
+        return total / count + aux / m
+
+    f32 = functools.partial(jax.tree.map, lambda a: jnp.zeros_like(a, jnp.float32))
+    if not grads:
+        return jax.lax.scan(lambda acc, mb: (acc + one(params, mb), None), 0.0, parts)[0]
+
+    def body(acc, mb):
+        loss, g = jax.value_and_grad(one)(params, mb)
+        g = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc[1], g)
+        return (acc[0] + loss, g), None
+
+    (loss, g), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), f32(params)), parts)
+    return loss, jax.tree.map(lambda a, p: a.astype(p.dtype), g, params)
+
+
+def objective(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch) -> jax.Array:
+    """The training loss: cross-entropy over the counted targets plus the MoE aux losses.
+
+    The cross-entropy is summed over every target that is not ignored (-100, or padding)
+    and divided by their number in the whole global batch. Without a pipeline and one
+    microbatch the aux losses are each layer's over the whole batch; otherwise per
+    microbatch, averaged over the microbatches (and data shards with a pipeline), as
+    :meth:`MoEDecoder.loss_and_grads` computes them (with a pipeline: from a forward-only
+    pipeline in which each stage adds its aux loss to a per-example carry).
+    """
+    if model.pipe == 1 and model.num_microbatches > 1:
+        return accumulate(model, params, batch, grads=False)
+    x, where, targets = model._inputs(params, batch)
+    count = _target_count(targets)
+    if model.pipe == 1:
+        total, aux = terms(model, params, x, where, targets)
+        return total / count + aux
+
+    def stage(sp, carry):
+        out, aux = model._stage(sp, carry)
+        return {**out, "aux": carry["aux"] + aux}, jnp.zeros((), jnp.float32)
+
+    carry = {"h": x, "where": where, "aux": model._place(jnp.zeros(x.shape[:1], jnp.float32))}
+    out = pl.pipeline_forward(stage, model._stages(params["layers"]), carry, **model._pipeline())
+    logits = model._head(model._head_params(params), out["h"])
+    return _layers.token_losses(logits, targets)[0] / count + jnp.mean(out["aux"])
+
+
+def pipeline_step(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch):
+    """``(loss, grads)`` of one pipeline_step (the schedule) over the microbatches."""
+    x, embed_vjp = jax.vjp(
+        lambda e: model._place(_layers.embed(model._ops, e, batch.tokens)), params["embed"]
+    )
+    where, targets = model._where(batch)
+    # pipeline_step averages each microbatch's loss over the M microbatches of each of the
+    # data shards: scaling each by M * shards / count makes that the global token mean.
+    shards = int(np.prod([dict(model.mesh.shape)[a] for a in model.batch_axes]))
+    scale = model.num_microbatches * shards / _target_count(targets)
+
+    def loss_fn(lp, out, t):
+        head, s = lp
+        return _layers.token_losses(model._head(head, out["h"]), t)[0] * s
+
+    loss, g = pl.pipeline_step(
+        model._stage,
+        model._stages(params["layers"]),
+        {"h": x, "where": where},
+        targets=targets,
+        loss_params=(model._head_params(params), scale),
+        loss_fn=loss_fn,
+        schedule=model.schedule,
+        remat=model._remat,
+        **model._pipeline(),
+    )
+    (d_embed,) = embed_vjp(g.inputs["h"])
+    head = g.loss_params[0]
+    layers = jax.tree.map(lambda a, p: a.reshape(p.shape), g.stage_params, params["layers"])
+    grads = {"embed": d_embed, "layers": layers, "final_norm": head["final_norm"]}
+    if model.config.tie_word_embeddings:
+        grads["embed"] = d_embed + head["embed"]
+    else:
+        grads["lm_head"] = head["lm_head"]
+    return loss, grads
+
+
+def pipe_loss(model: MoEDecoder) -> Callable:
+    """The pipe mesh's loss, differentiable: its gradient is the pipeline step's.
+
+    A ``jax.custom_vjp``: its value is the forward-only pipeline's; under ``jax.grad`` the
+    forward runs :func:`pipeline_step` (the schedule's forwards and backwards) and the backward
+    scales its gradients by the cotangent.
+    """
+
+    @jax.custom_vjp
+    def loss(params, batch):
+        return objective(model, params, batch)
+
+    def fwd(params, batch):
+        value, grads = pipeline_step(model, params, batch)
+        return value, (grads, batch)
+
+    def bwd(res, ct):
+        grads, batch = res
+        zeros = jax.tree.map(_float0_zeros, batch)
+        return jax.tree.map(lambda g: (g * ct).astype(g.dtype), grads), zeros
+
+    loss.defvjp(fwd, bwd)
+    return loss
+
+
+def _target_count(targets: jax.Array) -> jax.Array:
+    """The number of counted targets (at least 1: no target gives a zero loss, not 0 / 0)."""
+    return jnp.maximum(jnp.sum(targets != _layers.IGNORE_INDEX, dtype=jnp.float32), 1.0)
+
+
+def _float0_zeros(a: jax.Array) -> Any:
+    """The zero cotangent of an input: float0 for integers, zeros for floats."""
+    if jnp.issubdtype(a.dtype, jnp.integer) or a.dtype == bool:
+        return np.zeros(a.shape, jax.dtypes.float0)
+    return jnp.zeros_like(a)
