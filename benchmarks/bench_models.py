@@ -11,6 +11,11 @@ on the same mesh, parameters and batch, in one run:
   on the same weights and batch, on the GPU when there is one (else on the CPU, with torch's
   own threads).
 
+A second table, per case: the ep step under each ``remat`` policy
+(:data:`jaxops.models.REMAT_POLICIES`) and with gradient accumulation over 2 microbatches:
+the compiled step's temporary bytes (``memory_analysis()``: the activations it keeps) and its
+time, each checked to give the same loss.
+
 Both jax models are checked to give the same loss before anything is timed (and transformers
 too with ``--torch``). Printed: step time, tokens/s and the ratios. On CPU the mesh is 8
 simulated devices ``data x expert`` (default 2 x 4); on GPUs every local GPU on the expert axis.
@@ -21,6 +26,7 @@ case) for a smoke test, or ``--torch --out benchmarks/results/cpu`` for the save
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 import tempfile
@@ -32,14 +38,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jaxops.models import DecoderConfig, MoEDecoder, from_pretrained, save_pretrained
+from jaxops.models import (
+    REMAT_POLICIES,
+    DecoderConfig,
+    MoEDecoder,
+    from_pretrained,
+    save_pretrained,
+)
 
 # The harness next to this script (also under ``python -m benchmarks.<script>``).
 H = importlib.import_module(f"{__package__}._harness" if __package__ else "_harness")
 
 # layers x hidden x experts x top_k x expert_ffn, batch x seq
 CASES = "4x256x16x2x256:16x128,4x256x32x4x128:16x128"
-QUICK_CASES = "2x64x8x2x64:8x32"
+QUICK_CASES = "2x64x8x2x64:16x32"
 
 COLUMNS = [
     H.Column("case", "L x D x E x K x F : B x S", align="<"),
@@ -47,6 +59,14 @@ COLUMNS = [
     *H.tokens_columns("ep", "dense", "{:.1f}"),
     H.Column("torch_ms", "torch ms", "{:.1f}"),
     H.Column("torch_ratio", "torch/ep", "{:.2f}x"),
+]
+MEMORY_COLUMNS = [
+    H.Column("case", "L x D x E x K x F : B x S", align="<"),
+    H.Column("variant", "remat / microbatches", align="<"),
+    H.Column("temp_mib", "temp MiB", "{:.1f}"),
+    H.Column("temp_ratio", "temp / none", "{:.2f}x"),
+    H.Column("ms", "step ms", "{:.1f}"),
+    H.Column("time_ratio", "time / none", "{:.2f}x"),
 ]
 
 
@@ -175,15 +195,66 @@ def _case(args, mesh, case: str) -> dict[str, Any]:
     return row
 
 
+def _memory(args, mesh, case: str) -> list[dict[str, Any]]:
+    """The ep step per remat policy and with 2 microbatches: temp bytes and time."""
+    cfg, b, s = _config(case)
+    base = MoEDecoder(cfg, mesh, router_aux_loss_coef=0.0, dtype=jnp.float32)
+    params = base.init(jax.random.key(0))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, (b, s)).astype(np.int32)
+    batch = base.place_batch(tokens, np.roll(tokens, -1, axis=1))
+    opt = optax.adamw(1e-4, weight_decay=0.0)
+    with jax.set_mesh(mesh):
+        state = jax.jit(opt.init)(params)
+    variants = {f"{r} / 1": dataclasses.replace(base, remat=r) for r in REMAT_POLICIES}
+    variants["none / 2"] = dataclasses.replace(base, num_microbatches=2)
+    cases, temp, losses = {}, {}, {}
+    for name, model in variants.items():
+        step = _step(model, opt)
+        with jax.set_mesh(mesh):
+            compiled = step.lower(params, state, *batch).compile()
+        temp[name] = compiled.memory_analysis().temp_size_in_bytes
+        losses[name] = float(jax.jit(model.loss)(params, *batch))
+        cases[name] = (compiled, (params, state, *batch))
+    for name, loss in losses.items():
+        if not np.isclose(loss, losses["none / 1"], rtol=1e-5):
+            raise AssertionError(f"{case} {name}: loss {loss} != {losses['none / 1']}")
+    with jax.set_mesh(mesh):
+        timings = H.time_interleaved(cases, repeats=args.repeats)
+    none_t, none_b = timings["none / 1"].median, temp["none / 1"]
+    return [
+        {
+            "case": case,
+            "variant": name,
+            "temp_bytes": temp[name],
+            "temp_mib": temp[name] / 2**20,
+            "temp_ratio": temp[name] / none_b,
+            "ms": 1e3 * timings[name].median,
+            "time_ratio": timings[name].median / none_t,
+        }
+        for name in variants
+    ]
+
+
 def run(args) -> H.Result:
-    """Checks and times every case; the rows and the goal."""
+    """Checks and times every case; the rows, the remat table and the goal."""
     mesh = H.mesh(args.mesh, ("data", "expert"), gpu_axis="expert")
-    rows = []
+    rows, memory = [], []
     for case in args.case_list:
         rows.append(_case(args, mesh, case))
         H.log_row(rows[-1], COLUMNS)
+        memory.extend(_memory(args, mesh, case))
+        for row in memory[-len(REMAT_POLICIES) - 1 :]:
+            H.log_row(row, MEMORY_COLUMNS)
     text = "EP decoder train step faster than the dense-MoE decoder (dense/ep >= 1)"
-    return H.Result(rows, COLUMNS, [H.worst_goal(rows, "ratio", 1.0, text, lambda r: r["case"])])
+    table = H.Table(
+        "remat",
+        memory,
+        MEMORY_COLUMNS,
+        "ep train step per remat policy (microbatches: gradient accumulation)",
+    )
+    goal = H.worst_goal(rows, "ratio", 1.0, text, lambda r: r["case"])
+    return H.Result(rows, COLUMNS, [goal], tables=[table])
 
 
 def parse_args(argv: Sequence[str] | None = None):
