@@ -46,14 +46,19 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _host_range(op: str, name: str, a: Any, vocab: int, ignore: bool) -> None:
-    """Refuses ids outside ``[0, vocab)`` (and not IGNORE_INDEX when `ignore`) in a host array."""
+def _host_range(op: str, name: str, a: Any, vocab: int, ignore: bool, real: Any = None) -> None:
+    """Refuses ids outside ``[0, vocab)`` (and not IGNORE_INDEX when `ignore`) in a host array.
+
+    `real`: a host bool array of the real tokens (padding is not looked at), or None (all).
+    """
     if isinstance(a, jax.Array):
         return  # device arrays are not copied back to look (see the methods' docstrings)
     a = np.asarray(a)
     bad = (a < 0) | (a >= vocab)
     if ignore:
         bad &= a != IGNORE_INDEX
+    if real is not None:
+        bad &= real
     if bad.any():
         where = tuple(int(i) for i in np.argwhere(bad)[0])
         raise ValueError(
@@ -107,15 +112,20 @@ def check_batch(
         raise ValueError(f"{op}: targets are required")
     if targets is not None:
         targets = _array(op, "targets", targets, _INT_DTYPES, shape)
-    _host_range(op, "tokens", host["tokens"], vocab, ignore=False)
-    if targets is not None:
-        _host_range(op, "targets", host["targets"], vocab, ignore=True)
+    real = None  # host bool [B, S] of the real tokens, when the masks are host arrays
+    for m in (attention_mask, segment_ids):
+        if m is not None and not isinstance(m, jax.Array):
+            m = np.asarray(m) != 0
+            real = m if real is None else real & m
     if attention_mask is not None:
         attention_mask = _array(op, "attention_mask", attention_mask, _MASK_DTYPES, shape)
     if positions is not None:
         positions = _array(op, "positions", positions, _INT_DTYPES, shape)
     if segment_ids is not None:
         segment_ids = _array(op, "segment_ids", segment_ids, _INT_DTYPES, shape)
+    _host_range(op, "tokens", host["tokens"], vocab, ignore=False, real=real)
+    if targets is not None:
+        _host_range(op, "targets", host["targets"], vocab, ignore=True)
     return Batch(tokens, targets, attention_mask, positions, segment_ids)
 
 

@@ -316,9 +316,20 @@ class MoEDecoder(Layout):
         return where, targets
 
     def _inputs(self, params: dict[str, Any], batch: _batch.Batch):
-        """``(embedded tokens, where, targets)``: targets at padding are ignored."""
-        x = self._place(_layers.embed(self._ops, params["embed"], batch.tokens))
-        return (x, *self._where(batch))
+        """``(embedded tokens, where, targets)``: padding embeds as 0, its targets are ignored.
+
+        (Zero rows at padding: whatever id a padding token holds, even one out of range, never
+        reaches a real token through the attention's ``0 * value``.)
+        """
+        where, targets = self._where(batch)
+        return self._embed(params["embed"], batch.tokens, where), where, targets
+
+    def _embed(self, table: jax.Array, tokens: jax.Array, where: _layers.Tokens) -> jax.Array:
+        """The tokens' rows of `table`, split over the batch axes; 0 at padding."""
+        x = self._place(_layers.embed(self._ops, table, tokens))
+        if where.segments is not None:
+            x = jnp.where(where.valid[..., None], x, jnp.zeros((), x.dtype))
+        return x
 
     def _hidden(self, params: dict[str, Any], batch: _batch.Batch) -> jax.Array:
         x, where, _ = self._inputs(params, batch)

@@ -89,10 +89,8 @@ def objective(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch) ->
 
 def pipeline_step(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch):
     """``(loss, grads)`` of one pipeline_step (the schedule) over the microbatches."""
-    x, embed_vjp = jax.vjp(
-        lambda e: model._place(_layers.embed(model._ops, e, batch.tokens)), params["embed"]
-    )
     where, targets = model._where(batch)
+    x, embed_vjp = jax.vjp(lambda e: model._embed(e, batch.tokens, where), params["embed"])
     # pipeline_step averages each microbatch's loss over the M microbatches of each of the
     # data shards: scaling each by M * shards / count makes that the global token mean.
     shards = int(np.prod([dict(model.mesh.shape)[a] for a in model.batch_axes]))

@@ -290,6 +290,14 @@ def test_bad_inputs_are_named(hf):
         model.logits(params, good, attention_mask=np.ones((2, 5), np.int32))
     with pytest.raises(TypeError, match=r"segment_ids"):
         model.logits(params, good, segment_ids=np.ones((2, 6), np.float32))
+    # Padding is not looked at (its id never reaches a real token), on host or device.
+    padded = good.copy()
+    padded[0, :2] = -1
+    mask = (padded >= 0).astype(np.int32)
+    want = np.asarray(model.logits(params, good, attention_mask=mask))[0, 2:]
+    for arr in (padded, jnp.asarray(padded)):
+        got = np.asarray(model.logits(params, arr, attention_mask=mask))[0, 2:]
+        np.testing.assert_allclose(got, want, rtol=1e-6)
     # On device, an out-of-range id gives NaN logits in its row, never another token's row.
     dev = jnp.asarray(good).at[1, 2].set(vocab + 5)
     logits = np.asarray(jax.jit(model.logits)(params, dev))
