@@ -1,6 +1,7 @@
 """jaxops.models: published MoE architectures on jaxops' kernels and parallel layers.
 
-- :class:`DecoderConfig` (from a Hugging Face ``config.json``: Mixtral, Qwen3-MoE, Qwen2-MoE)
+- :class:`DecoderConfig` (from a Hugging Face ``config.json``: Mixtral, Qwen3-MoE, Qwen2-MoE;
+  its :class:`Rope`: default, linear, dynamic, yarn or llama3 scaling, :func:`read_rope`)
   and :class:`MoEDecoder`: the decoder laid out on a mesh (experts over an ``expert`` axis,
   layers over a ``pipe`` axis as pipeline stages, the batch over the rest) with ``init``,
   ``logits``, ``loss`` and ``loss_and_grads``.
@@ -10,6 +11,8 @@
   (a KV cache, greedy or sampled), :data:`REMAT_POLICIES` and gradient accumulation.
 - :func:`from_pretrained` / :func:`save_pretrained`: a Hugging Face model directory in, sharded
   parameters out, and back (transformers loads what it writes); :func:`name_map` is the mapping.
+  Published FP8 checkpoints (128 x 128 block scales) load dequantized, and
+  ``save_pretrained(..., quantize="fp8-block")`` writes that format.
 - :data:`DECODER_SCHEDULES`, :data:`MOE_IMPLS`, :data:`MODEL_TYPES`, :data:`BLOCK_MODEL_TYPES`:
   what the decoder and the blocks take.
 
@@ -35,6 +38,7 @@ from jaxops.models._generate import generate
 from jaxops.models._hf import from_pretrained, save_pretrained
 from jaxops.models._names import LLAMA_NAME_MAP, llama_name_map, name_map
 from jaxops.models._packing import IGNORE_INDEX, PackedBatch, pack_sequences
+from jaxops.models._rope import ROPE_KINDS, Rope, read_rope
 
 from jaxops._errors import ConfigError
 
@@ -46,10 +50,12 @@ __all__ = [
     "MODEL_TYPES",
     "MOE_IMPLS",
     "REMAT_POLICIES",
+    "ROPE_KINDS",
     "ConfigError",
     "DecoderConfig",
     "MoEDecoder",
     "PackedBatch",
+    "Rope",
     "from_pretrained",
     "generate",
     "is_moe_layer",
@@ -59,6 +65,7 @@ __all__ = [
     "name_map",
     "pack_sequences",
     "read_config",
+    "read_rope",
     "save_pretrained",
 ]
 

@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
-from jaxops.models._config import _get, _positive, _refuse_quantized
+from jaxops.models._config import _get, _positive
 from jaxops.models._names import moe_block_rules
+from jaxops.models._quant import read_quantization
 from jaxops.parallel import checkpoint
 from jaxops.parallel import expert as ep
 
@@ -180,7 +181,11 @@ def load_moe_block(
         hf = json.loads((root / "config.json").read_text())
     except FileNotFoundError:
         raise ConfigError(f"{root}: no config.json") from None
-    _refuse_quantized(hf)
+    if read_quantization(hf) is not None:
+        raise ConfigError(
+            f"{root}: an FP8 checkpoint; load_moe_block reads unquantized weights only "
+            "(jaxops.models.from_pretrained reads FP8 block checkpoints)"
+        )
     kind = _model_type(hf)
     op = "jaxops.models.load_moe_block"
     layers = _positive(hf, "num_hidden_layers")

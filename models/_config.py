@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import os
 from pathlib import Path
 from typing import Any
+
+from jaxops.models._quant import read_quantization
+from jaxops.models._rope import Rope, read_rope, rope_to_hf
 
 from jaxops._errors import ConfigError, named_errors
 
@@ -58,48 +62,10 @@ _DEFAULTS = {
 _KV_HEADS = {"mixtral": 8, "qwen3_moe": 4, "qwen2_moe": 16}
 
 
-def _refuse_quantized(cfg: dict[str, Any]) -> None:
-    """Refuses quantized checkpoints by name.
-
-    Their weights (e.g. DeepSeek-V3's FP8 ones with weight_scale_inv) would be read without their
-    scales.
-    """
-    quant = cfg.get("quantization_config")
-    if quant is not None:
-        method = quant.get("quant_method") if isinstance(quant, dict) else None
-        raise ConfigError(
-            f"config.json: quantization_config (quant_method {method!r}) is not supported: the "
-            "weights would be read without their scales; dequantize the checkpoint first"
-        )
-
-
-def _rope_theta(cfg: dict[str, Any], default: float = 10000.0) -> float:
-    """rope_theta from ``rope_parameters`` (transformers >= 5) or the older top-level keys."""
-    params = cfg.get("rope_parameters")
-    if params is None:
-        scaling = cfg.get("rope_scaling")
-        if scaling not in (None, {}) and not isinstance(scaling, dict):
-            raise ConfigError(f"config.json: 'rope_scaling' must be an object, got {scaling!r}")
-        if scaling not in (None, {}) and scaling.get("rope_type", scaling.get("type")) != "default":
-            raise ConfigError(
-                f"config.json: rope_scaling {scaling!r} is not supported (only the default RoPE)"
-            )
-        return _positive_theta(_get(cfg, "rope_theta", float, default), "rope_theta")
-    if not isinstance(params, dict):
-        raise ConfigError(f"config.json: 'rope_parameters' must be an object, got {params!r}")
-    kind = params.get("rope_type", "default")
-    if kind != "default":
-        raise ConfigError(
-            f"config.json: rope_parameters.rope_type = {kind!r} is not supported; "
-            "supported: 'default'"
-        )
-    return _positive_theta(_get(params, "rope_theta", float, default), "rope_parameters.rope_theta")
-
-
-def _positive_theta(theta: float, key: str) -> float:
-    if not math.isfinite(theta) or theta <= 0:
-        raise ConfigError(f"config.json: {key} must be a finite positive number, got {theta!r}")
-    return theta
+# transformers' max_position_embeddings when config.json has none (the "dynamic" RoPE's length,
+# and "yarn" / "llama3"'s original length when their parameters have none).
+_MAX_POSITIONS = {"mixtral": 131072, "qwen3_moe": 32768, "qwen2_moe": 32768}
+_DEFAULT_ROPE = Rope()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +73,8 @@ class DecoderConfig:
     """A decoder-only MoE transformer: Mixtral, Qwen3-MoE or Qwen2-MoE.
 
     Every layer is ``h += attention(rms_norm(h))`` then ``h += moe(rms_norm(h))`` with GQA
-    attention (rotary embeddings in the rotate-half layout, an optional causal sliding window,
+    attention (rotary embeddings in the rotate-half layout: :class:`Rope`, default or scaled as
+    "linear", "dynamic", "yarn", "llama3"; an optional causal sliding window,
     Qwen3's per-head q/k RMSNorm, Qwen2's q/k/v biases) and the expert-parallel MoE layer
     (SwiGLU experts; Qwen2-MoE adds a gated shared expert). Build it with :meth:`from_hf`.
 
@@ -128,7 +95,13 @@ class DecoderConfig:
       qkv_bias: biases on the q, k and v projections (Qwen2).
       o_bias: a bias on the output projection (Qwen3 ``attention_bias``).
       rms_norm_eps: epsilon of every RMSNorm.
-      rope_theta: RoPE base.
+      rope: the rotary embedding (``jaxops.models._rope.Rope``) of the whole head in the
+        rotate-half layout (these model types have no partial or interleaved RoPE). A number in
+        this place (the former ``rope_theta`` positional argument) is the default RoPE with that
+        base. The keyword ``rope_theta=`` (kept, not deprecated: the one parameter of the default
+        RoPE) sets the base of `rope`, or of the default RoPE when `rope` is not given, so
+        ``dataclasses.replace(config, rope_theta=...)`` keeps the scaling; ``config.rope_theta``
+        reads ``config.rope.theta``.
       sliding_window: causal attention over the last this many positions (None: all).
       tie_word_embeddings: the output projection is the embedding table transposed.
       router_aux_loss_coef: weight of the load-balancing loss (the config's own key). The loss
@@ -155,7 +128,7 @@ class DecoderConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
+    rope: Rope = _DEFAULT_ROPE
     sliding_window: int | None = None
     tie_word_embeddings: bool = False
     router_aux_loss_coef: float = 1e-3
@@ -183,12 +156,26 @@ class DecoderConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"{op}: head_dim must be even for RoPE, got {self.head_dim}")
+        if isinstance(self.rope, int | float) and not isinstance(self.rope, bool):
+            object.__setattr__(self, "rope", Rope(theta=self.rope))
+        if not isinstance(self.rope, Rope):
+            raise ConfigError(f"{op}: rope must be a Rope, got {self.rope!r}")
+        if self.rope.partial_rotary_factor != 1.0 or self.rope.interleave:
+            raise ConfigError(
+                f"{op}: rope must rotate the whole head in the rotate-half layout for "
+                f"{self.model_type} (partial_rotary_factor 1.0, interleave False), got {self.rope}"
+            )
         if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
             raise ConfigError(f"{op}: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(
                 f"{op}: sliding_window must be >= 1 or None, got {self.sliding_window}"
             )
+
+    @property
+    def rope_theta(self) -> float:
+        """The RoPE base, ``rope.theta``."""
+        return self.rope.theta
 
     @property
     def q_size(self) -> int:
@@ -227,7 +214,7 @@ class DecoderConfig:
                 f"{', '.join(MODEL_TYPES)} (DeepSeek-V3's MoE block: "
                 "jaxops.models.moe_block_config)"
             )
-        _refuse_quantized(hf)
+        read_quantization(hf)  # FP8 block checkpoints load; others are refused by name
         act = _get(hf, "hidden_act", str, "silu")
         if act != "silu":
             raise ConfigError(f"config.json: hidden_act {act!r} is not supported; supported: silu")
@@ -290,7 +277,7 @@ class DecoderConfig:
             num_experts=experts,
             top_k=_positive(hf, "num_experts_per_tok"),
             rms_norm_eps=_get(hf, "rms_norm_eps", float, _DEFAULTS[model_type][0]),
-            rope_theta=_rope_theta(hf, _DEFAULTS[model_type][1]),
+            rope=_read_rope(hf, model_type, head_dim),
             tie_word_embeddings=_get(hf, "tie_word_embeddings", bool, False),
             router_aux_loss_coef=_get(hf, "router_aux_loss_coef", float, 1e-3),
             hf=dict(hf),
@@ -309,6 +296,9 @@ class DecoderConfig:
           (['Qwen3MoeForCausalLM'], 8, 'bfloat16', True)
         """
         out = dict(self.hf)
+        # The weights this config describes are not quantized (save_pretrained adds a
+        # quantization_config back when it writes quantized files).
+        out.pop("quantization_config", None)
         out.update(
             model_type=self.model_type,
             architectures=[_ARCHITECTURES[self.model_type]],
@@ -324,9 +314,9 @@ class DecoderConfig:
             tie_word_embeddings=self.tie_word_embeddings,
             router_aux_loss_coef=self.router_aux_loss_coef,
         )
-        out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
-        out.pop("rope_theta", None)
-        out.pop("rope_scaling", None)
+        for key in ("rope_theta", "rope_scaling", "partial_rotary_factor"):
+            out.pop(key, None)  # all in rope_parameters
+        out.update(rope_to_hf(self.rope))
         if self.model_type == "mixtral":
             out.update(
                 num_local_experts=self.num_experts,
@@ -372,6 +362,50 @@ class DecoderConfig:
                 "biases; qwen2_moe has no q/k norms)"
             )
         return out
+
+
+def _read_rope(hf: dict[str, Any], model_type: str, head_dim: int) -> Rope:
+    rope = read_rope(
+        hf, head_dim, _DEFAULTS[model_type][1], default_max_positions=_MAX_POSITIONS[model_type]
+    )
+    if rope.partial_rotary_factor != 1.0:
+        raise ConfigError(
+            f"config.json: partial_rotary_factor = {rope.partial_rotary_factor} is not supported "
+            f"for {model_type} (transformers rotates its whole head); only 1.0"
+        )
+    return rope
+
+
+def _rope_theta_keyword(cls: type) -> type:
+    """The constructor of `cls` also takes ``rope_theta=``: the base of its ``rope``."""
+    init = cls.__init__
+    at = [f.name for f in dataclasses.fields(cls)].index("rope")
+
+    def __init__(self, *args: Any, rope_theta: float | None = None, **kwargs: Any) -> None:
+        if rope_theta is not None:
+            args = list(args)
+            given = args[at] if len(args) > at else kwargs.get("rope", Rope())
+            if not isinstance(given, Rope):
+                raise ConfigError(
+                    f"jaxops.models.DecoderConfig: rope_theta= needs rope to be a Rope, got "
+                    f"{given!r}"
+                )
+            rope = dataclasses.replace(given, theta=rope_theta)
+            if len(args) > at:
+                args[at] = rope
+            else:
+                kwargs["rope"] = rope
+        init(self, *args, **kwargs)
+
+    sig = inspect.signature(init)
+    theta = inspect.Parameter("rope_theta", inspect.Parameter.KEYWORD_ONLY, default=None)
+    __init__.__signature__ = sig.replace(parameters=[*sig.parameters.values(), theta])
+    __init__.__doc__ = init.__doc__
+    cls.__init__ = __init__
+    return cls
+
+
+_rope_theta_keyword(DecoderConfig)
 
 
 @named_errors("jaxops.models.read_config")

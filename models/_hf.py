@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxops.models._config import read_config
 from jaxops.models._decoder import MoEDecoder
-from jaxops.models._names import name_map
+from jaxops.models._names import expert_names, name_map
+from jaxops.models._quant import Fp8Block, Fp8Codec, fp8_scale_names, read_quantization
 from jaxops.parallel import checkpoint
 from jaxops.parallel.checkpoint import Rule
 
@@ -23,6 +24,20 @@ __all__ = ["from_pretrained", "name_map", "save_pretrained"]
 
 # Tensors a model directory may hold that the decoder does not use (rotary caches of old exports).
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
+# Our keys whose tensors quantize="fp8-block" writes as FP8: the decoder layers' linear weights
+# (attention projections, expert and shared-expert gate/up/down); not the embeddings, lm_head,
+# norms, router or shared-expert gate.
+_FP8_KEYS = frozenset(
+    {
+        "layers/w_qkv",
+        "layers/w_o",
+        "layers/moe/w_in",
+        "layers/moe/w_out",
+        "layers/moe/shared_w_in",
+        "layers/moe/shared_w_out",
+    }
+)
+_QUANTIZE = (None, "fp8-block")
 
 
 def _expected_names(model: MoEDecoder, rules: Sequence[Rule]) -> set[str]:
@@ -57,6 +72,14 @@ def from_pretrained(
     tensors stacked into the expert axis, q/k/v and gate/up fused, layers stacked. Each process
     reads what its shards need. Local directories only (no hub download).
 
+    Published FP8 checkpoints load too (DeepSeek-style block scaling, as Qwen3-30B-A3B-FP8 ships:
+    ``quantization_config`` with ``quant_method: "fp8"`` and ``weight_block_size``): each
+    F8_E4M3 ``X.weight`` is read with its float32 ``X.weight_scale_inv`` and dequantized,
+    ``float32(fp8) * scale`` per block, then cast to `dtype`, tensor by tensor as each process
+    reads them: no host holds the model in full precision. FP8 checkpoints load dequantized:
+    the parameters are those values in `dtype` (the model's ``fp8=`` option is independent of
+    the checkpoint's format). Other ``quant_method`` s are refused by name.
+
     Args:
       path: the model directory.
       mesh: the mesh (default: one device, ``("expert",)`` of size 1); see :class:`MoEDecoder`.
@@ -71,9 +94,11 @@ def from_pretrained(
       ``(model, params)``.
 
     Raises:
-      ConfigError (ValueError): an unsupported model_type or feature, a missing config key.
+      ConfigError (ValueError): an unsupported model_type, feature or quantization, a missing
+        config key.
       CheckpointError: a tensor the config needs is missing, has another shape, or the files
-        hold tensors the config does not account for (e.g. more experts or layers than it says).
+        hold tensors the config does not account for (e.g. more experts or layers than it says);
+        an FP8 weight whose ``weight_scale_inv`` is missing or of another shape.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -84,6 +109,7 @@ def from_pretrained(
     op = "jaxops.models.from_pretrained"
     root = Path(path)
     config = read_config(root)
+    quant = read_quantization(config.hf)
     if mesh is None:
         mesh = jax.make_mesh((1,), ("expert",), devices=jax.devices()[:1])
     if dtype is None:
@@ -94,7 +120,8 @@ def from_pretrained(
         raise ConfigError(f"{op}: dtype {dtype!r} is not a dtype") from None
     model = MoEDecoder(config, mesh, dtype=compute_dtype or dtype, **options)
     rules = name_map(config)
-    have = set(checkpoint.hf_tensors(root))  # validated headers and index
+    tensors = checkpoint.hf_tensors(root)  # validated headers and index
+    have = set(tensors)
     want = _expected_names(model, rules)
     missing = sorted(want - have)
     if missing:
@@ -103,6 +130,8 @@ def from_pretrained(
             f"{missing[:3]} (num_hidden_layers = {config.num_layers}, num_experts = "
             f"{config.num_experts})"
         )
+    if quant is not None:  # the float8 weights' scales are read with them
+        want |= fp8_scale_names(op, quant, tensors, want)
     extra = sorted(n for n in have - want if not _IGNORED.fullmatch(n))
     if config.tie_word_embeddings:
         extra = [n for n in extra if n != "lm_head.weight"]
@@ -110,10 +139,15 @@ def from_pretrained(
         raise checkpoint.CheckpointError(
             f"{op}: {root} holds {len(extra)} tensor(s) config.json does not account "
             f"for, e.g. {extra[:3]} (num_hidden_layers = {config.num_layers}, num_experts = "
-            f"{config.num_experts}, tie_word_embeddings = {config.tie_word_embeddings})"
+            f"{config.num_experts}, tie_word_embeddings = {config.tie_word_embeddings}, "
+            f"quantization_config = {'fp8' if quant else None})"
         )
     params = checkpoint.import_safetensors(
-        root, model.abstract_params(dtype), name_map=rules, progress=progress
+        root,
+        model.abstract_params(dtype),
+        name_map=rules,
+        progress=progress,
+        codec=None if quant is None else Fp8Codec(quant),
     )
     return model, params
 
@@ -128,6 +162,7 @@ def save_pretrained(
     max_shard_size: int | str = "5GB",
     generation_config: dict[str, Any] | None = None,
     progress: bool | None = None,
+    quantize: str | None = None,
 ) -> list[str]:
     """Writes `params` as a Hugging Face model directory that transformers loads.
 
@@ -137,6 +172,16 @@ def save_pretrained(
     published names (per-expert weights unstacked). Every process must call it (the arrays are
     gathered to process 0, which writes, one array at a time). `path` must not exist or be empty.
 
+    With ``quantize="fp8-block"`` the files are a block-scaled FP8 checkpoint as DeepSeek-V3 and
+    Qwen3-30B-A3B-FP8 ship them: the decoder layers' linear weights (q/k/v/o projections,
+    expert and shared-expert gate/up/down) are written as F8_E4M3 ``X.weight`` with a float32
+    ``X.weight_scale_inv`` per 128 x 128 block (``scale = amax / 448``, quantized by
+    :func:`jaxops.fp8.quantize` from the parameters' own values), and config.json gets the
+    ``quantization_config`` (``quant_method: "fp8"``, ``fmt: "e4m3"``,
+    ``activation_scheme: "dynamic"``, ``weight_block_size: [128, 128]``,
+    ``modules_to_not_convert``). The embeddings, norms, router, shared-expert gate and lm_head
+    stay in `dtype`. :func:`from_pretrained` reads it back dequantized.
+
     Args:
       model: the :class:`MoEDecoder`.
       params: its parameters (any sharding).
@@ -145,25 +190,54 @@ def save_pretrained(
       max_shard_size: bytes per file, an int or a string like "5GB".
       generation_config: a dict written as generation_config.json.
       progress: a progress bar (None: only on a terminal).
+      quantize: None (as they are) or ``"fp8-block"``.
 
     Returns:
-      The tensor names written.
+      The tensor names written (with the ``weight_scale_inv`` scales of an FP8 checkpoint).
+
+    Raises:
+      ConfigError (ValueError): an unknown `quantize`, or a config the model type cannot express.
 
     Example:
       >>> from jaxops.models import save_pretrained  # doctest: +SKIP
       >>> save_pretrained(model, params, "/tmp/finetuned", dtype="bfloat16")  # doctest: +SKIP
+      >>> save_pretrained(model, params, "/tmp/fp8", dtype="bfloat16",
+      ...                 quantize="fp8-block")  # doctest: +SKIP
     """
     op = "jaxops.models.save_pretrained"
     if not isinstance(model, MoEDecoder):
         raise TypeError(f"{op}: model must be a MoEDecoder, got {type(model).__name__}")
+    if quantize not in _QUANTIZE:
+        raise ConfigError(f"{op}: quantize must be None or 'fp8-block', got {quantize!r}")
     written = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(params["embed"].dtype)
+    rules = name_map(model.config)
+    config = model.config.to_hf(written)
+    codec = None
+    if quantize == "fp8-block":
+        quant = Fp8Block()
+        codec = Fp8Codec(quant, _expected_names(model, [r for r in rules if r.ours in _FP8_KEYS]))
+        config["quantization_config"] = quant.to_hf(_unquantized_linears(model))
     return checkpoint.export_safetensors(
         params,
         path,
         max_shard_size=max_shard_size,
-        name_map=name_map(model.config),
+        name_map=rules,
         dtype=None if dtype is None else written.name,
         progress=progress,
-        config=model.config.to_hf(written),
+        config=config,
         generation_config=generation_config,
+        codec=codec,
     )
+
+
+def _unquantized_linears(model: MoEDecoder) -> list[str]:
+    """The torch Linear modules an FP8 export leaves unquantized (``modules_to_not_convert``).
+
+    transformers' FP8 loader swaps every other ``nn.Linear`` for an FP8 one; the routers are no
+    ``nn.Linear`` in transformers 5 but are listed for older versions.
+    """
+    moe = expert_names(model.config.model_type)[0]
+    out = ["lm_head", f"{moe}.gate"]
+    if model.config.shared_ffn:
+        out.append("mlp.shared_expert_gate")
+    return out

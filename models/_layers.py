@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxops.models._config import DecoderConfig
 from jaxops.models._packing import IGNORE_INDEX
+from jaxops.models._rope import Rope, apply_rotary
 
 import jaxops
 
@@ -123,20 +124,16 @@ def rotate_half(x: jax.Array) -> jax.Array:
     return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
-def rotary(x: jax.Array, theta: float, positions: jax.Array | None = None) -> jax.Array:
+def rotary(x: jax.Array, rope: Rope | float, positions: jax.Array | None = None) -> jax.Array:
     """Rotary position embedding of ``x [b, s, heads, Dh]`` at int ``positions [b, s]``.
 
-    Positions default to ``0 .. s-1``. Rotate-half layout; float32 angles cast to x's dtype, as
-    transformers computes them.
+    ``jaxops.models._rope.apply_rotary`` with `rope` (a number: the default RoPE with that
+    base). Positions default to ``0 .. s-1``; float32 angles, cos and sin (times the rope's
+    attention scaling) cast to x's dtype, as transformers computes them.
     """
-    s, dh = x.shape[1], x.shape[-1]
-    if positions is None:
-        positions = jnp.arange(s, dtype=jnp.int32)[None, :]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    if not isinstance(rope, Rope):
+        rope = Rope(theta=rope)
+    return apply_rotary(x, rope, positions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +210,7 @@ def qkv(
     if c.qk_norm:
         q = jaxops.rms_norm(q, p["q_norm"], eps=c.rms_norm_eps, impl=ops.impl)
         k = jaxops.rms_norm(k, p["k_norm"], eps=c.rms_norm_eps, impl=ops.impl)
-    return rotary(q, c.rope_theta, positions), rotary(k, c.rope_theta, positions), v
+    return rotary(q, c.rope, positions), rotary(k, c.rope, positions), v
 
 
 def attend(

@@ -280,12 +280,12 @@ def _edit_config(path: Path, **changes) -> None:
         (dict(model_type="llama"), r"model_type 'llama' is not supported; supported: mixtral"),
         (dict(hidden_size=None), r"missing 'hidden_size'"),
         (dict(hidden_act="gelu"), r"hidden_act 'gelu' is not supported"),
-        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), r"rope_type = 'yarn'"),
+        (dict(rope_parameters={"rope_type": "longrope", "factor": 4.0}), r"'longrope'"),
         (dict(mlp_only_layers=[0]), r"mlp_only_layers"),
         (dict(num_attention_heads="4"), r"'num_attention_heads' must be int"),
         (
-            dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
-            r"quantization_config \(quant_method 'fp8'\) is not supported",
+            dict(quantization_config={"quant_method": "gptq", "bits": 4}),
+            r"quantization_config.quant_method 'gptq' is not supported; supported: 'fp8'",
         ),
         (dict(rope_parameters=None, rope_scaling="linear"), r"'rope_scaling' must be an object"),
         (
@@ -387,10 +387,15 @@ def test_absent_config_keys_take_transformers_defaults():
 
 
 def test_quantized_block_and_inexpressible_configs_are_refused(hf_dirs, tmp_path):
-    # FP8 weights with scales would be read without them: refused by name, not loaded 5000x off.
+    # from_pretrained reads FP8 checkpoints (tests/test_models_fp8_checkpoint.py); the MoE block
+    # loader would read their float8 bits without the scales: refused, saying so; and every
+    # other quantization by name.
     path = _copy(hf_dirs["qwen2_moe"], tmp_path / "q")
-    _edit_config(path, quantization_config={"quant_method": "fp8"})
-    with pytest.raises(models.ConfigError, match="quantization_config"):
+    _edit_config(path, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    with pytest.raises(models.ConfigError, match="load_moe_block reads unquantized weights only"):
+        models.load_moe_block(path, 0)
+    _edit_config(path, quantization_config={"quant_method": "awq", "bits": 4})
+    with pytest.raises(models.ConfigError, match="quant_method 'awq' is not supported"):
         models.load_moe_block(path, 0)
     with pytest.raises(models.ConfigError, match=r"sparse_step' must be >= 1, got 0"):
         models.is_moe_layer({"model_type": "qwen2_moe", "decoder_sparse_step": 0}, 1)

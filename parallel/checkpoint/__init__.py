@@ -67,10 +67,11 @@ from ._hf_import import HFTensor, hf_tensors, import_safetensors
 from ._hf_target import hf_target
 from ._manager import CheckpointManager
 from ._restore import describe, restore
-from ._rules import Rule
+from ._rules import Codec, Rule
 from ._save import save
 
 __all__ = [
+    "Codec",
     "CheckpointError",
     "CheckpointManager",
     "HFTensor",

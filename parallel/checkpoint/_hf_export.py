@@ -9,7 +9,7 @@ import os
 import re
 import shutil
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -27,7 +27,7 @@ from ._io import (
     _Reader,
     _write_safetensors,
 )
-from ._rules import Rule, _rule_for
+from ._rules import Codec, Rule, _rule_for
 from ._tree import _flatten
 
 
@@ -56,6 +56,7 @@ def export_safetensors(
     progress: bool | None = None,
     config: Any = None,
     generation_config: Any = None,
+    codec: Codec | None = None,
 ) -> list[str]:
     """Writes a consolidated Hugging Face safetensors layout from a checkpoint or a sharded tree.
 
@@ -79,6 +80,10 @@ def export_safetensors(
       progress: a tqdm progress bar (None: only on a terminal).
       config: a Hugging Face config (a dict, or an object with ``to_dict()``) for config.json.
       generation_config: likewise, for generation_config.json.
+      codec: how their tensors are stored, if not each as one array in its dtype: a
+        :class:`Codec` whose ``encode(name, tensor)`` gives the stored tensors of each (e.g.
+        block-scaled FP8 weights with their ``weight_scale_inv``), written in their own dtypes
+        (`dtype` applies to the tensors it leaves as they are). One tensor at a time.
 
     Returns:
       The tensor names written, in order.
@@ -135,7 +140,7 @@ def export_safetensors(
                 )
             )
 
-    planned = _plan(op, items, name_map, cast)
+    planned = _plan(op, items, name_map, cast, codec)
     # Tensor names that several keys produce (tied weights): the first writes, the others are
     # compared with it; `kept` holds it until then (the plan puts them right after it).
     waiting = Counter(name for p in planned for name in p.aliased)
@@ -185,8 +190,8 @@ def export_safetensors(
                         arr = items[planned[i].item][3]()
                         if arr is None:
                             continue
-                        for (name, want, _, _), (_, part) in zip(
-                            outs, rule.to_theirs(key, arr), strict=True
+                        for (name, want, _, _), (_, part, _) in zip(
+                            outs, _encoded(codec, rule.to_theirs(key, arr)), strict=True
                         ):
                             if part.dtype.name != want:
                                 part = part.astype(_np_dtype(want))
@@ -256,7 +261,24 @@ class _Planned(NamedTuple):
     written: list[tuple[str, str, tuple[int, ...], int]]  # outs minus aliased
 
 
-def _plan(op: str, items: list, name_map: Sequence[Rule] | None, cast) -> list[_Planned]:
+def _encoded(
+    codec: Codec | None, pairs: list[tuple[str, np.ndarray]], shapes_only: bool = False
+) -> Iterator[tuple[str, np.ndarray, bool]]:
+    """``(name, tensor, coded)``: their tensors `pairs` as stored, through `codec` if any.
+
+    Lazily, so that the writer holds one tensor's encoding at a time.
+    """
+    for name, arr in pairs:
+        coded = None if codec is None else codec.encode(name, arr, shapes_only=shapes_only)
+        if coded is None:
+            yield name, arr, False
+        else:
+            yield from ((n, a, True) for n, a in coded)
+
+
+def _plan(
+    op: str, items: list, name_map: Sequence[Rule] | None, cast, codec: Codec | None = None
+) -> list[_Planned]:
     """The tensors each key writes, from shapes alone, in the order to process the keys.
 
     A key whose tensor names an earlier key already produces (tied weights) must produce the
@@ -270,9 +292,11 @@ def _plan(op: str, items: list, name_map: Sequence[Rule] | None, cast) -> list[_
         rule = _rule_for(name_map, key)
         probe = np.lib.stride_tricks.as_strided(np.zeros((), dt), shape, [0] * len(shape))
         outs, aliased, anchor = [], set(), -1
-        for name, arr in rule.to_theirs(key, probe, shapes_only=True):
+        for name, arr, coded in _encoded(
+            codec, rule.to_theirs(key, probe, shapes_only=True), shapes_only=True
+        ):
             out_dt = arr.dtype
-            if cast is not None and rule.dtype is None and _is_float(out_dt):
+            if cast is not None and rule.dtype is None and not coded and _is_float(out_dt):
                 out_dt = cast
             if name == "__metadata__":
                 raise ValueError(

@@ -24,7 +24,7 @@ from ._format import (
 )
 from ._index import _plain_file_name
 from ._io import _progress_bar
-from ._rules import Rule, _rule_for
+from ._rules import Codec, Rule, _rule_for
 from ._tree import _flatten, _target_of
 
 _HF_INDEX = "model.safetensors.index.json"
@@ -154,19 +154,31 @@ def _read_hf_tensor(name: str, file: Path, entry: dict[str, Any], start: int) ->
     return buf.view(dtype).reshape(shape)
 
 
-def _to_ours(op: str, key: str, rule: Rule, names: Sequence[str], table) -> np.ndarray:
-    """Their tensors `names`, read and mapped by `rule` to our layout.
+def _to_ours(
+    op: str, key: str, rule: Rule, names: Sequence[str], table, codec: Codec | None = None
+) -> np.ndarray:
+    """Their tensors `names`, read (through `codec`, if any) and mapped by `rule` to our layout.
 
-    Tensors that do not fit the rule (ranks, fused sizes, the transpose, RoPE head sizes) raise
-    CheckpointError naming the key, the tensors and their files.
+    Tensors that do not fit the rule (ranks, fused sizes, the transpose, RoPE head sizes) or the
+    codec raise CheckpointError naming the key, the tensors and their files.
     """
-    parts = [_read_hf_tensor(name, *table[name]) for name in names]
     try:
+        if codec is None:
+            parts = [_read_hf_tensor(name, *table[name]) for name in names]
+        else:
+            parts = [codec.decode(name, lambda n: _read_stored(n, table)) for name in names]
         rule.our_shape([p.shape for p in parts])  # checks what the mapping assumes
         return rule.to_ours(parts)
     except ValueError as e:
         files = ", ".join(sorted({str(table[name][0]) for name in names}))
         raise CheckpointError(f"{op}: {key!r} from {list(names)} in {files}: {e}") from None
+
+
+def _read_stored(name: str, table) -> np.ndarray:
+    """A codec's read: stored tensor `name`; ValueError if the files lack it."""
+    if name not in table:
+        raise ValueError(f"the files hold no tensor {name!r}")
+    return _read_hf_tensor(name, *table[name])
 
 
 def _kind(dtype: np.dtype) -> str:
@@ -203,7 +215,7 @@ def _check_cast(
             )
 
 
-def _import_stacked(op, src, table, key, rule: Rule, shape, dtype, sharding, cast):
+def _import_stacked(op, src, table, key, rule: Rule, shape, dtype, sharding, cast, codec):
     """One stacked target leaf: each process reads only the elements its shards hold."""
     n = len(rule.stack)
     if len(shape) < n:
@@ -225,7 +237,7 @@ def _import_stacked(op, src, table, key, rule: Rule, shape, dtype, sharding, cas
     def element(idx: tuple) -> np.ndarray:
         if idx not in cache:
             names = elements[idx]
-            arr = _to_ours(op, key, rule, names, table)
+            arr = _to_ours(op, key, rule, names, table, codec)
             if tuple(arr.shape) != tuple(shape[n:]):
                 raise CheckpointError(
                     f"{op}: {key!r}[{', '.join(map(str, idx))}] from {names} has shape "
@@ -257,6 +269,7 @@ def import_safetensors(
     name_map: Sequence[Rule] | None = None,
     progress: bool | None = None,
     cast: bool = False,
+    codec: Codec | None = None,
 ) -> Any:
     """Loads Hugging Face-style safetensors files into a (sharded) target tree.
 
@@ -277,6 +290,10 @@ def import_safetensors(
         example int32 tensors into a float32 target, with numpy's ``astype``. Without it such a
         tensor raises CheckpointError; precision changes within a kind (bfloat16 -> float32,
         float32 -> bfloat16, int8 -> int32) are always made.
+      codec: how their tensors are stored, if not each as one array (e.g. block-scaled FP8
+        weights with their ``weight_scale_inv``): a :class:`Codec`. It reads what it needs per
+        tensor, so the import still reads, per process, only the tensors its shards hold. The
+        cast check (`cast`) looks at the stored dtype of the tensors the rules name.
 
     Returns:
       A tree like `target`.
@@ -310,7 +327,7 @@ def import_safetensors(
             rule = _rule_for(name_map, key)
             if rule.stack:
                 values.append(
-                    _import_stacked(op, src, table, key, rule, shape, dtype, sharding, cast)
+                    _import_stacked(op, src, table, key, rule, shape, dtype, sharding, cast, codec)
                 )
                 if bar is not None:
                     bar.update(math.prod(shape) * dtype.itemsize)
@@ -323,7 +340,7 @@ def import_safetensors(
                     f"it has e.g. {list(table)[:5]}"
                 )
             _check_cast(op, key, names, table, dtype, cast)
-            arr = _to_ours(op, key, rule, names, table)
+            arr = _to_ours(op, key, rule, names, table, codec)
             if tuple(arr.shape) != shape:
                 raise CheckpointError(
                     f"{op}: {key!r} from {names} has shape {list(arr.shape)}, "

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -288,6 +289,38 @@ class Rule:
         if self.transpose is not None:
             arr = np.transpose(arr, np.argsort(self.transpose))
         return arr
+
+
+class Codec(Protocol):
+    """How their tensors are stored, for ``codec=`` of import_safetensors / export_safetensors.
+
+    The name maps (:class:`Rule`) say which of their tensors make our arrays; a codec says how
+    such a tensor is stored, when that is more than one array in its dtype: for example a
+    block-scaled FP8 checkpoint keeps ``X.weight`` as float8 with a float32
+    ``X.weight_scale_inv`` beside it. Both methods see one of their tensors at a time, so
+    loading and writing keep streaming tensor by tensor.
+    """
+
+    def decode(self, name: str, read: Callable[[str], np.ndarray]) -> np.ndarray:
+        """Import: their tensor `name` from the stored ones (``read(n)``: stored tensor `n`).
+
+        ``read`` raises ValueError for a name the files lack; a tensor stored as it is is
+        ``read(name)``. Raise ValueError for stored tensors that do not fit (import reports it
+        as a CheckpointError naming the key, the tensors and their files).
+        """
+        ...
+
+    def encode(
+        self, name: str, tensor: np.ndarray, *, shapes_only: bool = False
+    ) -> list[tuple[str, np.ndarray]] | None:
+        """Export: the stored ``(name, array)`` pairs of their tensor `name`; None: as it is.
+
+        The arrays are written in their own dtypes (export's `dtype` applies to the tensors
+        written as they are). With `shapes_only`, `tensor` is a zero-stride probe of the shape
+        and dtype, and the arrays returned must be probes too (nothing of their size
+        allocated), e.g. ``np.broadcast_to(np.zeros((), dtype), shape)``.
+        """
+        ...
 
 
 def _rope_order(n: int, head_dim: int, to_half: bool) -> np.ndarray:
