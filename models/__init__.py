@@ -1,6 +1,7 @@
 """jaxops.models: published MoE architectures on jaxops' kernels and parallel layers.
 
-- :class:`DecoderConfig` (from a Hugging Face ``config.json``: Mixtral, Qwen3-MoE, Qwen2-MoE;
+- :class:`DecoderConfig` (from a Hugging Face ``config.json``: Mixtral, Qwen3-MoE, Qwen2-MoE,
+  OLMoE;
   its :class:`Rope`: default, linear, dynamic, yarn or llama3 scaling, :func:`read_rope`)
   and :class:`MoEDecoder`: the decoder laid out on a mesh (experts over an ``expert`` axis,
   layers over a ``pipe`` axis as pipeline stages, the batch over the rest) with ``init``,
@@ -21,7 +22,7 @@ The sources live in the repository's top-level ``models/`` folder, the top tier:
 - :func:`llama_name_map` and :data:`LLAMA_NAME_MAP`: a Llama-style dense tree and
   ``LlamaForCausalLM`` (every published model's name map lives in this package).
 - :func:`moe_block_config`, :func:`load_moe_block`, :func:`is_moe_layer`: one layer's MoE block
-  of DeepSeek-V3, Qwen2-MoE, Qwen3-MoE or Mixtral as a ``jaxops.parallel.expert.moe_layer``.
+  of DeepSeek-V3, Qwen2-MoE, Qwen3-MoE, Mixtral or OLMoE as a ``jaxops.parallel.expert.moe_layer``.
 """
 
 if __name__ != "jaxops.models":
@@ -32,7 +33,7 @@ if __name__ != "jaxops.models":
 import warnings as _warnings
 
 from jaxops.models._blocks import BLOCK_MODEL_TYPES, is_moe_layer, load_moe_block, moe_block_config
-from jaxops.models._config import MODEL_TYPES, DecoderConfig, read_config
+from jaxops.models._config import MODEL_TYPES, QK_NORM_WIDTHS, DecoderConfig, read_config
 from jaxops.models._decoder import DECODER_SCHEDULES, MOE_IMPLS, REMAT_POLICIES, MoEDecoder
 from jaxops.models._generate import generate
 from jaxops.models._hf import from_pretrained, save_pretrained
@@ -49,6 +50,7 @@ __all__ = [
     "LLAMA_NAME_MAP",
     "MODEL_TYPES",
     "MOE_IMPLS",
+    "QK_NORM_WIDTHS",
     "REMAT_POLICIES",
     "ROPE_KINDS",
     "ConfigError",

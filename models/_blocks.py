@@ -1,7 +1,7 @@
 """MoE blocks of published models as ``jaxops.parallel.expert`` layers.
 
-DeepSeek-V3, Qwen-MoE and Mixtral: the router, routed experts and shared experts of one layer,
-read from Hugging Face files.
+DeepSeek-V3, Qwen-MoE, OLMoE and Mixtral: the router, routed experts and shared experts of one
+layer, read from Hugging Face files.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
-from jaxops.models._config import _get, _positive
+from jaxops.models._config import _experts_key, _get, _positive
 from jaxops.models._names import moe_block_rules
 from jaxops.models._quant import read_quantization
 from jaxops.parallel import checkpoint
@@ -25,7 +25,7 @@ from jaxops._errors import ConfigError, named_errors
 __all__ = ["BLOCK_MODEL_TYPES", "is_moe_layer", "load_moe_block", "moe_block_config"]
 
 #: model_type values whose MoE block :func:`moe_block_config` reads.
-BLOCK_MODEL_TYPES = ("deepseek_v3", "qwen2_moe", "qwen3_moe", "mixtral")
+BLOCK_MODEL_TYPES = ("deepseek_v3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 
 
 def _model_type(hf: Any) -> str:
@@ -81,7 +81,8 @@ def moe_block_config(
       ``n_shared_experts * moe_intermediate_size``.
     - Qwen2-MoE: softmax, ``norm_topk_prob``, a shared expert of width
       ``shared_expert_intermediate_size`` behind a sigmoid gate. Qwen3-MoE: softmax,
-      ``norm_topk_prob``. Mixtral: softmax, renormalized.
+      ``norm_topk_prob``. OLMoE: softmax, ``norm_topk_prob``, experts of width
+      ``intermediate_size``. Mixtral: softmax, renormalized.
 
     Args:
       hf: the config.json dict.
@@ -132,10 +133,15 @@ def moe_block_config(
             expert_ffn=_positive(hf, "intermediate_size"),
             normalize_topk=True,
         )
-    else:
-        key = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
+    elif kind == "olmoe":
         kw.update(
-            num_experts=_positive(hf, key if hf.get(key) is not None else "num_experts"),
+            num_experts=_positive(hf, _experts_key(hf)),
+            expert_ffn=_positive(hf, "intermediate_size"),
+            normalize_topk=_get(hf, "norm_topk_prob", bool, False),
+        )
+    else:
+        kw.update(
+            num_experts=_positive(hf, _experts_key(hf)),
             expert_ffn=_positive(hf, "moe_intermediate_size"),
             normalize_topk=_get(hf, "norm_topk_prob", bool, False),
         )

@@ -15,15 +15,16 @@ from jaxops.models._rope import Rope, read_rope, rope_to_hf
 
 from jaxops._errors import ConfigError, named_errors
 
-__all__ = ["MODEL_TYPES", "ConfigError", "DecoderConfig", "read_config"]
+__all__ = ["MODEL_TYPES", "QK_NORM_WIDTHS", "ConfigError", "DecoderConfig", "read_config"]
 
 #: The ``model_type`` values :class:`DecoderConfig` reads (the decoder covers them end to end).
-MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe")
+MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
 
 _ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 
 
@@ -57,25 +58,31 @@ _DEFAULTS = {
     "mixtral": (1e-5, 1e6),
     "qwen3_moe": (1e-6, 10000.0),
     "qwen2_moe": (1e-6, 10000.0),
+    "olmoe": (1e-5, 10000.0),
 }
-# transformers' num_key_value_heads when config.json has none.
-_KV_HEADS = {"mixtral": 8, "qwen3_moe": 4, "qwen2_moe": 16}
+# transformers' num_key_value_heads when config.json has none (None: num_attention_heads).
+_KV_HEADS = {"mixtral": 8, "qwen3_moe": 4, "qwen2_moe": 16, "olmoe": None}
+# transformers' router_aux_loss_coef when config.json has none.
+_AUX_COEF = {"mixtral": 1e-3, "qwen3_moe": 1e-3, "qwen2_moe": 1e-3, "olmoe": 1e-2}
+#: How :attr:`DecoderConfig.qk_norm` normalizes: each head (Qwen3) or the whole projection (OLMoE).
+QK_NORM_WIDTHS = ("head", "projection")
 
 
 # transformers' max_position_embeddings when config.json has none (the "dynamic" RoPE's length,
 # and "yarn" / "llama3"'s original length when their parameters have none).
-_MAX_POSITIONS = {"mixtral": 131072, "qwen3_moe": 32768, "qwen2_moe": 32768}
+_MAX_POSITIONS = {"mixtral": 131072, "qwen3_moe": 32768, "qwen2_moe": 32768, "olmoe": 4096}
 _DEFAULT_ROPE = Rope()
 
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """A decoder-only MoE transformer: Mixtral, Qwen3-MoE or Qwen2-MoE.
+    """A decoder-only MoE transformer: Mixtral, Qwen3-MoE, Qwen2-MoE or OLMoE.
 
     Every layer is ``h += attention(rms_norm(h))`` then ``h += moe(rms_norm(h))`` with GQA
     attention (rotary embeddings in the rotate-half layout: :class:`Rope`, default or scaled as
     "linear", "dynamic", "yarn", "llama3"; an optional causal sliding window,
-    Qwen3's per-head q/k RMSNorm, Qwen2's q/k/v biases) and the expert-parallel MoE layer
+    Qwen3's per-head or OLMoE's whole-projection q/k RMSNorm, Qwen2's q/k/v biases) and the
+    expert-parallel MoE layer
     (SwiGLU experts; Qwen2-MoE adds a gated shared expert). Build it with :meth:`from_hf`.
 
     Attributes:
@@ -89,11 +96,13 @@ class DecoderConfig:
       num_experts: E routed experts per layer.
       top_k: experts per token.
       expert_ffn: each routed expert's inner width.
-      normalize_topk: renormalize the k router weights (Mixtral always; Qwen ``norm_topk_prob``).
+      normalize_topk: renormalize the k router weights (Mixtral always; Qwen and OLMoE
+        ``norm_topk_prob``).
       shared_ffn: the shared expert's inner width (Qwen2-MoE), 0 for none.
-      qk_norm: Qwen3's RMSNorm of each query and key head before RoPE.
-      qkv_bias: biases on the q, k and v projections (Qwen2).
-      o_bias: a bias on the output projection (Qwen3 ``attention_bias``).
+      qk_norm: an RMSNorm of the queries and keys before RoPE (Qwen3, OLMoE); see
+        `qk_norm_width`.
+      qkv_bias: biases on the q, k and v projections (Qwen2; Qwen3 and OLMoE ``attention_bias``).
+      o_bias: a bias on the output projection (Qwen3 and OLMoE ``attention_bias``).
       rms_norm_eps: epsilon of every RMSNorm.
       rope: the rotary embedding (``jaxops.models._rope.Rope``) of the whole head in the
         rotate-half layout (these model types have no partial or interleaved RoPE). A number in
@@ -110,6 +119,10 @@ class DecoderConfig:
         (normalized by tokens times layers) and only with ``output_router_logits``, so the same
         coefficient weighs it differently (about num_layers / top_k times transformers' term).
       hf: the config.json dict it came from (written back by ``save_pretrained``), not compared.
+      qk_norm_width: what the q/k RMSNorm normalizes (one of :data:`QK_NORM_WIDTHS`): "head",
+        each head over ``head_dim`` with weights ``[Dh]`` (Qwen3); "projection", the whole
+        q projection ``[Hq Dh]`` and k projection ``[Hkv Dh]`` before the split into heads, with
+        weights of those widths (OLMoE).
     """
 
     model_type: str
@@ -133,6 +146,7 @@ class DecoderConfig:
     tie_word_embeddings: bool = False
     router_aux_loss_coef: float = 1e-3
     hf: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    qk_norm_width: str = "head"
 
     def __post_init__(self):
         op = "jaxops.models.DecoderConfig"
@@ -167,6 +181,12 @@ class DecoderConfig:
             )
         if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
             raise ConfigError(f"{op}: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if self.qk_norm_width not in QK_NORM_WIDTHS:
+            raise ConfigError(
+                f"{op}: qk_norm_width must be one of {QK_NORM_WIDTHS}, got {self.qk_norm_width!r}"
+            )
+        if self.qk_norm_width != "head" and not self.qk_norm:
+            raise ConfigError(f"{op}: qk_norm_width={self.qk_norm_width!r} needs qk_norm=True")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(
                 f"{op}: sliding_window must be >= 1 or None, got {self.sliding_window}"
@@ -190,7 +210,7 @@ class DecoderConfig:
     @classmethod
     @named_errors("jaxops.models.DecoderConfig.from_hf")
     def from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
-        """Reads a Hugging Face config dict (config.json of Mixtral, Qwen3-MoE or Qwen2-MoE).
+        """Reads a Hugging Face config dict (config.json of Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE).
 
         Raises:
           ConfigError (a ValueError): an unsupported model_type or feature (naming the key and
@@ -239,12 +259,25 @@ class DecoderConfig:
                     f"config.json: router_jitter_noise = {jitter} is not supported (only 0.0)"
                 )
             kw["sliding_window"] = _get(hf, "sliding_window", int, None)
+        elif model_type == "olmoe":
+            experts = _positive(hf, _experts_key(hf))
+            kw["expert_ffn"] = _positive(hf, "intermediate_size")
+            kw["normalize_topk"] = _get(hf, "norm_topk_prob", bool, False)
+            clip = _get(hf, "clip_qkv", float, None)
+            if clip is not None:
+                raise ConfigError(
+                    f"config.json: clip_qkv = {clip} is not supported for olmoe; only null"
+                )
+            if head_dim * heads != hidden:
+                raise ConfigError(
+                    f"config.json: head_dim = {head_dim} is not supported for olmoe: "
+                    f"transformers' q/k norms have hidden_size ({hidden}) / "
+                    f"num_attention_heads ({heads}) per head"
+                )
+            kw["qk_norm"], kw["qk_norm_width"] = True, "projection"
+            kw["qkv_bias"] = kw["o_bias"] = _get(hf, "attention_bias", bool, False)
         else:
-            # transformers 5 writes num_local_experts for Qwen too (num_experts is its alias).
-            key = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
-            if hf.get(key) is None:
-                key = "num_experts"
-            experts = _positive(hf, key)
+            experts = _positive(hf, _experts_key(hf))
             kw["expert_ffn"] = _positive(hf, "moe_intermediate_size")
             kw["normalize_topk"] = _get(hf, "norm_topk_prob", bool, False)
             if _get(hf, "decoder_sparse_step", int, 1) != 1 or _get(
@@ -272,14 +305,14 @@ class DecoderConfig:
             hidden_size=hidden,
             num_layers=_positive(hf, "num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=_positive(hf, "num_key_value_heads", _KV_HEADS[model_type]),
+            num_kv_heads=_positive(hf, "num_key_value_heads", _KV_HEADS[model_type] or heads),
             head_dim=head_dim,
             num_experts=experts,
             top_k=_positive(hf, "num_experts_per_tok"),
             rms_norm_eps=_get(hf, "rms_norm_eps", float, _DEFAULTS[model_type][0]),
             rope=_read_rope(hf, model_type, head_dim),
             tie_word_embeddings=_get(hf, "tie_word_embeddings", bool, False),
-            router_aux_loss_coef=_get(hf, "router_aux_loss_coef", float, 1e-3),
+            router_aux_loss_coef=_get(hf, "router_aux_loss_coef", float, _AUX_COEF[model_type]),
             hf=dict(hf),
             **kw,
         )
@@ -323,6 +356,16 @@ class DecoderConfig:
                 intermediate_size=self.expert_ffn,
                 sliding_window=self.sliding_window,
             )
+        elif self.model_type == "olmoe":
+            out.update(
+                num_experts=self.num_experts,
+                intermediate_size=self.expert_ffn,
+                norm_topk_prob=self.normalize_topk,
+                attention_bias=self.qkv_bias,
+                clip_qkv=None,
+            )
+            out.pop("num_local_experts", None)
+            out.pop("head_dim", None)  # transformers' q/k norms assume hidden_size / heads
         else:
             out.update(
                 num_experts=self.num_experts,
@@ -359,9 +402,18 @@ class DecoderConfig:
                 f"{', '.join(wrong)}; "
                 "transformers would build another model (qwen3_moe has q/k norms and no shared "
                 "expert; mixtral renormalizes the top-k weights and has no shared expert or "
-                "biases; qwen2_moe has no q/k norms)"
+                "biases; qwen2_moe has no q/k norms; olmoe has whole-projection q/k norms, "
+                "head_dim = hidden_size / num_attention_heads, no shared expert and no sliding "
+                "window)"
             )
         return out
+
+
+def _experts_key(hf: dict[str, Any]) -> str:
+    """The key of the routed expert count: num_experts, or its alias num_local_experts."""
+    # transformers 5 writes num_local_experts for Qwen too (num_experts is its alias).
+    key = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
+    return key if hf.get(key) is not None else "num_experts"
 
 
 def _read_rope(hf: dict[str, Any], model_type: str, head_dim: int) -> Rope:

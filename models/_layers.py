@@ -196,18 +196,23 @@ def qkv(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries ``[b, s, Hq, Dh]``, keys and values ``[b, s, Hkv, Dh]`` of ``x [b, s, D]``.
 
-    The fused projection (``w_qkv``, optional ``b_qkv``), Qwen3's per-head q/k RMSNorm, then
-    the rotary embedding of q and k at int `positions` ``[b, s]``.
+    The fused projection (``w_qkv``, optional ``b_qkv``), the q/k RMSNorm (``c.qk_norm``: of
+    each head, Qwen3, or of the whole q and k projections before the split into heads, OLMoE),
+    then the rotary embedding of q and k at int `positions` ``[b, s]``.
     """
     dt = ops.dtype
     b, s, _ = x.shape
     hq, hkv, dh = c.num_heads, c.num_kv_heads, c.head_dim
     out = projection(ops, x, p["w_qkv"], p["b_qkv"].astype(dt) if c.qkv_bias else None)
     q, k, v = jnp.split(out, [c.q_size, c.q_size + c.kv_size], axis=-1)
+    whole = c.qk_norm and c.qk_norm_width == "projection"
+    if whole:  # q_norm [Hq Dh], k_norm [Hkv Dh]
+        q = jaxops.rms_norm(q, p["q_norm"], eps=c.rms_norm_eps, impl=ops.impl)
+        k = jaxops.rms_norm(k, p["k_norm"], eps=c.rms_norm_eps, impl=ops.impl)
     q = q.reshape(b, s, hq, dh)
     k = k.reshape(b, s, hkv, dh)
     v = v.reshape(b, s, hkv, dh)
-    if c.qk_norm:
+    if c.qk_norm and not whole:  # q_norm, k_norm [Dh]
         q = jaxops.rms_norm(q, p["q_norm"], eps=c.rms_norm_eps, impl=ops.impl)
         k = jaxops.rms_norm(k, p["k_norm"], eps=c.rms_norm_eps, impl=ops.impl)
     return rotary(q, c.rope, positions), rotary(k, c.rope, positions), v
@@ -247,9 +252,9 @@ def attention(
     """Grouped-query self-attention of ``x [b, s, D]`` (compute dtype) over its own tokens.
 
     ``p``: ``w_qkv [D, (Hq + 2 Hkv) Dh]``, optional ``b_qkv``, ``q_norm`` / ``k_norm [Dh]``
-    (Qwen3), ``w_o [Hq Dh, D]``, optional ``b_o``. `where` places every token (causal,
-    document and padding mask, rotary positions); `c.sliding_window` limits how far back a
-    query sees. Returns ``[b, s, D]``.
+    (Qwen3; ``[Hq Dh]`` / ``[Hkv Dh]`` for OLMoE), ``w_o [Hq Dh, D]``, optional ``b_o``.
+    `where` places every token (causal, document and padding mask, rotary positions);
+    `c.sliding_window` limits how far back a query sees. Returns ``[b, s, D]``.
     """
     q, k, v = qkv(ops, c, p, x, where.positions)
     out = attend(ops, c, q, k, v, allowed(where, where, c.sliding_window))

@@ -32,8 +32,9 @@ class Layout:
         """The parameter tree's shapes (``layers`` leaves stacked ``[L, ...]``).
 
         ``embed [V, D]``; per layer ``attn_norm [D]``, ``w_qkv [D, (Hq + 2 Hkv) Dh]`` (q, k, v
-        side by side), ``b_qkv`` (Qwen2), ``q_norm, k_norm [Dh]`` (Qwen3), ``w_o [Hq Dh, D]``,
-        ``b_o`` (Qwen3 attention_bias), ``mlp_norm [D]``, ``moe`` (``MoEConfig.param_shapes``:
+        side by side), ``b_qkv`` (Qwen2), ``q_norm, k_norm [Dh]`` (Qwen3; ``[Hq Dh]`` and
+        ``[Hkv Dh]`` for OLMoE), ``w_o [Hq Dh, D]``, ``b_o`` (Qwen3 and OLMoE attention_bias),
+        ``mlp_norm [D]``, ``moe`` (``MoEConfig.param_shapes``:
         ``router [D, E]``, ``w_in [E, D, 2F]`` (gate, up), ``w_out [E, F, D]``, the shared
         expert); then ``final_norm [D]`` and ``lm_head [D, V]`` (absent with tied embeddings).
         Kernels are ``[in, out]``.
@@ -44,8 +45,9 @@ class Layout:
         if c.qkv_bias:
             layer["b_qkv"] = (qkv,)
         if c.qk_norm:
-            layer["q_norm"] = (c.head_dim,)
-            layer["k_norm"] = (c.head_dim,)
+            whole = c.qk_norm_width == "projection"
+            layer["q_norm"] = (c.q_size,) if whole else (c.head_dim,)
+            layer["k_norm"] = (c.kv_size,) if whole else (c.head_dim,)
         layer["w_o"] = (c.q_size, d)
         if c.o_bias:
             layer["b_o"] = (d,)

@@ -1,8 +1,8 @@
 """Every Hugging Face name map of jaxops.models: our parameter trees <-> published tensor names.
 
-- :func:`name_map`: :class:`~jaxops.models.MoEDecoder` (Mixtral, Qwen3-MoE, Qwen2-MoE).
+- :func:`name_map`: :class:`~jaxops.models.MoEDecoder` (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE).
 - :func:`moe_block_rules`: one layer's MoE block (``moe_layer`` parameters) of DeepSeek-V3,
-  Qwen2-MoE, Qwen3-MoE or Mixtral.
+  Qwen2-MoE, Qwen3-MoE, OLMoE or Mixtral.
 - :data:`LLAMA_NAME_MAP` and :func:`llama_name_map`: a Llama-style dense tree and
   ``LlamaForCausalLM`` (formerly in ``jaxops.parallel.checkpoint``, where the names stay as
   deprecated aliases for one release).
@@ -29,7 +29,11 @@ __all__ = ["LLAMA_NAME_MAP", "expert_names", "llama_name_map", "moe_block_rules"
 
 
 def expert_names(model_type: str) -> tuple[str, str, str, str]:
-    """(MoE module, gate, up, down) names in the published checkpoints."""
+    """(MoE module, gate, up, down) names in the published checkpoints.
+
+    Mixtral's ``block_sparse_moe`` / ``w1, w3, w2``; the others' (Qwen, OLMoE, DeepSeek-V3)
+    ``mlp`` / ``gate_proj, up_proj, down_proj``.
+    """
     if model_type == "mixtral":
         return "block_sparse_moe", "w1", "w3", "w2"
     return "mlp", "gate_proj", "up_proj", "down_proj"
@@ -44,7 +48,9 @@ def name_map(config: DecoderConfig) -> tuple[Rule, ...]:
 
     Layers are stacked on our leading axis (placeholder ``{i}``) and experts on the next
     (``{e}``); q/k/v and gate/up are fused on our side (the GQA split sizes come from the
-    config); our kernels are ``[in, out]``, torch Linear weights ``[out, in]``.
+    config); our kernels are ``[in, out]``, torch Linear weights ``[out, in]``. The q/k norms
+    (``self_attn.q_norm`` / ``k_norm``) are per head for Qwen3 and of the whole projection for
+    OLMoE (the shapes come from the parameter tree).
 
     Example:
       >>> from jaxops.models import DecoderConfig, name_map
