@@ -68,3 +68,16 @@ def max_rel_err(got, want) -> float:
     """max |got - want| / max |want|, in float64."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def hf_generate(model, prompt, mask, max_new_tokens: int) -> np.ndarray:
+    """transformers' greedy ``generate`` of a (left-padded) int prompt: ``[B, S + new]``."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor(prompt, dtype=torch.long),
+            attention_mask=torch.tensor(mask, dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out.numpy()

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from _hf_families import FAMILIES, hf_model  # noqa: E402
+from _hf_families import FAMILIES, hf_generate, hf_model  # noqa: E402
 from jaxops.models import _generate, generate  # noqa: E402
 
 from jaxops import models  # noqa: E402
@@ -47,15 +47,7 @@ def _prompt(batch: int, pads: list[int], seed: int = 0) -> tuple[np.ndarray, np.
 
 
 def _hf_generate(model, prompt, mask, n=N) -> np.ndarray:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor(prompt, dtype=torch.long),
-            attention_mask=torch.tensor(mask, dtype=torch.long),
-            max_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out.numpy()
+    return hf_generate(model, prompt, mask, n)
 
 
 def _mesh(shape, names):
