@@ -1,7 +1,8 @@
 """jaxops.models: published MoE architectures on jaxops' kernels and parallel layers.
 
 - :class:`DecoderConfig` (from a Hugging Face ``config.json``: Mixtral, Qwen3-MoE, Qwen2-MoE,
-  OLMoE;
+  OLMoE, GLM-4.5 (glm4_moe), DeepSeek-V3 / Kimi K2 / Moonlight (deepseek_v3, with
+  :class:`Mla`, multi-head latent attention); dense layers among the MoE layers;
   its :class:`Rope`: default, linear, dynamic, yarn or llama3 scaling, :func:`read_rope`)
   and :class:`MoEDecoder`: the decoder laid out on a mesh (experts over an ``expert`` axis,
   layers over a ``pipe`` axis as pipeline stages, the batch over the rest) with ``init``,
@@ -33,7 +34,14 @@ if __name__ != "jaxops.models":
 import warnings as _warnings
 
 from jaxops.models._blocks import BLOCK_MODEL_TYPES, is_moe_layer, load_moe_block, moe_block_config
-from jaxops.models._config import MODEL_TYPES, QK_NORM_WIDTHS, DecoderConfig, read_config
+from jaxops.models._config import (
+    MODEL_TYPES,
+    QK_NORM_WIDTHS,
+    ROUTERS,
+    DecoderConfig,
+    Mla,
+    read_config,
+)
 from jaxops.models._decoder import DECODER_SCHEDULES, MOE_IMPLS, REMAT_POLICIES, MoEDecoder
 from jaxops.models._generate import generate
 from jaxops.models._hf import from_pretrained, save_pretrained
@@ -53,8 +61,10 @@ __all__ = [
     "QK_NORM_WIDTHS",
     "REMAT_POLICIES",
     "ROPE_KINDS",
+    "ROUTERS",
     "ConfigError",
     "DecoderConfig",
+    "Mla",
     "MoEDecoder",
     "PackedBatch",
     "Rope",

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
-from jaxops.models._config import _experts_key, _get, _positive
+from jaxops.models._families import _experts_key, _get, _positive
 from jaxops.models._names import moe_block_rules
 from jaxops.models._quant import read_quantization
 from jaxops.parallel import checkpoint

@@ -10,80 +10,76 @@ import os
 from pathlib import Path
 from typing import Any
 
-from jaxops.models._quant import read_quantization
-from jaxops.models._rope import Rope, read_rope, rope_to_hf
+from jaxops.models._families import MODEL_TYPES, config_fields, hf_keys
+from jaxops.models._rope import Rope, rotary_dim
 
 from jaxops._errors import ConfigError, named_errors
 
-__all__ = ["MODEL_TYPES", "QK_NORM_WIDTHS", "ConfigError", "DecoderConfig", "read_config"]
+__all__ = [
+    "MODEL_TYPES",
+    "QK_NORM_WIDTHS",
+    "ROUTERS",
+    "ConfigError",
+    "DecoderConfig",
+    "Mla",
+    "read_config",
+]
 
-#: The ``model_type`` values :class:`DecoderConfig` reads (the decoder covers them end to end).
-MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe")
-
-_ARCHITECTURES = {
-    "mixtral": "MixtralForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "olmoe": "OlmoeForCausalLM",
-}
-
-
-def _get(cfg: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
-    if key not in cfg or cfg[key] is None:
-        if default is ...:
-            raise ConfigError(
-                f"config.json: missing {key!r} (model_type {cfg.get('model_type')!r})"
-            )
-        return default
-    value = cfg[key]
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if isinstance(value, bool) and bool not in kinds:
-        raise ConfigError(f"config.json: {key!r} must be {kinds[0].__name__}, got {value!r}")
-    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kinds):
-        raise ConfigError(f"config.json: {key!r} must be {kinds[0].__name__}, got {value!r}")
-    return value
-
-
-def _positive(cfg: dict[str, Any], key: str, default: Any = ...) -> int:
-    value = _get(cfg, key, int, default)
-    if value < 1:
-        raise ConfigError(f"config.json: {key!r} must be >= 1, got {value}")
-    return value
-
-
-# transformers' defaults for keys a config.json leaves out: (rms_norm_eps, rope_theta).
-_DEFAULTS = {
-    "mixtral": (1e-5, 1e6),
-    "qwen3_moe": (1e-6, 10000.0),
-    "qwen2_moe": (1e-6, 10000.0),
-    "olmoe": (1e-5, 10000.0),
-}
-# transformers' num_key_value_heads when config.json has none (None: num_attention_heads).
-_KV_HEADS = {"mixtral": 8, "qwen3_moe": 4, "qwen2_moe": 16, "olmoe": None}
-# transformers' router_aux_loss_coef when config.json has none.
-_AUX_COEF = {"mixtral": 1e-3, "qwen3_moe": 1e-3, "qwen2_moe": 1e-3, "olmoe": 1e-2}
 #: How :attr:`DecoderConfig.qk_norm` normalizes: each head (Qwen3) or the whole projection (OLMoE).
 QK_NORM_WIDTHS = ("head", "projection")
-
-
-# transformers' max_position_embeddings when config.json has none (the "dynamic" RoPE's length,
-# and "yarn" / "llama3"'s original length when their parameters have none).
-_MAX_POSITIONS = {"mixtral": 131072, "qwen3_moe": 32768, "qwen2_moe": 32768, "olmoe": 4096}
+#: The router's scores: softmax (Mixtral, Qwen, OLMoE) or sigmoid (GLM-4.5, DeepSeek-V3).
+ROUTERS = ("softmax", "sigmoid")
 _DEFAULT_ROPE = Rope()
 
 
 @dataclasses.dataclass(frozen=True)
-class DecoderConfig:
-    """A decoder-only MoE transformer: Mixtral, Qwen3-MoE, Qwen2-MoE or OLMoE.
+class Mla:
+    """Multi-head latent attention (DeepSeek-V2/V3): the widths of its projections.
 
-    Every layer is ``h += attention(rms_norm(h))`` then ``h += moe(rms_norm(h))`` with GQA
-    attention (rotary embeddings in the rotate-half layout: :class:`Rope`, default or scaled as
-    "linear", "dynamic", "yarn", "llama3"; an optional causal sliding window,
-    Qwen3's per-head or OLMoE's whole-projection q/k RMSNorm, Qwen2's q/k/v biases) and the
-    expert-parallel MoE layer
-    (SwiGLU experts; Qwen2-MoE adds a gated shared expert). Build it with :meth:`from_hf`.
+    Queries: ``x -> q_a_proj [D, q_lora_rank] -> RMSNorm -> q_b_proj [q_lora_rank, H (dn + dr)]``
+    (or one ``q_proj [D, H (dn + dr)]`` without a q LoRA). Keys and values: ``x ->
+    kv_a_proj_with_mqa [D, kv_lora_rank + dr]``, whose first ``kv_lora_rank`` columns (the
+    compressed KV, RMSNorm'd) expand through ``kv_b_proj [kv_lora_rank, H (dn + dv)]`` into each
+    head's key part without RoPE (``dn``) and its value (``dv``); the last ``dr`` columns are one
+    RoPE key shared by every head. Scores over ``dn + dr`` dims.
+
+    Attributes:
+      kv_lora_rank: width of the compressed KV (what a KV cache of MLA holds, with ``dr``).
+      qk_nope_head_dim: dn, each head's query / key dims without RoPE.
+      qk_rope_head_dim: dr, the rotary dims (DecoderConfig.head_dim is this width).
+      v_head_dim: dv, each head's value width.
+      q_lora_rank: width of the compressed query, or None (one q projection).
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+
+    def __post_init__(self):
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"jaxops.models.Mla: {name} must be an int >= 1, got {value!r}")
+        q = self.q_lora_rank
+        if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 1):
+            raise ConfigError(f"jaxops.models.Mla: q_lora_rank must be None or >= 1, got {q!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """A decoder-only MoE transformer: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, GLM-4.5, DeepSeek-V3.
+
+    Every layer is ``h += attention(rms_norm(h))`` then ``h += ffn(rms_norm(h))``. The attention
+    is grouped-query attention (rotary embeddings in the rotate-half layout: :class:`Rope`,
+    default or scaled as "linear", "dynamic", "yarn", "llama3", rotating the whole head or, GLM,
+    its first part; an optional causal sliding window, Qwen3's and GLM's per-head or OLMoE's
+    whole-projection q/k RMSNorm, q/k/v biases) or DeepSeek's multi-head latent attention
+    (:class:`Mla`, interleaved RoPE pairs). The ffn is the expert-parallel MoE layer (SwiGLU
+    experts; softmax routing, or sigmoid routing with a correction bias and group-limited choice;
+    shared experts, gated in Qwen2-MoE) or, in the `dense_layers`, a dense SwiGLU MLP. Build it
+    with :meth:`from_hf`.
 
     Attributes:
       model_type: one of :data:`MODEL_TYPES`.
@@ -91,38 +87,59 @@ class DecoderConfig:
       hidden_size: D.
       num_layers: L.
       num_heads: query heads.
-      num_kv_heads: key/value heads (GQA; divides num_heads).
-      head_dim: per-head width.
-      num_experts: E routed experts per layer.
+      num_kv_heads: key/value heads (GQA; divides num_heads; MLA: num_heads).
+      head_dim: per-head width (MLA: the RoPE width ``mla.qk_rope_head_dim``, as transformers).
+      num_experts: E routed experts per MoE layer.
       top_k: experts per token.
       expert_ffn: each routed expert's inner width.
-      normalize_topk: renormalize the k router weights (Mixtral always; Qwen and OLMoE
+      normalize_topk: renormalize the k router weights (Mixtral always; the others'
         ``norm_topk_prob``).
-      shared_ffn: the shared expert's inner width (Qwen2-MoE), 0 for none.
-      qk_norm: an RMSNorm of the queries and keys before RoPE (Qwen3, OLMoE); see
-        `qk_norm_width`.
-      qkv_bias: biases on the q, k and v projections (Qwen2; Qwen3 and OLMoE ``attention_bias``).
+      shared_ffn: the shared experts' inner width (Qwen2-MoE's shared expert; GLM's and
+        DeepSeek's ``n_shared_experts`` experts as one FFN), 0 for none.
+      qk_norm: an RMSNorm of the queries and keys before RoPE (Qwen3, OLMoE, GLM
+        ``use_qk_norm``); see `qk_norm_width`.
+      qkv_bias: biases on the q, k and v projections (Qwen2; Qwen3, OLMoE and GLM
+        ``attention_bias``).
       o_bias: a bias on the output projection (Qwen3 and OLMoE ``attention_bias``).
-      rms_norm_eps: epsilon of every RMSNorm.
-      rope: the rotary embedding (``jaxops.models._rope.Rope``) of the whole head in the
-        rotate-half layout (these model types have no partial or interleaved RoPE). A number in
-        this place (the former ``rope_theta`` positional argument) is the default RoPE with that
-        base. The keyword ``rope_theta=`` (kept, not deprecated: the one parameter of the default
-        RoPE) sets the base of `rope`, or of the default RoPE when `rope` is not given, so
+      rms_norm_eps: epsilon of every RMSNorm (MLA's two inner norms: 1e-6, as transformers).
+      rope: the rotary embedding (``jaxops.models._rope.Rope``). Partial rotation
+        (``partial_rotary_factor``) is GLM's, interleaved pairs DeepSeek's; the other model
+        types rotate the whole head in the rotate-half layout. A number in this place (the former
+        ``rope_theta`` positional argument) is the default RoPE with that base. The keyword
+        ``rope_theta=`` (kept, not deprecated: the one parameter of the default RoPE) sets the
+        base of `rope`, or of the default RoPE when `rope` is not given, so
         ``dataclasses.replace(config, rope_theta=...)`` keeps the scaling; ``config.rope_theta``
         reads ``config.rope.theta``.
       sliding_window: causal attention over the last this many positions (None: all).
       tie_word_embeddings: the output projection is the embedding table transposed.
-      router_aux_loss_coef: weight of the load-balancing loss (the config's own key). The loss
-        weighted is the sum over layers of each layer's Switch-style loss (normalized by tokens
-        times top_k), always added in training; transformers adds one loss over all layers
-        (normalized by tokens times layers) and only with ``output_router_logits``, so the same
-        coefficient weighs it differently (about num_layers / top_k times transformers' term).
+      router_aux_loss_coef: weight of the load-balancing loss (the config's own key; GLM and
+        DeepSeek default to 0: they balance with the correction bias,
+        ``jaxops.parallel.expert.update_router_bias``). The loss weighted is the sum over MoE
+        layers of each layer's Switch-style loss (normalized by tokens times top_k), always
+        added in training; transformers adds one loss over all layers (normalized by tokens
+        times layers) and only with ``output_router_logits``, so the same coefficient weighs it
+        differently (about num_layers / top_k times transformers' term).
       hf: the config.json dict it came from (written back by ``save_pretrained``), not compared.
       qk_norm_width: what the q/k RMSNorm normalizes (one of :data:`QK_NORM_WIDTHS`): "head",
-        each head over ``head_dim`` with weights ``[Dh]`` (Qwen3); "projection", the whole
+        each head over ``head_dim`` with weights ``[Dh]`` (Qwen3, GLM); "projection", the whole
         q projection ``[Hq Dh]`` and k projection ``[Hkv Dh]`` before the split into heads, with
         weights of those widths (OLMoE).
+      dense_layers: the layers whose ffn is a dense SwiGLU MLP of width `dense_ffn` (sorted
+        indices; DeepSeek's and GLM's first ``first_k_dense_replace``, Qwen's
+        ``mlp_only_layers`` and the layers ``decoder_sparse_step`` skips). At least one layer
+        stays MoE.
+      dense_ffn: the dense MLP's inner width (``intermediate_size``); 0 without dense layers.
+      router: the router's scores, one of :data:`ROUTERS`.
+      router_bias: a float32 correction bias added to the scores for the choice only
+        (``e_score_correction_bias``; no gradient, see ``update_router_bias``).
+      n_group: the experts form this many groups; each token chooses among its `topk_group`
+        best groups (a group's score: the sum of its two best), DeepSeek-V3's group-limited
+        routing. 1: no groups.
+      topk_group: groups each token chooses from.
+      routed_scaling_factor: the routed experts' weights are multiplied by it.
+      shared_gate: the shared expert's output passes a sigmoid gate (Qwen2-MoE); GLM and
+        DeepSeek add their shared experts as they are.
+      mla: multi-head latent attention (DeepSeek-V3) instead of GQA, or None.
     """
 
     model_type: str
@@ -147,6 +164,15 @@ class DecoderConfig:
     router_aux_loss_coef: float = 1e-3
     hf: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
     qk_norm_width: str = "head"
+    dense_layers: tuple[int, ...] = ()
+    dense_ffn: int = 0
+    router: str = "softmax"
+    router_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_gate: bool = True
+    mla: Mla | None = None
 
     def __post_init__(self):
         op = "jaxops.models.DecoderConfig"
@@ -155,7 +181,8 @@ class DecoderConfig:
                 f"{op}: model_type must be one of {MODEL_TYPES}, got {self.model_type!r}"
             )
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "num_experts", "top_k", "expert_ffn"):  # fmt: skip
+                     "head_dim", "num_experts", "top_k", "expert_ffn", "n_group",
+                     "topk_group"):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{op}: {name} must be an int >= 1, got {value!r}")
@@ -168,17 +195,21 @@ class DecoderConfig:
             raise ConfigError(
                 f"{op}: top_k ({self.top_k}) must be <= num_experts ({self.num_experts})"
             )
-        if self.head_dim % 2:
-            raise ConfigError(f"{op}: head_dim must be even for RoPE, got {self.head_dim}")
         if isinstance(self.rope, int | float) and not isinstance(self.rope, bool):
             object.__setattr__(self, "rope", Rope(theta=self.rope))
         if not isinstance(self.rope, Rope):
             raise ConfigError(f"{op}: rope must be a Rope, got {self.rope!r}")
-        if self.rope.partial_rotary_factor != 1.0 or self.rope.interleave:
+        if self.rope.partial_rotary_factor != 1.0 and self.model_type != "glm4_moe":
             raise ConfigError(
-                f"{op}: rope must rotate the whole head in the rotate-half layout for "
-                f"{self.model_type} (partial_rotary_factor 1.0, interleave False), got {self.rope}"
+                f"{op}: rope must rotate the whole head for {self.model_type} "
+                f"(partial_rotary_factor 1.0; only glm4_moe rotates part), got {self.rope}"
             )
+        if self.rope.interleave and self.model_type != "deepseek_v3":
+            raise ConfigError(
+                f"{op}: rope must use the rotate-half layout for {self.model_type} (interleave "
+                f"False; only deepseek_v3 interleaves), got {self.rope}"
+            )
+        rotary_dim(self.rope, self.head_dim)  # an even rotated width
         if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
             raise ConfigError(f"{op}: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if self.qk_norm_width not in QK_NORM_WIDTHS:
@@ -191,6 +222,74 @@ class DecoderConfig:
             raise ConfigError(
                 f"{op}: sliding_window must be >= 1 or None, got {self.sliding_window}"
             )
+        self._check_layers(op)
+        self._check_router(op)
+        self._check_mla(op)
+
+    def _check_layers(self, op: str) -> None:
+        dense = self.dense_layers
+        if not isinstance(dense, tuple | list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in dense
+        ):
+            raise ConfigError(f"{op}: dense_layers must be a tuple of layer indices, got {dense!r}")
+        dense = tuple(dense)
+        object.__setattr__(self, "dense_layers", dense)
+        if list(dense) != sorted(set(dense)) or any(not 0 <= i < self.num_layers for i in dense):
+            raise ConfigError(
+                f"{op}: dense_layers must be distinct sorted indices in [0, {self.num_layers}), "
+                f"got {dense}"
+            )
+        if len(dense) == self.num_layers:
+            raise ConfigError(f"{op}: dense_layers {dense} leave no MoE layer; at least one is")
+        ffn = self.dense_ffn
+        if isinstance(ffn, bool) or not isinstance(ffn, int) or ffn < (1 if dense else 0):
+            raise ConfigError(f"{op}: dense_ffn must be an int >= 1 with dense_layers, got {ffn!r}")
+        if ffn and not dense:
+            raise ConfigError(f"{op}: dense_ffn = {ffn} without dense_layers; give 0")
+
+    def _check_router(self, op: str) -> None:
+        if self.router not in ROUTERS:
+            raise ConfigError(f"{op}: router must be one of {ROUTERS}, got {self.router!r}")
+        e, g = self.num_experts, self.n_group
+        if e % g or not 1 <= self.topk_group <= g:
+            raise ConfigError(
+                f"{op}: n_group ({g}) must divide num_experts ({e}) and topk_group "
+                f"({self.topk_group}) be in [1, n_group]"
+            )
+        if g > 1 and self.top_k > self.topk_group * (e // g):
+            raise ConfigError(
+                f"{op}: top_k ({self.top_k}) exceeds the experts of topk_group ({self.topk_group})"
+                f" groups of {e // g}"
+            )
+        if g > 1 and e // g < 2:
+            raise ConfigError(f"{op}: groups of {e // g} expert; a group's score needs 2")
+        scale = self.routed_scaling_factor
+        if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
+            raise ConfigError(f"{op}: routed_scaling_factor must be > 0, got {scale!r}")
+
+    def _check_mla(self, op: str) -> None:
+        m = self.mla
+        if (m is not None) != (self.model_type == "deepseek_v3"):
+            raise ConfigError(
+                f"{op}: mla (multi-head latent attention) is deepseek_v3's and deepseek_v3 needs "
+                f"it; got model_type {self.model_type!r} with mla={m!r}"
+            )
+        if m is None:
+            return
+        if not isinstance(m, Mla):
+            raise ConfigError(f"{op}: mla must be an Mla or None, got {type(m).__name__}")
+        if self.head_dim != m.qk_rope_head_dim or self.num_kv_heads != self.num_heads:
+            raise ConfigError(
+                f"{op}: with mla, head_dim must be mla.qk_rope_head_dim ({m.qk_rope_head_dim}) "
+                f"and num_kv_heads num_heads ({self.num_heads}); got {self.head_dim}, "
+                f"{self.num_kv_heads}"
+            )
+        if self.qk_norm or self.qkv_bias or self.o_bias or self.sliding_window is not None:
+            raise ConfigError(
+                f"{op}: mla has no q/k norm, attention biases or sliding window; got qk_norm="
+                f"{self.qk_norm}, qkv_bias={self.qkv_bias}, o_bias={self.o_bias}, "
+                f"sliding_window={self.sliding_window}"
+            )
 
     @property
     def rope_theta(self) -> float:
@@ -198,19 +297,39 @@ class DecoderConfig:
         return self.rope.theta
 
     @property
+    def qk_head_dim(self) -> int:
+        """Each head's query / key width: head_dim (GQA) or ``dn + dr`` (MLA)."""
+        m = self.mla
+        return self.head_dim if m is None else m.qk_nope_head_dim + m.qk_rope_head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        """Each head's value width: head_dim (GQA) or ``mla.v_head_dim``."""
+        return self.head_dim if self.mla is None else self.mla.v_head_dim
+
+    @property
     def q_size(self) -> int:
-        """Width of the query projection, ``num_heads * head_dim``."""
-        return self.num_heads * self.head_dim
+        """Width of the query projection, ``num_heads * qk_head_dim``."""
+        return self.num_heads * self.qk_head_dim
 
     @property
     def kv_size(self) -> int:
-        """Width of the key (and of the value) projection, ``num_kv_heads * head_dim``."""
+        """Width of the key (and of the value) projection, ``num_kv_heads * head_dim`` (GQA)."""
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The MoE layers' indices (every layer not in `dense_layers`)."""
+        dense = set(self.dense_layers)
+        return tuple(i for i in range(self.num_layers) if i not in dense)
 
     @classmethod
     @named_errors("jaxops.models.DecoderConfig.from_hf")
     def from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
-        """Reads a Hugging Face config dict (config.json of Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE).
+        """Reads a Hugging Face config dict (config.json of one of :data:`MODEL_TYPES`).
+
+        Keys a file leaves out take the defaults of transformers' configuration class of the
+        model type.
 
         Raises:
           ConfigError (a ValueError): an unsupported model_type or feature (naming the key and
@@ -225,97 +344,7 @@ class DecoderConfig:
           >>> cfg.head_dim, cfg.kv_size, cfg.num_experts, cfg.normalize_topk
           (16, 32, 8, True)
         """
-        if not isinstance(hf, dict):
-            raise ConfigError(f"config.json must hold an object, got {type(hf).__name__}")
-        model_type = hf.get("model_type")
-        if model_type not in MODEL_TYPES:
-            raise ConfigError(
-                f"config.json: model_type {model_type!r} is not supported; supported: "
-                f"{', '.join(MODEL_TYPES)} (DeepSeek-V3's MoE block: "
-                "jaxops.models.moe_block_config)"
-            )
-        read_quantization(hf)  # FP8 block checkpoints load; others are refused by name
-        act = _get(hf, "hidden_act", str, "silu")
-        if act != "silu":
-            raise ConfigError(f"config.json: hidden_act {act!r} is not supported; supported: silu")
-        hidden = _positive(hf, "hidden_size")
-        heads = _positive(hf, "num_attention_heads")
-        head_dim = _get(hf, "head_dim", int, None)
-        if head_dim is None:
-            if hidden % heads:
-                raise ConfigError(
-                    f"config.json: hidden_size ({hidden}) is not a multiple of "
-                    f"num_attention_heads ({heads}) and no head_dim is given"
-                )
-            head_dim = hidden // heads
-        kw: dict[str, Any] = {}
-        if model_type == "mixtral":
-            experts = _positive(hf, "num_local_experts")
-            kw["expert_ffn"] = _positive(hf, "intermediate_size")
-            kw["normalize_topk"] = True
-            jitter = _get(hf, "router_jitter_noise", float, 0.0)
-            if jitter:
-                raise ConfigError(
-                    f"config.json: router_jitter_noise = {jitter} is not supported (only 0.0)"
-                )
-            kw["sliding_window"] = _get(hf, "sliding_window", int, None)
-        elif model_type == "olmoe":
-            experts = _positive(hf, _experts_key(hf))
-            kw["expert_ffn"] = _positive(hf, "intermediate_size")
-            kw["normalize_topk"] = _get(hf, "norm_topk_prob", bool, False)
-            clip = _get(hf, "clip_qkv", float, None)
-            if clip is not None:
-                raise ConfigError(
-                    f"config.json: clip_qkv = {clip} is not supported for olmoe; only null"
-                )
-            if head_dim * heads != hidden:
-                raise ConfigError(
-                    f"config.json: head_dim = {head_dim} is not supported for olmoe: "
-                    f"transformers' q/k norms have hidden_size ({hidden}) / "
-                    f"num_attention_heads ({heads}) per head"
-                )
-            kw["qk_norm"], kw["qk_norm_width"] = True, "projection"
-            kw["qkv_bias"] = kw["o_bias"] = _get(hf, "attention_bias", bool, False)
-        else:
-            experts = _positive(hf, _experts_key(hf))
-            kw["expert_ffn"] = _positive(hf, "moe_intermediate_size")
-            kw["normalize_topk"] = _get(hf, "norm_topk_prob", bool, False)
-            if _get(hf, "decoder_sparse_step", int, 1) != 1 or _get(
-                hf, "mlp_only_layers", list, []
-            ):
-                raise ConfigError(
-                    "config.json: decoder_sparse_step != 1 or a non-empty mlp_only_layers (dense "
-                    "layers between MoE layers) is not supported; every layer must be MoE"
-                )
-            if _get(hf, "use_sliding_window", bool, False):
-                raise ConfigError(
-                    "config.json: use_sliding_window = true is not supported for "
-                    f"{model_type} (its per-layer windows); only false"
-                )
-            if model_type == "qwen3_moe":
-                kw["qk_norm"] = True
-                bias = _get(hf, "attention_bias", bool, False)
-                kw["qkv_bias"] = kw["o_bias"] = bias
-            else:
-                kw["qkv_bias"] = _get(hf, "qkv_bias", bool, True)
-                kw["shared_ffn"] = _get(hf, "shared_expert_intermediate_size", int, 5632)
-        return cls(
-            model_type=model_type,
-            vocab_size=_positive(hf, "vocab_size"),
-            hidden_size=hidden,
-            num_layers=_positive(hf, "num_hidden_layers"),
-            num_heads=heads,
-            num_kv_heads=_positive(hf, "num_key_value_heads", _KV_HEADS[model_type] or heads),
-            head_dim=head_dim,
-            num_experts=experts,
-            top_k=_positive(hf, "num_experts_per_tok"),
-            rms_norm_eps=_get(hf, "rms_norm_eps", float, _DEFAULTS[model_type][0]),
-            rope=_read_rope(hf, model_type, head_dim),
-            tie_word_embeddings=_get(hf, "tie_word_embeddings", bool, False),
-            router_aux_loss_coef=_get(hf, "router_aux_loss_coef", float, _AUX_COEF[model_type]),
-            hf=dict(hf),
-            **kw,
-        )
+        return cls(**config_fields(hf))
 
     @named_errors("jaxops.models.DecoderConfig.to_hf")
     def to_hf(self, dtype: Any = None) -> dict[str, Any]:
@@ -328,61 +357,7 @@ class DecoderConfig:
           >>> d["architectures"], d["num_experts"], d["dtype"], DecoderConfig.from_hf(d) == cfg
           (['Qwen3MoeForCausalLM'], 8, 'bfloat16', True)
         """
-        out = dict(self.hf)
-        # The weights this config describes are not quantized (save_pretrained adds a
-        # quantization_config back when it writes quantized files).
-        out.pop("quantization_config", None)
-        out.update(
-            model_type=self.model_type,
-            architectures=[_ARCHITECTURES[self.model_type]],
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_heads,
-            num_key_value_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            num_experts_per_tok=self.top_k,
-            hidden_act="silu",
-            rms_norm_eps=self.rms_norm_eps,
-            tie_word_embeddings=self.tie_word_embeddings,
-            router_aux_loss_coef=self.router_aux_loss_coef,
-        )
-        for key in ("rope_theta", "rope_scaling", "partial_rotary_factor"):
-            out.pop(key, None)  # all in rope_parameters
-        out.update(rope_to_hf(self.rope))
-        if self.model_type == "mixtral":
-            out.update(
-                num_local_experts=self.num_experts,
-                intermediate_size=self.expert_ffn,
-                sliding_window=self.sliding_window,
-            )
-        elif self.model_type == "olmoe":
-            out.update(
-                num_experts=self.num_experts,
-                intermediate_size=self.expert_ffn,
-                norm_topk_prob=self.normalize_topk,
-                attention_bias=self.qkv_bias,
-                clip_qkv=None,
-            )
-            out.pop("num_local_experts", None)
-            out.pop("head_dim", None)  # transformers' q/k norms assume hidden_size / heads
-        else:
-            out.update(
-                num_experts=self.num_experts,
-                moe_intermediate_size=self.expert_ffn,
-                norm_topk_prob=self.normalize_topk,
-                decoder_sparse_step=1,
-                mlp_only_layers=[],
-                use_sliding_window=False,
-            )
-            out.pop("num_local_experts", None)
-            if self.model_type == "qwen3_moe":
-                out["attention_bias"] = self.qkv_bias
-            else:
-                out["qkv_bias"] = self.qkv_bias
-                out["shared_expert_intermediate_size"] = self.shared_ffn
-        if len(out.get("layer_types") or []) != self.num_layers:
-            out.pop("layer_types", None)  # stale (e.g. after a change of num_layers)
+        out = hf_keys(self, dict(self.hf))
         if dtype is not None:
             import numpy as np
 
@@ -390,42 +365,30 @@ class DecoderConfig:
             out["dtype"] = name
             out.pop("torch_dtype", None)
         # transformers builds the model from these keys: they must say this config exactly.
-        back = DecoderConfig.from_hf(out)
+        try:
+            back = DecoderConfig.from_hf(out)
+        except ConfigError as e:
+            back, why = None, str(e)
         wrong = [
-            f"{f.name}={getattr(self, f.name)!r} (as {self.model_type}: {getattr(back, f.name)!r})"
+            f"{f.name}={getattr(self, f.name)!r}"
+            + ("" if back is None else f" (as {self.model_type}: {getattr(back, f.name)!r})")
             for f in dataclasses.fields(self)
-            if f.compare and getattr(self, f.name) != getattr(back, f.name)
+            if f.compare and (back is None or getattr(self, f.name) != getattr(back, f.name))
         ]
+        if back is None:
+            wrong = [f"this config ({why})"]
         if wrong:
             raise ConfigError(
                 f"jaxops.models.DecoderConfig.to_hf: {self.model_type} cannot express "
                 f"{', '.join(wrong)}; "
                 "transformers would build another model (qwen3_moe has q/k norms and no shared "
-                "expert; mixtral renormalizes the top-k weights and has no shared expert or "
-                "biases; qwen2_moe has no q/k norms; olmoe has whole-projection q/k norms, "
-                "head_dim = hidden_size / num_attention_heads, no shared expert and no sliding "
-                "window)"
+                "expert; mixtral renormalizes the top-k weights and has no shared expert, "
+                "biases or dense layers; qwen2_moe has no q/k norms; olmoe has whole-projection "
+                "q/k norms, head_dim = hidden_size / num_attention_heads, no shared expert and no "
+                "sliding window; glm4_moe and deepseek_v3 have sigmoid routers and their dense "
+                "layers first)"
             )
         return out
-
-
-def _experts_key(hf: dict[str, Any]) -> str:
-    """The key of the routed expert count: num_experts, or its alias num_local_experts."""
-    # transformers 5 writes num_local_experts for Qwen too (num_experts is its alias).
-    key = "num_experts" if hf.get("num_experts") is not None else "num_local_experts"
-    return key if hf.get(key) is not None else "num_experts"
-
-
-def _read_rope(hf: dict[str, Any], model_type: str, head_dim: int) -> Rope:
-    rope = read_rope(
-        hf, head_dim, _DEFAULTS[model_type][1], default_max_positions=_MAX_POSITIONS[model_type]
-    )
-    if rope.partial_rotary_factor != 1.0:
-        raise ConfigError(
-            f"config.json: partial_rotary_factor = {rope.partial_rotary_factor} is not supported "
-            f"for {model_type} (transformers rotates its whole head); only 1.0"
-        )
-    return rope
 
 
 def _rope_theta_keyword(cls: type) -> type:

@@ -63,16 +63,29 @@ class MoEDecoder(Layout):
         y, h = add_rms_norm(a, h)                    jaxops.add_rms_norm (residual + norm)
         h = h + moe(y)                               jaxops.parallel.expert.moe_layer
 
-    then ``rms_norm`` and the output projection (``jaxops.gemm``; the embedding table with tied
-    embeddings). Attention is grouped-query causal attention in plain jnp with rotary position
-    embeddings (rotate-half layout), float32 softmax, Qwen3's q/k RMSNorm and an optional
-    sliding window, as transformers computes it (the layer functions are in
-    ``jaxops.models._layers``). `impl` reaches every jaxops op the model runs.
+    (``h + mlp(y)``, a dense SwiGLU MLP, in the config's ``dense_layers``), then ``rms_norm``
+    and the output projection (``jaxops.gemm``; the embedding table with tied embeddings).
+    Attention is grouped-query causal attention in plain jnp with rotary position embeddings,
+    float32 softmax, q/k RMSNorm, biases and an optional sliding window as the config says, or
+    DeepSeek's multi-head latent attention, as transformers computes them (the layer functions
+    are in ``jaxops.models._layers`` and ``jaxops.models._mla``). `impl` reaches every jaxops
+    op the model runs.
 
-    The mesh: experts over `expert_axis` (which must exist; size 1 on one device), layers over
-    `pipe_axis` when the mesh has it with size > 1 (``L / P`` consecutive layers per pipeline
-    stage, trained with :func:`jaxops.parallel.pipeline.pipeline_step`), the batch over every
-    other axis and the expert axis. Without a pipe axis the layers run in one ``lax.scan``.
+    The mesh: experts over `expert_axis` (which must exist; size 1 on one device), MoE layers
+    over `pipe_axis` when the mesh has it with size > 1 (``Lm / P`` consecutive MoE layers per
+    pipeline stage, trained with :func:`jaxops.parallel.pipeline.pipeline_step`), the batch
+    over every other axis and the expert axis. Without a pipe axis the layers run in one
+    ``lax.scan`` per run of consecutive layers of one kind (MoE or dense).
+
+    Dense and MoE layers: the MoE layers are stacked in ``params["layers"]`` and the dense ones
+    in ``params["dense_layers"]`` (two stacks, since their parameters differ). A pipeline stage
+    holds MoE layers only, so that every stage stacks and scans the same layers; the dense
+    layers must then come first (DeepSeek-V3's and GLM-4.5's ``first_k_dense_replace``) and run
+    ahead of the pipeline, on every pipe stage alike, like the embedding: their parameters are
+    replicated over the pipe axis and each stage computes them for its data shard's whole
+    batch, a cost of ``Ld`` dense layers per device besides its ``Lm / P`` MoE layers (3
+    against 58 / P for DeepSeek-V3). Without a pipeline dense layers may sit anywhere
+    (Qwen's ``mlp_only_layers``).
 
     Attributes:
       config: the architecture (:class:`DecoderConfig`).
@@ -156,10 +169,17 @@ class MoEDecoder(Layout):
                 f"{op}: num_experts = {self.config.num_experts} must be divisible by the size "
                 f"{shape[self.expert_axis]} of the expert axis {self.expert_axis!r}"
             )
-        if self.config.num_layers % self.pipe:
+        c = self.config
+        if len(c.moe_layers) % self.pipe:
             raise ConfigError(
-                f"{op}: num_layers = {self.config.num_layers} must be divisible by the size "
-                f"{self.pipe} of the pipe axis {self.pipe_axis!r}"
+                f"{op}: the {len(c.moe_layers)} MoE layers (num_layers = {c.num_layers} less "
+                f"{len(c.dense_layers)} dense) must be divisible by the size {self.pipe} of the "
+                f"pipe axis {self.pipe_axis!r}"
+            )
+        if self.pipe > 1 and c.dense_layers != tuple(range(len(c.dense_layers))):
+            raise ConfigError(
+                f"{op}: with a pipeline the dense layers must come first (they run ahead of "
+                f"the pipeline stages); got dense_layers = {c.dense_layers}"
             )
         if self.expert_axis == self.pipe_axis:
             raise ConfigError(
@@ -219,7 +239,6 @@ class MoEDecoder(Layout):
             hidden_size=c.hidden_size,
             expert_ffn=c.expert_ffn,
             activation="swiglu",
-            router="softmax",
             normalize_topk=c.normalize_topk,
             capacity_factor=self.capacity_factor,
             router_aux_loss_coef=c.router_aux_loss_coef if coef is None else coef,
@@ -231,7 +250,12 @@ class MoEDecoder(Layout):
             fp8=self.fp8,
             dispatch=self.dispatch,
             shared_ffn=c.shared_ffn,
-            shared_gate=c.shared_ffn > 0,
+            shared_gate=c.shared_ffn > 0 and c.shared_gate,
+            router=c.router,
+            router_bias=c.router_bias,
+            n_group=c.n_group,
+            topk_group=c.topk_group,
+            routed_scaling_factor=c.routed_scaling_factor,
         )
 
     # ---------------------------------------------------------------------------------------------
@@ -256,6 +280,62 @@ class MoEDecoder(Layout):
 
         return moe
 
+    def _ffn(self, key: str) -> Callable:
+        """The ffn of the layers of stack `key` for ``_layers.decoder_layer``.
+
+        "layers": the MoE layer on ``p["moe"]`` (aux its MoEAux); "dense_layers": the dense
+        MLP on ``p["mlp"]`` (aux None).
+        """
+        if key == "dense_layers":
+            ops = self._ops
+            return lambda p, y, token_mask: (_layers.mlp(ops, p["mlp"], y), None)
+        moe = self._moe_fn()
+        return lambda p, y, token_mask: moe(p["moe"], y, token_mask)
+
+    @functools.cached_property
+    def _runs(self) -> tuple[tuple[str, int, int, int], ...]:
+        """``(stack, start, stop, first layer)`` of each run of consecutive layers of one kind.
+
+        In layer order; `stack` is "layers" (MoE) or "dense_layers", ``start:stop`` the run's
+        rows of that stack and `first layer` the model's index of its first layer.
+        """
+        c = self.config
+        dense = set(c.dense_layers)
+        runs: list[list] = []
+        count = {"layers": 0, "dense_layers": 0}
+        for i in range(c.num_layers):
+            key = "dense_layers" if i in dense else "layers"
+            if runs and runs[-1][0] == key:
+                runs[-1][2] += 1
+            else:
+                runs.append([key, count[key], count[key] + 1, i])
+            count[key] += 1
+        return tuple(tuple(r) for r in runs)
+
+    def _run_all(
+        self, params: dict[str, Any], h: jax.Array, where: _layers.Tokens, *, prefix: bool = False
+    ) -> tuple[jax.Array, ep.MoEAux | None]:
+        """``h`` through every layer in order (one ``lax.scan`` per run of one kind).
+
+        Returns the MoE layers' MoEAux stacked ``[Lm, ...]``. With `prefix`, only the dense
+        layers before the first MoE layer (what runs ahead of a pipeline; aux None).
+        """
+        auxes = []
+        for key, start, stop, _ in self._runs:
+            if prefix and key == "layers":
+                break
+            stack = params[key]
+            if (start, stop) != (0, jax.tree.leaves(stack)[0].shape[0]):
+                stack = jax.tree.map(lambda a, i=start, j=stop: a[i:j], stack)
+            h, aux = self._run_layers(stack, h, where, key)
+            if key == "layers":
+                auxes.append(aux)
+        if not auxes:
+            return h, None
+        return h, auxes[0] if len(auxes) == 1 else jax.tree.map(
+            lambda *a: jnp.concatenate(a), *auxes
+        )
+
     @property
     def _remat(self) -> bool | Callable:
         """What a layer keeps for its backward: False (everything), True (its input) or a policy."""
@@ -264,11 +344,15 @@ class MoEDecoder(Layout):
         return {"none": False, "full": True, "matmuls": _MATMULS}[self.remat]
 
     def _run_layers(
-        self, layers: dict[str, Any], h: jax.Array, where: _layers.Tokens
+        self, layers: dict[str, Any], h: jax.Array, where: _layers.Tokens, key: str = "layers"
     ) -> tuple[jax.Array, ep.MoEAux]:
-        """``h`` through the stacked `layers` (one lax.scan); the per-layer MoEAux, stacked."""
+        """``h`` through the stacked `layers` of stack `key` (one lax.scan).
+
+        Returns ``(h, aux)``: the per-layer aux (MoEAux of MoE layers, None for dense ones),
+        stacked.
+        """
         body = functools.partial(
-            _layers.decoder_layer, self._ops, self.config, self._moe_fn(), where
+            _layers.decoder_layer, self._ops, self.config, self._ffn(key), where
         )
         remat = self._remat
         if remat is not False:
@@ -335,9 +419,9 @@ class MoEDecoder(Layout):
         x, where, _ = self._inputs(params, batch)
         if self.pipe > 1:
             stages = self._stages(params["layers"])
-            carry = {"h": x, "where": where}
+            carry = {"h": self._run_all(params, x, where, prefix=True)[0], "where": where}
             return pl.pipeline_forward(self._stage, stages, carry, **self._pipeline())["h"]
-        return self._run_layers(params["layers"], x, where)[0]
+        return self._run_all(params, x, where)[0]
 
     @functools.cached_property
     def _pipe_loss(self) -> Callable:
@@ -433,8 +517,9 @@ class MoEDecoder(Layout):
     ) -> tuple[jax.Array, ep.MoEAux]:
         """``(logits, aux)`` without a pipeline; aux: the layers' ``MoEAux``, stacked.
 
-        ``aux.tokens_per_expert [L, E]`` is the load of every expert of every layer (real
-        tokens only). The batch arguments are those of :meth:`logits`.
+        ``aux.tokens_per_expert [Lm, E]`` is the load of every expert of every MoE layer
+        (``config.moe_layers``, in order; real tokens only). The batch arguments are those of
+        :meth:`logits`.
         """
         op = f"{_OP}.forward"
         if self.pipe > 1:
@@ -444,7 +529,7 @@ class MoEDecoder(Layout):
             )
         batch = self._check(op, tokens, None, attention_mask, positions, segment_ids)
         x, where, _ = self._inputs(params, batch)
-        h, aux = self._run_layers(params["layers"], x, where)
+        h, aux = self._run_all(params, x, where)
         return self._head(self._head_params(params), h), aux
 
     def loss(

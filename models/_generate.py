@@ -9,12 +9,16 @@ updated in place) and picks the next token. Both are laid out like training: the
 model's batch axes, the experts over its expert axis (the expert-parallel MoE layer).
 
 The cache of a model with ``L`` layers, ``Hkv`` key/value heads of width ``Dh``:
-``k, v [L, B, C, Hkv, Dh]`` in the compute dtype and, shared by the layers, each slot's time
-step and document (``index, segments`` int32 ``[B, C]``; segment 0 is an empty or padding slot)
-from which :func:`~jaxops.models._layers.allowed` builds the mask. ``C = S + max_new_tokens``;
-with a sliding window ``W`` the cache is a ring buffer of ``C = min(W, S + max_new_tokens)``
-slots (time step ``t`` in slot ``t % C``). A cached token costs
-``2 * L * Hkv * Dh * itemsize + 8`` bytes (Mixtral-8x7B in bfloat16: 128 KiB).
+``k, v [L, B, C, Hkv, Dh]`` in the compute dtype (with multi-head latent attention, DeepSeek-V3:
+the compressed KV and the shared RoPE key, ``latent [L, B, C, R]`` and
+``k_rope [L, B, C, 1, dr]``, expanded into keys and values at each step) and, shared by the
+layers, each slot's time step and document (``index, segments`` int32 ``[B, C]``; segment 0 is
+an empty or padding slot) from which :func:`~jaxops.models._layers.allowed` builds the mask.
+``C = S + max_new_tokens``; with a sliding window ``W`` the cache is a ring buffer of
+``C = min(W, S + max_new_tokens)`` slots (time step ``t`` in slot ``t % C``). A cached token
+costs ``2 * L * Hkv * Dh * itemsize + 8`` bytes (Mixtral-8x7B in bfloat16: 128 KiB); with MLA
+``L * (R + dr) * itemsize + 8`` (DeepSeek-V3 in bfloat16: 61 * 576 * 2 bytes, 69 KiB, where
+its 128 heads of 192 / 128 would cost 61 * 128 * 320 * 2 bytes, 4.8 MiB).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxops.models._decoder import MoEDecoder
-from jaxops.models._layers import Tokens, allowed, attend, embed, output, qkv
+from jaxops.models._layers import Tokens, allowed, attention_inputs, attention_output, embed
 
 import jaxops
 from jaxops import _checks
@@ -74,17 +78,18 @@ jax.tree_util.register_dataclass(
 
 @dataclasses.dataclass(frozen=True)
 class _Cache:
-    """The KV cache: ``k, v [L, B, C, Hkv, Dh]``; each slot's ``index`` and ``segments [B, C]``."""
+    """The KV cache: ``kv`` (per layer, stacked ``[L, B, C, ...]``), ``index, segments [B, C]``.
 
-    k: jax.Array
-    v: jax.Array
+    ``kv``: GQA ``(k, v)`` each ``[L, B, C, Hkv, Dh]``; MLA ``(latent [L, B, C, R],
+    k_rope [L, B, C, 1, dr])``.
+    """
+
+    kv: tuple[jax.Array, ...]
     index: jax.Array
     segments: jax.Array
 
 
-jax.tree_util.register_dataclass(
-    _Cache, data_fields=["k", "v", "index", "segments"], meta_fields=[]
-)
+jax.tree_util.register_dataclass(_Cache, data_fields=["kv", "index", "segments"], meta_fields=[])
 
 
 def _sample(s: _Sampling, logits: jax.Array, key: jax.Array) -> jax.Array:
@@ -136,30 +141,31 @@ def _slots(x: jax.Array, slots: int) -> jax.Array:
 
 def _layer(
     model: MoEDecoder,
-    moe: Callable,
+    ffn: Callable,
     where: Tokens,
     keys: Tokens,
     keep: Callable[[jax.Array], jax.Array],
     h: jax.Array,
-    xs: tuple[dict[str, Any], tuple[jax.Array, jax.Array] | None],
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    xs: tuple[dict[str, Any], tuple[jax.Array, ...] | None],
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """One decoder layer over `h` whose queries are placed by `where`, keys by `keys`.
 
-    ``xs``: the layer's parameters and its cached ``k, v [B, C, Hkv, Dh]`` (None in the
-    prefill, where the queries attend to their own keys). Returns ``(h', (keep(k), keep(v)))``:
-    this call's keys and values as the cache stores them.
+    ``xs``: the layer's parameters and its cached KV entries (``_layers.attention_inputs``'
+    ``kv``, time on axis 1; None in the prefill, where the queries attend to their own keys).
+    Returns ``(h', keep(kv))``: this call's KV entries as the cache stores them.
     """
     ops, c = model._ops, model.config
     p, past = xs
     a = jaxops.rms_norm(h, p["attn_norm"], eps=c.rms_norm_eps, impl=ops.impl)
-    q, k, v = qkv(ops, c, p, a, where.positions)
-    ks, vs = k, v
-    if past is not None:  # the cached keys and values, then this step's
-        ks, vs = jnp.concatenate([past[0], k], 1), jnp.concatenate([past[1], v], 1)
-    a = output(ops, c, p, attend(ops, c, q, ks, vs, allowed(where, keys, c.sliding_window)))
+    q, kv = attention_inputs(ops, c, p, a, where.positions)
+    seen = kv
+    if past is not None:  # the cached entries, then this step's
+        seen = tuple(jnp.concatenate([old, new], 1) for old, new in zip(past, kv, strict=True))
+    mask = allowed(where, keys, c.sliding_window)
+    a = attention_output(ops, c, p, q, seen, mask)
     y, h = jaxops.add_rms_norm(a, h, p["mlp_norm"], eps=c.rms_norm_eps, impl=ops.impl)
-    m, _ = moe(p["moe"], y, where.valid)
-    return h + m, (keep(k), keep(v))
+    m, _ = ffn(p, y, where.valid)
+    return h + m, tuple(keep(x) for x in kv)
 
 
 def _run(
@@ -169,12 +175,23 @@ def _run(
     where: Tokens,
     keys: Tokens,
     keep: Callable[[jax.Array], jax.Array],
-    past: tuple[jax.Array, jax.Array] | None,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Embedding, the layers (one ``lax.scan``) and the last query's float32 logits ``[B, V]``."""
+    past: tuple[jax.Array, ...] | None,
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """The last query's float32 logits ``[B, V]`` and every layer's KV entries.
+
+    Embedding, the layers (one ``lax.scan`` per run of one kind), the head; the KV entries are
+    stacked ``[L, ...]`` in layer order.
+    """
     x = model._place(embed(model._ops, params["embed"], jnp.where(where.valid, tokens, 0)))
-    body = functools.partial(_layer, model, model._moe_fn(), where, keys, keep)
-    h, kv = jax.lax.scan(body, x, (params["layers"], past))
+    h, entries = x, []
+    for key, start, stop, first in model._runs:
+        body = functools.partial(_layer, model, model._ffn(key), where, keys, keep)
+        stack = jax.tree.map(lambda a, i=start, j=stop: a[i:j], params[key])
+        n = stop - start
+        cached = None if past is None else tuple(a[first : first + n] for a in past)
+        h, kv = jax.lax.scan(body, h, (stack, cached))
+        entries.append(kv)
+    kv = entries[0] if len(entries) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *entries)
     return model._head(model._head_params(params), h[:, -1:])[:, 0], kv
 
 
@@ -196,8 +213,8 @@ def _prefill(
         positions=jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32),
         segments=mask.astype(jnp.int32),
     )
-    logits, (k, v) = _run(model, params, prompt, where, where, lambda x: _slots(x, slots), None)
-    cache = _Cache(k, v, _slots(where.index, slots), _slots(where.segments, slots))
+    logits, kv = _run(model, params, prompt, where, where, lambda x: _slots(x, slots), None)
+    cache = _Cache(kv, _slots(where.index, slots), _slots(where.segments, slots))
     token, done = _next(sampling, logits, 0, model._place(jnp.zeros((b,), bool)))
     out = jnp.where(jnp.arange(steps) == 0, token[:, None], sampling.pad)
     return cache, out, done
@@ -237,11 +254,13 @@ def _decode(
             positions=jnp.concatenate([cache.index, where.index], 1),
             segments=jnp.concatenate([cache.segments, where.segments], 1),
         )
-        logits, (k, v) = _run(model, params, fed, where, keys, lambda x: x, (cache.k, cache.v))
+        logits, kv = _run(model, params, fed, where, keys, lambda x: x, cache.kv)
         slot = t % slots
         cache = _Cache(
-            jax.lax.dynamic_update_slice_in_dim(cache.k, k, slot, axis=2),
-            jax.lax.dynamic_update_slice_in_dim(cache.v, v, slot, axis=2),
+            tuple(
+                jax.lax.dynamic_update_slice_in_dim(old, new, slot, axis=2)
+                for old, new in zip(cache.kv, kv, strict=True)
+            ),
             jax.lax.dynamic_update_slice_in_dim(cache.index, where.index, slot, axis=1),
             jax.lax.dynamic_update_slice_in_dim(cache.segments, where.segments, slot, axis=1),
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,16 +28,20 @@ _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
 # Our keys whose tensors quantize="fp8-block" writes as FP8: the decoder layers' linear weights
 # (attention projections, expert and shared-expert gate/up/down); not the embeddings, lm_head,
 # norms, router or shared-expert gate.
+_ATTENTION_KERNELS = ("w_qkv", "w_o", "w_q", "w_q_a", "w_q_b", "w_kv_a", "w_kv_b")
 _FP8_KEYS = frozenset(
     {
-        "layers/w_qkv",
-        "layers/w_o",
+        *(f"{stack}/{k}" for stack in ("layers", "dense_layers") for k in _ATTENTION_KERNELS),
         "layers/moe/w_in",
         "layers/moe/w_out",
         "layers/moe/shared_w_in",
         "layers/moe/shared_w_out",
+        "dense_layers/mlp/w_in",
+        "dense_layers/mlp/w_out",
     }
 )
+# A published layer index (model.layers.N.) in a tensor name.
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _QUANTIZE = (None, "fp8-block")
 
 
@@ -47,9 +52,11 @@ def _expected_names(model: MoEDecoder, rules: Sequence[Rule]) -> set[str]:
     for rule in rules:
         templates = (rule.theirs,) if isinstance(rule.theirs, str) else tuple(rule.theirs)
         stack = tuple(rule.stack or ())
-        grid = np.ndindex(*(counts[s] for s in stack)) if stack else [()]
+        index = dict(rule.index or ())
+        numbers = [index.get(s, range(counts[s])) for s in stack]
+        grid = np.ndindex(*(len(n) for n in numbers)) if stack else [()]
         for idx in grid:
-            values = {s: str(v) for s, v in zip(stack, idx, strict=True)}
+            values = {s: str(n[v]) for s, n, v in zip(stack, numbers, idx, strict=True)}
             names.update(t.format(**values) for t in templates)
     return names
 
@@ -135,6 +142,7 @@ def from_pretrained(
     extra = sorted(n for n in have - want if not _IGNORED.fullmatch(n))
     if config.tie_word_embeddings:
         extra = [n for n in extra if n != "lm_head.weight"]
+    extra = _skip_mtp(config, extra)
     if extra:
         raise checkpoint.CheckpointError(
             f"{op}: {root} holds {len(extra)} tensor(s) config.json does not account "
@@ -230,6 +238,28 @@ def save_pretrained(
     )
 
 
+def _skip_mtp(config: Any, extra: list[str]) -> list[str]:
+    """`extra` less the multi-token-prediction layers' tensors, skipped with a warning.
+
+    DeepSeek-V3 and GLM-4.5 ship ``num_nextn_predict_layers`` MTP layers after the decoder's
+    (``model.layers.{L}.*`` onward); jaxops.models does not build them.
+    """
+    mtp = config.hf.get("num_nextn_predict_layers") or config.hf.get("num_mtp_layers") or 0
+    if not isinstance(mtp, int) or mtp < 1:
+        return extra
+    first = config.num_layers
+    skipped = [n for n in extra if (m := _LAYER.match(n)) and first <= int(m[1]) < first + mtp]
+    if skipped:
+        layers = f"model.layers.{first}" + (f"-{first + mtp - 1}" if mtp > 1 else "")
+        warnings.warn(
+            f"jaxops.models.from_pretrained: skipped {len(skipped)} multi-token-prediction "
+            f"tensor(s) of {layers}.* (num_nextn_predict_layers = {mtp}; jaxops.models does not "
+            "build MTP layers)",
+            stacklevel=3,
+        )
+    return [n for n in extra if n not in set(skipped)]
+
+
 def _unquantized_linears(model: MoEDecoder) -> list[str]:
     """The torch Linear modules an FP8 export leaves unquantized (``modules_to_not_convert``).
 
@@ -238,6 +268,6 @@ def _unquantized_linears(model: MoEDecoder) -> list[str]:
     """
     moe = expert_names(model.config.model_type)[0]
     out = ["lm_head", f"{moe}.gate"]
-    if model.config.shared_ffn:
+    if model.config.shared_ffn and model.config.shared_gate:
         out.append("mlp.shared_expert_gate")
     return out

@@ -44,10 +44,13 @@ __all__ = [
     "allowed",
     "attend",
     "attention",
+    "attention_inputs",
+    "attention_output",
     "cross_entropy",
     "decoder_layer",
     "embed",
     "head",
+    "mlp",
     "output",
     "projection",
     "qkv",
@@ -219,18 +222,25 @@ def qkv(
 
 
 def attend(
-    ops: Ops, c: DecoderConfig, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array
+    ops: Ops,
+    c: DecoderConfig,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    scale: float | None = None,
 ) -> jax.Array:
-    """Softmax attention of ``q [b, sq, Hq, Dh]`` over ``k, v [b, sk, Hkv, Dh]``.
+    """Softmax attention of ``q [b, sq, Hq, Dh]`` over ``k [b, sk, Hkv, Dh]``, ``v [.., Dv]``.
 
-    Returns ``[b, sq, Hq Dh]``. `mask`: bool ``[b, sq, sk]`` (:func:`allowed`). float32 scores
-    and softmax; a query that sees no key at all (padding) gets zeros, never NaN.
+    Returns ``[b, sq, Hq Dv]``. `mask`: bool ``[b, sq, sk]`` (:func:`allowed`). Scores are
+    ``q . k`` times `scale` (default ``Dh ** -0.5``), float32, as is the softmax; a query that
+    sees no key at all (padding) gets zeros, never NaN.
     """
     b, sq, hq, dh = q.shape
-    hkv = k.shape[2]
+    hkv, dv = k.shape[2], v.shape[-1]
     q = q.reshape(b, sq, hkv, hq // hkv, dh)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (dh**-0.5)
+    scores = scores * (dh**-0.5 if scale is None else scale)
     mask = mask[:, None, None, :, :]
     scores = jnp.where(mask, scores, -jnp.inf)
     top = jnp.max(scores, axis=-1, keepdims=True)
@@ -238,7 +248,7 @@ def attend(
     total = jnp.sum(e, axis=-1, keepdims=True)
     probs = (e / jnp.where(total > 0, total, 1.0)).astype(ops.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.astype(ops.dtype).reshape(b, sq, hq * dh)
+    return out.astype(ops.dtype).reshape(b, sq, hq * dv)
 
 
 def output(ops: Ops, c: DecoderConfig, p: dict[str, jax.Array], out: jax.Array) -> jax.Array:
@@ -246,49 +256,98 @@ def output(ops: Ops, c: DecoderConfig, p: dict[str, jax.Array], out: jax.Array) 
     return projection(ops, out, p["w_o"], p["b_o"].astype(ops.dtype) if c.o_bias else None)
 
 
+def attention_inputs(
+    ops: Ops, c: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """``(q, kv)`` of ``x [b, s, D]``: the queries and what a KV cache keeps of each token.
+
+    GQA: ``q [b, s, Hq, Dh]`` and ``kv = (k, v)``, each ``[b, s, Hkv, Dh]`` (:func:`qkv`).
+    MLA (``c.mla``): ``q [b, s, H, dn + dr]`` and ``kv = (latent [b, s, kv_lora_rank],
+    k_rope [b, s, 1, dr])``, the normalized compressed KV and the shared RoPE key
+    (``jaxops.models._mla``). Either way the arrays of `kv` have time on axis 1.
+    """
+    if c.mla is not None:
+        from jaxops.models import _mla
+
+        return _mla.inputs(ops, c, p, x, positions)
+    q, k, v = qkv(ops, c, p, x, positions)
+    return q, (k, v)
+
+
+def attention_output(
+    ops: Ops,
+    c: DecoderConfig,
+    p: dict[str, jax.Array],
+    q: jax.Array,
+    kv: tuple[jax.Array, ...],
+    mask: jax.Array,
+) -> jax.Array:
+    """The attention of queries `q` over the keys of `kv` (:func:`attention_inputs`), projected.
+
+    `mask`: bool ``[b, sq, sk]`` (:func:`allowed`). Returns ``[b, sq, D]``.
+    """
+    if c.mla is not None:
+        from jaxops.models import _mla
+
+        return _mla.output(ops, c, p, q, kv, mask)
+    return output(ops, c, p, attend(ops, c, q, *kv, mask))
+
+
 def attention(
     ops: Ops, c: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, where: Tokens
 ) -> jax.Array:
-    """Grouped-query self-attention of ``x [b, s, D]`` (compute dtype) over its own tokens.
+    """Self-attention of ``x [b, s, D]`` (compute dtype) over its own tokens.
 
-    ``p``: ``w_qkv [D, (Hq + 2 Hkv) Dh]``, optional ``b_qkv``, ``q_norm`` / ``k_norm [Dh]``
-    (Qwen3; ``[Hq Dh]`` / ``[Hkv Dh]`` for OLMoE), ``w_o [Hq Dh, D]``, optional ``b_o``.
-    `where` places every token (causal, document and padding mask, rotary positions);
-    `c.sliding_window` limits how far back a query sees. Returns ``[b, s, D]``.
+    ``p`` (GQA): ``w_qkv [D, (Hq + 2 Hkv) Dh]``, optional ``b_qkv``, ``q_norm`` / ``k_norm
+    [Dh]`` (Qwen3, GLM; ``[Hq Dh]`` / ``[Hkv Dh]`` for OLMoE), ``w_o [Hq Dh, D]``, optional
+    ``b_o``; with MLA those of ``jaxops.models._mla``. `where` places every token (causal,
+    document and padding mask, rotary positions); `c.sliding_window` limits how far back a
+    query sees. Returns ``[b, s, D]``.
     """
-    q, k, v = qkv(ops, c, p, x, where.positions)
-    out = attend(ops, c, q, k, v, allowed(where, where, c.sliding_window))
-    return output(ops, c, p, out)
+    q, kv = attention_inputs(ops, c, p, x, where.positions)
+    return attention_output(ops, c, p, q, kv, allowed(where, where, c.sliding_window))
+
+
+def mlp(ops: Ops, p: dict[str, jax.Array], y: jax.Array) -> jax.Array:
+    """The dense SwiGLU MLP of ``y [b, s, D]``: ``(silu(y W_gate) * (y W_up)) W_down``.
+
+    ``p``: ``w_in [D, 2F]`` (gate, up side by side), ``w_out [F, D]``. Returns ``[b, s, D]``.
+    """
+    gate, up = jnp.split(projection(ops, y, p["w_in"], None), 2, axis=-1)
+    return projection(ops, jax.nn.silu(gate) * up, p["w_out"], None)
 
 
 def decoder_layer(
     ops: Ops,
     c: DecoderConfig,
-    moe: Callable[[Any, jax.Array, jax.Array | None], tuple[jax.Array, Any]],
+    ffn: Callable[[dict[str, Any], jax.Array, jax.Array | None], tuple[jax.Array, Any]],
     where: Tokens,
     h: jax.Array,
     p: dict[str, Any],
 ) -> tuple[jax.Array, Any]:
-    """One decoder layer: ``h + attention(rms_norm(h))``, then ``+ moe(rms_norm(...))``.
+    """One decoder layer: ``h + attention(rms_norm(h))``, then ``+ ffn(rms_norm(...))``.
 
     The argument order is that of a ``lax.scan`` body over stacked layers (after `where`).
 
     Args:
       ops: the compute settings.
       c: the architecture.
-      moe: ``(moe params, y [b, s, D], token_mask [b, s] or None) -> (out [b, s, D], MoEAux)``.
+      ffn: ``(layer params, y [b, s, D], token_mask [b, s] or None) -> (out [b, s, D], aux)``:
+        the MoE layer on ``p["moe"]`` (aux: its MoEAux) or the dense :func:`mlp` on
+        ``p["mlp"]`` (aux None).
       where: the tokens' time steps, positions and documents (:class:`Tokens`); padding
         (segment 0) is masked out of the attention and of the MoE router.
       h: the residual stream ``[b, s, D]`` (compute dtype).
-      p: one layer's parameters (``attn_norm``, the attention's, ``mlp_norm``, ``moe``).
+      p: one layer's parameters (``attn_norm``, the attention's, ``mlp_norm``, ``moe`` or
+        ``mlp``).
 
     Returns:
-      ``(h', aux)``: the layer's output and its MoE statistics.
+      ``(h', aux)``: the layer's output and its ffn's statistics.
     """
     a = jaxops.rms_norm(h, p["attn_norm"], eps=c.rms_norm_eps, impl=ops.impl)
     a = attention(ops, c, p, a, where)
     y, h = jaxops.add_rms_norm(a, h, p["mlp_norm"], eps=c.rms_norm_eps, impl=ops.impl)
-    m, aux = moe(p["moe"], y, where.valid)
+    m, aux = ffn(p, y, where.valid)
     return h + m, aux
 
 

@@ -25,38 +25,62 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
 
 
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, tuple)
+
+
+def _is_sharding(x: Any) -> bool:
+    return isinstance(x, NamedSharding)
+
+
 class Layout:
     """Parameter shapes, PartitionSpecs, shardings, initialization and batch placement."""
 
     def param_shapes(self) -> dict[str, Any]:
-        """The parameter tree's shapes (``layers`` leaves stacked ``[L, ...]``).
+        """The parameter tree's shapes (``layers`` leaves stacked ``[Lm, ...]``).
 
-        ``embed [V, D]``; per layer ``attn_norm [D]``, ``w_qkv [D, (Hq + 2 Hkv) Dh]`` (q, k, v
-        side by side), ``b_qkv`` (Qwen2), ``q_norm, k_norm [Dh]`` (Qwen3; ``[Hq Dh]`` and
-        ``[Hkv Dh]`` for OLMoE), ``w_o [Hq Dh, D]``, ``b_o`` (Qwen3 and OLMoE attention_bias),
-        ``mlp_norm [D]``, ``moe`` (``MoEConfig.param_shapes``:
-        ``router [D, E]``, ``w_in [E, D, 2F]`` (gate, up), ``w_out [E, F, D]``, the shared
-        expert); then ``final_norm [D]`` and ``lm_head [D, V]`` (absent with tied embeddings).
-        Kernels are ``[in, out]``.
+        ``embed [V, D]``; per MoE layer (``layers``, the config's ``moe_layers`` in order)
+        ``attn_norm [D]``, the attention's (GQA: ``w_qkv [D, (Hq + 2 Hkv) Dh]`` (q, k, v side
+        by side), ``b_qkv`` (Qwen2, GLM), ``q_norm, k_norm [Dh]`` (Qwen3, GLM; ``[Hq Dh]`` and
+        ``[Hkv Dh]`` for OLMoE), ``w_o [Hq Dh, D]``, ``b_o`` (Qwen3 and OLMoE attention_bias);
+        MLA: those of ``jaxops.models._mla``), ``mlp_norm [D]``, ``moe``
+        (``MoEConfig.param_shapes``: ``router [D, E]``, ``router_bias [E]`` (float32),
+        ``w_in [E, D, 2F]`` (gate, up), ``w_out [E, F, D]``, the shared experts); per dense
+        layer (``dense_layers [Ld, ...]``, present when the config has dense layers) the same
+        with ``mlp`` (``w_in [D, 2F]``, ``w_out [F, D]``) for ``moe``; then ``final_norm [D]``
+        and ``lm_head [D, V]`` (absent with tied embeddings). Kernels are ``[in, out]``.
         """
         c = self.config
-        d, qkv = c.hidden_size, c.q_size + 2 * c.kv_size
-        layer: dict[str, Any] = {"attn_norm": (d,), "w_qkv": (d, qkv)}
-        if c.qkv_bias:
-            layer["b_qkv"] = (qkv,)
-        if c.qk_norm:
-            whole = c.qk_norm_width == "projection"
-            layer["q_norm"] = (c.q_size,) if whole else (c.head_dim,)
-            layer["k_norm"] = (c.kv_size,) if whole else (c.head_dim,)
-        layer["w_o"] = (c.q_size, d)
-        if c.o_bias:
-            layer["b_o"] = (d,)
-        layer["mlp_norm"] = (d,)
-        layer["moe"] = dict(self.moe.param_shapes)
-        stacked = jax.tree.map(
-            lambda s: (c.num_layers, *s), layer, is_leaf=lambda s: isinstance(s, tuple)
-        )
-        tree = {"embed": (c.vocab_size, d), "layers": stacked, "final_norm": (d,)}
+        d = c.hidden_size
+        attn: dict[str, Any] = {"attn_norm": (d,)}
+        if c.mla is not None:
+            from jaxops.models._mla import param_shapes as mla_shapes
+
+            attn.update(mla_shapes(c))
+        else:
+            qkv = c.q_size + 2 * c.kv_size
+            attn["w_qkv"] = (d, qkv)
+            if c.qkv_bias:
+                attn["b_qkv"] = (qkv,)
+            if c.qk_norm:
+                whole = c.qk_norm_width == "projection"
+                attn["q_norm"] = (c.q_size,) if whole else (c.head_dim,)
+                attn["k_norm"] = (c.kv_size,) if whole else (c.head_dim,)
+            attn["w_o"] = (c.q_size, d)
+            if c.o_bias:
+                attn["b_o"] = (d,)
+        attn["mlp_norm"] = (d,)
+
+        def stack(layer, n):
+            return jax.tree.map(lambda s: (n, *s), layer, is_leaf=lambda s: isinstance(s, tuple))
+
+        moe = {**attn, "moe": dict(self.moe.param_shapes)}
+        tree = {"embed": (c.vocab_size, d), "layers": stack(moe, len(c.moe_layers))}
+        if c.dense_layers:
+            f = c.dense_ffn
+            dense = {**attn, "mlp": {"w_in": (d, 2 * f), "w_out": (f, d)}}
+            tree["dense_layers"] = stack(dense, len(c.dense_layers))
+        tree["final_norm"] = (d,)
         if not c.tie_word_embeddings:
             tree["lm_head"] = (d, c.vocab_size)
         return tree
@@ -73,10 +97,15 @@ class Layout:
     def param_specs(self) -> dict[str, Any]:
         """PartitionSpecs of the parameters.
 
-        Layers over the pipe axis, experts over the expert axis, everything else replicated.
+        MoE layers over the pipe axis, experts over the expert axis, everything else
+        replicated (the dense layers too).
         """
         lead = self.pipe_axis if self.pipe > 1 else None
-        specs = {"embed": P(), "layers": self._layer_specs(lead), "final_norm": P()}
+        specs = {"embed": P(), "layers": self._layer_specs(lead)}
+        if self.config.dense_layers:  # replicated (with a pipeline they run ahead of it)
+            shapes = self.param_shapes()["dense_layers"]
+            specs["dense_layers"] = jax.tree.map(lambda _: P(), shapes, is_leaf=_is_shape)
+        specs["final_norm"] = P()
         if not self.config.tie_word_embeddings:
             specs["lm_head"] = P()
         return specs
@@ -90,20 +119,30 @@ class Layout:
     def abstract_params(self, dtype: Any = jnp.float32) -> dict[str, Any]:
         """The parameter tree as ``jax.ShapeDtypeStruct`` s with their shardings (a load target).
 
-        The MoE correction bias (none of these models has one) would stay float32.
+        The MoE router's correction bias (``router_bias``, GLM and DeepSeek) stays float32.
         """
         dtype = np.dtype(dtype)
-        return jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s, dtype, sharding=sh),
-            self.param_shapes(),
-            self.shardings(),
-            is_leaf=lambda s: isinstance(s, tuple),
+        shardings = self.shardings()
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(
+            self.param_shapes(), is_leaf=_is_shape
         )
+        out = [
+            jax.ShapeDtypeStruct(
+                shape,
+                np.dtype(np.float32) if path[-1] == jax.tree_util.DictKey("router_bias") else dtype,
+                sharding=sharding,
+            )
+            for (path, shape), sharding in zip(
+                leaves, jax.tree.leaves(shardings, is_leaf=_is_sharding), strict=True
+            )
+        ]
+        return jax.tree_util.tree_unflatten(treedef, out)
 
     def init(self, key: jax.Array, dtype: Any = jnp.float32) -> dict[str, Any]:
         """Random parameters placed on the mesh.
 
-        normal(0, 0.02) matrices (transformers' initializer_range), unit norms, zero biases.
+        normal(0, 0.02) matrices (transformers' initializer_range), unit norms, zero biases
+        (the router's correction bias too).
         """
         abstract = self.abstract_params(dtype)
         leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
@@ -115,7 +154,7 @@ class Layout:
                 name = jax.tree_util.keystr(path)
                 if "norm" in name:
                     out.append(jnp.ones(leaf.shape, leaf.dtype))
-                elif name.endswith("['b_qkv']") or name.endswith("['b_o']"):
+                elif name.endswith(("['b_qkv']", "['b_o']", "['router_bias']")):
                     out.append(jnp.zeros(leaf.shape, leaf.dtype))
                 else:
                     out.append((jax.random.normal(k, leaf.shape) * _INIT_STD).astype(leaf.dtype))

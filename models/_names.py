@@ -1,6 +1,6 @@
 """Every Hugging Face name map of jaxops.models: our parameter trees <-> published tensor names.
 
-- :func:`name_map`: :class:`~jaxops.models.MoEDecoder` (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE).
+- :func:`name_map`: :class:`~jaxops.models.MoEDecoder` (every model type it reads).
 - :func:`moe_block_rules`: one layer's MoE block (``moe_layer`` parameters) of DeepSeek-V3,
   Qwen2-MoE, Qwen3-MoE, OLMoE or Mixtral.
 - :data:`LLAMA_NAME_MAP` and :func:`llama_name_map`: a Llama-style dense tree and
@@ -47,10 +47,14 @@ def name_map(config: DecoderConfig) -> tuple[Rule, ...]:
     transformers writes), as :class:`~jaxops.parallel.checkpoint.Rule` s.
 
     Layers are stacked on our leading axis (placeholder ``{i}``) and experts on the next
-    (``{e}``); q/k/v and gate/up are fused on our side (the GQA split sizes come from the
-    config); our kernels are ``[in, out]``, torch Linear weights ``[out, in]``. The q/k norms
-    (``self_attn.q_norm`` / ``k_norm``) are per head for Qwen3 and of the whole projection for
-    OLMoE (the shapes come from the parameter tree).
+    (``{e}``); with dense layers, our MoE stack ``layers`` and dense stack ``dense_layers``
+    each name their layers' published indices (``Rule.index``). q/k/v and gate/up are fused on
+    our side (the GQA split sizes come from the config); our kernels are ``[in, out]``, torch
+    Linear weights ``[out, in]``. The q/k norms (``self_attn.q_norm`` / ``k_norm``) are per head
+    for Qwen3 and GLM and of the whole projection for OLMoE (the shapes come from the parameter
+    tree). DeepSeek-V3's multi-head latent attention keeps its projections apart (``q_a_proj``,
+    ``q_a_layernorm``, ``q_b_proj`` or ``q_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``,
+    ``kv_b_proj``, ``o_proj``).
 
     Example:
       >>> from jaxops.models import DecoderConfig, name_map
@@ -60,67 +64,129 @@ def name_map(config: DecoderConfig) -> tuple[Rule, ...]:
       (('i', 'e'), 'model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight')
     """
     c = config
-    lay = "model.layers.{i}."
-    moe, gate, up, down = expert_names(c.model_type)
-    sizes = (c.q_size, c.kv_size, c.kv_size)
-    qkv = [lay + f"self_attn.{n}_proj" for n in ("q", "k", "v")]
     t = (1, 0)
+    rules = [Rule("embed", "model.embed_tokens.weight")]
+    stacks = [("layers", c.moe_layers)]
+    if c.dense_layers:
+        stacks.append(("dense_layers", c.dense_layers))
+    for key, layers in stacks:
+        index = {"i": layers} if c.dense_layers else None
+        rules += _attention_rules(c, key, index)
+        if key == "layers":
+            rules += _moe_rules(c, index)
+        else:
+            lay = "model.layers.{i}.mlp."
+            rules += [
+                Rule(
+                    "dense_layers/mlp/w_in",
+                    (lay + "gate_proj.weight", lay + "up_proj.weight"),
+                    transpose=t,
+                    stack=("i",),
+                    index=index,
+                ),
+                Rule(
+                    "dense_layers/mlp/w_out",
+                    lay + "down_proj.weight",
+                    transpose=t,
+                    stack=("i",),
+                    index=index,
+                ),
+            ]
+    rules.append(Rule("final_norm", "model.norm.weight"))
+    if not c.tie_word_embeddings:
+        rules.append(Rule("lm_head", "lm_head.weight", transpose=t))
+    return tuple(rules)
+
+
+def _attention_rules(c: DecoderConfig, key: str, index: dict | None) -> list[Rule]:
+    """The norms' and the attention's Rules of our stack `key`."""
+    lay = "model.layers.{i}."
+    t = (1, 0)
+
+    def rule(ours, theirs, **kw):
+        return Rule(f"{key}/{ours}", theirs, stack=("i",), index=index, **kw)
+
     rules = [
-        Rule("embed", "model.embed_tokens.weight"),
-        Rule("layers/attn_norm", lay + "input_layernorm.weight", stack=("i",)),
-        Rule(
-            "layers/w_qkv",
-            tuple(n + ".weight" for n in qkv),
-            transpose=t,
-            sizes=sizes,
-            stack=("i",),
-        ),
-        Rule("layers/w_o", lay + "self_attn.o_proj.weight", transpose=t, stack=("i",)),
-        Rule("layers/mlp_norm", lay + "post_attention_layernorm.weight", stack=("i",)),
-        Rule("layers/moe/router", lay + f"{moe}.gate.weight", transpose=t, stack=("i",)),
-        Rule(
-            "layers/moe/w_in",
-            (lay + f"{moe}.experts.{{e}}.{gate}.weight", lay + f"{moe}.experts.{{e}}.{up}.weight"),
-            transpose=t,
-            stack=("i", "e"),
-        ),
-        Rule(
-            "layers/moe/w_out",
-            lay + f"{moe}.experts.{{e}}.{down}.weight",
-            transpose=t,
-            stack=("i", "e"),
-        ),
-        Rule("final_norm", "model.norm.weight"),
+        rule("attn_norm", lay + "input_layernorm.weight"),
+        rule("mlp_norm", lay + "post_attention_layernorm.weight"),
+    ]
+    attn = lay + "self_attn."
+    if c.mla is not None:
+        if c.mla.q_lora_rank is None:
+            rules.append(rule("w_q", attn + "q_proj.weight", transpose=t))
+        else:
+            rules += [
+                rule("w_q_a", attn + "q_a_proj.weight", transpose=t),
+                rule("q_a_norm", attn + "q_a_layernorm.weight"),
+                rule("w_q_b", attn + "q_b_proj.weight", transpose=t),
+            ]
+        rules += [
+            rule("w_kv_a", attn + "kv_a_proj_with_mqa.weight", transpose=t),
+            rule("kv_a_norm", attn + "kv_a_layernorm.weight"),
+            rule("w_kv_b", attn + "kv_b_proj.weight", transpose=t),
+            rule("w_o", attn + "o_proj.weight", transpose=t),
+        ]
+        return rules
+    sizes = (c.q_size, c.kv_size, c.kv_size)
+    qkv = [attn + f"{n}_proj" for n in ("q", "k", "v")]
+    rules += [
+        rule("w_qkv", tuple(n + ".weight" for n in qkv), transpose=t, sizes=sizes),
+        rule("w_o", attn + "o_proj.weight", transpose=t),
     ]
     if c.qkv_bias:
-        rules.append(
-            Rule("layers/b_qkv", tuple(n + ".bias" for n in qkv), sizes=sizes, stack=("i",))
-        )
+        rules.append(rule("b_qkv", tuple(n + ".bias" for n in qkv), sizes=sizes))
     if c.o_bias:
-        rules.append(Rule("layers/b_o", lay + "self_attn.o_proj.bias", stack=("i",)))
+        rules.append(rule("b_o", attn + "o_proj.bias"))
     if c.qk_norm:
-        rules.append(Rule("layers/q_norm", lay + "self_attn.q_norm.weight", stack=("i",)))
-        rules.append(Rule("layers/k_norm", lay + "self_attn.k_norm.weight", stack=("i",)))
+        rules.append(rule("q_norm", attn + "q_norm.weight"))
+        rules.append(rule("k_norm", attn + "k_norm.weight"))
+    return rules
+
+
+def _moe_rules(c: DecoderConfig, index: dict | None) -> list[Rule]:
+    """The MoE block's Rules of our stack ``layers``."""
+    lay = "model.layers.{i}."
+    t = (1, 0)
+    moe, gate, up, down = expert_names(c.model_type)
+    experts = lay + f"{moe}.experts.{{e}}."
+    rules = [
+        Rule("layers/moe/router", lay + f"{moe}.gate.weight", transpose=t, stack=("i",),
+             index=index),
+        Rule(
+            "layers/moe/w_in",
+            (experts + f"{gate}.weight", experts + f"{up}.weight"),
+            transpose=t,
+            stack=("i", "e"),
+            index=index,
+        ),
+        Rule("layers/moe/w_out", experts + f"{down}.weight", transpose=t, stack=("i", "e"),
+             index=index),
+    ]  # fmt: skip
+    if c.router_bias:
+        rules.append(
+            Rule("layers/moe/router_bias", lay + f"{moe}.gate.e_score_correction_bias",
+                 stack=("i",), index=index)
+        )  # fmt: skip
     if c.shared_ffn:
-        shared = lay + "mlp.shared_expert."
+        gated = c.shared_gate
+        shared = lay + ("mlp.shared_expert." if gated else "mlp.shared_experts.")
         rules += [
             Rule(
                 "layers/moe/shared_w_in",
                 (shared + "gate_proj.weight", shared + "up_proj.weight"),
                 transpose=t,
                 stack=("i",),
+                index=index,
             ),
-            Rule("layers/moe/shared_w_out", shared + "down_proj.weight", transpose=t, stack=("i",)),
-            Rule(
-                "layers/moe/shared_gate",
-                lay + "mlp.shared_expert_gate.weight",
-                transpose=t,
-                stack=("i",),
-            ),
-        ]
-    if not c.tie_word_embeddings:
-        rules.append(Rule("lm_head", "lm_head.weight", transpose=t))
-    return tuple(rules)
+            Rule("layers/moe/shared_w_out", shared + "down_proj.weight", transpose=t,
+                 stack=("i",), index=index),
+        ]  # fmt: skip
+        if gated:
+            rules.append(
+                Rule("layers/moe/shared_gate", lay + "mlp.shared_expert_gate.weight",
+                     transpose=t, stack=("i",), index=index)
+            )  # fmt: skip
+    return rules
 
 
 def moe_block_rules(kind: str, layer: int, cfg: ep.MoEConfig) -> list[Rule]:

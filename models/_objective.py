@@ -26,7 +26,7 @@ __all__ = ["accumulate", "objective", "pipe_loss", "pipeline_step", "terms"]
 
 def terms(model: MoEDecoder, params, x, where, targets) -> tuple[jax.Array, jax.Array]:
     """(summed cross-entropy, summed MoE aux losses) of one batch without a pipeline."""
-    h, aux = model._run_layers(params["layers"], x, where)
+    h, aux = model._run_all(params, x, where)
     total, _ = _layers.token_losses(model._head(model._head_params(params), h), targets)
     return total, jnp.sum(aux.loss)
 
@@ -81,6 +81,7 @@ def objective(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch) ->
         out, aux = model._stage(sp, carry)
         return {**out, "aux": carry["aux"] + aux}, jnp.zeros((), jnp.float32)
 
+    x = model._run_all(params, x, where, prefix=True)[0]  # the dense layers ahead of the stages
     carry = {"h": x, "where": where, "aux": model._place(jnp.zeros(x.shape[:1], jnp.float32))}
     out = pl.pipeline_forward(stage, model._stages(params["layers"]), carry, **model._pipeline())
     logits = model._head(model._head_params(params), out["h"])
@@ -90,7 +91,13 @@ def objective(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch) ->
 def pipeline_step(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch):
     """``(loss, grads)`` of one pipeline_step (the schedule) over the microbatches."""
     where, targets = model._where(batch)
-    x, embed_vjp = jax.vjp(lambda e: model._embed(e, batch.tokens, where), params["embed"])
+    ahead = {k: params[k] for k in ("embed", "dense_layers") if k in params}
+
+    def inputs(ahead):  # the embedding and the dense layers ahead of the stages
+        x = model._embed(ahead["embed"], batch.tokens, where)
+        return model._run_all(ahead, x, where, prefix=True)[0]
+
+    x, ahead_vjp = jax.vjp(inputs, ahead)
     # pipeline_step averages each microbatch's loss over the M microbatches of each of the
     # data shards: scaling each by M * shards / count makes that the global token mean.
     shards = int(np.prod([dict(model.mesh.shape)[a] for a in model.batch_axes]))
@@ -111,10 +118,13 @@ def pipeline_step(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch
         remat=model._remat,
         **model._pipeline(),
     )
-    (d_embed,) = embed_vjp(g.inputs["h"])
+    (d_ahead,) = ahead_vjp(g.inputs["h"])
+    d_embed = d_ahead["embed"]
     head = g.loss_params[0]
     layers = jax.tree.map(lambda a, p: a.reshape(p.shape), g.stage_params, params["layers"])
     grads = {"embed": d_embed, "layers": layers, "final_norm": head["final_norm"]}
+    if "dense_layers" in d_ahead:
+        grads["dense_layers"] = d_ahead["dense_layers"]
     if model.config.tie_word_embeddings:
         grads["embed"] = d_embed + head["embed"]
     else:

@@ -281,7 +281,7 @@ def _edit_config(path: Path, **changes) -> None:
         (dict(hidden_size=None), r"missing 'hidden_size'"),
         (dict(hidden_act="gelu"), r"hidden_act 'gelu' is not supported"),
         (dict(rope_parameters={"rope_type": "longrope", "factor": 4.0}), r"'longrope'"),
-        (dict(mlp_only_layers=[0]), r"mlp_only_layers"),
+        (dict(mlp_only_layers=[0, 1]), r"dense_layers \(0, 1\) leave no MoE layer"),
         (dict(num_attention_heads="4"), r"'num_attention_heads' must be int"),
         (
             dict(quantization_config={"quant_method": "gptq", "bits": 4}),

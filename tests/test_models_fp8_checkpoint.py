@@ -124,14 +124,17 @@ def write_dir(path: Path, tensors: dict[str, np.ndarray], config: dict) -> Path:
     return path
 
 
-def fp8_checkpoint(src: Path, out: Path) -> tuple[Path, Path]:
-    """`src` (float32 files) as an FP8 checkpoint, and that checkpoint dequantized (float32)."""
+def fp8_checkpoint(src: Path, out: Path, quantized: re.Pattern = QUANTIZED) -> tuple[Path, Path]:
+    """`src` (float32 files) as an FP8 checkpoint, and that checkpoint dequantized (float32).
+
+    The tensors whose names match `quantized` are stored as FP8.
+    """
     tensors = read_dir(src)
     config = json.loads((src / "config.json").read_text())
     fp8, deq = {}, {}
     for name, w in tensors.items():
         fp8[name] = deq[name] = w
-        if QUANTIZED.fullmatch(name):
+        if quantized.fullmatch(name):
             fp8[name], fp8[name + "_scale_inv"] = np_quantize(w)
             deq[name] = np_dequantize(fp8[name], fp8[name + "_scale_inv"])
     assert sum(a.dtype == E4M3 for a in fp8.values()) >= 10

@@ -163,6 +163,7 @@ def _invert(op, rule: Rule, name_map, headers):
     if not ours <= first:
         raise ValueError(f"{op}: Rule({rule.ours!r}): {sorted(ours - first)} not in {templates[0]}")
     pattern = _template_regex(templates[0], ".")
+    inverse = {s: {n: i for i, n in enumerate(ns)} for s, ns in (rule.index or ())}
     found: dict[str, dict[tuple[int, ...], dict[str, str]]] = {}
     for name in headers:
         m = pattern.fullmatch(name)
@@ -172,10 +173,16 @@ def _invert(op, rule: Rule, name_map, headers):
         values = [groups[s] for s in rule.stack]
         if not all(v.isdigit() and str(int(v)) == v for v in values):
             continue  # stacked placeholders are decimal indices
+        ours_at = [int(v) for v in values]
+        for a, s in enumerate(rule.stack):
+            if s in inverse:  # their number -> our index (Rule.index)
+                ours_at[a] = inverse[s].get(ours_at[a], -1)
+        if min(ours_at, default=0) < 0:
+            continue  # an element of another rule's stack
         key = _fill_template(rule.ours, groups)
         if _rule_for(name_map, key) is not rule:
             continue  # an earlier rule owns this key
-        found.setdefault(key, {})[tuple(int(v) for v in values)] = groups
+        found.setdefault(key, {})[tuple(ours_at)] = groups
     out = []
     for key, elements in found.items():
         grid = tuple(max(idx[a] for idx in elements) + 1 for a in range(len(rule.stack)))

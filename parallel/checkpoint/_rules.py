@@ -73,6 +73,10 @@ class Rule:
         permutation for that part), or one int for every part; None: no permutation.
       rope_ours: our q/k layout, ``"interleaved"`` (default; theirs is then transformers'
         ``"rotate_half"``) or ``"rotate_half"`` (theirs interleaved, e.g. Meta's originals).
+      index: for a stacked placeholder, the number each of our indices stands for in their
+        names, ``{"i": (3, 4, 5)}``: element 0 of our stacked axis is their ``3``, and so on
+        (a stack of some of their layers, e.g. a model's MoE layers when its first layers are
+        dense). Placeholders not named count from 0.
 
     Example:
       >>> from jaxops.parallel.checkpoint import Rule
@@ -102,10 +106,21 @@ class Rule:
     stack: Sequence[str] = ()
     rope: int | Sequence[int | None] | None = None
     rope_ours: str = "interleaved"
+    index: Mapping[str, Sequence[int]] | None = None
 
     def __post_init__(self):
         stack = (self.stack,) if isinstance(self.stack, str) else tuple(self.stack)
         object.__setattr__(self, "stack", stack)
+        if self.index is not None:
+            index = {k: tuple(int(i) for i in v) for k, v in dict(self.index).items()}
+            if not set(index) <= set(stack) or any(
+                min(v, default=0) < 0 or len(set(v)) != len(v) for v in index.values()
+            ):
+                raise ValueError(
+                    f"Rule({self.ours!r}): index must map stacked placeholders {stack} to "
+                    f"distinct numbers >= 0, got {self.index!r}"
+                )
+            object.__setattr__(self, "index", tuple(sorted(index.items())))
         ours = {m.group(1) for m in _PLACEHOLDER.finditer(self.ours)}
         theirs = {m.group(1) for t in self._theirs for m in _PLACEHOLDER.finditer(t)}
         bad = [s for s in stack if s in ours or s not in theirs]
@@ -206,9 +221,22 @@ class Rule:
             return []
         groups = m.groupdict()
         stack_shape = tuple(stack_shape)[: len(self.stack)]
+        index = dict(self.index or ())
+        for s, n in zip(self.stack, stack_shape, strict=False):
+            if s in index and n > len(index[s]):
+                raise ValueError(
+                    f"Rule({self.ours!r}): {key!r} stacks {n} along {s!r} but index names "
+                    f"{len(index[s])}"
+                )
         out = []
         for idx in np.ndindex(*stack_shape) if self.stack else [()]:
-            values = {**groups, **{s: str(i) for s, i in zip(self.stack, idx, strict=True)}}
+            values = {
+                **groups,
+                **{
+                    s: str(index[s][i] if s in index else i)
+                    for s, i in zip(self.stack, idx, strict=True)
+                },
+            }
             out.append((tuple(idx), [_fill_template(t, values) for t in self._theirs]))
         return out
 

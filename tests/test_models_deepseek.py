@@ -1,0 +1,435 @@
+"""jaxops.models against transformers' DeepSeek-V3 (``DeepseekV3ForCausalLM``, multi-head latent
+attention) and GLM-4.5 (``Glm4MoeForCausalLM``), and dense layers among MoE layers.
+
+Tiny models made by transformers in the test with every weight random (norms, biases and the
+router's correction bias included; the layers' matrices scaled up for clear router choices),
+loaded with from_pretrained on 1 device and on 8 CPU devices (data x expert, pipe x expert):
+logits, the loss with ignored targets, training through the pipeline (dense layers ahead of the
+stages), save_pretrained back to transformers, greedy generation with the MLA latent cache,
+multi-token-prediction tensors skipped, FP8 block checkpoints, Qwen's dense layers between MoE
+layers, and the refused config keys.
+
+Tolerance: float32 logits within 1e-4 of the logit scale (max |logit|).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from _hf_families import MESHES, TOL, hf_generate, max_rel_err  # noqa: E402
+from jaxops.parallel import checkpoint  # noqa: E402
+
+from jaxops import models  # noqa: E402
+
+BASE = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    eos_token_id=None,
+    pad_token_id=0,
+)
+CONFIGS = {
+    # DeepSeek-V3: MLA with a q LoRA, interleaved RoPE pairs, 8 experts in 4 groups.
+    "deepseek": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+        ),
+    ),
+    # Moonlight / DeepSeek-V2-Lite style: no q LoRA, rotate-half pairs, YaRN with mscale_all_dim
+    # (the softmax-scale correction), no groups.
+    "deepseek_yarn": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            n_routed_experts=8,
+            n_shared_experts=2,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+            rope_interleave=False,
+            max_position_embeddings=64,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=16,
+                mscale=1.0,
+                mscale_all_dim=0.8,
+                beta_fast=32.0,
+                beta_slow=1.0,
+            ),
+        ),
+    ),
+    # GLM-4.5: GQA 4:2, half the head rotated, per-head q/k norms, q/k/v biases, 8 experts in 2
+    # groups (1 chosen).
+    "glm": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            use_qk_norm=True,
+            attention_bias=True,
+            partial_rotary_factor=0.5,
+        ),
+    ),
+}
+
+
+def _hf(name: str, seed: int = 0, **extra):
+    """A transformers model of CONFIGS[name], every weight random."""
+    cfg_cls, model_cls, kw = CONFIGS[name]
+    torch.manual_seed(seed)
+    config = getattr(transformers, cfg_cls)(**{**BASE, **kw, **extra})
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+            elif ".layers." in n:
+                p.mul_(4.0)
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """name -> (transformers model, the directory save_pretrained wrote, sharded)."""
+    root = tmp_path_factory.mktemp("deepseek")
+    out = {}
+    for name in CONFIGS:
+        model = _hf(name)
+        model.save_pretrained(root / name, max_shard_size="200KB")
+        assert (root / name / "model.safetensors.index.json").is_file()
+        out[name] = (model, root / name)
+    return out
+
+
+def _mesh(name):
+    shape, names = MESHES[name]
+    return jax.make_mesh(shape, names, devices=jax.devices()[: int(np.prod(shape))])
+
+
+def _tokens(batch: int, seq: int = 12, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 128, (batch, seq)).astype(np.int32)
+
+
+def _hf_logits(torch_model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return torch_model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+def _check_logits(model, params, torch_model, tokens: np.ndarray, what: str) -> None:
+    """Our logits of `tokens` equal `torch_model`'s within TOL of max |logit| (printed)."""
+    got = jax.jit(model.logits)(params, model.place_batch(tokens))
+    err = max_rel_err(got, _hf_logits(torch_model, tokens))
+    print(f"{what}: max |logit error| / max |logit| = {err:.2e}")
+    assert err <= TOL, err
+
+
+@pytest.mark.parametrize(
+    "name,mesh_name",
+    [
+        ("deepseek", "1dev"),
+        ("deepseek", "d2e4"),
+        ("deepseek", "p2e4"),
+        ("deepseek_yarn", "1dev"),
+        ("glm", "1dev"),
+        ("glm", "d2e4"),
+        ("glm", "p2e4"),
+    ],
+)
+def test_logits_match_transformers(hf, name, mesh_name):
+    torch_model, path = hf[name]
+    model, params = models.from_pretrained(
+        path, mesh=_mesh(mesh_name), dtype=jnp.float32, num_microbatches=2
+    )
+    c = model.config
+    assert c.dense_layers == (0,) and c.moe_layers == (1, 2) and c.dense_ffn == 96
+    assert (c.router, c.router_bias, c.shared_gate) == ("sigmoid", True, False)
+    assert params["layers"]["moe"]["router_bias"].dtype == jnp.float32
+    assert params["dense_layers"]["mlp"]["w_in"].shape == (1, 64, 192)
+    if name.startswith("deepseek"):
+        assert c.model_type == "deepseek_v3" and c.mla is not None
+        assert c.rope.interleave == (name == "deepseek")
+    else:
+        assert c.rope.partial_rotary_factor == 0.5 and c.qk_norm and c.qkv_bias
+    tokens = _tokens(2 if mesh_name == "1dev" else 16)
+    _check_logits(model, params, torch_model, tokens, f"{name} {mesh_name}")
+
+
+@pytest.mark.parametrize("name", ["deepseek", "glm"])
+def test_loss_with_ignored_targets_matches_transformers(hf, name):
+    torch_model, path = hf[name]
+    model, params = models.from_pretrained(path, mesh=_mesh("d2e4"))
+    assert model.config.router_aux_loss_coef == 0.0  # these models balance by the bias
+    tokens = _tokens(8, seed=3)
+    labels = tokens.copy()
+    labels[:, :4] = -100
+    labels[1, 7:] = -100
+    targets = np.concatenate([labels[:, 1:], np.full((8, 1), -100, np.int32)], axis=1)
+    got = jax.jit(model.loss)(params, *model.place_batch(tokens, targets))
+    with torch.no_grad():
+        want = torch_model(
+            torch.tensor(tokens, dtype=torch.long), labels=torch.tensor(labels, dtype=torch.long)
+        ).loss.item()
+    np.testing.assert_allclose(float(got), want, rtol=2e-5)
+
+
+def test_pipeline_gradients_equal_the_scan_gradients(hf):
+    """pipe x expert (the dense layer ahead of the stages) against data x expert, same batch."""
+    path = hf["deepseek"][1]
+    tokens = _tokens(16, seed=4)
+    targets = np.roll(tokens, -1, axis=1)
+    out = {}
+    for mesh_name in ("d2e4", "p2e4"):
+        model, params = models.from_pretrained(path, mesh=_mesh(mesh_name), num_microbatches=2)
+        loss, grads = jax.jit(model.loss_and_grads)(params, *model.place_batch(tokens, targets))
+        out[mesh_name] = float(loss), jax.tree.map(np.asarray, grads)
+    (l1, g1), (l2, g2) = out["d2e4"], out["p2e4"]
+    np.testing.assert_allclose(l2, l1, rtol=1e-5)
+    for (path_, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(g1), jax.tree.leaves(g2), strict=True
+    ):
+        scale = max(float(np.abs(a).max()), 1e-6)
+        assert float(np.abs(a - b).max()) <= 1e-4 * scale, jax.tree_util.keystr(path_)
+    assert float(np.abs(g2["dense_layers"]["mlp"]["w_in"]).max()) > 0
+    assert float(np.abs(g2["layers"]["moe"]["router_bias"]).max()) == 0  # choice only
+
+
+@pytest.mark.parametrize("name", ["deepseek", "glm"])
+def test_adamw_steps_and_save_pretrained_round_trip(hf, name, tmp_path):
+    model, params = models.from_pretrained(hf[name][1], mesh=_mesh("p2e4"), num_microbatches=2)
+    opt = optax.adamw(3e-3)
+    sub = np.random.default_rng(5).integers(0, 16, (16, 12)).astype(np.int32)  # learnable
+    batch = model.place_batch(sub, (sub + 1) % 16)
+
+    def adamw_step(carry, _):
+        loss, grads = model.loss_and_grads(carry[0], *batch)
+        updates, state = opt.update(grads, carry[1], carry[0])
+        return (optax.apply_updates(carry[0], updates), state), loss
+
+    with jax.set_mesh(model.mesh):
+        train = jax.jit(lambda p: jax.lax.scan(adamw_step, (p, opt.init(p)), length=3))
+        (params, _), losses = train(params)
+    losses = [float(x) for x in losses]
+    assert losses[2] < losses[1] < losses[0], losses
+    out = tmp_path / "trained"
+    names = models.save_pretrained(model, params, out, max_shard_size="200KB")
+    assert "model.layers.0.mlp.gate_proj.weight" in names
+    assert "model.layers.2.mlp.gate.e_score_correction_bias" in names
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["first_k_dense_replace"] == 1
+    trained = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(trained).__name__ == CONFIGS[name][1]
+    _check_logits(model, params, trained, _tokens(16, seed=9), f"{name} trained {losses}, saved")
+
+
+@pytest.mark.parametrize("name", ["deepseek", "glm"])
+def test_greedy_generate_matches_transformers(hf, name):
+    torch_model, path = hf[name]
+    model, params = models.from_pretrained(path, mesh=_mesh("1dev"), dtype=jnp.float32)
+    seq, new = 8, 6
+    prompt = np.random.default_rng(2).integers(1, 128, (2, seq)).astype(np.int32)
+    mask = (np.arange(seq)[None, :] >= np.array([[0], [3]])).astype(np.int32)
+    prompt = prompt * mask
+    got = models.generate(model, params, prompt, new, attention_mask=mask)
+    want = hf_generate(torch_model, prompt, mask, new)
+    assert len(set(want[:, seq:].ravel())) > 2  # varied tokens: a real comparison
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_mla_cache_holds_the_latent():
+    from jaxops.models._mla import cache_bytes_per_token
+
+    hf_cfg = _hf("deepseek").config.to_dict()
+    c = models.DecoderConfig.from_hf(hf_cfg)
+    assert cache_bytes_per_token(c, 2) == (16 + 8) * 2  # kv_lora_rank + rope dims
+    v3 = models.DecoderConfig.from_hf(transformers.DeepseekV3Config().to_dict())
+    assert cache_bytes_per_token(v3, 2) == 576 * 2
+    assert (v3.q_size, v3.qk_head_dim, v3.v_head_dim, v3.n_group) == (128 * 192, 192, 128, 8)
+
+
+def test_mtp_layers_are_skipped_with_a_warning(hf, tmp_path):
+    torch_model, path = hf["deepseek"]
+    dst = shutil.copytree(path, tmp_path / "mtp")
+    mtp = {
+        "model.layers.3.eh_proj.weight": torch.zeros(64, 128),
+        "model.layers.3.enorm.weight": torch.ones(64),
+        "model.layers.3.self_attn.kv_a_proj_with_mqa.weight": torch.zeros(24, 64),
+    }
+    safetensors_torch.save_file(mtp, dst / "mtp.safetensors", metadata={"format": "pt"})
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(dict.fromkeys(mtp, "mtp.safetensors"))
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    config = json.loads((dst / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1  # transformers' default
+    (dst / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(checkpoint.CheckpointError, match="does not account for"):
+        models.from_pretrained(dst)  # no MTP layer in the config: the tensors are not its
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match=r"skipped 3 multi-token-prediction tensor\(s\) of "
+                      r"model\.layers\.3\.\*"):  # fmt: skip
+        model, params = models.from_pretrained(dst)
+    _check_logits(model, params, torch_model, _tokens(2), "deepseek with MTP tensors skipped")
+
+
+def test_qwen_dense_layers_between_moe_layers(tmp_path):
+    """Qwen2-MoE's mlp_only_layers and decoder_sparse_step: dense layers anywhere (no pipe)."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=80, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, decoder_sparse_step=2,
+        mlp_only_layers=[2],
+    )  # fmt: skip
+    torch_model = transformers.Qwen2MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for n, p in torch_model.named_parameters():
+            if "norm" in n or n.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    torch_model.save_pretrained(tmp_path / "q")
+    model, params = models.from_pretrained(tmp_path / "q", mesh=_mesh("d2e4"))
+    # decoder_sparse_step 2: layers 1 and 3 MoE; mlp_only_layers takes 2 (already dense).
+    assert model.config.dense_layers == (0, 2) and model.config.moe_layers == (1, 3)
+    assert model._runs == (
+        ("dense_layers", 0, 1, 0), ("layers", 0, 1, 1), ("dense_layers", 1, 2, 2),
+        ("layers", 1, 2, 3),
+    )  # fmt: skip
+    _check_logits(model, params, torch_model, _tokens(16), "qwen2_moe dense 0, 2")
+    _, aux = jax.jit(model.forward)(params, model.place_batch(_tokens(16)))
+    assert aux.tokens_per_expert.shape == (2, 8)  # the MoE layers only
+    out = tmp_path / "back"
+    models.save_pretrained(model, params, out)
+    back = json.loads((out / "config.json").read_text())
+    assert back["mlp_only_layers"] == [0, 2] and back["decoder_sparse_step"] == 1
+    trained = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    _check_logits(model, params, trained, _tokens(16, seed=1), "qwen2_moe dense saved")
+    with pytest.raises(models.ConfigError, match="dense layers must come first"):
+        models.MoEDecoder(model.config, _mesh("p2e4"))
+
+
+def test_config_round_trip_defaults_and_refused_keys(hf):
+    for name in CONFIGS:
+        hf_cfg = hf[name][0].config.to_dict()
+        cfg = models.DecoderConfig.from_hf(hf_cfg)
+        assert models.DecoderConfig.from_hf(cfg.to_hf()) == cfg, name
+    # Absent keys take transformers' defaults (the published DeepSeek-V3 and GLM-4.5 shapes).
+    # (GLM-4.5's config.json gives head_dim = 128; 4096 / 96 heads is no width.)
+    for cls, extra in (("DeepseekV3Config", {}), ("Glm4MoeConfig", {"head_dim": 128})):
+        full = getattr(transformers, cls)(**extra).to_dict()
+        keep = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
+                "num_attention_heads", "num_experts_per_tok", *extra)  # fmt: skip
+        got = models.DecoderConfig.from_hf({k: full[k] for k in keep})
+        assert got == models.DecoderConfig.from_hf(full), cls
+    v3 = models.DecoderConfig.from_hf(transformers.DeepseekV3Config().to_dict())
+    assert (v3.num_experts, v3.dense_layers, v3.shared_ffn, v3.routed_scaling_factor) == (
+        256, (0, 1, 2), 2048, 2.5)  # fmt: skip
+    glm = models.DecoderConfig.from_hf(transformers.Glm4MoeConfig(head_dim=128).to_dict())
+    assert glm.rope.partial_rotary_factor == 0.5 and glm.dense_layers == (0,)
+    ds = hf["deepseek"][0].config.to_dict()
+    with pytest.raises(models.ConfigError, match="attention_bias = true is not supported"):
+        models.DecoderConfig.from_hf({**ds, "attention_bias": True})
+    with pytest.raises(models.ConfigError, match="scoring_func = 'softmax' is not supported"):
+        models.DecoderConfig.from_hf({**ds, "scoring_func": "softmax"})
+    with pytest.raises(models.ConfigError, match=r"top_k \(6\) exceeds"):
+        models.DecoderConfig.from_hf({**ds, "num_experts_per_tok": 6})
+    with pytest.raises(models.ConfigError, match=r"mla .* is deepseek_v3's"):
+        models.DecoderConfig("mixtral", 128, 64, 2, 4, 4, 8, 8, 2, 32, mla=models.Mla(16, 8, 8, 8))
+    with pytest.raises(models.ConfigError, match="dense_ffn must be an int >= 1"):
+        models.DecoderConfig("mixtral", 128, 64, 2, 4, 2, 16, 8, 2, 32, dense_layers=(0,))
+    with pytest.raises(models.ConfigError, match="rope must rotate the whole head for mixtral"):
+        models.DecoderConfig(
+            "mixtral", 128, 64, 2, 4, 2, 16, 8, 2, 32, rope=models.Rope(partial_rotary_factor=0.5)
+        )
+    # Dense layers not first cannot be said as glm4_moe's first_k_dense_replace.
+    glm_cfg = models.DecoderConfig.from_hf(hf["glm"][0].config.to_dict())
+    moved = dataclasses.replace(glm_cfg, dense_layers=(1,))
+    with pytest.raises(models.ConfigError, match="glm4_moe cannot express"):
+        moved.to_hf()
+
+
+# DeepSeek-V3's FP8 files: every linear weight of the decoder layers (MLA projections, the dense
+# layers' MLP, routed and shared experts) as F8_E4M3 with 128 x 128 float32 scales.
+DEEPSEEK_FP8 = re.compile(
+    r"model\.layers\.\d+\.(self_attn\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|"
+    r"o_proj)|mlp\.((experts\.\d+\.|shared_experts\.)?(gate|up|down)_proj))\.weight"
+)
+
+
+def test_fp8_deepseek_checkpoint_loads_and_saves(hf, tmp_path):
+    import test_models_fp8_checkpoint as f8
+
+    fp8, deq = f8.fp8_checkpoint(hf["deepseek"][1], tmp_path, quantized=DEEPSEEK_FP8)
+    source = f8.read_dir(deq)
+    quantized = {n for n in source if DEEPSEEK_FP8.fullmatch(n)}
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in quantized
+    assert (
+        "model.layers.0.mlp.gate_proj.weight" in quantized and len(quantized) == 72
+    )  # 3 x 5 MLA, 3 dense, 2 x 27 MoE
+    _, got = models.from_pretrained(fp8)  # dequantized tensor by tensor
+    _, want = models.from_pretrained(deq)
+    f8._assert_same(got, want)
+    # Written back as the same format: the same tensors quantized, the rest as they are.
+    model, params = models.from_pretrained(deq, mesh=_mesh("d2e4"))
+    out = tmp_path / "saved"
+    names = models.save_pretrained(model, params, out, quantize="fp8-block")
+    stored = f8.read_dir(out)
+    assert set(stored) == set(names) == set(source) | {n + "_scale_inv" for n in quantized}
+    assert {n for n, a in stored.items() if a.dtype == f8.E4M3} == quantized
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["modules_to_not_convert"] == ["lm_head", "mlp.gate"]
+    reference = {
+        n: f8.np_dequantize(a, stored[n + "_scale_inv"]) if a.dtype == f8.E4M3 else a
+        for n, a in stored.items()
+        if not n.endswith("_scale_inv")
+    }
+    ref = f8.write_dir(tmp_path / "ref", reference, {**config, "quantization_config": None})
+    _, again = models.from_pretrained(out)
+    f8._assert_same(again, models.from_pretrained(ref)[1])
