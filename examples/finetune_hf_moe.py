@@ -2,7 +2,8 @@
 
 What a user does with a published checkpoint, end to end, on 8 simulated CPU devices:
 
-1. transformers creates a tiny random Qwen3-MoE (or Mixtral / Qwen2-MoE) and saves it as a
+1. transformers creates a tiny random Qwen3-MoE (or Mixtral, Qwen2-MoE, OLMoE, GLM-4.5 or
+   DeepSeek-V3, the last two with a dense first layer) and saves it as a
    sharded safetensors directory -- the stand-in for a downloaded model (no network needed);
 2. ``jaxops.models.from_pretrained`` reads it onto a mesh (``pipe x data x expert``: layers as
    1F1B pipeline stages, experts over the expert axis, the batch over data and expert) and checks
@@ -31,7 +32,9 @@ from pathlib import Path
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--arch", choices=("qwen3_moe", "mixtral", "qwen2_moe"), default="qwen3_moe"
+        "--arch",
+        choices=("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "glm4_moe", "deepseek_v3"),
+        default="qwen3_moe",
     )
     parser.add_argument("--mesh", default="2,2,2", help="pipe,data,expert sizes (product 8)")
     parser.add_argument("--steps", type=int, default=20)
@@ -45,7 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_hf_model(arch: str, path: Path) -> None:
-    """A tiny random model of `arch` saved by transformers (2 layers, 8 experts, top-2, GQA)."""
+    """A tiny random model of `arch` saved by transformers (2 MoE layers, 8 experts, top-2;
+    GQA, or DeepSeek-V3's multi-head latent attention; GLM-4.5 and DeepSeek-V3 add a dense
+    first layer)."""
     import torch
     import transformers
 
@@ -65,11 +70,29 @@ def make_hf_model(arch: str, path: Path) -> None:
     elif arch == "mixtral":
         config = transformers.MixtralConfig(**common, num_local_experts=8, intermediate_size=48)
         cls = transformers.MixtralForCausalLM
-    else:
+    elif arch == "qwen2_moe":
         config = transformers.Qwen2MoeConfig(
             **common, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48
         )
         cls = transformers.Qwen2MoeForCausalLM
+    elif arch == "olmoe":
+        config = transformers.OlmoeConfig(**common, num_experts=8, intermediate_size=32)
+        cls = transformers.OlmoeForCausalLM
+    else:  # a dense first layer, then 2 MoE layers with sigmoid group-limited routing
+        routed = dict(num_hidden_layers=3, first_k_dense_replace=1, intermediate_size=96,
+                      n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32,
+                      n_group=2, topk_group=1)  # fmt: skip
+        if arch == "glm4_moe":
+            config = transformers.Glm4MoeConfig(
+                **{**common, **routed}, head_dim=16, use_qk_norm=True, attention_bias=True
+            )
+            cls = transformers.Glm4MoeForCausalLM
+        else:
+            config = transformers.DeepseekV3Config(
+                **{**common, **routed, "num_key_value_heads": 4}, q_lora_rank=24,
+                kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+            )  # fmt: skip
+            cls = transformers.DeepseekV3ForCausalLM
     torch.manual_seed(0)
     cls(config).save_pretrained(path, max_shard_size="200KB")
 

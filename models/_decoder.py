@@ -1,4 +1,4 @@
-"""The MoE decoder laid out on a mesh: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE.
+"""The MoE decoder laid out on a mesh: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, GLM-4.5, DeepSeek-V3.
 
 :class:`MoEDecoder` holds the mesh layout (parameter specs and shardings, initialization, batch
 placement) and the public methods; the layers it runs are the pure functions of

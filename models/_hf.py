@@ -73,7 +73,7 @@ def from_pretrained(
 ) -> tuple[MoEDecoder, dict[str, Any]]:
     """A :class:`MoEDecoder` and its parameters, sharded on `mesh`, from a Hugging Face directory.
 
-    Reads ``config.json`` (Mixtral, Qwen3-MoE, Qwen2-MoE or OLMoE), builds the parameter target with
+    Reads ``config.json`` (any of :data:`MODEL_TYPES`), builds the parameter target with
     its shardings (:meth:`MoEDecoder.abstract_params`) and imports the safetensors files (one
     file, or shards with ``model.safetensors.index.json``) through :func:`name_map`: per-expert
     tensors stacked into the expert axis, q/k/v and gate/up fused, layers stacked. Each process
