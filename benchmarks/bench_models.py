@@ -11,7 +11,11 @@ on the same mesh, parameters and batch, in one run:
   on the same weights and batch, on the GPU when there is one (else on the CPU, with torch's
   own threads).
 
-A second table, per ``--remat-cases`` case (default: the small one; see its help): the ep step
+A table per model type (``--families``, at ``--family-case``): the same ep and dense steps with
+each family's attention, router, shared experts and dense layers, and the KV cache bytes per
+token (DeepSeek-V3's multi-head latent attention caches its compressed KV).
+
+A table per ``--remat-cases`` case (default: the small one; see its help): the ep step
 under each ``remat`` policy
 (:data:`jaxops.models.REMAT_POLICIES`) and with gradient accumulation over 2 microbatches:
 the compiled step's temporary bytes (``memory_analysis()``: the activations it keeps) and its
@@ -40,12 +44,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jaxops.models import (
+    MODEL_TYPES,
     REMAT_POLICIES,
     DecoderConfig,
+    Mla,
     MoEDecoder,
+    Rope,
     from_pretrained,
     save_pretrained,
 )
+from jaxops.models._mla import cache_bytes_per_token
 
 # The harness next to this script (also under ``python -m benchmarks.<script>``).
 H = importlib.import_module(f"{__package__}._harness" if __package__ else "_harness")
@@ -53,6 +61,7 @@ H = importlib.import_module(f"{__package__}._harness" if __package__ else "_harn
 # layers x hidden x experts x top_k x expert_ffn, batch x seq
 CASES = "4x256x16x2x256:16x128,4x256x32x4x128:16x128"
 QUICK_CASES = "2x64x8x2x64:16x32"
+FAMILY_CASE = "4x256x16x2x256:16x128"
 
 COLUMNS = [
     H.Column("case", "L x D x E x K x F : B x S", align="<"),
@@ -60,6 +69,13 @@ COLUMNS = [
     *H.tokens_columns("ep", "dense", "{:.1f}"),
     H.Column("torch_ms", "torch ms", "{:.1f}"),
     H.Column("torch_ratio", "torch/ep", "{:.2f}x"),
+]
+FAMILY_COLUMNS = [
+    H.Column("family", "model_type", align="<"),
+    H.Column("case", "L x D x E x K x F : B x S", align="<"),
+    *H.tokens_columns("ep", "dense", "{:.1f}"),
+    H.Column("kv_bytes", "KV bytes / token (bf16)", "{:,}"),
+    H.Column("kv_expanded", "expanded K+V bytes / token", "{:,}"),
 ]
 MEMORY_COLUMNS = [
     H.Column("case", "L x D x E x K x F : B x S", align="<"),
@@ -143,8 +159,54 @@ def _torch_step(path: Path, tokens: np.ndarray, targets: np.ndarray, repeats: in
     return float(np.median(times)), float(first)
 
 
-def _case(args, mesh, case: str) -> dict[str, Any]:
+def _family_config(family: str, case: str) -> tuple[DecoderConfig, int, int]:
+    """The case's sizes with `family`'s features (attention, router, shared and dense layers)."""
     cfg, b, s = _config(case)
+    d, ffn, heads, dh = cfg.hidden_size, cfg.expert_ffn, cfg.num_heads, cfg.head_dim
+    routed = dict(router="sigmoid", router_bias=True, n_group=2, topk_group=1,
+                  routed_scaling_factor=2.5, shared_ffn=ffn, shared_gate=False,
+                  dense_layers=(0,), dense_ffn=4 * d)  # fmt: skip
+    kw: dict[str, Any] = {
+        "mixtral": dict(qk_norm=False),
+        "qwen3_moe": {},
+        "qwen2_moe": dict(qk_norm=False, qkv_bias=True, shared_ffn=ffn),
+        "olmoe": dict(qk_norm_width="projection", normalize_topk=False),
+        "glm4_moe": dict(rope=Rope(partial_rotary_factor=0.5), qkv_bias=True, **routed),
+        "deepseek_v3": dict(
+            qk_norm=False,
+            num_kv_heads=heads,
+            head_dim=dh // 2,
+            rope=Rope(interleave=True),
+            mla=Mla(
+                kv_lora_rank=d // 2,
+                qk_nope_head_dim=dh,
+                qk_rope_head_dim=dh // 2,
+                v_head_dim=dh,
+                q_lora_rank=d // 2,
+            ),
+            **routed,
+        ),
+    }[family]
+    return dataclasses.replace(cfg, model_type=family, **kw), b, s
+
+
+def _family(args, mesh, family: str, case: str) -> dict[str, Any]:
+    """One family's row: its ep and dense train steps, and its KV cache bytes per token."""
+    cfg, _, _ = _family_config(family, case)
+    row = _case(args, mesh, case, cfg)
+    itemsize = 2  # bfloat16
+    return {
+        **row,
+        "family": family,
+        "kv_bytes": cfg.num_layers * cache_bytes_per_token(cfg, itemsize),
+        "kv_expanded": cfg.num_layers * 2 * cfg.num_heads * cfg.qk_head_dim * itemsize
+        if cfg.mla is not None
+        else cfg.num_layers * cache_bytes_per_token(cfg, itemsize),
+    }
+
+
+def _case(args, mesh, case: str, cfg: DecoderConfig | None = None) -> dict[str, Any]:
+    cfg, b, s = (cfg, *_config(case)[1:]) if cfg is not None else _config(case)
     # aux losses off: transformers' training loss is the cross-entropy (comparable losses).
     kw = dict(router_aux_loss_coef=0.0, router_z_loss_coef=0.0, dtype=jnp.float32)
     ep_model = MoEDecoder(cfg, mesh, **kw)
@@ -245,6 +307,11 @@ def run(args) -> H.Result:
         memory.extend(_memory(args, mesh, case))
         for row in memory[-len(REMAT_POLICIES) - 1 :]:
             H.log_row(row, MEMORY_COLUMNS)
+    families = []
+    for family in args.familie_list:  # (the harness drops the trailing s)
+        case = args.family_case or (QUICK_CASES if args.quick else FAMILY_CASE)
+        families.append(_family(args, mesh, family, case))
+        H.log_row(families[-1], FAMILY_COLUMNS)
     for case in args.case_list:
         rows.append(_case(args, mesh, case))
         H.log_row(rows[-1], COLUMNS)
@@ -255,8 +322,16 @@ def run(args) -> H.Result:
         MEMORY_COLUMNS,
         "ep train step per remat policy (microbatches: gradient accumulation)",
     )
+    family_table = H.Table(
+        "families",
+        families,
+        FAMILY_COLUMNS,
+        "per model type at --family-case (its attention, router, shared and dense layers; "
+        "glm4_moe and deepseek_v3 with a dense first layer, deepseek_v3 with MLA); KV bytes "
+        "per token over all layers",
+    )
     goal = H.worst_goal(rows, "ratio", 1.0, text, lambda r: r["case"])
-    return H.Result(rows, COLUMNS, [goal], tables=[table])
+    return H.Result(rows, COLUMNS, [goal], tables=[table, family_table])
 
 
 def parse_args(argv: Sequence[str] | None = None):
@@ -270,6 +345,18 @@ def parse_args(argv: Sequence[str] | None = None):
         "cases' size deadlocks in XLA:CPU's in-process collectives: devices start two "
         "independent all-reduces in different orders)",
         quick=QUICK_CASES,
+    )
+    p.add_list(
+        "--families",
+        ",".join(MODEL_TYPES),
+        "model types of the per-family table",
+        quick="deepseek_v3",
+        choices=MODEL_TYPES,
+    )
+    p.add_argument(
+        "--family-case",
+        default=None,
+        help=f"the per-family table's case (default {FAMILY_CASE}; {QUICK_CASES} with --quick)",
     )
     p.add_argument("--mesh", default="2x4", help="data x expert on CPU (8 devices)")
     p.add_argument("--torch", action="store_true", help="also transformers' step in torch")

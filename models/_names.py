@@ -165,7 +165,7 @@ def _moe_rules(c: DecoderConfig, index: dict | None) -> list[Rule]:
     if c.router_bias:
         rules.append(
             Rule("layers/moe/router_bias", lay + f"{moe}.gate.e_score_correction_bias",
-                 stack=("i",), index=index)
+                 stack=("i",), index=index, dtype="float32")  # kept float32, as published
         )  # fmt: skip
     if c.shared_ffn:
         gated = c.shared_gate
