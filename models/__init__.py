@@ -2,7 +2,8 @@
 
 - :class:`DecoderConfig` (from a Hugging Face ``config.json``: Mixtral, Qwen3-MoE, Qwen2-MoE,
   OLMoE, GLM-4.5 (glm4_moe), DeepSeek-V3 / Kimi K2 / Moonlight (deepseek_v3, with
-  :class:`Mla`, multi-head latent attention); dense layers among the MoE layers;
+  :class:`Mla`, multi-head latent attention), ERNIE-4.5-MoE (ernie4_5_moe); dense layers
+  among the MoE layers;
   its :class:`Rope`: default, linear, dynamic, yarn or llama3 scaling, :func:`read_rope`)
   and :class:`MoEDecoder`: the decoder laid out on a mesh (experts over an ``expert`` axis,
   layers over a ``pipe`` axis as pipeline stages, the batch over the rest) with ``init``,

@@ -69,17 +69,17 @@ class Mla:
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """A decoder-only MoE transformer: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, GLM-4.5, DeepSeek-V3.
+    """A decoder-only MoE transformer (Mixtral, Qwen-MoE, OLMoE, GLM-4.5, DeepSeek-V3, ERNIE-4.5).
 
     Every layer is ``h += attention(rms_norm(h))`` then ``h += ffn(rms_norm(h))``. The attention
     is grouped-query attention (rotary embeddings in the rotate-half layout: :class:`Rope`,
     default or scaled as "linear", "dynamic", "yarn", "llama3", rotating the whole head or, GLM,
     its first part; an optional causal sliding window, Qwen3's and GLM's per-head or OLMoE's
     whole-projection q/k RMSNorm, q/k/v biases) or DeepSeek's multi-head latent attention
-    (:class:`Mla`, interleaved RoPE pairs). The ffn is the expert-parallel MoE layer (SwiGLU
-    experts; softmax routing, or sigmoid routing with a correction bias and group-limited choice;
-    shared experts, gated in Qwen2-MoE) or, in the `dense_layers`, a dense SwiGLU MLP. Build it
-    with :meth:`from_hf`.
+    (:class:`Mla`, interleaved RoPE pairs; ERNIE interleaves too). The ffn is the
+    expert-parallel MoE layer (SwiGLU experts; softmax or sigmoid routing, a correction bias for
+    the choice, group-limited choice; shared experts, gated in Qwen2-MoE) or, in the
+    `dense_layers`, a dense SwiGLU MLP. Build it with :meth:`from_hf`.
 
     Attributes:
       model_type: one of :data:`MODEL_TYPES`.
@@ -126,19 +126,21 @@ class DecoderConfig:
         weights of those widths (OLMoE).
       dense_layers: the layers whose ffn is a dense SwiGLU MLP of width `dense_ffn` (sorted
         indices; DeepSeek's and GLM's first ``first_k_dense_replace``, Qwen's
-        ``mlp_only_layers`` and the layers ``decoder_sparse_step`` skips). At least one layer
-        stays MoE.
+        ``mlp_only_layers`` and the layers ``decoder_sparse_step`` skips, ERNIE's layers outside
+        ``moe_layer_start_index`` .. ``moe_layer_end_index`` or off ``moe_layer_interval``).
+        At least one layer stays MoE.
       dense_ffn: the dense MLP's inner width (``intermediate_size``); 0 without dense layers.
       router: the router's scores, one of :data:`ROUTERS`.
       router_bias: a float32 correction bias added to the scores for the choice only
-        (``e_score_correction_bias``; no gradient, see ``update_router_bias``).
+        (``e_score_correction_bias``, GLM, DeepSeek and ERNIE; no gradient, see
+        ``update_router_bias``).
       n_group: the experts form this many groups; each token chooses among its `topk_group`
         best groups (a group's score: the sum of its two best), DeepSeek-V3's group-limited
         routing. 1: no groups.
       topk_group: groups each token chooses from.
       routed_scaling_factor: the routed experts' weights are multiplied by it.
-      shared_gate: the shared expert's output passes a sigmoid gate (Qwen2-MoE); GLM and
-        DeepSeek add their shared experts as they are.
+      shared_gate: the shared expert's output passes a sigmoid gate (Qwen2-MoE); GLM,
+        DeepSeek and ERNIE add their shared experts as they are.
       mla: multi-head latent attention (DeepSeek-V3) instead of GQA, or None.
     """
 
@@ -204,11 +206,13 @@ class DecoderConfig:
                 f"{op}: rope must rotate the whole head for {self.model_type} "
                 f"(partial_rotary_factor 1.0; only glm4_moe rotates part), got {self.rope}"
             )
-        if self.rope.interleave and self.model_type != "deepseek_v3":
+        if self.rope.interleave and self.model_type not in ("deepseek_v3", "ernie4_5_moe"):
             raise ConfigError(
                 f"{op}: rope must use the rotate-half layout for {self.model_type} (interleave "
-                f"False; only deepseek_v3 interleaves), got {self.rope}"
+                f"False; only deepseek_v3 and ernie4_5_moe interleave), got {self.rope}"
             )
+        if not self.rope.interleave and self.model_type == "ernie4_5_moe":
+            raise ConfigError(f"{op}: ernie4_5_moe rotates interleaved pairs; got {self.rope}")
         rotary_dim(self.rope, self.head_dim)  # an even rotated width
         if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
             raise ConfigError(f"{op}: rms_norm_eps must be > 0, got {self.rms_norm_eps}")

@@ -18,7 +18,15 @@ from jaxops._errors import ConfigError
 __all__ = ["MODEL_TYPES", "config_fields", "hf_keys"]
 
 #: The ``model_type`` values :class:`DecoderConfig` reads (the decoder covers them end to end).
-MODEL_TYPES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "deepseek_v3")
+MODEL_TYPES = (
+    "mixtral",
+    "qwen3_moe",
+    "qwen2_moe",
+    "olmoe",
+    "glm4_moe",
+    "deepseek_v3",
+    "ernie4_5_moe",
+)
 
 ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
@@ -27,6 +35,7 @@ ARCHITECTURES = {
     "olmoe": "OlmoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
 }
 # transformers' defaults for keys a config.json leaves out: (rms_norm_eps, rope_theta).
 _DEFAULTS = {
@@ -36,6 +45,7 @@ _DEFAULTS = {
     "olmoe": (1e-5, 10000.0),
     "glm4_moe": (1e-5, 10000.0),
     "deepseek_v3": (1e-6, 10000.0),
+    "ernie4_5_moe": (1e-5, 500000.0),
 }
 # transformers' num_key_value_heads when config.json has none (None: num_attention_heads).
 _KV_HEADS = {
@@ -45,6 +55,7 @@ _KV_HEADS = {
     "olmoe": None,
     "glm4_moe": 8,
     "deepseek_v3": None,
+    "ernie4_5_moe": 4,
 }
 # router_aux_loss_coef when config.json has none: transformers' where its model has the loss;
 # GLM-4.5 and DeepSeek-V3 balance with the router's correction bias instead (0).
@@ -55,6 +66,7 @@ _AUX_COEF = {
     "olmoe": 1e-2,
     "glm4_moe": 0.0,
     "deepseek_v3": 0.0,
+    "ernie4_5_moe": 1e-3,
 }
 # transformers' max_position_embeddings when config.json has none (the "dynamic" RoPE's length,
 # and "yarn" / "llama3"'s original length when their parameters have none).
@@ -65,9 +77,18 @@ _MAX_POSITIONS = {
     "olmoe": 4096,
     "glm4_moe": 131072,
     "deepseek_v3": 4096,
+    "ernie4_5_moe": 131072,
 }
 # The dense MLP width (intermediate_size) when config.json has none.
-_DENSE_FFN = {"qwen3_moe": 6144, "qwen2_moe": 5632, "glm4_moe": 10944, "deepseek_v3": 18432}
+_DENSE_FFN = {
+    "qwen3_moe": 6144,
+    "qwen2_moe": 5632,
+    "glm4_moe": 10944,
+    "deepseek_v3": 18432,
+    "ernie4_5_moe": 12288,
+}
+# The key of the experts per token.
+_TOP_K = {"ernie4_5_moe": "moe_k"}
 
 
 def _get(cfg: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
@@ -130,6 +151,25 @@ def _first_dense(hf: dict[str, Any], layers: int, default: int) -> tuple[int, ..
     if k < 0:
         raise ConfigError(f"config.json: 'first_k_dense_replace' must be >= 0, got {k}")
     return tuple(range(min(k, layers)))
+
+
+def _ernie_dense(hf: dict[str, Any], layers: int) -> tuple[int, ...]:
+    """ERNIE-4.5: MoE layers are those in [start, end] with (i + 1) % interval == 0."""
+    start = _get(hf, "moe_layer_start_index", int, 1)
+    end = _get(hf, "moe_layer_end_index", int, -1)
+    end = layers - 1 if end == -1 else end
+    interval = _positive(hf, "moe_layer_interval", 1)
+    return tuple(i for i in range(layers) if not (start <= i <= end and (i + 1) % interval == 0))
+
+
+def _ernie_range(moe: tuple[int, ...], layers: int) -> dict[str, int]:
+    """moe_layer_start_index / end_index / interval saying the MoE layers `moe` (if any do)."""
+    for interval in range(1, layers + 1):
+        start, end = moe[0], moe[-1]
+        if tuple(i for i in range(start, end + 1) if (i + 1) % interval == 0) == moe:
+            return dict(moe_layer_start_index=start, moe_layer_end_index=end,
+                        moe_layer_interval=interval)  # fmt: skip
+    return dict(moe_layer_start_index=-1)  # no such range: refused when read back
 
 
 def _qwen_dense(hf: dict[str, Any], layers: int) -> tuple[int, ...]:
@@ -218,6 +258,25 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
         else:
             kw["qkv_bias"] = _get(hf, "qkv_bias", bool, True)
             kw["shared_ffn"] = _get(hf, "shared_expert_intermediate_size", int, 5632)
+    elif model_type == "ernie4_5_moe":
+        experts = _positive(hf, "moe_num_experts", 64)
+        kw["expert_ffn"] = ffn = _positive(hf, "moe_intermediate_size", 1536)
+        kw["dense_layers"] = _ernie_dense(hf, layers)
+        kw["normalize_topk"], kw["router_bias"], kw["shared_gate"] = True, True, False
+        kw["shared_ffn"] = _get(hf, "moe_num_shared_experts", int, 2) * ffn
+        if _get(hf, "use_bias", bool, False):
+            raise ConfigError(
+                "config.json: use_bias = true is not supported for ernie4_5_moe (biases on every "
+                "linear layer, lm_head included; no published ERNIE-4.5-MoE has them); only false"
+            )
+        top_k = _positive(hf, "moe_k", 6)
+        norm_min = _get(hf, "moe_norm_min", float, 1e-12)
+        if norm_min > top_k / experts:  # the top-k softmax weights sum to at least k / E
+            raise ConfigError(
+                f"config.json: moe_norm_min = {norm_min} is not supported: above moe_k / "
+                f"moe_num_experts ({top_k / experts}) it clamps the weights' sum, which jaxops' "
+                "router does not"
+            )
     else:  # glm4_moe, deepseek_v3: sigmoid routing with a correction bias, shared experts
         deepseek = model_type == "deepseek_v3"
         experts = _positive(hf, _routed_key(hf), 256 if deepseek else 128)
@@ -256,7 +315,9 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
     dense = kw.get("dense_layers", ())
     if dense:
         kw["dense_ffn"] = _positive(hf, "intermediate_size", _DENSE_FFN[model_type])
-    interleave = model_type == "deepseek_v3" and _get(hf, "rope_interleave", bool, True)
+    interleave = model_type == "ernie4_5_moe" or (
+        model_type == "deepseek_v3" and _get(hf, "rope_interleave", bool, True)
+    )
     kv_default = _KV_HEADS[model_type] or heads
     return dict(
         model_type=model_type,
@@ -267,10 +328,12 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
         num_kv_heads=_positive(hf, "num_key_value_heads", kv_default),
         head_dim=head_dim,
         num_experts=experts,
-        top_k=_positive(hf, "num_experts_per_tok"),
+        top_k=_positive(hf, _TOP_K.get(model_type, "num_experts_per_tok"), 6)
+        if model_type in _TOP_K
+        else _positive(hf, "num_experts_per_tok"),
         rms_norm_eps=_get(hf, "rms_norm_eps", float, _DEFAULTS[model_type][0]),
         rope=_read_rope(rope_hf, model_type, head_dim, interleave=interleave),
-        tie_word_embeddings=_get(hf, "tie_word_embeddings", bool, False),
+        tie_word_embeddings=_get(hf, "tie_word_embeddings", bool, model_type == "ernie4_5_moe"),
         router_aux_loss_coef=_get(hf, "router_aux_loss_coef", float, _AUX_COEF[model_type]),
         hf=dict(hf),
         **kw,
@@ -353,6 +416,17 @@ def hf_keys(c: Any, out: dict[str, Any]) -> dict[str, Any]:
         else:
             out["qkv_bias"] = c.qkv_bias
             out["shared_expert_intermediate_size"] = c.shared_ffn
+    elif c.model_type == "ernie4_5_moe":
+        out.update(
+            moe_num_experts=c.num_experts,
+            moe_intermediate_size=c.expert_ffn,
+            moe_k=c.top_k,
+            moe_num_shared_experts=c.shared_ffn // c.expert_ffn,
+            use_bias=False,
+            **_ernie_range(c.moe_layers, c.num_layers),
+        )
+        for key in ("num_experts_per_tok", "num_experts", "num_local_experts"):
+            out.pop(key, None)  # aliases of moe_k and moe_num_experts
     else:
         out.update(
             n_routed_experts=c.num_experts,

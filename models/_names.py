@@ -166,6 +166,9 @@ def _moe_rules(c: DecoderConfig, index: dict | None) -> list[Rule]:
         rules.append(
             Rule("layers/moe/router_bias", lay + f"{moe}.gate.e_score_correction_bias",
                  stack=("i",), index=index, dtype="float32")  # kept float32, as published
+            if c.model_type != "ernie4_5_moe"
+            else Rule("layers/moe/router_bias", lay + "mlp.moe_statics.e_score_correction_bias",
+                      stack=("i",), index=index, dtype="float32", squeeze=0)  # theirs [1, E]
         )  # fmt: skip
     if c.shared_ffn:
         gated = c.shared_gate

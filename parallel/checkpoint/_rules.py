@@ -73,6 +73,9 @@ class Rule:
         permutation for that part), or one int for every part; None: no permutation.
       rope_ours: our q/k layout, ``"interleaved"`` (default; theirs is then transformers'
         ``"rotate_half"``) or ``"rotate_half"`` (theirs interleaved, e.g. Meta's originals).
+      squeeze: an axis of size 1 that each of their tensors has and ours lacks (e.g. ERNIE's
+        ``e_score_correction_bias [1, E]`` for our ``[E]``), in their layout: added on export,
+        removed on import; None: none.
       index: for a stacked placeholder, the number each of our indices stands for in their
         names, ``{"i": (3, 4, 5)}``: element 0 of our stacked axis is their ``3``, and so on
         (a stack of some of their layers, e.g. a model's MoE layers when its first layers are
@@ -107,6 +110,7 @@ class Rule:
     rope: int | Sequence[int | None] | None = None
     rope_ours: str = "interleaved"
     index: Mapping[str, Sequence[int]] | None = None
+    squeeze: int | None = None
 
     def __post_init__(self):
         stack = (self.stack,) if isinstance(self.stack, str) else tuple(self.stack)
@@ -128,6 +132,11 @@ class Rule:
             raise ValueError(
                 f"Rule({self.ours!r}): stack {stack} must name distinct placeholders of theirs "
                 f"that ours does not have; ours has {sorted(ours)}, theirs {sorted(theirs)}"
+            )
+        sq = self.squeeze
+        if sq is not None and (isinstance(sq, bool) or not isinstance(sq, int) or sq < 0):
+            raise ValueError(
+                f"Rule({self.ours!r}): squeeze must be an axis >= 0 or None, got {sq!r}"
             )
         if self.rope_ours not in ("interleaved", "rotate_half"):
             raise ValueError(
@@ -191,6 +200,11 @@ class Rule:
         what = f"Rule({self.ours!r}): their shapes {[list(s) for s in shapes]}"
         if len(shapes) != len(self._theirs) or not shapes:
             raise ValueError(f"{what}: expected {len(self._theirs)} tensors")
+        if self.squeeze is not None:
+            a = self.squeeze
+            if any(not 0 <= a < len(s) or s[a] != 1 for s in shapes):
+                raise ValueError(f"{what} have no axis {a} of size 1 (squeeze={a})")
+            shapes = [s[:a] + s[a + 1 :] for s in shapes]
         ndim = len(shapes[0])
         if len(shapes) > 1:
             rest = {s[: self.axis] + s[self.axis + 1 :] for s in shapes}
@@ -296,6 +310,8 @@ class Rule:
                 )
             parts = np.split(arr, np.cumsum(sizes)[:-1], axis=self.axis)
         parts = self._permute_rope(key, parts, export=True, shapes_only=shapes_only)
+        if self.squeeze is not None:
+            parts = [np.expand_dims(p, self.squeeze) for p in parts]
         dtype = _np_dtype(self.dtype) if self.dtype else None
         if shapes_only:
             return [
@@ -312,6 +328,8 @@ class Rule:
 
         For a stacked rule, `parts` are one element's tensors; see :meth:`elements`.
         """
+        if self.squeeze is not None:
+            parts = [np.squeeze(p, self.squeeze) for p in parts]
         parts = self._permute_rope(self.ours, list(parts), export=False)
         arr = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=self.axis)
         if self.transpose is not None:

@@ -1,0 +1,175 @@
+"""jaxops.models against transformers' ERNIE-4.5-MoE (``Ernie4_5_MoeForCausalLM``).
+
+A tiny random ERNIE-4.5-MoE made by transformers in the test (every weight random, norms and the
+router's ``moe_statics.e_score_correction_bias [1, E]`` included; MoE layers by
+``moe_layer_start_index`` / ``moe_layer_interval``, interleaved RoPE pairs, shared experts, tied
+embeddings), loaded on 1 device and on pipe x expert: logits, training and save_pretrained back
+to transformers, greedy generation, and the refused config keys.
+
+Tolerance: float32 logits within 1e-4 of the logit scale (max |logit|).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from _hf_families import MESHES, TOL, hf_generate, max_rel_err  # noqa: E402
+
+from jaxops import models  # noqa: E402
+
+CONFIG = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    moe_num_experts=8,
+    moe_k=2,
+    moe_intermediate_size=32,
+    moe_num_shared_experts=1,
+    moe_layer_start_index=1,
+    moe_layer_interval=2,  # MoE layers 1 and 3; dense 0, 2, 4
+    eos_token_id=None,
+    pad_token_id=0,
+)
+
+
+def _hf_ernie(seed: int = 0, **extra):
+    torch.manual_seed(seed)
+    config = transformers.Ernie4_5_MoeConfig(**{**CONFIG, **extra})
+    model = transformers.Ernie4_5_MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "e_score_correction_bias" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif ".layers." in name:
+                p.mul_(4.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    """name -> (transformers model, its saved directory)."""
+    root = tmp_path_factory.mktemp("ernie")
+    out = {}
+    variants = {
+        "interval": {},
+        "prefix": dict(moe_layer_interval=1, seed=1),
+        # Tied embeddings make the tiny model repeat its input token; generation needs variety.
+        "untied": dict(tie_word_embeddings=False, seed=1),
+    }
+    for name, extra in variants.items():
+        model = _hf_ernie(**extra)
+        model.save_pretrained(root / name, max_shard_size="200KB")
+        out[name] = (model, root / name)
+    return out
+
+
+def _mesh(name):
+    shape, names = MESHES[name]
+    return jax.make_mesh(shape, names, devices=jax.devices()[: int(np.prod(shape))])
+
+
+def _tokens(batch: int, seq: int = 12, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 128, (batch, seq)).astype(np.int32)
+
+
+def _check_logits(model, params, torch_model, tokens, what: str) -> None:
+    got = jax.jit(model.logits)(params, model.place_batch(tokens))
+    with torch.no_grad():
+        want = torch_model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+    err = max_rel_err(got, want)
+    print(f"ernie4_5_moe {what}: max |logit error| / max |logit| = {err:.2e}")
+    assert err <= TOL, err
+
+
+@pytest.mark.parametrize(
+    "name,mesh_name", [("interval", "1dev"), ("interval", "d2e4"), ("prefix", "p2e4")]
+)
+def test_logits_match_transformers(hf, name, mesh_name):
+    torch_model, path = hf[name]
+    model, params = models.from_pretrained(path, mesh=_mesh(mesh_name), num_microbatches=2)
+    c = model.config
+    want_dense = (0, 2, 4) if name == "interval" else (0,)
+    assert c.dense_layers == want_dense and c.tie_word_embeddings and c.rope.interleave
+    assert (c.router, c.router_bias, c.shared_ffn, c.shared_gate) == ("softmax", True, 32, False)
+    bias = params["layers"]["moe"]["router_bias"]  # their [1, E] per layer, ours [E]
+    assert bias.shape == (len(c.moe_layers), 8) and bias.dtype == jnp.float32
+    tokens = _tokens(2 if mesh_name == "1dev" else 16)
+    _check_logits(model, params, torch_model, tokens, f"{name} {mesh_name}")
+
+
+def test_adamw_steps_and_save_pretrained_round_trip(hf, tmp_path):
+    torch_model, path = hf["interval"]
+    model, params = models.from_pretrained(path, mesh=_mesh("d2e4"), router_aux_loss_coef=0.0)
+    tokens = _tokens(8, seed=3)
+    with torch.no_grad():
+        want = torch_model(
+            torch.tensor(tokens, dtype=torch.long), labels=torch.tensor(tokens, dtype=torch.long)
+        ).loss.item()
+    targets = np.concatenate([tokens[:, 1:], np.full((8, 1), -100, np.int32)], axis=1)
+    got = jax.jit(model.loss)(params, *model.place_batch(tokens, targets))
+    np.testing.assert_allclose(float(got), want, rtol=2e-5)
+    opt = optax.adamw(3e-3)
+    sub = np.random.default_rng(5).integers(0, 16, (16, 12)).astype(np.int32)
+    batch = model.place_batch(sub, (sub + 1) % 16)
+
+    def adamw_step(carry, _):
+        loss, grads = model.loss_and_grads(carry[0], *batch)
+        updates, state = opt.update(grads, carry[1], carry[0])
+        return (optax.apply_updates(carry[0], updates), state), loss
+
+    with jax.set_mesh(model.mesh):
+        train = jax.jit(lambda p: jax.lax.scan(adamw_step, (p, opt.init(p)), length=3))
+        (params, _), losses = train(params)
+    losses = [float(x) for x in losses]
+    assert losses[2] < losses[1] < losses[0], losses
+    out = tmp_path / "trained"
+    names = models.save_pretrained(model, params, out, max_shard_size="200KB")
+    assert "model.layers.3.mlp.moe_statics.e_score_correction_bias" in names
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["moe_layer_start_index"], saved["moe_layer_end_index"]) == (1, 3)
+    assert saved["moe_layer_interval"] == 2 and saved["moe_k"] == 2
+    trained = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(trained).__name__ == "Ernie4_5_MoeForCausalLM"
+    _check_logits(model, params, trained, _tokens(16, seed=9), f"trained {losses}, saved")
+
+
+def test_greedy_generate_matches_transformers(hf):
+    torch_model, path = hf["untied"]
+    model, params = models.from_pretrained(path, mesh=_mesh("1dev"), dtype=jnp.float32)
+    seq, new = 8, 6
+    prompt = np.random.default_rng(2).integers(1, 128, (2, seq)).astype(np.int32)
+    mask = (np.arange(seq)[None, :] >= np.array([[0], [3]])).astype(np.int32)
+    prompt = prompt * mask
+    got = models.generate(model, params, prompt, new, attention_mask=mask)
+    want = hf_generate(torch_model, prompt, mask, new)
+    assert len(set(want[:, seq:].ravel())) > 2
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_config_round_trip_defaults_and_refused_keys(hf):
+    hf_cfg = hf["interval"][0].config.to_dict()
+    cfg = models.DecoderConfig.from_hf(hf_cfg)
+    assert models.DecoderConfig.from_hf(cfg.to_hf()) == cfg
+    full = transformers.Ernie4_5_MoeConfig().to_dict()  # ERNIE-4.5-21B-A3B's shapes
+    keep = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+    got = models.DecoderConfig.from_hf({k: full[k] for k in keep})
+    assert got == models.DecoderConfig.from_hf(full)
+    assert (got.num_experts, got.top_k, got.dense_layers, got.rope.theta) == (64, 6, (0,), 5e5)
+    with pytest.raises(models.ConfigError, match="use_bias = true is not supported"):
+        models.DecoderConfig.from_hf({**hf_cfg, "use_bias": True})
+    with pytest.raises(models.ConfigError, match=r"moe_norm_min = 0\.5 is not supported"):
+        models.DecoderConfig.from_hf({**hf_cfg, "moe_norm_min": 0.5})
+    with pytest.raises(models.ConfigError, match="ernie4_5_moe rotates interleaved pairs"):
+        models.DecoderConfig(**{**cfg.__dict__, "rope": models.Rope(theta=5e5)})
