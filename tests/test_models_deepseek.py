@@ -436,3 +436,38 @@ def test_fp8_deepseek_checkpoint_loads_and_saves(hf, tmp_path):
     ref = f8.write_dir(tmp_path / "ref", reference, {**config, "quantization_config": None})
     _, again = models.from_pretrained(out)
     f8._assert_same(again, models.from_pretrained(ref)[1])
+
+
+def test_fp8_training_requantizes_fp8_files_exactly(hf, tmp_path):
+    """fp8="block" on weights loaded from FP8 files (float32): the 128 x 128 quantization of the
+    forward gives back the very FP8 values stored (no requantization error), for every weight
+    whose blocks our layout keeps (unfused ones; fused q/k/v and gate/up keep them when the
+    split sizes are multiples of 128, as in every published model)."""
+    import ml_dtypes
+    import test_models_fp8_checkpoint as f8
+
+    import jaxops
+
+    fp8, _ = f8.fp8_checkpoint(hf["deepseek"][1], tmp_path, quantized=DEEPSEEK_FP8)
+    stored = f8.read_dir(fp8)
+    _, params = models.from_pretrained(fp8, dtype=jnp.float32, fp8="block")
+    checks = {  # our [K, N] weight -> their [N, K] tensor
+        "model.layers.1.self_attn.kv_b_proj.weight": params["layers"]["w_kv_b"][0],
+        "model.layers.2.self_attn.o_proj.weight": params["layers"]["w_o"][1],
+        "model.layers.0.self_attn.q_a_proj.weight": params["dense_layers"]["w_q_a"][0],
+        "model.layers.0.mlp.down_proj.weight": params["dense_layers"]["mlp"]["w_out"][0],
+        "model.layers.2.mlp.experts.5.down_proj.weight": params["layers"]["moe"]["w_out"][1, 5],
+    }
+    for name, w in checks.items():
+        # What jaxops.fp8.linear does to a weight: 128 x 128 tiles with the transposed copy.
+        _, q_t = jaxops.fp8.quantize(
+            w, block=(128, 128), transpose=True, amax_floor=1e-4, impl="xla"
+        )
+        data = np.asarray(q_t.data).view(np.uint8)
+        assert np.array_equal(data, stored[name].view(ml_dtypes.float8_e4m3fn).view(np.uint8)), name
+        np.testing.assert_allclose(
+            np.asarray(q_t.scale).reshape(stored[name + "_scale_inv"].shape),
+            stored[name + "_scale_inv"],
+            rtol=2e-7,
+            err_msg=name,
+        )
