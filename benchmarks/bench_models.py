@@ -172,6 +172,16 @@ def _family_config(family: str, case: str) -> tuple[DecoderConfig, int, int]:
         "qwen2_moe": dict(qk_norm=False, qkv_bias=True, shared_ffn=ffn),
         "olmoe": dict(qk_norm_width="projection", normalize_topk=False),
         "glm4_moe": dict(rope=Rope(partial_rotary_factor=0.5), qkv_bias=True, **routed),
+        "ernie4_5_moe": dict(
+            qk_norm=False,
+            rope=Rope(theta=5e5, interleave=True),
+            router_bias=True,
+            shared_ffn=ffn,
+            shared_gate=False,
+            dense_layers=(0,),
+            dense_ffn=4 * d,
+            tie_word_embeddings=True,
+        ),
         "deepseek_v3": dict(
             qk_norm=False,
             num_kv_heads=heads,

@@ -43,7 +43,13 @@ from jaxops.models._config import (
     Mla,
     read_config,
 )
-from jaxops.models._decoder import DECODER_SCHEDULES, MOE_IMPLS, REMAT_POLICIES, MoEDecoder
+from jaxops.models._decoder import (
+    ATTENTION_IMPLS,
+    DECODER_SCHEDULES,
+    MOE_IMPLS,
+    REMAT_POLICIES,
+    MoEDecoder,
+)
 from jaxops.models._generate import generate
 from jaxops.models._hf import from_pretrained, save_pretrained
 from jaxops.models._names import LLAMA_NAME_MAP, llama_name_map, name_map
@@ -53,6 +59,7 @@ from jaxops.models._rope import ROPE_KINDS, Rope, read_rope
 from jaxops._errors import ConfigError
 
 __all__ = [
+    "ATTENTION_IMPLS",
     "BLOCK_MODEL_TYPES",
     "DECODER_SCHEDULES",
     "IGNORE_INDEX",

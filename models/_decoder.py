@@ -28,13 +28,17 @@ from jaxops._errors import ConfigError, renamed_fields
 from jaxops._ffi import has_kernel
 from jaxops._sharding import place
 
-__all__ = ["DECODER_SCHEDULES", "MOE_IMPLS", "REMAT_POLICIES", "MoEDecoder"]
+__all__ = ["ATTENTION_IMPLS", "DECODER_SCHEDULES", "MOE_IMPLS", "REMAT_POLICIES", "MoEDecoder"]
 
 #: The pipeline schedules the decoder trains with (of :data:`jaxops.parallel.pipeline.SCHEDULES`;
 #: "interleaved" would need the layers stored in its round-robin layout).
 DECODER_SCHEDULES = tuple(s for s in pl.SCHEDULES if s != "interleaved")
 #: MoE implementations: the expert-parallel layer or its dense masked twin.
 MOE_IMPLS = ("ep", "dense")
+#: How attention computes: "auto" (``jax.nn.dot_product_attention`` on GPUs in bfloat16 and
+#: float16, where cuDNN's fused attention takes it; the jnp softmax elsewhere), "xla" (float32
+#: scores and softmax in jnp) or "dot_product" (``jax.nn.dot_product_attention`` everywhere).
+ATTENTION_IMPLS = ("auto", "xla", "dot_product")
 _OP = "jaxops.models.MoEDecoder"
 #: The ``remat`` policies by name: what each layer keeps for its backward. "none": every
 #: residual; "full": only its input (the backward recomputes the layer); "matmuls": the outputs
@@ -117,6 +121,9 @@ class MoEDecoder(Layout):
       moe_impl: "ep": the expert-parallel layer; "dense": its dense twin
         ``moe_layer_reference`` (every expert on every token, experts replicated; no pipeline),
         the baseline of benchmarks/bench_models.py.
+      attention_impl: one of :data:`ATTENTION_IMPLS`. ``jax.nn.dot_product_attention`` needs
+        keys and values of one head width: multi-head latent attention (192 / 128 in
+        DeepSeek-V3) always takes the jnp softmax.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -147,6 +154,7 @@ class MoEDecoder(Layout):
     align: int = 8
     impl: str | None = None
     moe_impl: str = "ep"
+    attention_impl: str = "auto"
 
     def __post_init__(self):
         op = _OP
@@ -193,6 +201,11 @@ class MoEDecoder(Layout):
             raise ConfigError(
                 f"{op}: remat must be one of {REMAT_POLICIES}, a bool or a "
                 f"jax.checkpoint_policies policy, got {self.remat!r}"
+            )
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ConfigError(
+                f"{op}: attention_impl must be one of {ATTENTION_IMPLS}, got "
+                f"{self.attention_impl!r}"
             )
         if self.moe_impl not in MOE_IMPLS:
             raise ConfigError(f"{op}: moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
@@ -267,7 +280,11 @@ class MoEDecoder(Layout):
         gemm_impl = self.impl
         if self.impl == "ffi" and not has_kernel("gemm", platform):
             gemm_impl = "xla"
-        return _layers.Ops(self.dtype, self.impl, self.fp8, self.mesh, gemm_impl)
+        attention = self.attention_impl
+        if attention == "auto":
+            half = self.dtype in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+            attention = "dot_product" if platform == "gpu" and half else "xla"
+        return _layers.Ops(self.dtype, self.impl, self.fp8, self.mesh, gemm_impl, attention)
 
     def _moe_fn(self) -> Callable:
         """``moe(params, y, token_mask)``: the MoE layer; padding (mask False) is not routed."""
@@ -291,26 +308,6 @@ class MoEDecoder(Layout):
             return lambda p, y, token_mask: (_layers.mlp(ops, p["mlp"], y), None)
         moe = self._moe_fn()
         return lambda p, y, token_mask: moe(p["moe"], y, token_mask)
-
-    @functools.cached_property
-    def _runs(self) -> tuple[tuple[str, int, int, int], ...]:
-        """``(stack, start, stop, first layer)`` of each run of consecutive layers of one kind.
-
-        In layer order; `stack` is "layers" (MoE) or "dense_layers", ``start:stop`` the run's
-        rows of that stack and `first layer` the model's index of its first layer.
-        """
-        c = self.config
-        dense = set(c.dense_layers)
-        runs: list[list] = []
-        count = {"layers": 0, "dense_layers": 0}
-        for i in range(c.num_layers):
-            key = "dense_layers" if i in dense else "layers"
-            if runs and runs[-1][0] == key:
-                runs[-1][2] += 1
-            else:
-                runs.append([key, count[key], count[key] + 1, i])
-            count[key] += 1
-        return tuple(tuple(r) for r in runs)
 
     def _run_all(
         self, params: dict[str, Any], h: jax.Array, where: _layers.Tokens, *, prefix: bool = False

@@ -76,6 +76,9 @@ class Ops:
       gemm_impl: the `impl` of the GEMMs (``jaxops.gemm``, and ``fp8.linear`` whose impl covers
         its GEMMs and quantization): `impl`, except "xla" where ``impl="ffi"`` asks for kernels
         and jaxops has no GEMM kernel for the platform (CPU: XLA's dot is the GEMM there).
+      attention: how :func:`attend` computes: "xla" (float32 scores and softmax in jnp) or
+        "dot_product" (``jax.nn.dot_product_attention``: cuDNN's fused attention on a GPU where
+        it supports the shapes, else XLA's; for keys and values of one head width, else "xla").
     """
 
     dtype: Any
@@ -83,6 +86,7 @@ class Ops:
     fp8: str | None = None
     mesh: jax.sharding.Mesh | None = None
     gemm_impl: str | None = None
+    attention: str = "xla"
 
 
 def projection(ops: Ops, x: jax.Array, w: jax.Array, bias: jax.Array | None) -> jax.Array:
@@ -229,15 +233,24 @@ def attend(
     v: jax.Array,
     mask: jax.Array,
     scale: float | None = None,
+    causal: bool = False,
 ) -> jax.Array:
     """Softmax attention of ``q [b, sq, Hq, Dh]`` over ``k [b, sk, Hkv, Dh]``, ``v [.., Dv]``.
 
     Returns ``[b, sq, Hq Dv]``. `mask`: bool ``[b, sq, sk]`` (:func:`allowed`). Scores are
     ``q . k`` times `scale` (default ``Dh ** -0.5``), float32, as is the softmax; a query that
-    sees no key at all (padding) gets zeros, never NaN.
+    sees no key at all (padding) gets zeros, never NaN. `causal`: queries and keys are the same
+    tokens in order and `mask` is causal (a hint for ``ops.attention="dot_product"``, which then
+    lets cuDNN skip the masked blocks).
     """
     b, sq, hq, dh = q.shape
     hkv, dv = k.shape[2], v.shape[-1]
+    if ops.attention == "dot_product" and dv == dh:
+        out = jax.nn.dot_product_attention(
+            q, k, v, mask=mask[:, None], scale=scale, is_causal=causal
+        )  # [b, sq, Hq, Dh]
+        seen = jnp.any(mask, axis=-1)[:, :, None, None]  # a query that sees no key: zeros
+        return jnp.where(seen, out, jnp.zeros((), out.dtype)).reshape(b, sq, hq * dv)
     q = q.reshape(b, sq, hkv, hq // hkv, dh)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
     scores = scores * (dh**-0.5 if scale is None else scale)
@@ -281,16 +294,19 @@ def attention_output(
     q: jax.Array,
     kv: tuple[jax.Array, ...],
     mask: jax.Array,
+    *,
+    causal: bool = False,
 ) -> jax.Array:
     """The attention of queries `q` over the keys of `kv` (:func:`attention_inputs`), projected.
 
-    `mask`: bool ``[b, sq, sk]`` (:func:`allowed`). Returns ``[b, sq, D]``.
+    `mask`: bool ``[b, sq, sk]`` (:func:`allowed`); `causal` as in :func:`attend`. Returns
+    ``[b, sq, D]``.
     """
     if c.mla is not None:
         from jaxops.models import _mla
 
-        return _mla.output(ops, c, p, q, kv, mask)
-    return output(ops, c, p, attend(ops, c, q, *kv, mask))
+        return _mla.output(ops, c, p, q, kv, mask, causal=causal)
+    return output(ops, c, p, attend(ops, c, q, *kv, mask, causal=causal))
 
 
 def attention(
@@ -305,7 +321,8 @@ def attention(
     query sees. Returns ``[b, s, D]``.
     """
     q, kv = attention_inputs(ops, c, p, x, where.positions)
-    return attention_output(ops, c, p, q, kv, allowed(where, where, c.sliding_window))
+    mask = allowed(where, where, c.sliding_window)
+    return attention_output(ops, c, p, q, kv, mask, causal=True)
 
 
 def mlp(ops: Ops, p: dict[str, jax.Array], y: jax.Array) -> jax.Array:

@@ -85,6 +85,26 @@ class Layout:
             tree["lm_head"] = (d, c.vocab_size)
         return tree
 
+    @property
+    def _runs(self) -> tuple[tuple[str, int, int, int], ...]:
+        """``(stack, start, stop, first layer)`` of each run of consecutive layers of one kind.
+
+        In layer order; `stack` is "layers" (MoE) or "dense_layers", ``start:stop`` the run's
+        rows of that stack and `first layer` the model's index of its first layer.
+        """
+        c = self.config
+        dense = set(c.dense_layers)
+        runs: list[list] = []
+        count = {"layers": 0, "dense_layers": 0}
+        for i in range(c.num_layers):
+            key = "dense_layers" if i in dense else "layers"
+            if runs and runs[-1][0] == key:
+                runs[-1][2] += 1
+            else:
+                runs.append([key, count[key], count[key] + 1, i])
+            count[key] += 1
+        return tuple(tuple(r) for r in runs)
+
     def _layer_specs(self, lead: Any) -> dict[str, Any]:
         shapes = self.param_shapes()["layers"]
         specs = {k: P(lead) for k in shapes if k != "moe"}

@@ -97,11 +97,14 @@ def output(
     q: jax.Array,
     kv: tuple[jax.Array, jax.Array],
     mask: jax.Array,
+    *,
+    causal: bool = False,
 ) -> jax.Array:
     """Attention of `q` over the keys of ``kv = (latent [b, sk, R], k_rope [b, sk, 1, dr])``.
 
     Each key position's latent expands through ``w_kv_b`` into every head's key part without
-    RoPE and its value. `mask`: bool ``[b, sq, sk]``. Returns ``[b, sq, D]``.
+    RoPE and its value. `mask`: bool ``[b, sq, sk]``; `causal` as in ``_layers.attend``.
+    Returns ``[b, sq, D]``.
     """
     m = c.mla
     latent, k_rope = kv
@@ -112,7 +115,7 @@ def output(
     rope = jnp.broadcast_to(k_rope.astype(k_nope.dtype), (b, sk, h, m.qk_rope_head_dim))
     k = jnp.concatenate([k_nope, rope], axis=-1)
     scale = c.qk_head_dim**-0.5 * softmax_scale_factor(c.rope)
-    out = attend(ops, c, q, k, v, mask, scale)
+    out = attend(ops, c, q, k, v, mask, scale, causal)  # dn + dr != dv: the jnp softmax
     return projection(ops, out, p["w_o"], None)
 
 

@@ -3,6 +3,8 @@ one validation per call, and the deprecated names of the decoder and its package
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import re
 import warnings
 
@@ -162,3 +164,40 @@ def test_deprecated_names_warn_and_still_work():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the new names do not warn
         models.MoEDecoder(CFG, mesh, num_microbatches=2, router_aux_loss_coef=0.5)
+
+
+def test_dot_product_attention_equals_the_jnp_softmax():
+    """attention_impl="dot_product" (jax.nn.dot_product_attention: cuDNN on GPUs) against the
+    jnp softmax, with every mask the decoder builds: left padding, packed documents, a sliding
+    window; logits, gradients and generated tokens."""
+    cfg = dataclasses.replace(CFG, model_type="mixtral", qk_norm=False, sliding_window=5)
+    mesh = _mesh((2, 4), ("data", "expert"))
+    tokens, targets = _batch(seq=12)
+    mask = (np.arange(12)[None, :] >= np.arange(8)[:, None] % 4).astype(np.int32)
+    segments = np.where(np.arange(12)[None, :] < 7, 1, 2) * (np.arange(8)[:, None] % 2 == 0)
+    segments = np.where(segments == 0, mask, segments).astype(np.int32)  # packed or padded rows
+    out = {}
+    for attention in ("xla", "dot_product"):
+        model = models.MoEDecoder(cfg, mesh, attention_impl=attention)
+        assert model._ops.attention == attention
+        params = model.init(jax.random.key(0))
+        kw = dict(segment_ids=model.place_batch(segments))
+        logits = jax.jit(functools.partial(model.logits, **kw))(params, model.place_batch(tokens))
+        loss, grads = jax.jit(functools.partial(model.loss_and_grads, **kw))(
+            params, *model.place_batch(tokens, targets)
+        )
+        one = models.MoEDecoder(cfg, _mesh((1,), ("expert",)), attention_impl=attention)
+        new = models.generate(one, jax.device_put(params, one.shardings()), tokens[:2] * mask[:2],
+                              6, attention_mask=mask[:2])  # fmt: skip
+        out[attention] = (np.asarray(logits), float(loss), grads, np.asarray(new))
+    (l1, v1, g1, n1), (l2, v2, g2, n2) = out["xla"], out["dot_product"]
+    valid = (segments != 0)[..., None]
+    np.testing.assert_allclose(np.where(valid, l2, 0), np.where(valid, l1, 0), atol=2e-5)
+    np.testing.assert_allclose(v2, v1, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-6)
+    np.testing.assert_array_equal(n2, n1)
+    # "auto": the jnp softmax on CPU (dot_product is for GPUs in bfloat16 / float16).
+    assert models.MoEDecoder(cfg, mesh)._ops.attention == "xla"
+    with pytest.raises(models.ConfigError, match="attention_impl must be one of"):
+        models.MoEDecoder(cfg, mesh, attention_impl="flash")
