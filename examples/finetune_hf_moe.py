@@ -2,8 +2,8 @@
 
 What a user does with a published checkpoint, end to end, on 8 simulated CPU devices:
 
-1. transformers creates a tiny random Qwen3-MoE (or Mixtral, Qwen2-MoE, OLMoE, GLM-4.5 or
-   DeepSeek-V3, the last two with a dense first layer) and saves it as a
+1. transformers creates a tiny random Qwen3-MoE (or Mixtral, Qwen2-MoE, OLMoE, GLM-4.5,
+   DeepSeek-V3 or ERNIE-4.5-MoE, the last three with a dense first layer) and saves it as a
    sharded safetensors directory -- the stand-in for a downloaded model (no network needed);
 2. ``jaxops.models.from_pretrained`` reads it onto a mesh (``pipe x data x expert``: layers as
    1F1B pipeline stages, experts over the expert axis, the batch over data and expert) and checks
@@ -33,7 +33,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--arch",
-        choices=("qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "glm4_moe", "deepseek_v3"),
+        choices=(
+            "qwen3_moe",
+            "mixtral",
+            "qwen2_moe",
+            "olmoe",
+            "glm4_moe",
+            "deepseek_v3",
+            "ernie4_5_moe",
+        ),
         default="qwen3_moe",
     )
     parser.add_argument("--mesh", default="2,2,2", help="pipe,data,expert sizes (product 8)")
@@ -49,8 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make_hf_model(arch: str, path: Path) -> None:
     """A tiny random model of `arch` saved by transformers (2 MoE layers, 8 experts, top-2;
-    GQA, or DeepSeek-V3's multi-head latent attention; GLM-4.5 and DeepSeek-V3 add a dense
-    first layer)."""
+    GQA, or DeepSeek-V3's multi-head latent attention; GLM-4.5, DeepSeek-V3 and ERNIE-4.5 add
+    a dense first layer)."""
     import torch
     import transformers
 
@@ -78,6 +86,14 @@ def make_hf_model(arch: str, path: Path) -> None:
     elif arch == "olmoe":
         config = transformers.OlmoeConfig(**common, num_experts=8, intermediate_size=32)
         cls = transformers.OlmoeForCausalLM
+    elif arch == "ernie4_5_moe":  # a dense first layer, then 2 MoE layers
+        config = transformers.Ernie4_5_MoeConfig(
+            **{k: v for k, v in common.items() if k not in ("num_experts_per_tok",
+                                                              "num_hidden_layers")},
+            num_hidden_layers=3, intermediate_size=96, moe_num_experts=8, moe_k=2,
+            moe_intermediate_size=32, moe_num_shared_experts=1, moe_layer_start_index=1,
+        )  # fmt: skip
+        cls = transformers.Ernie4_5_MoeForCausalLM
     else:  # a dense first layer, then 2 MoE layers with sigmoid group-limited routing
         routed = dict(num_hidden_layers=3, first_k_dense_replace=1, intermediate_size=96,
                       n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32,
