@@ -389,5 +389,7 @@ def test_decoder_config_rope_and_rope_theta():
     scaled = dataclasses.replace(cfg, rope=yarn)
     assert scaled.rope == yarn and scaled.rope_theta == 1e4
     assert dataclasses.replace(scaled, rope_theta=5.0).rope == dataclasses.replace(yarn, theta=5.0)
-    with pytest.raises(models.ConfigError, match=r"rope must rotate the whole head"):
+    with pytest.raises(models.ConfigError, match=r"rope must use the rotate-half layout for qwen3"):
         dataclasses.replace(cfg, rope=Rope(interleave=True))
+    with pytest.raises(models.ConfigError, match=r"rope must rotate the whole head for qwen3_moe"):
+        dataclasses.replace(cfg, rope=Rope(partial_rotary_factor=0.5))
