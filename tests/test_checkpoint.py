@@ -763,7 +763,7 @@ def _restore_check(path, nproc):
         assert np.array_equal(out["w"], np.arange(16 * 24, dtype=np.float32).reshape(16, 24))
         return
     outs = run_processes(_RESTORE_SCRIPT, nproc, 8 // nproc, args=(str(path),), timeout=180)
-    assert all(f"RESTORED {i} {nproc}" in o.splitlines() for i, o in enumerate(outs)), outs
+    assert all(f"RESTORED {i} {nproc}" in o for i, o in enumerate(outs)), outs
 
 
 @pytest.mark.multiprocess
@@ -771,8 +771,9 @@ def _restore_check(path, nproc):
 def test_multiprocess_save_restore(tmp_path, saved, restored):
     path = tmp_path / "c"
     outs = run_processes(_SAVE_SCRIPT, saved, 8 // saved, args=(str(path),), timeout=180)
-    # (gloo's own messages may come after ours in the output)
-    assert all(f"SAVED {i}" in o.splitlines() for i, o in enumerate(outs)), outs
+    # Anywhere in the output, not as a whole line: gloo writes its own messages from another
+    # thread to the same pipe, unbuffered and in pieces, and may split our line (seen in CI).
+    assert all(f"SAVED {i}" in o for i, o in enumerate(outs)), outs
     index = json.loads((path / "index.json").read_text())
     assert index["num_processes"] == saved and index["step"] == 5
     files = {b["file"] for a in index["arrays"].values() for b in a["blocks"]}

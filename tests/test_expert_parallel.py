@@ -1138,9 +1138,10 @@ print("OK", PROCESS_ID, int(np.asarray(aux.dropped.addressable_shards[0].data)))
 def test_two_processes_match_reference(capacity):
     outputs = run_processes(_TWO_PROCESS_SCRIPT, 2, 2, args=(capacity,), timeout=240)
     for i, out in enumerate(outputs):
-        last = out.strip().splitlines()[-1].split()
-        assert last[:2] == ["OK", str(i)], out
-        assert (int(last[2]) > 0) == (capacity != "none"), out
+        # A search, not the last line: gloo writes to the same pipe from another thread.
+        found = re.search(rf"OK {i} (\d+)", out)
+        assert found, out
+        assert (int(found[1]) > 0) == (capacity != "none"), out
 
 
 _TWO_PROCESS_FP8_DISPATCH = """
@@ -1191,4 +1192,4 @@ print("OK", PROCESS_ID)
 def test_two_processes_fp8_dispatch():
     outputs = run_processes(_TWO_PROCESS_FP8_DISPATCH, 2, 2, timeout=240)
     for i, out in enumerate(outputs):
-        assert out.strip().splitlines()[-1] == f"OK {i}", out
+        assert re.search(rf"OK {i}\b", out), out
