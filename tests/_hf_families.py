@@ -4,7 +4,9 @@ the meshes they run on, and the relative error the parity tests measure.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
+import optax
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -51,17 +53,83 @@ MESHES = {
 }
 
 
+def randomize(model, layer_scale: float = 1.0):
+    """`model` (transformers) with every weight random: norms, biases and the router's
+    correction bias (a parameter or a buffer) moved off their init so that a mix-up shows, and
+    the layers' other weights times `layer_scale` (clear router choices, varied greedy tokens).
+    Returns the model, in eval mode."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias") or "e_score_correction_bias" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            elif ".layers." in name and layer_scale != 1.0:
+                p.mul_(layer_scale)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
+    return model.eval()
+
+
 def hf_model(family: str, seed: int = 0):
     """A transformers model of `family` with every weight random (norms and biases too)."""
     cfg_cls, model_cls, extra = FAMILIES[family]
     config = getattr(transformers, cfg_cls)(**COMMON, **extra)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():  # norms and biases away from their init so that a mix-up shows
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
+    return randomize(getattr(transformers, model_cls)(config))
+
+
+def mesh(name: str):
+    """The mesh of MESHES[name] on the first devices."""
+    shape, names = MESHES[name]
+    return jax.make_mesh(shape, names, devices=jax.devices()[: int(np.prod(shape))])
+
+
+def random_tokens(batch: int, seq: int = 12, seed: int = 0, vocab: int = 128) -> np.ndarray:
+    """int32 random token ids ``[batch, seq]``."""
+    return np.random.default_rng(seed).integers(0, vocab, (batch, seq)).astype(np.int32)
+
+
+def check_logits(model, params, torch_model, ids: np.ndarray, what: str) -> float:
+    """Our logits of `ids` equal `torch_model`'s within TOL of max |logit|; returns (and prints)
+    the error."""
+    got = jax.jit(model.logits)(params, model.place_batch(ids))
+    with torch.no_grad():
+        want = torch_model(torch.tensor(ids, dtype=torch.long)).logits.float().numpy()
+    err = max_rel_err(got, want)
+    print(f"{what}: max |logit error| / max |logit| = {err:.2e}")
+    assert err <= TOL, (what, err)
+    return err
+
+
+def adamw_steps(model, params, steps: int = 3):
+    """`steps` optax adamw steps (one jitted scan of loss_and_grads) on a learnable batch (the
+    next token is the token + 1 mod 16); returns ``(params, losses)``."""
+    opt = optax.adamw(3e-3)
+    sub = np.random.default_rng(5).integers(0, 16, (16, 12)).astype(np.int32)
+    batch = model.place_batch(sub, (sub + 1) % 16)
+
+    def step(carry, _):
+        loss, grads = model.loss_and_grads(carry[0], *batch)
+        updates, state = opt.update(grads, carry[1], carry[0])
+        return (optax.apply_updates(carry[0], updates), state), loss
+
+    with jax.set_mesh(model.mesh):
+        train = jax.jit(lambda p: jax.lax.scan(step, (p, opt.init(p)), length=steps))
+        (params, _), losses = train(params)
+    return params, [float(x) for x in losses]
+
+
+def check_greedy_generate(model, params, torch_model, seq: int = 8, new: int = 6) -> None:
+    """Our greedy ``generate`` of a left-padded prompt equals transformers' token for token."""
+    from jaxops import models
+
+    prompt = np.random.default_rng(2).integers(1, 128, (2, seq)).astype(np.int32)
+    mask = (np.arange(seq)[None, :] >= np.array([[0], [3]])).astype(np.int32)
+    prompt = prompt * mask
+    got = models.generate(model, params, prompt, new, attention_mask=mask)
+    want = hf_generate(torch_model, prompt, mask, new)
+    assert len(set(want[:, seq:].ravel())) > 2  # varied tokens: a real comparison
+    np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def max_rel_err(got, want) -> float:

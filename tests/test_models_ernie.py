@@ -16,13 +16,19 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from _hf_families import MESHES, TOL, hf_generate, max_rel_err  # noqa: E402
+from _hf_families import (  # noqa: E402
+    adamw_steps,
+    check_greedy_generate,
+    check_logits,
+    mesh,
+    random_tokens,
+    randomize,
+)
 
 from jaxops import models  # noqa: E402
 
@@ -47,14 +53,7 @@ CONFIG = dict(
 def _hf_ernie(seed: int = 0, **extra):
     torch.manual_seed(seed)
     config = transformers.Ernie4_5_MoeConfig(**{**CONFIG, **extra})
-    model = transformers.Ernie4_5_MoeForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "e_score_correction_bias" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            elif ".layers." in name:
-                p.mul_(4.0)
-    return model
+    return randomize(transformers.Ernie4_5_MoeForCausalLM(config), 4.0)
 
 
 @pytest.fixture(scope="module")
@@ -75,22 +74,8 @@ def hf(tmp_path_factory):
     return out
 
 
-def _mesh(name):
-    shape, names = MESHES[name]
-    return jax.make_mesh(shape, names, devices=jax.devices()[: int(np.prod(shape))])
-
-
-def _tokens(batch: int, seq: int = 12, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 128, (batch, seq)).astype(np.int32)
-
-
-def _check_logits(model, params, torch_model, tokens, what: str) -> None:
-    got = jax.jit(model.logits)(params, model.place_batch(tokens))
-    with torch.no_grad():
-        want = torch_model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
-    err = max_rel_err(got, want)
-    print(f"ernie4_5_moe {what}: max |logit error| / max |logit| = {err:.2e}")
-    assert err <= TOL, err
+def _check_logits(model, params, torch_model, ids, what: str) -> None:
+    check_logits(model, params, torch_model, ids, f"ernie4_5_moe {what}")
 
 
 @pytest.mark.parametrize(
@@ -98,21 +83,21 @@ def _check_logits(model, params, torch_model, tokens, what: str) -> None:
 )
 def test_logits_match_transformers(hf, name, mesh_name):
     torch_model, path = hf[name]
-    model, params = models.from_pretrained(path, mesh=_mesh(mesh_name), num_microbatches=2)
+    model, params = models.from_pretrained(path, mesh=mesh(mesh_name), num_microbatches=2)
     c = model.config
     want_dense = (0, 2, 4) if name == "interval" else (0,)
     assert c.dense_layers == want_dense and c.tie_word_embeddings and c.rope.interleave
     assert (c.router, c.router_bias, c.shared_ffn, c.shared_gate) == ("softmax", True, 32, False)
     bias = params["layers"]["moe"]["router_bias"]  # their [1, E] per layer, ours [E]
     assert bias.shape == (len(c.moe_layers), 8) and bias.dtype == jnp.float32
-    tokens = _tokens(2 if mesh_name == "1dev" else 16)
+    tokens = random_tokens(2 if mesh_name == "1dev" else 16)
     _check_logits(model, params, torch_model, tokens, f"{name} {mesh_name}")
 
 
 def test_adamw_steps_and_save_pretrained_round_trip(hf, tmp_path):
     torch_model, path = hf["interval"]
-    model, params = models.from_pretrained(path, mesh=_mesh("d2e4"), router_aux_loss_coef=0.0)
-    tokens = _tokens(8, seed=3)
+    model, params = models.from_pretrained(path, mesh=mesh("d2e4"), router_aux_loss_coef=0.0)
+    tokens = random_tokens(8, seed=3)
     with torch.no_grad():
         want = torch_model(
             torch.tensor(tokens, dtype=torch.long), labels=torch.tensor(tokens, dtype=torch.long)
@@ -120,19 +105,7 @@ def test_adamw_steps_and_save_pretrained_round_trip(hf, tmp_path):
     targets = np.concatenate([tokens[:, 1:], np.full((8, 1), -100, np.int32)], axis=1)
     got = jax.jit(model.loss)(params, *model.place_batch(tokens, targets))
     np.testing.assert_allclose(float(got), want, rtol=2e-5)
-    opt = optax.adamw(3e-3)
-    sub = np.random.default_rng(5).integers(0, 16, (16, 12)).astype(np.int32)
-    batch = model.place_batch(sub, (sub + 1) % 16)
-
-    def adamw_step(carry, _):
-        loss, grads = model.loss_and_grads(carry[0], *batch)
-        updates, state = opt.update(grads, carry[1], carry[0])
-        return (optax.apply_updates(carry[0], updates), state), loss
-
-    with jax.set_mesh(model.mesh):
-        train = jax.jit(lambda p: jax.lax.scan(adamw_step, (p, opt.init(p)), length=3))
-        (params, _), losses = train(params)
-    losses = [float(x) for x in losses]
+    params, losses = adamw_steps(model, params)
     assert losses[2] < losses[1] < losses[0], losses
     out = tmp_path / "trained"
     names = models.save_pretrained(model, params, out, max_shard_size="200KB")
@@ -142,20 +115,13 @@ def test_adamw_steps_and_save_pretrained_round_trip(hf, tmp_path):
     assert saved["moe_layer_interval"] == 2 and saved["moe_k"] == 2
     trained = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert type(trained).__name__ == "Ernie4_5_MoeForCausalLM"
-    _check_logits(model, params, trained, _tokens(16, seed=9), f"trained {losses}, saved")
+    _check_logits(model, params, trained, random_tokens(16, seed=9), f"trained {losses}, saved")
 
 
 def test_greedy_generate_matches_transformers(hf):
     torch_model, path = hf["untied"]
-    model, params = models.from_pretrained(path, mesh=_mesh("1dev"), dtype=jnp.float32)
-    seq, new = 8, 6
-    prompt = np.random.default_rng(2).integers(1, 128, (2, seq)).astype(np.int32)
-    mask = (np.arange(seq)[None, :] >= np.array([[0], [3]])).astype(np.int32)
-    prompt = prompt * mask
-    got = models.generate(model, params, prompt, new, attention_mask=mask)
-    want = hf_generate(torch_model, prompt, mask, new)
-    assert len(set(want[:, seq:].ravel())) > 2
-    np.testing.assert_array_equal(np.asarray(got), want)
+    model, params = models.from_pretrained(path, mesh=mesh("1dev"), dtype=jnp.float32)
+    check_greedy_generate(model, params, torch_model)
 
 
 def test_config_round_trip_defaults_and_refused_keys(hf):
