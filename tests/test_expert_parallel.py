@@ -1068,7 +1068,7 @@ def test_renamed_activations_tuple_warns_and_still_works():
     assert "ACTIVATIONS" not in expert.__all__ and "FFN_ACTIVATIONS" in expert.__all__
     with pytest.warns(DeprecationWarning, match="ACTIVATIONS is renamed FFN_ACTIVATIONS"):
         old = expert.ACTIVATIONS
-    assert old == expert.FFN_ACTIVATIONS == ("swiglu", "gelu", "silu")
+    assert old == expert.FFN_ACTIVATIONS == ("swiglu", "gelu", "silu", "clamped_swiglu")
     with pytest.raises(AttributeError):
         _ = expert.NO_SUCH_NAME
 

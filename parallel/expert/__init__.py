@@ -6,14 +6,17 @@ sharded over ``(*data_axes, expert_axis)``; expert weights are sharded over the 
 replicated over the data axes. On every device::
 
     router (fp32 logits, top-k)          [T, H] -> expert_ids, probs [T, K]
-                                         (softmax or sigmoid scores, correction bias,
-                                          group-limited choice, scaling: Mixtral,
-                                          Qwen-MoE, DeepSeek-V3)
+                                         (learned logit bias, softmax or sigmoid scores,
+                                          correction bias, group-limited choice, scaling:
+                                          Mixtral, Qwen-MoE, DeepSeek-V3, gpt-oss, Llama 4)
     jaxops.moe.permute                   tokens grouped by expert          [T*K, H]
+                                         (weight_inputs: rows scaled by their weights)
     exchange along the expert axis       each expert's rows to its device  [R_recv, H]
     grouped FFN (one grouped GEMM)       every local expert at once        [R_recv, H]
+                                         (+ per-expert biases)
     exchange back                        rows to the devices they came from
     jaxops.moe.unpermute(probs)          weighted sum per token            [T, H]
+                                         (weight_inputs: plain sum)
     + shared expert (optional)           dense FFN on every token, gated or not
 
 The exchange needs no host synchronization: one all-gather of the ``[E]`` int32 row counts along
@@ -45,6 +48,16 @@ Padded or packed batches: ``token_mask=`` (bool, ``x.shape[:-1]``, sharded like 
 masked-out tokens to no expert (expert id -1: no row, no exchange, no capacity), zeroes their
 output and gradients, and leaves them out of ``MoEAux``: the losses are means over the unmasked
 tokens of the global batch (one more int32 in the aux psum). C still comes from the static T.
+
+Published variants beyond the plain top-k SwiGLU layer (MoEConfig fields): DeepSeek-V3's
+sigmoid router, correction bias, groups and shared experts; Qwen2-MoE's gated shared expert;
+gpt-oss's experts with biases (``expert_bias``: ``b_in [E, F']``, ``b_out [E, H]``, sharded like
+w_in and w_out), clamped SwiGLU with gate and up interleaved (``activation="clamped_swiglu"``,
+``swiglu_alpha``, ``swiglu_limit``) and learned router logit bias (``router_logit_bias``:
+``router_logit_bias [E]``; its softmax over the top-k logits is router="softmax",
+normalize_topk=True); Llama 4's input-weighted experts (``weight_inputs``: each row is scaled by
+its weight before the exchange and the outputs are summed unweighted; its router is
+router="sigmoid", normalize_topk=False).
 
 The package's modules, by concern:
 

@@ -23,7 +23,9 @@ from jaxops._errors import ConfigError, public_name, renamed_fields
 __all__ = [
     "DISPATCHES",
     "EXCHANGES",
+    "EXPERT_PARAMS",
     "FFN_ACTIVATIONS",
+    "GATED_ACTIVATIONS",
     "ROUTERS",
     "MoEAux",
     "MoEConfig",
@@ -33,7 +35,9 @@ __all__ = [
 ]
 
 #: The experts' FFN activations (MoEConfig.activation).
-FFN_ACTIVATIONS = ("swiglu", "gelu", "silu")
+FFN_ACTIVATIONS = ("swiglu", "gelu", "silu", "clamped_swiglu")
+#: The gated activations: w_in holds a gate and an up projection (width 2F).
+GATED_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 #: Router scores (MoEConfig.router).
 ROUTERS = ("softmax", "sigmoid")
 #: Exchange implementations (MoEConfig.exchange).
@@ -80,6 +84,14 @@ def _nonneg_float(name: str, value: Any) -> float:
     return float(value)
 
 
+def _pos_float(name: str, value: Any) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"{_OP}: {name} must be a float, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{_OP}: {name} must be finite and > 0, got {value}")
+    return float(value)
+
+
 @renamed_fields(RENAMED_FIELDS)
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
@@ -96,7 +108,13 @@ class MoEConfig:
       hidden_size: H, the model width (x's last axis). Formerly ``hidden``.
       expert_ffn: F, each expert's inner width. Formerly ``ffn_hidden``.
       activation: one of :data:`FFN_ACTIVATIONS`: "swiglu" (``silu(x W_gate) * (x W_up)``, w_in
-        holds ``[W_gate | W_up]``), "gelu" (exact, erf) or "silu".
+        holds ``[W_gate | W_up]``), "gelu" (exact, erf), "silu" or "clamped_swiglu" (gpt-oss,
+        transformers' ``GptOssExperts._apply_gate``: w_in's columns hold gate and up
+        interleaved, ``gate = h[..., 0::2]``, ``up = h[..., 1::2]`` of the first projection's
+        output h -- gpt-oss's published layout, so checkpoints map without a permutation --
+        then ``gate = min(gate, swiglu_limit)``, ``up = clip(up, -swiglu_limit, swiglu_limit)``
+        and ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``). The shared expert uses the
+        same activation.
       router: "softmax" (scores = softmax(logits), Mixtral / Qwen-MoE) or "sigmoid"
         (scores = sigmoid(logits), DeepSeek-V3). The k experts are chosen by their scores (plus
         the correction bias, within the chosen groups, see below) and weighted by their scores.
@@ -149,6 +167,28 @@ class MoEConfig:
         recipe quantizes them (the grouped GEMMs' dgrad and wgrad); the weight gradient of the
         first expert GEMM requantizes the received FP8 tokens in 128-token groups (the
         sender's original tokens never cross), so it differs from "dtype"'s by FP8 rounding.
+      expert_bias: each routed expert's two projections have biases (gpt-oss's
+        ``gate_up_proj_bias`` and ``down_proj_bias``): params ``b_in [E, F']`` and
+        ``b_out [E, H]``, sharded over the expert axis like w_in and w_out, and
+        ``FFN_e(x) = act(x @ w_in[e] + b_in[e]) @ w_out[e] + b_out[e]``, each bias added in
+        float32 to its GEMM's float32 output (with fp8="block", to the FP8 GEMM's output). The
+        shared expert has no biases.
+      swiglu_alpha: clamped_swiglu's sigmoid scale alpha (finite, > 0; gpt-oss: 1.702).
+      swiglu_limit: clamped_swiglu's clamp limit (finite, > 0; gpt-oss: 7.0).
+      router_logit_bias: a learned per-expert bias added to the router's float32 logits
+        (gpt-oss's ``mlp.router.bias``): param ``router_logit_bias [E]`` (replicated) and
+        ``logits = x @ router + router_logit_bias``. It moves the choice, the weights and the
+        auxiliary losses, and gets a gradient -- unlike router_bias (a no-gradient correction of
+        the choice only), with which it may be combined. gpt-oss's router takes the softmax over
+        the top-k logits: that is router="softmax" with normalize_topk=True (the softmax over
+        all E experts, then the k chosen renormalized: the partition function cancels).
+      weight_inputs: Llama 4's combine (transformers' ``Llama4TextMoe``): each chosen expert
+        receives its token scaled by the routing weight and the chosen experts' outputs are
+        summed unweighted, ``y[t] = sum_k FFN_{ids[t, k]}(probs[t, k] * x[t])`` (the shared
+        expert still sees the unscaled x[t]); the scaled rows are rounded to cfg.dtype. The
+        router gets its gradient through the scaled rows. Llama 4's router is router="sigmoid"
+        with normalize_topk=False. Not with dispatch="fp8" (its rows are quantized before any
+        weight could apply). False: ``y[t] = sum_k probs[t, k] * FFN_{ids[t, k]}(x[t])``.
 
     Example:
       >>> from jaxops.parallel.expert import MoEConfig
@@ -180,6 +220,11 @@ class MoEConfig:
     fp8: str | None = None
     exchange: str = "auto"
     dispatch: str = "dtype"
+    expert_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    router_logit_bias: bool = False
+    weight_inputs: bool = False
 
     def __post_init__(self):
         self._check_sizes()
@@ -200,6 +245,9 @@ class MoEConfig:
         if align > _moe.MAX_ALIGN:
             raise ConfigError(f"{_OP}: align must be <= {_moe.MAX_ALIGN}, got {align}")
         _choice("activation", self.activation, FFN_ACTIVATIONS)
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            self._set(name, _pos_float(name, getattr(self, name)))
+        _checks.check_bool(_OP, "expert_bias", self.expert_bias)
         _int("shared_ffn", self.shared_ffn, 0)
         _checks.check_bool(_OP, "shared_gate", self.shared_gate)
         if self.shared_gate and not self.shared_ffn:
@@ -210,6 +258,8 @@ class MoEConfig:
         _choice("router", self.router, ROUTERS)
         _checks.check_bool(_OP, "normalize_topk", self.normalize_topk)
         _checks.check_bool(_OP, "router_bias", self.router_bias)
+        _checks.check_bool(_OP, "router_logit_bias", self.router_logit_bias)
+        _checks.check_bool(_OP, "weight_inputs", self.weight_inputs)
         groups = _int("n_group", self.n_group, 1)
         if e % groups:
             raise ConfigError(
@@ -251,6 +301,12 @@ class MoEConfig:
                 f"{_OP}: dispatch='fp8' quantizes tokens for the block-scaled FP8 expert "
                 f"GEMMs and needs fp8='block', got fp8={self.fp8!r}"
             )
+        if self.weight_inputs and self.dispatch == "fp8":
+            raise ConfigError(
+                f"{_OP}: weight_inputs=True scales each expert's input rows by its routing "
+                "weight, but dispatch='fp8' quantizes the rows before they are weighted; use "
+                "dispatch='dtype' with weight_inputs"
+            )
         if not isinstance(self.expert_axis, str):
             raise TypeError(
                 f"{_OP}: expert_axis must be a mesh axis name (str), got {self.expert_axis!r}"
@@ -283,19 +339,24 @@ class MoEConfig:
 
     @property
     def w_in_width(self) -> int:
-        """F': the width of w_in (2F for swiglu's gate and up projections, else F)."""
-        return 2 * self.expert_ffn if self.activation == "swiglu" else self.expert_ffn
+        """F': the width of w_in (2F for (clamped_)swiglu's gate and up projections, else F)."""
+        return 2 * self.expert_ffn if self.activation in GATED_ACTIVATIONS else self.expert_ffn
 
     @property
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """The shape of every parameter :func:`init_moe_params` makes for this config."""
         e, h, f = self.num_experts, self.hidden_size, self.expert_ffn
         shapes = {"router": (h, e), "w_in": (e, h, self.w_in_width), "w_out": (e, f, h)}
+        if self.expert_bias:
+            shapes["b_in"] = (e, self.w_in_width)
+            shapes["b_out"] = (e, h)
         if self.router_bias:
             shapes["router_bias"] = (e,)
+        if self.router_logit_bias:
+            shapes["router_logit_bias"] = (e,)
         if self.shared_ffn:
             fs = self.shared_ffn
-            shapes["shared_w_in"] = (h, 2 * fs if self.activation == "swiglu" else fs)
+            shapes["shared_w_in"] = (h, 2 * fs if self.activation in GATED_ACTIVATIONS else fs)
             shapes["shared_w_out"] = (fs, h)
             if self.shared_gate:
                 shapes["shared_gate"] = (h, 1)
@@ -325,14 +386,23 @@ class MoEAux(NamedTuple):
     dropped: jax.Array
 
 
+#: The parameters init_moe_params starts at zero (the biases).
+_ZERO_INIT = ("b_in", "b_out", "router_bias", "router_logit_bias")
+#: The parameters sharded over the expert axis (their leading axis is E).
+EXPERT_PARAMS = ("w_in", "w_out", "b_in", "b_out")
+
+
 def init_moe_params(key: jax.Array, cfg: MoEConfig) -> dict[str, jax.Array]:
     """float32 parameters: ``router [H, E]``, ``w_in [E, H, F']``, ``w_out [E, F, H]``.
 
-    ``F' = 2F`` for swiglu (gate and up projections side by side), else F. Scaled normal
-    initialization (1 / sqrt(fan_in)). With ``cfg.router_bias`` also ``router_bias [E]`` (zeros);
-    with a shared expert ``shared_w_in [H, F_s']``, ``shared_w_out [F_s, H]`` and with
-    ``cfg.shared_gate`` ``shared_gate [H, 1]`` (:attr:`MoEConfig.param_shapes`). Place them with
-    :func:`moe_param_specs`.
+    ``F' = 2F`` for swiglu (gate and up projections side by side) and clamped_swiglu (gate and
+    up interleaved), else F. Scaled normal initialization (1 / sqrt(fan_in)). With
+    ``cfg.expert_bias`` also ``b_in [E, F']`` and ``b_out [E, H]`` (zeros); with
+    ``cfg.router_bias`` ``router_bias [E]`` (zeros); with ``cfg.router_logit_bias``
+    ``router_logit_bias [E]`` (zeros); with a shared expert ``shared_w_in [H, F_s']``,
+    ``shared_w_out [F_s, H]`` and with ``cfg.shared_gate`` ``shared_gate [H, 1]``
+    (:attr:`MoEConfig.param_shapes`). The biases start at zero, so a fresh layer computes what
+    the same layer without them would. Place them with :func:`moe_param_specs`.
 
     Example:
       >>> import jax
@@ -352,7 +422,7 @@ def init_moe_params(key: jax.Array, cfg: MoEConfig) -> dict[str, jax.Array]:
     keys["shared_gate"] = ks[2]
     params = {}
     for name, shape in shapes.items():
-        if name == "router_bias":
+        if name in _ZERO_INIT:
             params[name] = jnp.zeros(shape, jnp.float32)
         else:  # [..., in, out]: scaled by 1 / sqrt(in)
             params[name] = jax.random.normal(keys[name], shape, jnp.float32) / math.sqrt(shape[-2])
@@ -362,15 +432,16 @@ def init_moe_params(key: jax.Array, cfg: MoEConfig) -> dict[str, jax.Array]:
 def moe_param_specs(cfg: MoEConfig) -> dict[str, P]:
     """PartitionSpecs of the parameters: experts over the expert axis, the rest replicated.
 
+    w_in, w_out and (with ``cfg.expert_bias``) b_in, b_out are sharded over ``cfg.expert_axis``
+    along their leading (expert) axis.
+
     Example:
       >>> from jaxops.parallel.expert import MoEConfig, moe_param_specs
       >>> cfg = MoEConfig(num_experts=8, top_k=2, hidden_size=64, expert_ffn=128)
       >>> {name: tuple(spec) for name, spec in moe_param_specs(cfg).items()}
       {'router': (), 'w_in': ('expert',), 'w_out': ('expert',)}
     """
-    return {
-        name: P(cfg.expert_axis) if name in ("w_in", "w_out") else P() for name in cfg.param_shapes
-    }
+    return {name: P(cfg.expert_axis) if name in EXPERT_PARAMS else P() for name in cfg.param_shapes}
 
 
 def check_params(op: str, params: Any, cfg: MoEConfig) -> dict[str, jax.Array]:

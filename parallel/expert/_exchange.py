@@ -216,6 +216,12 @@ def offsets(plan: Plan, align: int, me, counts_all, kept_all):
 
     counts_all / kept_all: int32 ``[N, E]``, every expert-axis peer's routed and kept slots per
     expert. G[i, j, l] = rows peer i sends to peer j's local expert l.
+
+    Returns:
+      ``(forward, backward, group_sizes, used)``: the two exchanges' arguments, this device's
+      int32 ``[L]`` group sizes padded to `align`, and the rows of each group that hold tokens
+      (the first ``used[l]`` of group l; the backward exchange returns exactly those, so the
+      padding rows after them, and after the last group, are never read back).
     """
     n, lx = plan.n, plan.local
     g = kept_all.reshape(n, n, lx)
@@ -238,4 +244,4 @@ def offsets(plan: Plan, align: int, me, counts_all, kept_all):
         send_base[:, me].reshape(-1),
         g[me].reshape(-1),
     )
-    return forward, backward, padded[me]
+    return forward, backward, padded[me], totals[me]

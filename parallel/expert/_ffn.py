@@ -5,7 +5,9 @@ On GPU the grouped GEMM is ``jax.lax.ragged_dot``. XLA:CPU lowers ragged_dot to 
 over every group for every row (masked), L times the work; there the groups are padded to
 multiples of a row tile and a loop runs one ``[tile, K] x [K, N]`` GEMM per tile in use (a
 dynamic trip count: the work follows the rows actually received, not the buffer's worst-case
-size). With ``fp8="block"`` the GEMMs use DeepSeek-V3's block-scaled FP8 numerics.
+size). With ``fp8="block"`` the GEMMs use DeepSeek-V3's block-scaled FP8 numerics. Expert biases
+(``MoEConfig.expert_bias``) are added in float32 to the GEMMs' float32 outputs, each row taking
+its group's bias; padding rows take none, so they stay zero as without biases.
 """
 
 from __future__ import annotations
@@ -28,10 +30,19 @@ CPU_TILE = 32
 
 
 def activate(cfg: MoEConfig, h: jax.Array) -> jax.Array:
-    """cfg.activation on the first projection's output ``[..., F']`` -> ``[..., F]``."""
+    """cfg.activation on the first projection's output ``[..., F']`` -> ``[..., F]``.
+
+    Every activation maps 0 to 0 (padding rows stay zero). "clamped_swiglu" is gpt-oss's
+    (transformers' ``GptOssExperts._apply_gate``): gate and up interleaved in h's columns.
+    """
     if cfg.activation == "swiglu":
         gate, up = jnp.split(h, 2, axis=-1)
         return jax.nn.silu(gate) * up
+    if cfg.activation == "clamped_swiglu":
+        gate, up = h[..., 0::2], h[..., 1::2]
+        gate = jnp.minimum(gate, cfg.swiglu_limit)
+        up = jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
     if cfg.activation == "gelu":
         return jax.nn.gelu(h, approximate=False)
     return jax.nn.silu(h)
@@ -134,39 +145,95 @@ def _groups(tile: int, group_sizes: jax.Array, rows: int):
     return group_sizes, tile_group, (ends[-1] // tile).astype(jnp.int32)
 
 
-def grouped_ffn(cfg: MoEConfig, tile: int, impl, rows, w_in, w_out, group_sizes) -> jax.Array:
+def _bias_rows(group_sizes: jax.Array, used: jax.Array, rows: int):
+    """(each row's group ``[R]``, whether the row is in use ``[R]``) for :func:`_add_bias`.
+
+    The groups lie back to back from row 0, group l ``group_sizes[l]`` rows (padded) of which
+    the first ``used[l]`` hold tokens; the rest of a group and every row after the last group
+    are padding.
+    """
+    ends = jnp.cumsum(group_sizes)
+    r = jnp.arange(rows, dtype=jnp.int32)
+    group = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)  # L after the groups
+    last = group_sizes.shape[0] - 1
+    clipped = jnp.minimum(group, last)
+    start = ends[clipped] - group_sizes[clipped]
+    return clipped, (group <= last) & (r - start < used[clipped])
+
+
+def _add_bias(y: jax.Array, bias: jax.Array, bias_rows) -> jax.Array:
+    """float32 ``y [R, N]`` plus each in-use row's group's ``bias [L, N]`` (padding rows: 0)."""
+    group, in_use = bias_rows
+    return y + jnp.where(in_use[:, None], bias.astype(jnp.float32)[group], 0.0)
+
+
+def grouped_ffn(
+    cfg: MoEConfig,
+    tile: int,
+    impl,
+    rows,
+    w_in,
+    w_out,
+    group_sizes,
+    b_in=None,
+    b_out=None,
+    used=None,
+) -> jax.Array:
     """Each group of rows through its expert's FFN: ``[R, H] -> [R, H]`` in cfg.dtype.
 
     With ``cfg.dispatch == "fp8"`` the rows are the received FP8 tokens, dequantized (float32).
-    `tile`: the row tile of the loop (0: ``jax.lax.ragged_dot``); group_sizes: int32 ``[L]``.
+    `tile`: the row tile of the loop (0: ``jax.lax.ragged_dot``); group_sizes: int32 ``[L]``
+    (padded). With cfg.expert_bias, b_in ``[L, F']`` and b_out ``[L, H]`` are the local experts'
+    biases and used int32 ``[L]`` the rows of each group that hold tokens: only those take their
+    expert's biases (float32, after each GEMM), so padding rows stay zero and add nothing to the
+    biases' gradients or to an FP8 wgrad's 128-row group scales.
     """
     groups = _groups(tile, group_sizes, rows.shape[0])
     quantized = cfg.fp8 == "block"
     first = "given" if cfg.dispatch == "fp8" else quantized
+    bias_rows = None if b_in is None else _bias_rows(group_sizes, used, rows.shape[0])
     h = _grouped_linear(tile, first, impl, rows, w_in.astype(cfg.dtype), groups)
+    if bias_rows is not None:
+        h = _add_bias(h, b_in, bias_rows)
     a = activate(cfg, h).astype(cfg.dtype)
     out = _grouped_linear(tile, quantized, impl, a, w_out.astype(cfg.dtype), groups)
+    if bias_rows is not None:
+        out = _add_bias(out, b_out, bias_rows)
     return out.astype(cfg.dtype)
 
 
+def _linear(cfg: MoEConfig, impl, a: jax.Array, w: jax.Array) -> jax.Array:
+    """``a @ w`` as float32: a dense GEMM, or with cfg.fp8 the block-scaled fp8.linear."""
+    if cfg.fp8 == "block":
+        linear_impl = "xla" if impl == "xla" else None
+        return fp8.linear(a, w, impl=linear_impl).astype(jnp.float32)
+    return jnp.dot(a, w, preferred_element_type=jnp.float32)
+
+
 def expert_ffn(
-    cfg: MoEConfig, xs: jax.Array, w_in: jax.Array, w_out: jax.Array, impl: str | None = None
+    cfg: MoEConfig,
+    xs: jax.Array,
+    w_in: jax.Array,
+    w_out: jax.Array,
+    impl: str | None = None,
+    b_in: jax.Array | None = None,
+    b_out: jax.Array | None = None,
 ) -> jax.Array:
-    """One dense FFN ``act(xs @ w_in) @ w_out``, float32 ``[T, H]``.
+    """One dense FFN ``act(xs @ w_in + b_in) @ w_out + b_out``, float32 ``[T, H]``.
 
     xs, w_in, w_out in cfg.dtype; GEMMs accumulate in float32 (with cfg.fp8 the block-scaled
-    ``jaxops.fp8.linear``, its output in cfg.dtype). The activation's input is float32.
+    ``jaxops.fp8.linear``, its output in cfg.dtype). The biases (None: none), ``b_in [F']`` and
+    ``b_out [H]``, are added in float32 to the GEMMs' outputs. The activation's input is float32.
     impl="xla" runs fp8.linear's pure-JAX twin; otherwise its default (its GEMMs have no CPU
     kernel, so "ffi" is not forced on it).
     """
-    if cfg.fp8 == "block":
-        linear_impl = "xla" if impl == "xla" else None
-        hid = fp8.linear(xs, w_in, impl=linear_impl).astype(jnp.float32)
-        act = activate(cfg, hid).astype(cfg.dtype)
-        return fp8.linear(act, w_out, impl=linear_impl).astype(jnp.float32)
-    hid = jnp.dot(xs, w_in, preferred_element_type=jnp.float32)
-    act = activate(cfg, hid).astype(cfg.dtype)
-    return jnp.dot(act, w_out, preferred_element_type=jnp.float32)
+    hid = _linear(cfg, impl, xs, w_in)
+    if b_in is not None:
+        hid = hid + b_in.astype(jnp.float32)
+    out = _linear(cfg, impl, activate(cfg, hid).astype(cfg.dtype), w_out)
+    if b_out is not None:
+        out = out + b_out.astype(jnp.float32)
+    return out
 
 
 def shared_expert(

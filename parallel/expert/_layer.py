@@ -20,6 +20,7 @@ from jaxops import moe as _moe
 from jaxops._sharding import place
 
 from ._config import (
+    EXPERT_PARAMS,
     FP8_BLOCK,
     MoEAux,
     MoEConfig,
@@ -57,8 +58,8 @@ def _route_and_count(cfg: MoEConfig, plan: Plan, params, tokens, valid=None):
     the losses are means over the unmasked tokens of all shards.
     """
     e, token_axes = cfg.num_experts, cfg.token_axes
-    bias = params.get("router_bias")
-    logits, dist, ids, probs = route(cfg, tokens, params["router"], bias, valid)
+    bias, logit_bias = params.get("router_bias"), params.get("router_logit_bias")
+    logits, dist, ids, probs = route(cfg, tokens, params["router"], bias, valid, logit_bias)
     counts = slot_counts(ids, e, masked=valid is not None)
     if plan.capacity is None:
         kept = counts
@@ -100,12 +101,19 @@ def local_layer(
         q = fp8.quantize(jax.lax.stop_gradient(compute), block=(1, FP8_BLOCK), impl=impl)
         permuted = _moe.permute(q.data, ids, e, scales=q.scale, impl=impl)
     else:
-        permuted = _moe.permute(compute, ids, e, impl=impl)
+        # weight_inputs (Llama 4): permute carries each row's weight along (differentiable: the
+        # router's gradient comes back through it), and the row is scaled by it in float32 and
+        # rounded once before it is sent.
+        weights = probs if cfg.weight_inputs else None
+        permuted = _moe.permute(compute, ids, e, probs=weights, impl=impl)
+    sent = permuted.tokens
+    if cfg.weight_inputs:
+        sent = (sent.astype(jnp.float32) * permuted.probs[:, None]).astype(cfg.dtype)
     if upto == "permute":
-        return _probe(probs, aux.loss, kept, permuted.tokens)
+        return _probe(probs, aux.loss, kept, sent)
     both = jax.lax.all_gather(jnp.stack([counts, kept]), axis)  # [N, 2, E]
     me = jax.lax.axis_index(axis)
-    forward, backward, group_sizes = offsets(plan, plan.align, me, both[:, 0], both[:, 1])
+    forward, backward, group_sizes, used = offsets(plan, plan.align, me, both[:, 0], both[:, 1])
     if cfg.dispatch == "fp8":
         rows = fp8_dispatch(
             plan,
@@ -119,15 +127,27 @@ def local_layer(
         )
     else:
         recv = jnp.zeros((plan.recv_rows, h), cfg.dtype)
-        rows = exchange(plan, axis, permuted.tokens, recv, forward)
+        rows = exchange(plan, axis, sent, recv, forward)
     if upto == "exchange":
         return _probe(probs, aux.loss, rows)
-    out = grouped_ffn(cfg, plan.tile, impl, rows, params["w_in"], params["w_out"], group_sizes)
+    out = grouped_ffn(
+        cfg,
+        plan.tile,
+        impl,
+        rows,
+        params["w_in"],
+        params["w_out"],
+        group_sizes,
+        params.get("b_in"),
+        params.get("b_out"),
+        used,
+    )
     if upto == "ffn":
         return _probe(probs, aux.loss, out)
     back = jnp.zeros((permuted.tokens.shape[0], h), cfg.dtype)
     returned = exchange(plan, axis, out, back, backward)
-    y = _moe.unpermute(returned, permuted, probs=probs, impl=impl)
+    # weight_inputs: the weights went in with the rows; the outputs are summed unweighted.
+    y = _moe.unpermute(returned, permuted, probs=None if cfg.weight_inputs else probs, impl=impl)
     shared = shared_expert(cfg, params, tokens, impl)
     if shared is not None:
         y = y.astype(jnp.float32) + shared
@@ -201,9 +221,10 @@ def _local_call(op: str, params, x, cfg: MoEConfig, mesh, impl, token_mask):
     """The layer on this device's shards, inside an enclosing shard_map over cfg's axes."""
     n, shards = _check_mesh(op, mesh, cfg)
     local = cfg.num_experts // n
-    shapes = dict(cfg.param_shapes)
-    shapes["w_in"] = (local, *shapes["w_in"][1:])
-    shapes["w_out"] = (local, *shapes["w_out"][1:])
+    shapes = {
+        name: (local, *shape[1:]) if name in EXPERT_PARAMS else shape
+        for name, shape in cfg.param_shapes.items()
+    }
     for name, shape in shapes.items():
         arr = params.get(name) if isinstance(params, dict) else None
         if arr is None or tuple(arr.shape) != shape:
@@ -229,9 +250,12 @@ def moe_layer(
 ) -> tuple[jax.Array, MoEAux]:
     """The expert-parallel MoE layer: ``y[t] = sum_k probs[t, k] * FFN_{ids[t, k]}(x[t])``.
 
-    Runs as one ``shard_map`` over `mesh` (see the package docstring for the data flow, buffer
-    bounds and capacity semantics). Differentiable in params and x (router gradients come through
-    the probabilities and the auxiliary losses). Call it under ``jax.jit``.
+    ``FFN_e(x) = act(x @ w_in[e] + b_in[e]) @ w_out[e] + b_out[e]`` (biases with
+    cfg.expert_bias); with cfg.weight_inputs (Llama 4) the weights scale the experts' inputs
+    instead, ``y[t] = sum_k FFN_{ids[t, k]}(probs[t, k] * x[t])``; plus the shared expert, if
+    any. Runs as one ``shard_map`` over `mesh` (see the package docstring for the data flow,
+    buffer bounds and capacity semantics). Differentiable in params and x (router gradients come
+    through the probabilities and the auxiliary losses). Call it under ``jax.jit``.
 
     Inside an enclosing ``shard_map`` in which cfg's token axes are already manual (a stage of
     :func:`jaxops.parallel.pipeline.pipeline_step`, say), the layer runs directly on this

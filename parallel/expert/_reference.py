@@ -31,7 +31,10 @@ def moe_layer_reference(
     Loops over the experts explicitly: ``y += w_e[t] * FFN_e(x[t])`` with ``w_e[t]`` the
     token's routing probability of e if e is among its top-k and the slot is kept (capacity: an
     expert keeps its first C slots in slot order), plus the shared expert if the config has
-    one. With cfg.fp8 each expert's projections are ``jaxops.fp8.linear`` (the "block" recipe).
+    one; with cfg.weight_inputs (Llama 4) ``y += FFN_e(w_e[t] * x[t])`` for the tokens whose
+    slot of e is kept. ``FFN_e(x) = act(x @ w_in[e] + b_in[e]) @ w_out[e] + b_out[e]`` (biases
+    with cfg.expert_bias). With cfg.fp8 each expert's projections are ``jaxops.fp8.linear``
+    (the "block" recipe).
     The oracle of the tests and the "dense" baseline of the benchmark (under jit with sharded
     tokens it computes all E experts on every device).
 
@@ -76,21 +79,32 @@ def moe_layer_reference(
     valid = None if token_mask is None else token_mask.reshape(-1)
     tokens = mask_tokens(x.reshape(-1, cfg.hidden_size), valid)
     t, e, k = tokens.shape[0], cfg.num_experts, cfg.top_k
-    bias = params.get("router_bias")
-    logits, dist, ids, probs = route(cfg, tokens, params["router"], bias, valid)
+    bias, logit_bias = params.get("router_bias"), params.get("router_logit_bias")
+    logits, dist, ids, probs = route(cfg, tokens, params["router"], bias, valid, logit_bias)
     slot_expert = ids.reshape(-1)
     onehot = slot_expert[:, None] == jnp.arange(e)[None, :]  # [T*K, E], slot order
     cap = cfg.capacity(t)
     keep = onehot if cap is None else onehot & (jnp.cumsum(onehot, axis=0) <= cap)
     weight = jnp.where(keep, probs.reshape(-1)[:, None], 0.0).reshape(t, k, e).sum(axis=1)
+    chosen = jnp.any(keep.reshape(t, k, e), axis=1)  # [T, E]: e holds a kept slot of t
     xs = tokens.astype(cfg.dtype)
     y = jnp.zeros((t, cfg.hidden_size), jnp.float32)
     for i in range(e):
         w_in = params["w_in"][i].astype(cfg.dtype)
         w_out = params["w_out"][i].astype(cfg.dtype)
+        biases = (params["b_in"][i], params["b_out"][i]) if cfg.expert_bias else ()
+        w = weight[:, i : i + 1]
+        if cfg.weight_inputs:
+            # The token scaled in float32 and rounded once, as the layer's sent rows are.
+            inputs = (xs.astype(jnp.float32) * w).astype(cfg.dtype)
+        else:
+            inputs = xs
         # Each expert's output is rounded to cfg.dtype, as the layer's grouped GEMM's is.
-        out = expert_ffn(cfg, xs, w_in, w_out, impl).astype(cfg.dtype)
-        y = y + weight[:, i : i + 1] * out.astype(jnp.float32)
+        out = expert_ffn(cfg, inputs, w_in, w_out, impl, *biases).astype(cfg.dtype)
+        if cfg.weight_inputs:  # unweighted, where chosen (with biases FFN_e(0) is not 0)
+            y = y + jnp.where(chosen[:, i : i + 1], out.astype(jnp.float32), 0.0)
+        else:
+            y = y + w * out.astype(jnp.float32)
     shared = shared_expert(cfg, params, tokens, impl)
     if shared is not None:
         y = y.astype(cfg.dtype).astype(jnp.float32) + shared

@@ -1,10 +1,11 @@
 """Routing: the router's choice and weights, the auxiliary losses, the correction bias update.
 
 Shared by the expert-parallel layer and its dense reference: :func:`check_token_mask` (the
-``token_mask=`` argument), :func:`route` (float32 logits, softmax or sigmoid scores, correction
-bias, group-limited choice, top-k weights; masked-out tokens routed nowhere), :func:`router_sums`
-and :func:`aux_from_sums` (:class:`MoEAux` from global sums over the unmasked tokens) and
-:func:`update_router_bias` (DeepSeek-V3's auxiliary-loss-free balancing).
+``token_mask=`` argument), :func:`route` (float32 logits with an optional learned bias, softmax
+or sigmoid scores, correction bias, group-limited choice, top-k weights; masked-out tokens
+routed nowhere), :func:`router_sums` and :func:`aux_from_sums` (:class:`MoEAux` from global sums
+over the unmasked tokens) and :func:`update_router_bias` (DeepSeek-V3's auxiliary-loss-free
+balancing).
 """
 
 from __future__ import annotations
@@ -72,27 +73,40 @@ def slot_counts(ids: jax.Array, num_experts: int, masked: bool = False) -> jax.A
     return counts.at[ids.reshape(-1)].add((ids.reshape(-1) >= 0).astype(jnp.int32))
 
 
-def route(cfg: MoEConfig, tokens: jax.Array, w_router: jax.Array, bias=None, valid=None):
+def route(
+    cfg: MoEConfig,
+    tokens: jax.Array,
+    w_router: jax.Array,
+    bias=None,
+    valid=None,
+    logit_bias=None,
+):
     """(logits, probabilities over experts, expert_ids [T, K], their weights [T, K]), float32.
 
-    Scores are softmax or sigmoid of the float32 logits. The choice: the scores plus the
-    correction bias (no gradient), limited to each token's `topk_group` best groups (a group's
-    score: the sum of its two best), then the top k. The weights: the chosen experts' raw scores,
-    normalized to sum 1 if asked (sigmoid: the sum plus 1e-20, as DeepSeek-V3), times
-    routed_scaling_factor.
+    The logits are ``tokens @ w_router (+ logit_bias)`` in float32; scores are their softmax or
+    sigmoid. The choice: the scores plus the correction bias (no gradient), limited to each
+    token's `topk_group` best groups (a group's score: the sum of its two best), then the top k.
+    The weights: the chosen experts' raw scores, normalized to sum 1 if asked (sigmoid: the sum
+    plus 1e-20, as DeepSeek-V3), times routed_scaling_factor. With router="softmax" and
+    normalize_topk the weights are the softmax over the k chosen logits (gpt-oss's router): the
+    full softmax's partition function cancels in the renormalization.
 
     Args:
       cfg: the layer's config.
       tokens: ``[T, H]``, any float dtype.
       w_router: ``[H, E]``.
-      bias: None or float32 ``[E]``, the correction bias.
+      bias: None or float32 ``[E]``, the correction bias (choice only, no gradient).
       valid: None or bool ``[T]``: a False token gets expert ids -1 (no expert) and weights 0.
+      logit_bias: None or ``[E]``, the learned logit bias (MoEConfig.router_logit_bias), added
+        to the float32 logits (with a gradient).
     """
     logits = jnp.dot(
         tokens.astype(jnp.float32),
         w_router.astype(jnp.float32),
         precision=jax.lax.Precision.HIGHEST,
     )
+    if logit_bias is not None:
+        logits = logits + logit_bias.astype(jnp.float32)
     if cfg.router == "softmax":
         scores = jax.nn.softmax(logits, axis=-1)
         dist = scores
