@@ -163,6 +163,9 @@ def _family_config(family: str, case: str) -> tuple[DecoderConfig, int, int]:
     """The case's sizes with `family`'s features (attention, router, shared and dense layers)."""
     cfg, b, s = _config(case)
     d, ffn, heads, dh = cfg.hidden_size, cfg.expert_ffn, cfg.num_heads, cfg.head_dim
+    layers = cfg.num_layers
+    alternate = ("sliding_attention", "full_attention") * (layers // 2) + (
+        "sliding_attention",) * (layers % 2)  # fmt: skip
     routed = dict(router="sigmoid", router_bias=True, n_group=2, topk_group=1,
                   routed_scaling_factor=2.5, shared_ffn=ffn, shared_gate=False,
                   dense_layers=(0,), dense_ffn=4 * d)  # fmt: skip
@@ -195,6 +198,52 @@ def _family_config(family: str, case: str) -> tuple[DecoderConfig, int, int]:
                 q_lora_rank=d // 2,
             ),
             **routed,
+        ),
+        "gpt_oss": dict(
+            qk_norm=False,
+            qkv_bias=True,
+            o_bias=True,
+            rope=Rope(
+                "yarn",
+                1.5e5,
+                factor=32.0,
+                original_max_position_embeddings=4096,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+            ),
+            sliding_window=max(s // 4, 1),
+            layer_types=alternate,
+            attention_sinks=True,
+            activation="clamped_swiglu",
+            expert_bias=True,
+            router_logit_bias=True,
+        ),
+        "llama4_text": dict(
+            qk_norm=False,
+            top_k=1,
+            router="sigmoid",
+            normalize_topk=False,
+            weight_inputs=True,
+            shared_ffn=ffn,
+            shared_gate=False,
+            dense_layers=tuple(range(0, layers, 2)) if layers > 1 else (),
+            dense_ffn=4 * d if layers > 1 else 0,
+            rope=Rope(theta=5e5, interleave=True),
+            nope_layers=tuple(range(1, layers, 2)),
+            attention_chunk_size=max(s // 4, 1),
+            layer_types=tuple(
+                "full_attention" if i % 2 else "chunked_attention" for i in range(layers)
+            ),
+            qk_l2_norm=True,
+            attn_temperature_tuning=True,
+            floor_scale=max(s // 4, 1),
+        ),
+        "minimax_m2": dict(
+            qk_norm_width="projection",
+            rope=Rope(theta=5e6, partial_rotary_factor=0.5),
+            router="sigmoid",
+            router_bias=True,
         ),
     }[family]
     return dataclasses.replace(cfg, model_type=family, **kw), b, s
@@ -337,8 +386,9 @@ def run(args) -> H.Result:
         families,
         FAMILY_COLUMNS,
         "per model type at --family-case (its attention, router, shared and dense layers; "
-        "glm4_moe and deepseek_v3 with a dense first layer, deepseek_v3 with MLA); KV bytes "
-        "per token over all layers",
+        "glm4_moe, deepseek_v3 and ernie4_5_moe with a dense first layer, deepseek_v3 with MLA, "
+        "gpt_oss with sliding-window layers of S/4 and sinks, llama4_text top-1 with dense "
+        "layers 0 and 2 and chunks of S/4); KV bytes per token over all layers",
     )
     goal = H.worst_goal(rows, "ratio", 1.0, text, lambda r: r["case"])
     return H.Result(rows, COLUMNS, [goal], tables=[table, family_table])

@@ -3,8 +3,10 @@
 What a user does with a published checkpoint, end to end, on 8 simulated CPU devices:
 
 1. transformers creates a tiny random Qwen3-MoE (or Mixtral, Qwen2-MoE, OLMoE, GLM-4.5,
-   DeepSeek-V3 or ERNIE-4.5-MoE, the last three with a dense first layer) and saves it as a
-   sharded safetensors directory -- the stand-in for a downloaded model (no network needed);
+   DeepSeek-V3 or ERNIE-4.5-MoE, the last three with a dense first layer, gpt-oss with its
+   sliding-window layers and attention sinks, Llama 4 with its chunked and NoPE layers, or
+   MiniMax-M2) and saves it as a sharded safetensors directory -- the stand-in for a downloaded
+   model (no network needed);
 2. ``jaxops.models.from_pretrained`` reads it onto a mesh (``pipe x data x expert``: layers as
    1F1B pipeline stages, experts over the expert axis, the batch over data and expert) and checks
    its logits against transformers';
@@ -41,6 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "glm4_moe",
             "deepseek_v3",
             "ernie4_5_moe",
+            "gpt_oss",
+            "llama4_text",
+            "minimax_m2",
         ),
         default="qwen3_moe",
     )
@@ -86,6 +91,24 @@ def make_hf_model(arch: str, path: Path) -> None:
     elif arch == "olmoe":
         config = transformers.OlmoeConfig(**common, num_experts=8, intermediate_size=32)
         cls = transformers.OlmoeForCausalLM
+    elif arch == "gpt_oss":  # a sliding-window layer (window 8), then a full one
+        config = transformers.GptOssConfig(
+            **common, num_local_experts=8, intermediate_size=32, head_dim=16, sliding_window=8
+        )
+        cls = transformers.GptOssForCausalLM
+    elif arch == "llama4_text":  # chunked attention (chunks of 8), then a NoPE layer; top-1
+        config = transformers.Llama4TextConfig(
+            **{**common, "num_experts_per_tok": 1}, num_local_experts=8, intermediate_size=32,
+            intermediate_size_mlp=64, head_dim=16, attention_chunk_size=8,
+            no_rope_layer_interval=2, bos_token_id=None, eos_token_id=None,
+        )  # fmt: skip
+        cls = transformers.Llama4ForCausalLM
+    elif arch == "minimax_m2":
+        config = transformers.MiniMaxM2Config(
+            **common, num_local_experts=8, intermediate_size=32, head_dim=16, rotary_dim=8,
+            bos_token_id=None, eos_token_id=None,
+        )  # fmt: skip
+        cls = transformers.MiniMaxM2ForCausalLM
     elif arch == "ernie4_5_moe":  # a dense first layer, then 2 MoE layers
         config = transformers.Ernie4_5_MoeConfig(
             **{k: v for k, v in common.items() if k not in ("num_experts_per_tok",

@@ -2,8 +2,9 @@
 
 - :class:`DecoderConfig` (from a Hugging Face ``config.json``: Mixtral, Qwen3-MoE, Qwen2-MoE,
   OLMoE, GLM-4.5 (glm4_moe), DeepSeek-V3 / Kimi K2 / Moonlight (deepseek_v3, with
-  :class:`Mla`, multi-head latent attention), ERNIE-4.5-MoE (ernie4_5_moe); dense layers
-  among the MoE layers;
+  :class:`Mla`, multi-head latent attention), ERNIE-4.5-MoE (ernie4_5_moe), gpt-oss
+  (gpt_oss), Llama 4 (llama4_text, and llama4's text model) and MiniMax-M2 (minimax_m2);
+  dense layers among the MoE layers, per-layer attention patterns (sliding, chunked, NoPE);
   its :class:`Rope`: default, linear, dynamic, yarn or llama3 scaling, :func:`read_rope`)
   and :class:`MoEDecoder`: the decoder laid out on a mesh (experts over an ``expert`` axis,
   layers over a ``pipe`` axis as pipeline stages, the batch over the rest) with ``init``,
@@ -14,7 +15,8 @@
   (a KV cache, greedy or sampled), :data:`REMAT_POLICIES` and gradient accumulation.
 - :func:`from_pretrained` / :func:`save_pretrained`: a Hugging Face model directory in, sharded
   parameters out, and back (transformers loads what it writes); :func:`name_map` is the mapping.
-  Published FP8 checkpoints (128 x 128 block scales) load dequantized, and
+  Published FP8 checkpoints (128 x 128 block scales) and gpt-oss's MXFP4 checkpoints load
+  dequantized, and
   ``save_pretrained(..., quantize="fp8-block")`` writes that format.
 - :data:`DECODER_SCHEDULES`, :data:`MOE_IMPLS`, :data:`MODEL_TYPES`, :data:`BLOCK_MODEL_TYPES`:
   what the decoder and the blocks take.

@@ -189,8 +189,9 @@ def load_moe_block(
         raise ConfigError(f"{root}: no config.json") from None
     if read_quantization(hf) is not None:
         raise ConfigError(
-            f"{root}: an FP8 checkpoint; load_moe_block reads unquantized weights only "
-            "(jaxops.models.from_pretrained reads FP8 block checkpoints)"
+            f"{root}: a quantized checkpoint ({hf['quantization_config'].get('quant_method')}); "
+            "load_moe_block reads unquantized weights only (jaxops.models.from_pretrained reads "
+            "FP8 block and MXFP4 checkpoints)"
         )
     kind = _model_type(hf)
     op = "jaxops.models.load_moe_block"

@@ -10,12 +10,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from jaxops.models._families import MODEL_TYPES, config_fields, hf_keys
+from jaxops.models._families import LAYER_TYPES, MODEL_TYPES, config_fields
+from jaxops.models._hf_config import hf_keys
 from jaxops.models._rope import Rope, rotary_dim
 
 from jaxops._errors import ConfigError, named_errors
 
 __all__ = [
+    "ACTIVATIONS",
+    "LAYER_TYPES",
     "MODEL_TYPES",
     "QK_NORM_WIDTHS",
     "ROUTERS",
@@ -29,7 +32,12 @@ __all__ = [
 QK_NORM_WIDTHS = ("head", "projection")
 #: The router's scores: softmax (Mixtral, Qwen, OLMoE) or sigmoid (GLM-4.5, DeepSeek-V3).
 ROUTERS = ("softmax", "sigmoid")
+#: The experts' activation: SwiGLU, or gpt-oss's clamped SwiGLU (gate and up interleaved).
+ACTIVATIONS = ("swiglu", "clamped_swiglu")
 _DEFAULT_ROPE = Rope()
+# The model types whose RoPE rotates part of each head / rotates interleaved pairs.
+_PARTIAL = ("glm4_moe", "minimax_m2")
+_INTERLEAVED = ("deepseek_v3", "ernie4_5_moe", "llama4_text")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,17 +77,19 @@ class Mla:
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """A decoder-only MoE transformer (Mixtral, Qwen-MoE, OLMoE, GLM-4.5, DeepSeek-V3, ERNIE-4.5).
+    """A decoder-only MoE transformer (every model type of :data:`MODEL_TYPES`).
 
     Every layer is ``h += attention(rms_norm(h))`` then ``h += ffn(rms_norm(h))``. The attention
     is grouped-query attention (rotary embeddings in the rotate-half layout: :class:`Rope`,
-    default or scaled as "linear", "dynamic", "yarn", "llama3", rotating the whole head or, GLM,
-    its first part; an optional causal sliding window, Qwen3's and GLM's per-head or OLMoE's
-    whole-projection q/k RMSNorm, q/k/v biases) or DeepSeek's multi-head latent attention
-    (:class:`Mla`, interleaved RoPE pairs; ERNIE interleaves too). The ffn is the
-    expert-parallel MoE layer (SwiGLU experts; softmax or sigmoid routing, a correction bias for
-    the choice, group-limited choice; shared experts, gated in Qwen2-MoE) or, in the
-    `dense_layers`, a dense SwiGLU MLP. Build it with :meth:`from_hf`.
+    default or scaled as "linear", "dynamic", "yarn", "llama3", rotating the whole head or, GLM
+    and MiniMax-M2, its first part; per-layer sliding windows, attention chunks and NoPE layers;
+    Qwen3's and GLM's per-head, OLMoE's and MiniMax-M2's whole-projection q/k RMSNorm, Llama
+    4's L2 q/k norm; q/k/v/o biases; gpt-oss's attention sinks) or DeepSeek's multi-head latent
+    attention (:class:`Mla`, interleaved RoPE pairs; ERNIE and Llama 4 interleave too). The ffn
+    is the expert-parallel MoE layer (SwiGLU or gpt-oss's clamped SwiGLU experts, optionally
+    with biases; softmax or sigmoid routing, a logit bias, a correction bias for the choice,
+    group-limited choice, Llama 4's input weighting; shared experts, gated in Qwen2-MoE) or, in
+    the `dense_layers`, a dense SwiGLU MLP. Build it with :meth:`from_hf`.
 
     Attributes:
       model_type: one of :data:`MODEL_TYPES`.
@@ -142,6 +152,33 @@ class DecoderConfig:
       shared_gate: the shared expert's output passes a sigmoid gate (Qwen2-MoE); GLM,
         DeepSeek and ERNIE add their shared experts as they are.
       mla: multi-head latent attention (DeepSeek-V3) instead of GQA, or None.
+      layer_types: each layer's attention, one of :data:`LAYER_TYPES` per layer (gpt-oss,
+        Llama 4): "full_attention" (causal), "sliding_attention" (causal within
+        `sliding_window` time steps), "chunked_attention" (causal within each
+        `attention_chunk_size` block of rotary positions: transformers' chunks count from the
+        first real token). Empty: every layer "full_attention", windowed by `sliding_window`
+        when it is set (Mixtral).
+      attention_chunk_size: the chunk of the "chunked_attention" layers (Llama 4), or None.
+      nope_layers: layers without rotary embedding (Llama 4's NoPE layers, transformers'
+        ``no_rope_layers`` entries 0).
+      attn_temperature_tuning: Llama 4: the queries of the NoPE layers are scaled by
+        ``log1p(floor((t + 1) / floor_scale)) * attn_scale + 1`` at time step t.
+      floor_scale: see `attn_temperature_tuning`.
+      attn_scale: see `attn_temperature_tuning`.
+      qk_l2_norm: Llama 4's ``use_qk_norm``: q and k of each head divided by their root mean
+        square (no weight, eps `rms_norm_eps`) after RoPE, in the RoPE layers only.
+      attention_sinks: gpt-oss: a learned logit per query head (``sinks [Hq]``) joins each
+        query's softmax denominator (its probability mass is dropped, not attended).
+      activation: the experts' (routed and shared) activation, one of :data:`ACTIVATIONS`:
+        "swiglu" (``silu(gate) * up``, gate and up side by side) or "clamped_swiglu" (gpt-oss:
+        gate and up interleaved, ``(clip(up, -l, l) + 1) * g * sigmoid(alpha g)`` with ``g =
+        min(gate, l)``, l = `swiglu_limit`, alpha = `swiglu_alpha`).
+      swiglu_alpha: see `activation`.
+      swiglu_limit: see `activation`.
+      expert_bias: the routed experts' projections have biases (gpt-oss).
+      router_logit_bias: the router's logits have a learned bias (gpt-oss ``router.bias``).
+      weight_inputs: each chosen expert gets its token scaled by the routing weight and the
+        outputs are summed (Llama 4), instead of weighting the outputs.
     """
 
     model_type: str
@@ -175,6 +212,20 @@ class DecoderConfig:
     routed_scaling_factor: float = 1.0
     shared_gate: bool = True
     mla: Mla | None = None
+    layer_types: tuple[str, ...] = ()
+    attention_chunk_size: int | None = None
+    nope_layers: tuple[int, ...] = ()
+    attn_temperature_tuning: bool = False
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+    qk_l2_norm: bool = False
+    attention_sinks: bool = False
+    activation: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_bias: bool = False
+    router_logit_bias: bool = False
+    weight_inputs: bool = False
 
     def __post_init__(self):
         op = "jaxops.models.DecoderConfig"
@@ -201,15 +252,16 @@ class DecoderConfig:
             object.__setattr__(self, "rope", Rope(theta=self.rope))
         if not isinstance(self.rope, Rope):
             raise ConfigError(f"{op}: rope must be a Rope, got {self.rope!r}")
-        if self.rope.partial_rotary_factor != 1.0 and self.model_type != "glm4_moe":
+        if self.rope.partial_rotary_factor != 1.0 and self.model_type not in _PARTIAL:
             raise ConfigError(
                 f"{op}: rope must rotate the whole head for {self.model_type} "
-                f"(partial_rotary_factor 1.0; only glm4_moe rotates part), got {self.rope}"
+                f"(partial_rotary_factor 1.0; only {', '.join(_PARTIAL)} rotate part), got "
+                f"{self.rope}"
             )
-        if self.rope.interleave and self.model_type not in ("deepseek_v3", "ernie4_5_moe"):
+        if self.rope.interleave and self.model_type not in _INTERLEAVED:
             raise ConfigError(
                 f"{op}: rope must use the rotate-half layout for {self.model_type} (interleave "
-                f"False; only deepseek_v3 and ernie4_5_moe interleave), got {self.rope}"
+                f"False; only {', '.join(_INTERLEAVED)} interleave), got {self.rope}"
             )
         if not self.rope.interleave and self.model_type == "ernie4_5_moe":
             raise ConfigError(f"{op}: ernie4_5_moe rotates interleaved pairs; got {self.rope}")
@@ -229,6 +281,7 @@ class DecoderConfig:
         self._check_layers(op)
         self._check_router(op)
         self._check_mla(op)
+        self._check_attention(op)
 
     def _check_layers(self, op: str) -> None:
         dense = self.dense_layers
@@ -294,6 +347,77 @@ class DecoderConfig:
                 f"{self.qk_norm}, qkv_bias={self.qkv_bias}, o_bias={self.o_bias}, "
                 f"sliding_window={self.sliding_window}"
             )
+
+    def _check_attention(self, op: str) -> None:
+        types = self.layer_types
+        if not isinstance(types, tuple | list) or not all(t in LAYER_TYPES for t in types):
+            raise ConfigError(
+                f"{op}: layer_types must be a tuple of {LAYER_TYPES} (one per layer) or empty, "
+                f"got {types!r}"
+            )
+        object.__setattr__(self, "layer_types", tuple(types))
+        if types and len(types) != self.num_layers:
+            raise ConfigError(
+                f"{op}: layer_types has {len(types)} entries; num_layers = {self.num_layers}"
+            )
+        chunk = self.attention_chunk_size
+        if chunk is not None and (
+            isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1
+        ):
+            raise ConfigError(
+                f"{op}: attention_chunk_size must be an int >= 1 or None, got {chunk!r}"
+            )
+        needs = (
+            ("sliding_attention", self.sliding_window, "sliding_window"),
+            ("chunked_attention", chunk, "attention_chunk_size"),
+        )
+        for kind, value, name in needs:
+            if kind in types and value is None:
+                raise ConfigError(f"{op}: layer_types has {kind!r} layers but {name} is None")
+        nope = self.nope_layers
+        if not isinstance(nope, tuple | list) or any(
+            isinstance(i, bool) or not isinstance(i, int) for i in nope
+        ):
+            raise ConfigError(f"{op}: nope_layers must be a tuple of layer indices, got {nope!r}")
+        nope = tuple(nope)
+        object.__setattr__(self, "nope_layers", nope)
+        if list(nope) != sorted(set(nope)) or any(not 0 <= i < self.num_layers for i in nope):
+            raise ConfigError(
+                f"{op}: nope_layers must be distinct sorted indices in [0, {self.num_layers}), "
+                f"got {nope}"
+            )
+        for name in ("floor_scale", "attn_scale", "swiglu_alpha", "swiglu_limit"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not (math.isfinite(value) and value > 0)
+            ):
+                raise ConfigError(f"{op}: {name} must be a finite number > 0, got {value!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(
+                f"{op}: activation must be one of {ACTIVATIONS}, got {self.activation!r}"
+            )
+        if self.mla is not None and (self.attention_sinks or self.qk_l2_norm or nope or types):
+            raise ConfigError(
+                f"{op}: mla takes none of attention_sinks, qk_l2_norm, nope_layers, layer_types"
+            )
+
+    @property
+    def layer_attention(self) -> tuple[tuple[int | None, int | None, bool], ...]:
+        """Per layer ``(window, chunk, rope)``: its attention pattern.
+
+        Its sliding window and attention chunk (None: none) and whether it applies RoPE, from
+        `layer_types`, `sliding_window`, `attention_chunk_size` and `nope_layers`.
+        """
+        nope = set(self.nope_layers)
+        out = []
+        for i in range(self.num_layers):
+            kind = self.layer_types[i] if self.layer_types else None
+            window = self.sliding_window if kind in (None, "sliding_attention") else None
+            chunk = self.attention_chunk_size if kind == "chunked_attention" else None
+            out.append((window, chunk, i not in nope))
+        return tuple(out)
 
     @property
     def rope_theta(self) -> float:
@@ -390,7 +514,10 @@ class DecoderConfig:
                 "biases or dense layers; qwen2_moe has no q/k norms; olmoe has whole-projection "
                 "q/k norms, head_dim = hidden_size / num_attention_heads, no shared expert and no "
                 "sliding window; glm4_moe and deepseek_v3 have sigmoid routers and their dense "
-                "layers first)"
+                "layers first; gpt_oss has attention sinks, biases everywhere and the clamped "
+                "SwiGLU; llama4_text has a top-k sigmoid router weighting the experts' inputs and "
+                "a shared expert of the experts' width; minimax_m2 has whole-projection q/k "
+                "norms and a sigmoid router with a correction bias)"
             )
         return out
 

@@ -1,4 +1,4 @@
-"""The MoE decoder laid out on a mesh: Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, GLM-4.5, DeepSeek-V3.
+"""The MoE decoder laid out on a mesh: every model type of :data:`jaxops.models.MODEL_TYPES`.
 
 :class:`MoEDecoder` holds the mesh layout (parameter specs and shardings, initialization, batch
 placement) and the public methods; the layers it runs are the pure functions of
@@ -241,36 +241,6 @@ class MoEDecoder(Layout):
         """All mesh axes the batch is split over: ``(*data_axes, expert_axis)``."""
         return (*self.data_axes, self.expert_axis)
 
-    @functools.cached_property
-    def moe(self) -> ep.MoEConfig:
-        """The MoE layer's config (SwiGLU experts, softmax router, the shared expert if any)."""
-        c = self.config
-        coef = self.router_aux_loss_coef
-        return ep.MoEConfig(
-            num_experts=c.num_experts,
-            top_k=c.top_k,
-            hidden_size=c.hidden_size,
-            expert_ffn=c.expert_ffn,
-            activation="swiglu",
-            normalize_topk=c.normalize_topk,
-            capacity_factor=self.capacity_factor,
-            router_aux_loss_coef=c.router_aux_loss_coef if coef is None else coef,
-            router_z_loss_coef=self.router_z_loss_coef,
-            align=self.align,
-            expert_axis=self.expert_axis,
-            data_axes=self.data_axes,
-            dtype=self.dtype,
-            fp8=self.fp8,
-            dispatch=self.dispatch,
-            shared_ffn=c.shared_ffn,
-            shared_gate=c.shared_ffn > 0 and c.shared_gate,
-            router=c.router,
-            router_bias=c.router_bias,
-            n_group=c.n_group,
-            topk_group=c.topk_group,
-            routed_scaling_factor=c.routed_scaling_factor,
-        )
-
     # ---------------------------------------------------------------------------------------------
     # The model: unvalidated internals on the layer functions.
 
@@ -318,13 +288,14 @@ class MoEDecoder(Layout):
         layers before the first MoE layer (what runs ahead of a pipeline; aux None).
         """
         auxes = []
-        for key, start, stop, _ in self._runs:
+        for key, start, stop, first in self._runs:
             if prefix and key == "layers":
                 break
             stack = params[key]
             if (start, stop) != (0, jax.tree.leaves(stack)[0].shape[0]):
                 stack = jax.tree.map(lambda a, i=start, j=stop: a[i:j], stack)
-            h, aux = self._run_layers(stack, h, where, key)
+            rows = range(first, first + stop - start)  # consecutive layers of one kind
+            h, aux = self._run_layers(stack, h, where, key, _layers.layer_kinds(self.config, rows))
             if key == "layers":
                 auxes.append(aux)
         if not auxes:
@@ -341,20 +312,27 @@ class MoEDecoder(Layout):
         return {"none": False, "full": True, "matmuls": _MATMULS}[self.remat]
 
     def _run_layers(
-        self, layers: dict[str, Any], h: jax.Array, where: _layers.Tokens, key: str = "layers"
+        self,
+        layers: dict[str, Any],
+        h: jax.Array,
+        where: _layers.Tokens,
+        key: str,
+        kinds: tuple[_layers.LayerKind, _layers.LayerKind | None],
     ) -> tuple[jax.Array, ep.MoEAux]:
         """``h`` through the stacked `layers` of stack `key` (one lax.scan).
 
-        Returns ``(h, aux)``: the per-layer aux (MoEAux of MoE layers, None for dense ones),
-        stacked.
+        `kinds`: their attention patterns (``_layers.layer_kinds``: one for all, or per-layer
+        arrays scanned with the parameters). Returns ``(h, aux)``: the per-layer aux (MoEAux
+        of MoE layers, None for dense ones), stacked.
         """
+        static, scanned = kinds
         body = functools.partial(
-            _layers.decoder_layer, self._ops, self.config, self._ffn(key), where
+            _layers.decoder_layer, self._ops, self.config, self._ffn(key), where, static
         )
         remat = self._remat
         if remat is not False:
             body = jax.checkpoint(body, policy=None if remat is True else remat)
-        return jax.lax.scan(body, h, layers)
+        return jax.lax.scan(body, h, layers if scanned is None else (layers, scanned))
 
     def _place(self, x: jax.Array) -> jax.Array:
         """Activations ``[B, ...]`` split over the batch axes (a no-op off Explicit meshes)."""
@@ -385,7 +363,12 @@ class MoEDecoder(Layout):
 
     def _stage(self, sp: dict[str, Any], carry: dict[str, Any]) -> tuple[dict[str, Any], jax.Array]:
         """One pipeline stage on ``{"h", "where"}``: its layers, the sum of their aux losses."""
-        h, aux = self._run_layers(sp, carry["h"], carry["where"])
+        static, scanned = _layers.layer_kinds(self.config, self.config.moe_layers)
+        if scanned is not None:  # this stage's rows (stage s holds MoE rows s n .. s n + n - 1)
+            n = jax.tree.leaves(sp)[0].shape[0]
+            stage = jax.lax.axis_index(self.pipe_axis)
+            scanned = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, stage * n, n), scanned)
+        h, aux = self._run_layers(sp, carry["h"], carry["where"], "layers", (static, scanned))
         return {**carry, "h": h}, jnp.sum(aux.loss)
 
     def _where(self, batch: _batch.Batch) -> tuple[_layers.Tokens, jax.Array | None]:

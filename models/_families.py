@@ -3,7 +3,8 @@
 The ``model_type`` s of :data:`MODEL_TYPES`, with transformers' default for every key a file may
 leave out (transformers' configuration classes are the specification). :func:`config_fields`
 reads a config dict into the keyword arguments of :class:`~jaxops.models.DecoderConfig`;
-:func:`hf_keys` writes a config's values back under the model type's keys.
+:func:`jaxops.models._hf_config.hf_keys` writes a config's values back under the model type's
+keys.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 from jaxops.models._quant import read_quantization
-from jaxops.models._rope import Rope, read_rope, rope_to_hf
+from jaxops.models._rope import Rope, read_rope
 
 from jaxops._errors import ConfigError
 
-__all__ = ["MODEL_TYPES", "config_fields", "hf_keys"]
+__all__ = ["LAYER_TYPES", "MODEL_TYPES", "config_fields"]
 
 #: The ``model_type`` values :class:`DecoderConfig` reads (the decoder covers them end to end).
 MODEL_TYPES = (
@@ -26,17 +27,13 @@ MODEL_TYPES = (
     "glm4_moe",
     "deepseek_v3",
     "ernie4_5_moe",
+    "gpt_oss",
+    "llama4_text",
+    "minimax_m2",
 )
+#: A layer's attention pattern (transformers' ``layer_types`` values).
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
-ARCHITECTURES = {
-    "mixtral": "MixtralForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "olmoe": "OlmoeForCausalLM",
-    "glm4_moe": "Glm4MoeForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
-}
 # transformers' defaults for keys a config.json leaves out: (rms_norm_eps, rope_theta).
 _DEFAULTS = {
     "mixtral": (1e-5, 1e6),
@@ -46,6 +43,9 @@ _DEFAULTS = {
     "glm4_moe": (1e-5, 10000.0),
     "deepseek_v3": (1e-6, 10000.0),
     "ernie4_5_moe": (1e-5, 500000.0),
+    "gpt_oss": (1e-5, 150000.0),
+    "llama4_text": (1e-5, 500000.0),
+    "minimax_m2": (1e-6, 5000000.0),
 }
 # transformers' num_key_value_heads when config.json has none (None: num_attention_heads).
 _KV_HEADS = {
@@ -56,6 +56,9 @@ _KV_HEADS = {
     "glm4_moe": 8,
     "deepseek_v3": None,
     "ernie4_5_moe": 4,
+    "gpt_oss": 8,
+    "llama4_text": 8,
+    "minimax_m2": 8,
 }
 # router_aux_loss_coef when config.json has none: transformers' where its model has the loss;
 # GLM-4.5 and DeepSeek-V3 balance with the router's correction bias instead (0).
@@ -67,6 +70,9 @@ _AUX_COEF = {
     "glm4_moe": 0.0,
     "deepseek_v3": 0.0,
     "ernie4_5_moe": 1e-3,
+    "gpt_oss": 1e-3,
+    "llama4_text": 1e-3,
+    "minimax_m2": 1e-3,
 }
 # transformers' max_position_embeddings when config.json has none (the "dynamic" RoPE's length,
 # and "yarn" / "llama3"'s original length when their parameters have none).
@@ -78,6 +84,20 @@ _MAX_POSITIONS = {
     "glm4_moe": 131072,
     "deepseek_v3": 4096,
     "ernie4_5_moe": 131072,
+    "gpt_oss": 131072,
+    "llama4_text": 131072,
+    "minimax_m2": 196608,
+}
+# head_dim when config.json has none (absent here: hidden_size / num_attention_heads).
+_HEAD_DIM = {"gpt_oss": 64, "llama4_text": 128, "minimax_m2": 128}
+# gpt-oss's rope_parameters when config.json has none (transformers' GptOssConfig).
+_GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
 }
 # The dense MLP width (intermediate_size) when config.json has none.
 _DENSE_FFN = {
@@ -86,9 +106,13 @@ _DENSE_FFN = {
     "glm4_moe": 10944,
     "deepseek_v3": 18432,
     "ernie4_5_moe": 12288,
+    "llama4_text": 16384,
 }
-# The key of the experts per token.
+# The dense MLP width's key (default: intermediate_size).
+_DENSE_KEY = {"llama4_text": "intermediate_size_mlp"}
+# The key of the experts per token, and its default where transformers has one.
 _TOP_K = {"ernie4_5_moe": "moe_k"}
+_TOP_K_DEFAULT = {"ernie4_5_moe": 6, "gpt_oss": 4, "llama4_text": 1, "minimax_m2": 8}
 
 
 def _get(cfg: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
@@ -138,7 +162,7 @@ def _read_rope(
         default_max_positions=_MAX_POSITIONS[model_type],
         interleave=interleave,
     )
-    if rope.partial_rotary_factor != 1.0 and model_type != "glm4_moe":
+    if rope.partial_rotary_factor != 1.0 and model_type not in ("glm4_moe", "minimax_m2"):
         raise ConfigError(
             f"config.json: partial_rotary_factor = {rope.partial_rotary_factor} is not supported "
             f"for {model_type} (transformers rotates its whole head); only 1.0"
@@ -162,16 +186,6 @@ def _ernie_dense(hf: dict[str, Any], layers: int) -> tuple[int, ...]:
     return tuple(i for i in range(layers) if not (start <= i <= end and (i + 1) % interval == 0))
 
 
-def _ernie_range(moe: tuple[int, ...], layers: int) -> dict[str, int]:
-    """moe_layer_start_index / end_index / interval saying the MoE layers `moe` (if any do)."""
-    for interval in range(1, layers + 1):
-        start, end = moe[0], moe[-1]
-        if tuple(i for i in range(start, end + 1) if (i + 1) % interval == 0) == moe:
-            return dict(moe_layer_start_index=start, moe_layer_end_index=end,
-                        moe_layer_interval=interval)  # fmt: skip
-    return dict(moe_layer_start_index=-1)  # no such range: refused when read back
-
-
 def _qwen_dense(hf: dict[str, Any], layers: int) -> tuple[int, ...]:
     step = _get(hf, "decoder_sparse_step", int, 1)
     if step < 1:
@@ -192,10 +206,19 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(hf, dict):
         raise ConfigError(f"config.json must hold an object, got {type(hf).__name__}")
     model_type = hf.get("model_type")
+    if model_type == "llama4":  # the published (multimodal) Llama 4: its text model
+        read_quantization(hf)
+        text = hf.get("text_config")
+        if not isinstance(text, dict):
+            raise ConfigError(
+                "config.json: model_type 'llama4' needs a text_config object (the language "
+                f"model's keys), got {type(text).__name__}"
+            )
+        return config_fields({**text, "model_type": "llama4_text"})
     if model_type not in MODEL_TYPES:
         raise ConfigError(
             f"config.json: model_type {model_type!r} is not supported; supported: "
-            f"{', '.join(MODEL_TYPES)}"
+            f"{', '.join(MODEL_TYPES)} (and llama4, whose text_config is a llama4_text)"
         )
     read_quantization(hf)  # FP8 block checkpoints load; others are refused by name
     act = _get(hf, "hidden_act", str, "silu")
@@ -204,7 +227,7 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
     hidden = _positive(hf, "hidden_size")
     heads = _positive(hf, "num_attention_heads")
     layers = _positive(hf, "num_hidden_layers")
-    head_dim = _get(hf, "head_dim", int, None)
+    head_dim = _get(hf, "head_dim", int, _HEAD_DIM.get(model_type))
     if head_dim is None and model_type != "deepseek_v3":
         if hidden % heads:
             raise ConfigError(
@@ -277,6 +300,22 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
                 f"moe_num_experts ({top_k / experts}) it clamps the weights' sum, which jaxops' "
                 "router does not"
             )
+    elif model_type == "gpt_oss":
+        experts = _read_gpt_oss(hf, layers, kw)
+        if not any(isinstance(hf.get(k), dict) for k in ("rope_parameters", "rope_scaling")):
+            rope_hf = {**hf, "rope_parameters": {**_GPT_OSS_ROPE, "rope_theta": hf.get(
+                "rope_theta", _DEFAULTS[model_type][1])}}  # fmt: skip
+    elif model_type == "llama4_text":
+        experts = _read_llama4(hf, layers, kw)
+    elif model_type == "minimax_m2":
+        experts = _positive(hf, _experts_key(hf), 256)
+        kw["expert_ffn"] = _positive(hf, "intermediate_size", 1536)
+        kw["normalize_topk"], kw["router"], kw["router_bias"] = True, "sigmoid", True
+        kw["qk_norm"], kw["qk_norm_width"] = True, "projection"
+        _no_jitter(hf)
+        rotary = _get(hf, "rotary_dim", int, None)
+        if rotary is not None and hf.get("partial_rotary_factor") is None:
+            rope_hf = {**hf, "partial_rotary_factor": rotary / head_dim}  # transformers' legacy key
     else:  # glm4_moe, deepseek_v3: sigmoid routing with a correction bias, shared experts
         deepseek = model_type == "deepseek_v3"
         experts = _positive(hf, _routed_key(hf), 256 if deepseek else 128)
@@ -314,11 +353,13 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
                 rope_hf = {**hf, "partial_rotary_factor": 0.5}  # transformers' default
     dense = kw.get("dense_layers", ())
     if dense:
-        kw["dense_ffn"] = _positive(hf, "intermediate_size", _DENSE_FFN[model_type])
-    interleave = model_type == "ernie4_5_moe" or (
+        key = _DENSE_KEY.get(model_type, "intermediate_size")
+        kw["dense_ffn"] = _positive(hf, key, _DENSE_FFN[model_type])
+    interleave = model_type in ("ernie4_5_moe", "llama4_text") or (
         model_type == "deepseek_v3" and _get(hf, "rope_interleave", bool, True)
     )
     kv_default = _KV_HEADS[model_type] or heads
+    top_k_key = _TOP_K.get(model_type, "num_experts_per_tok")
     return dict(
         model_type=model_type,
         vocab_size=_positive(hf, "vocab_size"),
@@ -328,9 +369,7 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
         num_kv_heads=_positive(hf, "num_key_value_heads", kv_default),
         head_dim=head_dim,
         num_experts=experts,
-        top_k=_positive(hf, _TOP_K.get(model_type, "num_experts_per_tok"), 6)
-        if model_type in _TOP_K
-        else _positive(hf, "num_experts_per_tok"),
+        top_k=_positive(hf, top_k_key, _TOP_K_DEFAULT.get(model_type, ...)),
         rms_norm_eps=_get(hf, "rms_norm_eps", float, _DEFAULTS[model_type][0]),
         rope=_read_rope(rope_hf, model_type, head_dim, interleave=interleave),
         tie_word_embeddings=_get(hf, "tie_word_embeddings", bool, model_type == "ernie4_5_moe"),
@@ -361,96 +400,74 @@ def _read_mla(hf: dict[str, Any]) -> Any:
     )
 
 
-def hf_keys(c: Any, out: dict[str, Any]) -> dict[str, Any]:
-    """`out` (the config dict read, if any) with the model-type keys of config `c` written."""
-    out.pop("quantization_config", None)  # written back by save_pretrained when it quantizes
-    out.update(
-        model_type=c.model_type,
-        architectures=[ARCHITECTURES[c.model_type]],
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        num_hidden_layers=c.num_layers,
-        num_attention_heads=c.num_heads,
-        num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        num_experts_per_tok=c.top_k,
-        hidden_act="silu",
-        rms_norm_eps=c.rms_norm_eps,
-        tie_word_embeddings=c.tie_word_embeddings,
-        router_aux_loss_coef=c.router_aux_loss_coef,
+def _no_jitter(hf: dict[str, Any]) -> None:
+    jitter = _get(hf, "router_jitter_noise", float, 0.0)
+    if jitter:
+        raise ConfigError(
+            f"config.json: router_jitter_noise = {jitter} is not supported (only 0.0)"
+        )
+
+
+def _layer_types(hf: dict[str, Any], layers: int, default: list[str]) -> tuple[str, ...]:
+    types = _get(hf, "layer_types", list, None)
+    if types is None:
+        return tuple(default)
+    if len(types) != layers or any(t not in LAYER_TYPES for t in types):
+        raise ConfigError(
+            f"config.json: 'layer_types' must hold num_hidden_layers ({layers}) of "
+            f"{LAYER_TYPES}, got {types!r}"
+        )
+    return tuple(types)
+
+
+def _read_gpt_oss(hf: dict[str, Any], layers: int, kw: dict[str, Any]) -> int:
+    """gpt-oss's keys into `kw`; returns the routed experts."""
+    kw["expert_ffn"] = _positive(hf, "intermediate_size", 2880)
+    kw["normalize_topk"] = True  # transformers: softmax over the top-k logits, the same weights
+    kw["qkv_bias"] = kw["o_bias"] = _get(hf, "attention_bias", bool, True)
+    kw["attention_sinks"] = kw["expert_bias"] = kw["router_logit_bias"] = True
+    kw["activation"] = "clamped_swiglu"
+    kw["swiglu_alpha"] = _get(hf, "swiglu_alpha", float, 1.702)
+    kw["swiglu_limit"] = _get(hf, "swiglu_limit", float, 7.0)
+    window = hf.get("sliding_window", 128)  # an explicit null: no window
+    kw["sliding_window"] = None if window is None else _positive(hf, "sliding_window", 128)
+    alternate = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    kw["layer_types"] = _layer_types(hf, layers, alternate)
+    return _positive(hf, _experts_key(hf), 128)
+
+
+def _read_llama4(hf: dict[str, Any], layers: int, kw: dict[str, Any]) -> int:
+    """Llama 4's text keys into `kw`; returns the routed experts."""
+    kw["expert_ffn"] = ffn = _positive(hf, "intermediate_size", 8192)
+    kw["shared_ffn"], kw["shared_gate"] = ffn, False  # its shared expert: intermediate_size wide
+    kw["normalize_topk"], kw["router"], kw["weight_inputs"] = False, "sigmoid", True
+    kw["qkv_bias"] = kw["o_bias"] = _get(hf, "attention_bias", bool, False)
+    _no_jitter(hf)
+    step = _positive(hf, "interleave_moe_layer_step", 1)
+    moe = _get(hf, "moe_layers", list, list(range(step - 1, layers, step)))
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in moe):
+        raise ConfigError(f"config.json: 'moe_layers' must hold layer indices, got {moe!r}")
+    kw["dense_layers"] = tuple(i for i in range(layers) if i not in set(moe))
+    rope = _get(hf, "no_rope_layers", list, None) or [
+        int((i + 1) % _positive(hf, "no_rope_layer_interval", 4) != 0) for i in range(layers)
+    ]
+    if len(rope) != layers or any(r not in (0, 1) or isinstance(r, float) for r in rope):
+        raise ConfigError(
+            f"config.json: 'no_rope_layers' must hold num_hidden_layers ({layers}) of 0 (no "
+            f"RoPE) or 1, got {rope!r}"
+        )
+    kw["nope_layers"] = tuple(i for i, r in enumerate(rope) if not r)
+    chunk = hf["attention_chunk_size"] if "attention_chunk_size" in hf else 8192
+    if chunk is not None:
+        chunk = _positive(hf, "attention_chunk_size", 8192)
+    kw["attention_chunk_size"] = chunk
+    kw["layer_types"] = _layer_types(
+        hf,
+        layers,
+        ["chunked_attention" if r and chunk is not None else "full_attention" for r in rope],
     )
-    for key in ("rope_theta", "rope_scaling", "partial_rotary_factor"):
-        out.pop(key, None)  # all in rope_parameters
-    out.update(rope_to_hf(c.rope))
-    if c.dense_layers:
-        out["intermediate_size"] = c.dense_ffn
-    first_k = len(c.dense_layers) if c.dense_layers == tuple(range(len(c.dense_layers))) else -1
-    if c.model_type == "mixtral":
-        out.update(
-            num_local_experts=c.num_experts,
-            intermediate_size=c.expert_ffn,
-            sliding_window=c.sliding_window,
-        )
-    elif c.model_type == "olmoe":
-        out.update(
-            num_experts=c.num_experts,
-            intermediate_size=c.expert_ffn,
-            norm_topk_prob=c.normalize_topk,
-            attention_bias=c.qkv_bias,
-            clip_qkv=None,
-        )
-        out.pop("num_local_experts", None)
-        out.pop("head_dim", None)  # transformers' q/k norms assume hidden_size / heads
-    elif c.model_type in ("qwen3_moe", "qwen2_moe"):
-        out.update(
-            num_experts=c.num_experts,
-            moe_intermediate_size=c.expert_ffn,
-            norm_topk_prob=c.normalize_topk,
-            decoder_sparse_step=1,
-            mlp_only_layers=list(c.dense_layers),
-            use_sliding_window=False,
-        )
-        out.pop("num_local_experts", None)
-        if c.model_type == "qwen3_moe":
-            out["attention_bias"] = c.qkv_bias
-        else:
-            out["qkv_bias"] = c.qkv_bias
-            out["shared_expert_intermediate_size"] = c.shared_ffn
-    elif c.model_type == "ernie4_5_moe":
-        out.update(
-            moe_num_experts=c.num_experts,
-            moe_intermediate_size=c.expert_ffn,
-            moe_k=c.top_k,
-            moe_num_shared_experts=c.shared_ffn // c.expert_ffn,
-            use_bias=False,
-            **_ernie_range(c.moe_layers, c.num_layers),
-        )
-        for key in ("num_experts_per_tok", "num_experts", "num_local_experts"):
-            out.pop(key, None)  # aliases of moe_k and moe_num_experts
-    else:
-        out.update(
-            n_routed_experts=c.num_experts,
-            moe_intermediate_size=c.expert_ffn,
-            norm_topk_prob=c.normalize_topk,
-            first_k_dense_replace=first_k,
-            n_group=c.n_group,
-            topk_group=c.topk_group,
-            routed_scaling_factor=c.routed_scaling_factor,
-            n_shared_experts=c.shared_ffn // c.expert_ffn,
-        )
-        out.pop("num_local_experts", None)
-        if c.model_type == "glm4_moe":
-            out.update(use_qk_norm=c.qk_norm, attention_bias=c.qkv_bias)
-        elif c.mla is not None:
-            out.update(
-                q_lora_rank=c.mla.q_lora_rank,
-                kv_lora_rank=c.mla.kv_lora_rank,
-                qk_nope_head_dim=c.mla.qk_nope_head_dim,
-                qk_rope_head_dim=c.mla.qk_rope_head_dim,
-                v_head_dim=c.mla.v_head_dim,
-                rope_interleave=c.rope.interleave,
-                attention_bias=False,
-            )
-    if len(out.get("layer_types") or []) != c.num_layers:
-        out.pop("layer_types", None)  # stale (e.g. after a change of num_layers)
-    return out
+    kw["qk_l2_norm"] = _get(hf, "use_qk_norm", bool, True)
+    kw["attn_temperature_tuning"] = _get(hf, "attn_temperature_tuning", bool, True)
+    kw["floor_scale"] = _get(hf, "floor_scale", float, 8192.0)
+    kw["attn_scale"] = _get(hf, "attn_scale", float, 0.1)
+    return _positive(hf, "num_local_experts", 16)

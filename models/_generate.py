@@ -12,12 +12,13 @@ The cache of a model with ``L`` layers, ``Hkv`` key/value heads of width ``Dh``:
 ``k, v [L, B, C, Hkv, Dh]`` in the compute dtype (with multi-head latent attention, DeepSeek-V3:
 the compressed KV and the shared RoPE key, ``latent [L, B, C, R]`` and
 ``k_rope [L, B, C, 1, dr]``, expanded into keys and values at each step) and, shared by the
-layers, each slot's time step and document (``index, segments`` int32 ``[B, C]``; segment 0 is
-an empty or padding slot) from which :func:`~jaxops.models._layers.allowed` builds the mask.
-``C = S + max_new_tokens``; with a sliding window ``W`` the cache is a ring buffer of
-``C = min(W, S + max_new_tokens)`` slots (time step ``t`` in slot ``t % C``). A cached token
-costs ``2 * L * Hkv * Dh * itemsize + 8`` bytes (Mixtral-8x7B in bfloat16: 128 KiB); with MLA
-``L * (R + dr) * itemsize + 8`` (DeepSeek-V3 in bfloat16: 61 * 576 * 2 bytes, 69 KiB, where
+layers, each slot's time step, rotary position and document (``index, positions, segments``
+int32 ``[B, C]``; segment 0 is an empty or padding slot) from which
+:func:`~jaxops.models._layers.allowed` builds the mask. ``C = S + max_new_tokens``; with a
+sliding window ``W`` in every layer the cache is a ring buffer of ``C = min(W, S +
+max_new_tokens)`` slots (time step ``t`` in slot ``t % C``). A cached token costs
+``2 * L * Hkv * Dh * itemsize + 12`` bytes (Mixtral-8x7B in bfloat16: 128 KiB); with MLA
+``L * (R + dr) * itemsize + 12`` (DeepSeek-V3 in bfloat16: 61 * 576 * 2 bytes, 69 KiB, where
 its 128 heads of 192 / 128 would cost 61 * 128 * 320 * 2 bytes, 4.8 MiB).
 """
 
@@ -34,7 +35,15 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxops.models._decoder import MoEDecoder
-from jaxops.models._layers import Tokens, allowed, attention_inputs, attention_output, embed
+from jaxops.models._layers import (
+    LayerKind,
+    Tokens,
+    allowed,
+    attention_inputs,
+    attention_output,
+    embed,
+    layer_kinds,
+)
 
 import jaxops
 from jaxops import _checks
@@ -78,7 +87,10 @@ jax.tree_util.register_dataclass(
 
 @dataclasses.dataclass(frozen=True)
 class _Cache:
-    """The KV cache: ``kv`` (per layer, stacked ``[L, B, C, ...]``), ``index, segments [B, C]``.
+    """The KV cache: ``kv`` (per layer, ``[L, B, C, ...]``), ``index, positions, segments``.
+
+    Each slot's time step, rotary position (Llama 4's attention chunks) and document, int32
+    ``[B, C]``.
 
     ``kv``: GQA ``(k, v)`` each ``[L, B, C, Hkv, Dh]``; MLA ``(latent [L, B, C, R],
     k_rope [L, B, C, 1, dr])``.
@@ -86,10 +98,13 @@ class _Cache:
 
     kv: tuple[jax.Array, ...]
     index: jax.Array
+    positions: jax.Array
     segments: jax.Array
 
 
-jax.tree_util.register_dataclass(_Cache, data_fields=["kv", "index", "segments"], meta_fields=[])
+jax.tree_util.register_dataclass(
+    _Cache, data_fields=["kv", "index", "positions", "segments"], meta_fields=[]
+)
 
 
 def _sample(s: _Sampling, logits: jax.Array, key: jax.Array) -> jax.Array:
@@ -145,23 +160,26 @@ def _layer(
     where: Tokens,
     keys: Tokens,
     keep: Callable[[jax.Array], jax.Array],
+    static: LayerKind,
     h: jax.Array,
-    xs: tuple[dict[str, Any], tuple[jax.Array, ...] | None],
+    xs: tuple[dict[str, Any], tuple[jax.Array, ...] | None, LayerKind | None],
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """One decoder layer over `h` whose queries are placed by `where`, keys by `keys`.
 
-    ``xs``: the layer's parameters and its cached KV entries (``_layers.attention_inputs``'
-    ``kv``, time on axis 1; None in the prefill, where the queries attend to their own keys).
-    Returns ``(h', keep(kv))``: this call's KV entries as the cache stores them.
+    ``xs``: the layer's parameters, its cached KV entries (``_layers.attention_inputs``'
+    ``kv``, time on axis 1; None in the prefill, where the queries attend to their own keys)
+    and its attention pattern when the layers' differ (else `static`). Returns
+    ``(h', keep(kv))``: this call's KV entries as the cache stores them.
     """
     ops, c = model._ops, model.config
-    p, past = xs
+    p, past, kind = xs
+    kind = static if kind is None else kind
     a = jaxops.rms_norm(h, p["attn_norm"], eps=c.rms_norm_eps, impl=ops.impl)
-    q, kv = attention_inputs(ops, c, p, a, where.positions)
+    q, kv = attention_inputs(ops, c, p, a, where, kind)
     seen = kv
     if past is not None:  # the cached entries, then this step's
         seen = tuple(jnp.concatenate([old, new], 1) for old, new in zip(past, kv, strict=True))
-    mask = allowed(where, keys, c.sliding_window)
+    mask = allowed(where, keys, kind.window, chunk=kind.chunk)
     a = attention_output(ops, c, p, q, seen, mask)
     y, h = jaxops.add_rms_norm(a, h, p["mlp_norm"], eps=c.rms_norm_eps, impl=ops.impl)
     m, _ = ffn(p, y, where.valid)
@@ -185,11 +203,12 @@ def _run(
     x = model._place(embed(model._ops, params["embed"], jnp.where(where.valid, tokens, 0)))
     h, entries = x, []
     for key, start, stop, first in model._runs:
-        body = functools.partial(_layer, model, model._ffn(key), where, keys, keep)
-        stack = jax.tree.map(lambda a, i=start, j=stop: a[i:j], params[key])
         n = stop - start
+        static, scanned = layer_kinds(model.config, range(first, first + n))
+        body = functools.partial(_layer, model, model._ffn(key), where, keys, keep, static)
+        stack = jax.tree.map(lambda a, i=start, j=stop: a[i:j], params[key])
         cached = None if past is None else tuple(a[first : first + n] for a in past)
-        h, kv = jax.lax.scan(body, h, (stack, cached))
+        h, kv = jax.lax.scan(body, h, (stack, cached, scanned))
         entries.append(kv)
     kv = entries[0] if len(entries) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *entries)
     return model._head(model._head_params(params), h[:, -1:])[:, 0], kv
@@ -214,7 +233,7 @@ def _prefill(
         segments=mask.astype(jnp.int32),
     )
     logits, kv = _run(model, params, prompt, where, where, lambda x: _slots(x, slots), None)
-    cache = _Cache(kv, _slots(where.index, slots), _slots(where.segments, slots))
+    cache = _Cache(kv, *(_slots(x, slots) for x in (where.index, where.positions, where.segments)))
     token, done = _next(sampling, logits, 0, model._place(jnp.zeros((b,), bool)))
     out = jnp.where(jnp.arange(steps) == 0, token[:, None], sampling.pad)
     return cache, out, done
@@ -251,7 +270,7 @@ def _decode(
         )
         keys = Tokens(
             index=jnp.concatenate([cache.index, where.index], 1),
-            positions=jnp.concatenate([cache.index, where.index], 1),
+            positions=jnp.concatenate([cache.positions, where.positions], 1),
             segments=jnp.concatenate([cache.segments, where.segments], 1),
         )
         logits, kv = _run(model, params, fed, where, keys, lambda x: x, cache.kv)
@@ -261,8 +280,14 @@ def _decode(
                 jax.lax.dynamic_update_slice_in_dim(old, new, slot, axis=2)
                 for old, new in zip(cache.kv, kv, strict=True)
             ),
-            jax.lax.dynamic_update_slice_in_dim(cache.index, where.index, slot, axis=1),
-            jax.lax.dynamic_update_slice_in_dim(cache.segments, where.segments, slot, axis=1),
+            *(
+                jax.lax.dynamic_update_slice_in_dim(old, new, slot, axis=1)
+                for old, new in (
+                    (cache.index, where.index),
+                    (cache.positions, where.positions),
+                    (cache.segments, where.segments),
+                )
+            ),
         )
         token, done = _next(sampling, logits, i, done)
         out = jax.lax.dynamic_update_index_in_dim(out, token[:, None], i, axis=1)
@@ -462,7 +487,8 @@ def generate(
     sampling = _sampling(vocab, temperature, top_k, top_p, key, eos_token_id, pad_token_id)
     replicated = NamedSharding(model.mesh, P())
     sampling = dataclasses.replace(sampling, key=jax.device_put(sampling.key, replicated))
-    window = model.config.sliding_window
+    windows = {w for w, _, _ in model.config.layer_attention}  # a ring when every layer has one
+    window = None if None in windows else max(windows)
     slots = s + steps if window is None else min(window, s + steps)
     prompt, mask_dev = model.place_batch(np.asarray(prompt).astype(np.int32), mask)
     cache, out, done = _prefill(

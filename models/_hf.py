@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import warnings
@@ -14,8 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 from jaxops.models._config import read_config
 from jaxops.models._decoder import MoEDecoder
-from jaxops.models._names import expert_names, name_map
-from jaxops.models._quant import Fp8Block, Fp8Codec, fp8_scale_names, read_quantization
+from jaxops.models._names import FUSED_EXPERTS, expert_names, name_map
+from jaxops.models._quant import (
+    Fp8Block,
+    Fp8Codec,
+    Mxfp4,
+    Mxfp4Codec,
+    fp8_scale_names,
+    mxfp4_check,
+    read_quantization,
+)
 from jaxops.parallel import checkpoint
 from jaxops.parallel.checkpoint import Rule
 
@@ -61,6 +70,23 @@ def _expected_names(model: MoEDecoder, rules: Sequence[Rule]) -> set[str]:
     return names
 
 
+def _codec(quant: Fp8Block | Mxfp4 | None) -> Fp8Codec | Mxfp4Codec | None:
+    """The import codec of a checkpoint's quantization (None: tensors stored as they are)."""
+    if isinstance(quant, Fp8Block):
+        return Fp8Codec(quant)
+    if isinstance(quant, Mxfp4):
+        return Mxfp4Codec(quant)
+    return None
+
+
+def _stored_names(codec: Any, names: set[str], have: set[str]) -> set[str]:
+    """The stored tensors that make `names` (an MXFP4 ``X``: ``X_blocks`` and ``X_scales``)."""
+    stored = getattr(codec, "stored", None)
+    if stored is None:
+        return set(names)
+    return {s for n in names for s in stored(n, have)}
+
+
 @named_errors("jaxops.models.from_pretrained")
 def from_pretrained(
     path: str | os.PathLike,
@@ -77,7 +103,10 @@ def from_pretrained(
     its shardings (:meth:`MoEDecoder.abstract_params`) and imports the safetensors files (one
     file, or shards with ``model.safetensors.index.json``) through :func:`name_map`: per-expert
     tensors stacked into the expert axis, q/k/v and gate/up fused, layers stacked. Each process
-    reads what its shards need. Local directories only (no hub download).
+    reads what its shards need. Local directories only (no hub download). A published Llama 4
+    directory (``Llama4ForConditionalGeneration``: model_type "llama4", the text model's
+    tensors under ``language_model.``) loads its text model; the vision tower's and projector's
+    tensors are skipped with a warning.
 
     Published FP8 checkpoints load too (DeepSeek-style block scaling, as Qwen3-30B-A3B-FP8 ships:
     ``quantization_config`` with ``quant_method: "fp8"`` and ``weight_block_size``): each
@@ -85,7 +114,14 @@ def from_pretrained(
     ``float32(fp8) * scale`` per block, then cast to `dtype`, tensor by tensor as each process
     reads them: no host holds the model in full precision. FP8 checkpoints load dequantized:
     the parameters are those values in `dtype` (the model's ``fp8=`` option is independent of
-    the checkpoint's format). Other ``quant_method`` s are refused by name.
+    the checkpoint's format).
+
+    gpt-oss's published MXFP4 checkpoints load too (``quant_method: "mxfp4"``, OCP Microscaling
+    FP4): each expert weight ``X`` stored as uint8 ``X_blocks`` (FP4 E2M1, two per byte) and
+    ``X_scales`` (E8M0, one per 32 elements) is dequantized bit-exactly to float32 (every FP4
+    value times a power of two is exact in float32), transposed to the layout an unquantized
+    checkpoint's ``X`` has and cast to `dtype`, tensor by tensor as each process reads them
+    (:class:`~jaxops.models._quant.Mxfp4Codec`). Other ``quant_method`` s are refused by name.
 
     Args:
       path: the model directory.
@@ -105,7 +141,9 @@ def from_pretrained(
         config key.
       CheckpointError: a tensor the config needs is missing, has another shape, or the files
         hold tensors the config does not account for (e.g. more experts or layers than it says);
-        an FP8 weight whose ``weight_scale_inv`` is missing or of another shape.
+        an FP8 weight whose ``weight_scale_inv`` is missing or of another shape; MXFP4 blocks
+        without scales (or scales without blocks), either not uint8 or of shapes that do not
+        fit, or a scale code 255 (E8M0's NaN).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -128,34 +166,41 @@ def from_pretrained(
     model = MoEDecoder(config, mesh, dtype=compute_dtype or dtype, **options)
     rules = name_map(config)
     tensors = checkpoint.hf_tensors(root)  # validated headers and index
+    rules = _language_model(config, rules, tensors)
     have = set(tensors)
     want = _expected_names(model, rules)
-    missing = sorted(want - have)
+    codec = _codec(quant)
+    if isinstance(quant, Mxfp4):  # blocks with their scales, of fitting shapes
+        mxfp4_check(op, tensors, want)
+    stored = _stored_names(codec, want, have)  # an MXFP4 X: X_blocks and X_scales
+    missing = sorted(stored - have)
     if missing:
         raise checkpoint.CheckpointError(
             f"{op}: {root} lacks {len(missing)} tensor(s) config.json implies, e.g. "
             f"{missing[:3]} (num_hidden_layers = {config.num_layers}, num_experts = "
             f"{config.num_experts})"
         )
-    if quant is not None:  # the float8 weights' scales are read with them
-        want |= fp8_scale_names(op, quant, tensors, want)
-    extra = sorted(n for n in have - want if not _IGNORED.fullmatch(n))
+    if isinstance(quant, Fp8Block):  # the float8 weights' scales are read with them
+        stored |= fp8_scale_names(op, quant, tensors, want)
+    extra = sorted(n for n in have - stored if not _IGNORED.fullmatch(n))
     if config.tie_word_embeddings:
         extra = [n for n in extra if n != "lm_head.weight"]
     extra = _skip_mtp(config, extra)
+    extra = _skip_vision(config, extra)
     if extra:
+        method = "mxfp4" if isinstance(quant, Mxfp4) else "fp8" if quant else None
         raise checkpoint.CheckpointError(
             f"{op}: {root} holds {len(extra)} tensor(s) config.json does not account "
             f"for, e.g. {extra[:3]} (num_hidden_layers = {config.num_layers}, num_experts = "
             f"{config.num_experts}, tie_word_embeddings = {config.tie_word_embeddings}, "
-            f"quantization_config = {'fp8' if quant else None})"
+            f"quantization_config = {method})"
         )
     params = checkpoint.import_safetensors(
         root,
         model.abstract_params(dtype),
         name_map=rules,
         progress=progress,
-        codec=None if quant is None else Fp8Codec(quant),
+        codec=codec,
     )
     return model, params
 
@@ -217,6 +262,12 @@ def save_pretrained(
         raise TypeError(f"{op}: model must be a MoEDecoder, got {type(model).__name__}")
     if quantize not in _QUANTIZE:
         raise ConfigError(f"{op}: quantize must be None or 'fp8-block', got {quantize!r}")
+    if quantize and model.config.model_type in FUSED_EXPERTS:
+        raise ConfigError(
+            f"{op}: quantize='fp8-block' writes each expert's [out, in] weights in 128 x 128 "
+            f"blocks; {model.config.model_type} checkpoints hold a layer's experts as one "
+            "[E, in, out] tensor, for which that format has no published layout"
+        )
     written = np.dtype(jnp.dtype(dtype)) if dtype is not None else np.dtype(params["embed"].dtype)
     rules = name_map(model.config)
     config = model.config.to_hf(written)
@@ -236,6 +287,49 @@ def save_pretrained(
         generation_config=generation_config,
         codec=codec,
     )
+
+
+# The published Llama 4 (Llama4ForConditionalGeneration) keeps its text model under this prefix
+# and its vision tower and projector under these.
+_LANGUAGE_MODEL = "language_model."
+_VISION = ("vision_model.", "multi_modal_projector.")
+
+
+def _language_model(config: Any, rules: Sequence[Rule], tensors: Any) -> tuple[Rule, ...]:
+    """`rules`, their names under ``language_model.`` when the files are a multimodal Llama 4's.
+
+    The published Llama-4-Scout and Maverick checkpoints hold the text model as
+    ``language_model.model.*`` and ``language_model.lm_head.weight``; transformers'
+    Llama4ForCausalLM reads them by that prefix too.
+    """
+    if (
+        config.model_type != "llama4_text"
+        or "model.embed_tokens.weight" in tensors
+        or _LANGUAGE_MODEL + "model.embed_tokens.weight" not in tensors
+    ):
+        return tuple(rules)
+
+    def prefixed(theirs):
+        if isinstance(theirs, str):
+            return _LANGUAGE_MODEL + theirs
+        return tuple(_LANGUAGE_MODEL + t for t in theirs)
+
+    return tuple(dataclasses.replace(r, theirs=prefixed(r.theirs)) for r in rules)
+
+
+def _skip_vision(config: Any, extra: list[str]) -> list[str]:
+    """`extra` less a multimodal Llama 4's vision tower and projector, skipped with a warning."""
+    if config.model_type != "llama4_text":
+        return extra
+    skipped = [n for n in extra if n.startswith(_VISION)]
+    if skipped:
+        warnings.warn(
+            f"jaxops.models.from_pretrained: skipped {len(skipped)} tensor(s) of Llama 4's "
+            "vision tower and projector (vision_model.*, multi_modal_projector.*): "
+            "jaxops.models builds the text model",
+            stacklevel=3,
+        )
+    return [n for n in extra if not n.startswith(_VISION)]
 
 
 def _skip_mtp(config: Any, extra: list[str]) -> list[str]:

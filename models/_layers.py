@@ -39,6 +39,8 @@ import jaxops
 __all__ = [
     "IGNORE_INDEX",
     "PROJECTION",
+    "UNLIMITED",
+    "LayerKind",
     "Ops",
     "Tokens",
     "allowed",
@@ -50,6 +52,7 @@ __all__ = [
     "decoder_layer",
     "embed",
     "head",
+    "layer_kinds",
     "mlp",
     "output",
     "projection",
@@ -176,14 +179,23 @@ jax.tree_util.register_dataclass(
 
 
 def allowed(
-    q: Tokens, k: Tokens, window: int | None = None, *, valid_keys: jax.Array | None = None
+    q: Tokens,
+    k: Tokens,
+    window: Any = None,
+    *,
+    chunk: Any = None,
+    valid_keys: jax.Array | None = None,
 ) -> jax.Array:
     """Which key each query attends to, bool ``[b, sq, sk]`` (the one mask builder).
 
     A query sees a key of its own document (equal nonzero segment ids: padding and packed
     documents are excluded) at the same or an earlier time step, within `window` steps when
-    given (``q - k < window``, transformers' sliding window). `valid_keys` ``[b, sk]`` further
-    restricts the keys (the filled slots of a KV cache).
+    given (``q - k < window``, transformers' sliding window), in the same `chunk` of rotary
+    positions when given (``q_pos // chunk == k_pos // chunk``, Llama 4's chunked attention:
+    transformers counts its chunks from each row's first real token, which is position 0).
+    `window` and `chunk` may be traced int scalars (a scan over layers of different kinds; a
+    huge value then means none). `valid_keys` ``[b, sk]`` further restricts the keys (the
+    filled slots of a KV cache).
     """
     qi, ki = q.index[:, :, None], k.index[:, None, :]
     ok = qi >= ki
@@ -193,23 +205,88 @@ def allowed(
         ok &= k.valid[:, None, :]
     if window is not None:
         ok &= qi - ki < window
+    if chunk is not None:
+        ok &= q.positions[:, :, None] // chunk == k.positions[:, None, :] // chunk
     if valid_keys is not None:
         ok &= valid_keys[:, None, :]
     return ok
 
 
+#: "No window / no chunk" in a traced per-layer value (more time steps than any sequence).
+UNLIMITED = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """One layer's attention pattern: its sliding window, attention chunk and RoPE.
+
+    Python values when every layer of the model has the same pattern; int32 / bool scalars
+    (from per-layer arrays scanned with the stacked layers, :func:`layer_kinds`) when they
+    differ (gpt-oss's sliding and full layers, Llama 4's chunked RoPE and full NoPE layers), a
+    window or chunk of :data:`UNLIMITED` then meaning none.
+
+    Attributes:
+      window: the sliding window in time steps, or None.
+      chunk: the attention chunk in rotary positions, or None.
+      rope: whether the layer applies rotary embeddings (Llama 4's NoPE layers do not).
+    """
+
+    window: Any = None
+    chunk: Any = None
+    rope: Any = True
+
+
+jax.tree_util.register_dataclass(LayerKind, data_fields=["window", "chunk", "rope"], meta_fields=[])
+
+
+def layer_kinds(c: DecoderConfig, layers: Any) -> tuple[LayerKind, LayerKind | None]:
+    """``(static, scanned)``: the attention patterns of the model layers `layers`, for a scan.
+
+    When every layer of the model has one pattern, `static` is it (Python values) and `scanned`
+    None; otherwise `static` is None-free filler and `scanned` holds per-layer arrays
+    ``[len(layers)]`` to scan with the layers' parameters.
+    """
+    every = c.layer_attention
+    if len(set(every)) == 1:
+        window, chunk, rope = every[0]
+        return LayerKind(window, chunk, rope), None
+    rows = [every[i] for i in layers]
+    return LayerKind(), LayerKind(
+        window=jnp.asarray([UNLIMITED if w is None else w for w, _, _ in rows], jnp.int32),
+        chunk=jnp.asarray([UNLIMITED if ch is None else ch for _, ch, _ in rows], jnp.int32),
+        rope=jnp.asarray([r for _, _, r in rows], jnp.bool_),
+    )
+
+
+def _maybe(flag: Any, f: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    """``f(x)`` where `flag` (a bool, or a traced bool scalar: both computed), else ``x``."""
+    if flag is True:
+        return f(x)
+    if flag is False:
+        return x
+    return jnp.where(flag, f(x), x)
+
+
 def qkv(
-    ops: Ops, c: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, positions: jax.Array
+    ops: Ops,
+    c: DecoderConfig,
+    p: dict[str, jax.Array],
+    x: jax.Array,
+    where: Tokens,
+    kind: LayerKind | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries ``[b, s, Hq, Dh]``, keys and values ``[b, s, Hkv, Dh]`` of ``x [b, s, D]``.
 
     The fused projection (``w_qkv``, optional ``b_qkv``), the q/k RMSNorm (``c.qk_norm``: of
     each head, Qwen3, or of the whole q and k projections before the split into heads, OLMoE),
-    then the rotary embedding of q and k at int `positions` ``[b, s]``.
+    then the rotary embedding of q and k at the rotary positions of `where` (not in the NoPE
+    layers of `kind`), Llama 4's L2 norm after it (``c.qk_l2_norm``, RoPE layers) and its
+    temperature of the NoPE layers' queries (``c.attn_temperature_tuning``, by time step).
     """
     dt = ops.dtype
     b, s, _ = x.shape
     hq, hkv, dh = c.num_heads, c.num_kv_heads, c.head_dim
+    rope = True if kind is None else kind.rope
     out = projection(ops, x, p["w_qkv"], p["b_qkv"].astype(dt) if c.qkv_bias else None)
     q, k, v = jnp.split(out, [c.q_size, c.q_size + c.kv_size], axis=-1)
     whole = c.qk_norm and c.qk_norm_width == "projection"
@@ -222,7 +299,18 @@ def qkv(
     if c.qk_norm and not whole:  # q_norm, k_norm [Dh]
         q = jaxops.rms_norm(q, p["q_norm"], eps=c.rms_norm_eps, impl=ops.impl)
         k = jaxops.rms_norm(k, p["k_norm"], eps=c.rms_norm_eps, impl=ops.impl)
-    return rotary(q, c.rope, positions), rotary(k, c.rope, positions), v
+    q = _maybe(rope, lambda a: rotary(a, c.rope, where.positions), q)
+    k = _maybe(rope, lambda a: rotary(a, c.rope, where.positions), k)
+    if c.qk_l2_norm:
+        ones = jnp.ones((dh,), dt)
+        l2 = lambda a: jaxops.rms_norm(a, ones, eps=c.rms_norm_eps, impl=ops.impl)  # noqa: E731
+        q, k = _maybe(rope, l2, q), _maybe(rope, l2, k)
+    if c.attn_temperature_tuning and rope is not True:  # the NoPE layers' queries
+        t = where.index.astype(jnp.float32)
+        scale = jnp.log1p(jnp.floor((t + 1.0) / c.floor_scale)) * c.attn_scale + 1.0
+        warm = (q.astype(jnp.float32) * scale[:, :, None, None]).astype(dt)
+        q = warm if rope is False else jnp.where(rope, q, warm)
+    return q, k, v
 
 
 def attend(
@@ -234,6 +322,7 @@ def attend(
     mask: jax.Array,
     scale: float | None = None,
     causal: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Softmax attention of ``q [b, sq, Hq, Dh]`` over ``k [b, sk, Hkv, Dh]``, ``v [.., Dv]``.
 
@@ -241,11 +330,13 @@ def attend(
     ``q . k`` times `scale` (default ``Dh ** -0.5``), float32, as is the softmax; a query that
     sees no key at all (padding) gets zeros, never NaN. `causal`: queries and keys are the same
     tokens in order and `mask` is causal (a hint for ``ops.attention="dot_product"``, which then
-    lets cuDNN skip the masked blocks).
+    lets cuDNN skip the masked blocks). `sinks` ``[Hq]`` (gpt-oss): one more logit per head in
+    each query's softmax denominator, whose probability is dropped (the jnp softmax computes
+    it: ``jax.nn.dot_product_attention`` has no sinks).
     """
     b, sq, hq, dh = q.shape
     hkv, dv = k.shape[2], v.shape[-1]
-    if ops.attention == "dot_product" and dv == dh:
+    if ops.attention == "dot_product" and dv == dh and sinks is None:
         out = jax.nn.dot_product_attention(
             q, k, v, mask=mask[:, None], scale=scale, is_causal=causal
         )  # [b, sq, Hq, Dh]
@@ -257,8 +348,13 @@ def attend(
     mask = mask[:, None, None, :, :]
     scores = jnp.where(mask, scores, -jnp.inf)
     top = jnp.max(scores, axis=-1, keepdims=True)
+    if sinks is not None:  # [Hq] -> [1, Hkv, G, 1, 1]
+        sink = sinks.astype(jnp.float32).reshape(1, hkv, hq // hkv, 1, 1)
+        top = jnp.maximum(top, sink)
     e = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))
     total = jnp.sum(e, axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + jnp.exp(sink - top)
     probs = (e / jnp.where(total > 0, total, 1.0)).astype(ops.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
     return out.astype(ops.dtype).reshape(b, sq, hq * dv)
@@ -270,20 +366,25 @@ def output(ops: Ops, c: DecoderConfig, p: dict[str, jax.Array], out: jax.Array) 
 
 
 def attention_inputs(
-    ops: Ops, c: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, positions: jax.Array
+    ops: Ops,
+    c: DecoderConfig,
+    p: dict[str, jax.Array],
+    x: jax.Array,
+    where: Tokens,
+    kind: LayerKind | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """``(q, kv)`` of ``x [b, s, D]``: the queries and what a KV cache keeps of each token.
 
-    GQA: ``q [b, s, Hq, Dh]`` and ``kv = (k, v)``, each ``[b, s, Hkv, Dh]`` (:func:`qkv`).
-    MLA (``c.mla``): ``q [b, s, H, dn + dr]`` and ``kv = (latent [b, s, kv_lora_rank],
-    k_rope [b, s, 1, dr])``, the normalized compressed KV and the shared RoPE key
-    (``jaxops.models._mla``). Either way the arrays of `kv` have time on axis 1.
+    GQA: ``q [b, s, Hq, Dh]`` and ``kv = (k, v)``, each ``[b, s, Hkv, Dh]`` (:func:`qkv`; `kind`
+    says whether the layer applies RoPE). MLA (``c.mla``): ``q [b, s, H, dn + dr]`` and ``kv =
+    (latent [b, s, kv_lora_rank], k_rope [b, s, 1, dr])``, the normalized compressed KV and the
+    shared RoPE key (``jaxops.models._mla``). Either way the arrays of `kv` have time on axis 1.
     """
     if c.mla is not None:
         from jaxops.models import _mla
 
-        return _mla.inputs(ops, c, p, x, positions)
-    q, k, v = qkv(ops, c, p, x, positions)
+        return _mla.inputs(ops, c, p, x, where.positions)
+    q, k, v = qkv(ops, c, p, x, where, kind)
     return q, (k, v)
 
 
@@ -299,29 +400,37 @@ def attention_output(
 ) -> jax.Array:
     """The attention of queries `q` over the keys of `kv` (:func:`attention_inputs`), projected.
 
-    `mask`: bool ``[b, sq, sk]`` (:func:`allowed`); `causal` as in :func:`attend`. Returns
-    ``[b, sq, D]``.
+    `mask`: bool ``[b, sq, sk]`` (:func:`allowed`); `causal` as in :func:`attend`; the layer's
+    ``sinks`` (``c.attention_sinks``) join the softmax. Returns ``[b, sq, D]``.
     """
     if c.mla is not None:
         from jaxops.models import _mla
 
         return _mla.output(ops, c, p, q, kv, mask, causal=causal)
-    return output(ops, c, p, attend(ops, c, q, *kv, mask, causal=causal))
+    sinks = p["sinks"] if c.attention_sinks else None
+    return output(ops, c, p, attend(ops, c, q, *kv, mask, causal=causal, sinks=sinks))
 
 
 def attention(
-    ops: Ops, c: DecoderConfig, p: dict[str, jax.Array], x: jax.Array, where: Tokens
+    ops: Ops,
+    c: DecoderConfig,
+    p: dict[str, jax.Array],
+    x: jax.Array,
+    where: Tokens,
+    kind: LayerKind | None = None,
 ) -> jax.Array:
     """Self-attention of ``x [b, s, D]`` (compute dtype) over its own tokens.
 
     ``p`` (GQA): ``w_qkv [D, (Hq + 2 Hkv) Dh]``, optional ``b_qkv``, ``q_norm`` / ``k_norm
-    [Dh]`` (Qwen3, GLM; ``[Hq Dh]`` / ``[Hkv Dh]`` for OLMoE), ``w_o [Hq Dh, D]``, optional
-    ``b_o``; with MLA those of ``jaxops.models._mla``. `where` places every token (causal,
-    document and padding mask, rotary positions); `c.sliding_window` limits how far back a
-    query sees. Returns ``[b, s, D]``.
+    [Dh]`` (Qwen3, GLM; ``[Hq Dh]`` / ``[Hkv Dh]`` for OLMoE and MiniMax-M2), ``w_o [Hq Dh,
+    D]``, optional ``b_o``, ``sinks [Hq]`` (gpt-oss); with MLA those of
+    ``jaxops.models._mla``. `where` places every token (causal, document and padding mask,
+    rotary positions); `kind` is the layer's pattern (:class:`LayerKind`: sliding window,
+    chunk, RoPE; default: the config's `sliding_window` for every layer). Returns ``[b, s, D]``.
     """
-    q, kv = attention_inputs(ops, c, p, x, where.positions)
-    mask = allowed(where, where, c.sliding_window)
+    kind = LayerKind(c.sliding_window) if kind is None else kind
+    q, kv = attention_inputs(ops, c, p, x, where, kind)
+    mask = allowed(where, where, kind.window, chunk=kind.chunk)
     return attention_output(ops, c, p, q, kv, mask, causal=True)
 
 
@@ -339,12 +448,13 @@ def decoder_layer(
     c: DecoderConfig,
     ffn: Callable[[dict[str, Any], jax.Array, jax.Array | None], tuple[jax.Array, Any]],
     where: Tokens,
+    kind: LayerKind,
     h: jax.Array,
-    p: dict[str, Any],
+    xs: Any,
 ) -> tuple[jax.Array, Any]:
     """One decoder layer: ``h + attention(rms_norm(h))``, then ``+ ffn(rms_norm(...))``.
 
-    The argument order is that of a ``lax.scan`` body over stacked layers (after `where`).
+    The argument order is that of a ``lax.scan`` body over stacked layers (after `kind`).
 
     Args:
       ops: the compute settings.
@@ -354,15 +464,17 @@ def decoder_layer(
         ``p["mlp"]`` (aux None).
       where: the tokens' time steps, positions and documents (:class:`Tokens`); padding
         (segment 0) is masked out of the attention and of the MoE router.
+      kind: the layer's attention pattern (:class:`LayerKind`), when all layers share it.
       h: the residual stream ``[b, s, D]`` (compute dtype).
-      p: one layer's parameters (``attn_norm``, the attention's, ``mlp_norm``, ``moe`` or
-        ``mlp``).
+      xs: one layer's parameters (``attn_norm``, the attention's, ``mlp_norm``, ``moe`` or
+        ``mlp``), or ``(parameters, kind)`` when the layers' patterns differ (:func:`layer_kinds`).
 
     Returns:
       ``(h', aux)``: the layer's output and its ffn's statistics.
     """
+    p, kind = xs if isinstance(xs, tuple) else (xs, kind)
     a = jaxops.rms_norm(h, p["attn_norm"], eps=c.rms_norm_eps, impl=ops.impl)
-    a = attention(ops, c, p, a, where)
+    a = attention(ops, c, p, a, where, kind)
     y, h = jaxops.add_rms_norm(a, h, p["mlp_norm"], eps=c.rms_norm_eps, impl=ops.impl)
     m, aux = ffn(p, y, where.valid)
     return h + m, aux

@@ -7,6 +7,7 @@ parameter and batch row lives; it reads the decoder's fields (``config``, ``mesh
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -19,6 +20,11 @@ from jaxops.parallel import expert as ep
 __all__ = ["Layout"]
 
 _INIT_STD = 0.02  # transformers' initializer_range for these models
+# Leaves initialized to zeros: biases and the attention sinks.
+_ZERO_INIT = tuple(
+    f"['{k}']"
+    for k in ("b_qkv", "b_o", "router_bias", "router_logit_bias", "b_in", "b_out", "sinks")
+)
 
 
 def _is_spec(x: Any) -> bool:
@@ -36,16 +42,53 @@ def _is_sharding(x: Any) -> bool:
 class Layout:
     """Parameter shapes, PartitionSpecs, shardings, initialization and batch placement."""
 
+    @functools.cached_property
+    def moe(self) -> ep.MoEConfig:
+        """The MoE layer's config (the experts, router and shared expert the config says)."""
+        c = self.config
+        coef = self.router_aux_loss_coef
+        return ep.MoEConfig(
+            num_experts=c.num_experts,
+            top_k=c.top_k,
+            hidden_size=c.hidden_size,
+            expert_ffn=c.expert_ffn,
+            activation=c.activation,
+            normalize_topk=c.normalize_topk,
+            capacity_factor=self.capacity_factor,
+            router_aux_loss_coef=c.router_aux_loss_coef if coef is None else coef,
+            router_z_loss_coef=self.router_z_loss_coef,
+            align=self.align,
+            expert_axis=self.expert_axis,
+            data_axes=self.data_axes,
+            dtype=self.dtype,
+            fp8=self.fp8,
+            dispatch=self.dispatch,
+            shared_ffn=c.shared_ffn,
+            shared_gate=c.shared_ffn > 0 and c.shared_gate,
+            router=c.router,
+            router_bias=c.router_bias,
+            n_group=c.n_group,
+            topk_group=c.topk_group,
+            routed_scaling_factor=c.routed_scaling_factor,
+            swiglu_alpha=c.swiglu_alpha,
+            swiglu_limit=c.swiglu_limit,
+            expert_bias=c.expert_bias,
+            router_logit_bias=c.router_logit_bias,
+            weight_inputs=c.weight_inputs,
+        )
+
     def param_shapes(self) -> dict[str, Any]:
         """The parameter tree's shapes (``layers`` leaves stacked ``[Lm, ...]``).
 
         ``embed [V, D]``; per MoE layer (``layers``, the config's ``moe_layers`` in order)
         ``attn_norm [D]``, the attention's (GQA: ``w_qkv [D, (Hq + 2 Hkv) Dh]`` (q, k, v side
-        by side), ``b_qkv`` (Qwen2, GLM), ``q_norm, k_norm [Dh]`` (Qwen3, GLM; ``[Hq Dh]`` and
-        ``[Hkv Dh]`` for OLMoE), ``w_o [Hq Dh, D]``, ``b_o`` (Qwen3 and OLMoE attention_bias);
-        MLA: those of ``jaxops.models._mla``), ``mlp_norm [D]``, ``moe``
-        (``MoEConfig.param_shapes``: ``router [D, E]``, ``router_bias [E]`` (float32),
-        ``w_in [E, D, 2F]`` (gate, up), ``w_out [E, F, D]``, the shared experts); per dense
+        by side), ``b_qkv`` (Qwen2, GLM, gpt-oss), ``q_norm, k_norm [Dh]`` (Qwen3, GLM;
+        ``[Hq Dh]`` and ``[Hkv Dh]`` for OLMoE and MiniMax-M2), ``w_o [Hq Dh, D]``, ``b_o``
+        (Qwen3's, OLMoE's and gpt-oss's attention_bias), ``sinks [Hq]`` (gpt-oss); MLA: those
+        of ``jaxops.models._mla``), ``mlp_norm [D]``, ``moe`` (``MoEConfig.param_shapes``:
+        ``router [D, E]``, ``router_logit_bias [E]`` (gpt-oss), ``router_bias [E]`` (float32),
+        ``w_in [E, D, 2F]`` (gate, up; interleaved for gpt-oss), ``w_out [E, F, D]``, ``b_in
+        [E, 2F]`` and ``b_out [E, D]`` (gpt-oss), the shared experts); per dense
         layer (``dense_layers [Ld, ...]``, present when the config has dense layers) the same
         with ``mlp`` (``w_in [D, 2F]``, ``w_out [F, D]``) for ``moe``; then ``final_norm [D]``
         and ``lm_head [D, V]`` (absent with tied embeddings). Kernels are ``[in, out]``.
@@ -69,6 +112,8 @@ class Layout:
             attn["w_o"] = (c.q_size, d)
             if c.o_bias:
                 attn["b_o"] = (d,)
+            if c.attention_sinks:
+                attn["sinks"] = (c.num_heads,)
         attn["mlp_norm"] = (d,)
 
         def stack(layer, n):
@@ -174,7 +219,7 @@ class Layout:
                 name = jax.tree_util.keystr(path)
                 if "norm" in name:
                     out.append(jnp.ones(leaf.shape, leaf.dtype))
-                elif name.endswith(("['b_qkv']", "['b_o']", "['router_bias']")):
+                elif name.endswith(_ZERO_INIT):
                     out.append(jnp.zeros(leaf.shape, leaf.dtype))
                 else:
                     out.append((jax.random.normal(k, leaf.shape) * _INIT_STD).astype(leaf.dtype))

@@ -25,7 +25,14 @@ from jaxops.parallel.checkpoint import Rule
 
 from jaxops._errors import named_errors
 
-__all__ = ["LLAMA_NAME_MAP", "expert_names", "llama_name_map", "moe_block_rules", "name_map"]
+__all__ = [
+    "FUSED_EXPERTS",
+    "LLAMA_NAME_MAP",
+    "expert_names",
+    "llama_name_map",
+    "moe_block_rules",
+    "name_map",
+]
 
 
 def expert_names(model_type: str) -> tuple[str, str, str, str]:
@@ -34,8 +41,10 @@ def expert_names(model_type: str) -> tuple[str, str, str, str]:
     Mixtral's ``block_sparse_moe`` / ``w1, w3, w2``; the others' (Qwen, OLMoE, DeepSeek-V3)
     ``mlp`` / ``gate_proj, up_proj, down_proj``.
     """
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "minimax_m2"):
         return "block_sparse_moe", "w1", "w3", "w2"
+    if model_type == "llama4_text":
+        return "feed_forward", "gate_proj", "up_proj", "down_proj"
     return "mlp", "gate_proj", "up_proj", "down_proj"
 
 
@@ -75,7 +84,7 @@ def name_map(config: DecoderConfig) -> tuple[Rule, ...]:
         if key == "layers":
             rules += _moe_rules(c, index)
         else:
-            lay = "model.layers.{i}.mlp."
+            lay = f"model.layers.{{i}}.{expert_names(c.model_type)[0]}."
             rules += [
                 Rule(
                     "dense_layers/mlp/w_in",
@@ -140,6 +149,8 @@ def _attention_rules(c: DecoderConfig, key: str, index: dict | None) -> list[Rul
     if c.qk_norm:
         rules.append(rule("q_norm", attn + "q_norm.weight"))
         rules.append(rule("k_norm", attn + "k_norm.weight"))
+    if c.attention_sinks:
+        rules.append(rule("sinks", attn + "sinks"))
     return rules
 
 
@@ -148,6 +159,8 @@ def _moe_rules(c: DecoderConfig, index: dict | None) -> list[Rule]:
     lay = "model.layers.{i}."
     t = (1, 0)
     moe, gate, up, down = expert_names(c.model_type)
+    if c.model_type in FUSED_EXPERTS:
+        return _fused_moe_rules(c, index)
     experts = lay + f"{moe}.experts.{{e}}."
     rules = [
         Rule("layers/moe/router", lay + f"{moe}.gate.weight", transpose=t, stack=("i",),
@@ -163,8 +176,10 @@ def _moe_rules(c: DecoderConfig, index: dict | None) -> list[Rule]:
              index=index),
     ]  # fmt: skip
     if c.router_bias:
+        bias = "e_score_correction_bias" if c.model_type == "minimax_m2" else (
+            "gate.e_score_correction_bias")  # fmt: skip
         rules.append(
-            Rule("layers/moe/router_bias", lay + f"{moe}.gate.e_score_correction_bias",
+            Rule("layers/moe/router_bias", lay + f"{moe}.{bias}",
                  stack=("i",), index=index, dtype="float32")  # kept float32, as published
             if c.model_type != "ernie4_5_moe"
             else Rule("layers/moe/router_bias", lay + "mlp.moe_statics.e_score_correction_bias",
@@ -189,6 +204,43 @@ def _moe_rules(c: DecoderConfig, index: dict | None) -> list[Rule]:
                 Rule("layers/moe/shared_gate", lay + "mlp.shared_expert_gate.weight",
                      transpose=t, stack=("i",), index=index)
             )  # fmt: skip
+    return rules
+
+
+#: Model types whose checkpoints hold each layer's experts as one tensor ``[E, in, out]`` (gate
+#: and up side by side, or interleaved for gpt-oss), as transformers' modules do.
+FUSED_EXPERTS = ("gpt_oss", "llama4_text")
+
+
+def _fused_moe_rules(c: DecoderConfig, index: dict | None) -> list[Rule]:
+    """gpt-oss's and Llama 4's MoE blocks: one expert tensor per layer, ours' layout."""
+    moe = "model.layers.{i}." + expert_names(c.model_type)[0] + "."
+    t = (1, 0)
+
+    def rule(ours, theirs, **kw):
+        theirs = moe + theirs if isinstance(theirs, str) else tuple(moe + t for t in theirs)
+        return Rule(f"layers/moe/{ours}", theirs, stack=("i",), index=index, **kw)
+
+    rules = [
+        rule("router", "router.weight", transpose=t),
+        rule("w_in", "experts.gate_up_proj"),  # [E, D, 2F], as ours
+        rule("w_out", "experts.down_proj"),  # [E, F, D]
+    ]
+    if c.router_logit_bias:
+        rules.append(rule("router_logit_bias", "router.bias"))
+    if c.expert_bias:
+        rules += [
+            rule("b_in", "experts.gate_up_proj_bias"),
+            rule("b_out", "experts.down_proj_bias"),
+        ]
+    if c.shared_ffn:  # Llama 4's shared expert
+        shared = "shared_expert."
+        rules += [
+            rule(
+                "shared_w_in", (shared + "gate_proj.weight", shared + "up_proj.weight"), transpose=t
+            ),
+            rule("shared_w_out", shared + "down_proj.weight", transpose=t),
+        ]
     return rules
 
 

@@ -16,6 +16,21 @@ linear weight ``X.weight`` (torch layout ``[out, in]``) as F8_E4M3 with a float3
   tensors it is given on export, with jaxops' own block quantization (:func:`jaxops.fp8.quantize`).
 - :func:`fp8_scale_names`: the header checks of ``from_pretrained`` (every float8 weight has a
   scale of the right shape) before anything is read.
+
+gpt-oss (openai/gpt-oss-20b, -120b) ships its expert weights in OCP Microscaling MXFP4
+(``quant_method: "mxfp4"``): each expert tensor ``X`` (``model.layers.{i}.mlp.experts.gate_up_proj``
+or ``.down_proj``, module layout ``[E, in, out]``) is stored as two uint8 tensors,
+``X_blocks [E, out, in / 32, 16]`` (FP4 E2M1 elements, two per byte, the low nibble first) and
+``X_scales [E, out, in / 32]`` (one E8M0 scale per block of 32 elements along ``in``)::
+
+    v[e, o, 32 g + 2 j + h] = e2m1(nibble h of blocks[e, o, g, j]) * 2 ** (scales[e, o, g] - 127)
+    X = v.transpose(0, 2, 1)   # h = 0: the low nibble
+
+- :class:`Mxfp4`: that format (``read_quantization``'s result for ``quant_method: "mxfp4"``).
+- :class:`Mxfp4Codec`: the import codec that dequantizes such tensors, bit-exact, to float32
+  (export writes every tensor as it is: jaxops does not write MXFP4).
+- :func:`mxfp4_check`: the header checks of ``from_pretrained`` (dtypes and shapes of the
+  blocks and scales) before anything is read.
 """
 
 from __future__ import annotations
@@ -33,7 +48,16 @@ from jaxops.parallel.checkpoint import CheckpointError, HFTensor
 import jaxops
 from jaxops._errors import ConfigError
 
-__all__ = ["Fp8Block", "Fp8Codec", "fp8_scale_names", "read_quantization", "scale_name"]
+__all__ = [
+    "Fp8Block",
+    "Fp8Codec",
+    "Mxfp4",
+    "Mxfp4Codec",
+    "fp8_scale_names",
+    "mxfp4_check",
+    "read_quantization",
+    "scale_name",
+]
 
 _E4M3 = np.dtype(jnp.float8_e4m3fn)
 # float8 dtype codes of safetensors: only E4M3 holds the weights of this format.
@@ -84,21 +108,28 @@ class Fp8Block:
         return out
 
 
-def read_quantization(cfg: dict[str, Any]) -> Fp8Block | None:
-    """The checkpoint's quantization (None: not quantized); ConfigError for any other kind."""
+def read_quantization(cfg: dict[str, Any]) -> Fp8Block | Mxfp4 | None:
+    """The checkpoint's quantization (None: not quantized); ConfigError for any other kind.
+
+    ``quant_method: "fp8"`` (block-scaled FP8) gives an :class:`Fp8Block`, ``"mxfp4"``
+    (gpt-oss) an :class:`Mxfp4`.
+    """
     quant = cfg.get("quantization_config")
     if quant is None:
         return None
     if not isinstance(quant, dict):
         raise ConfigError(f"config.json: quantization_config must be an object, got {quant!r}")
     method = quant.get("quant_method")
+    if method == "mxfp4":
+        return _read_mxfp4(quant)
     if method != "fp8":
         raise ConfigError(
             f"config.json: quantization_config.quant_method {method!r} is not supported; "
-            "supported: 'fp8' (block-scaled, weight_block_size [128, 128])"
+            "supported: 'fp8' (block-scaled, weight_block_size [128, 128]), 'mxfp4' (OCP "
+            "microscaling FP4, as gpt-oss ships)"
         )
     fmt = quant.get("fmt", "e4m3")
-    if fmt != "e4m3":
+    if fmt not in ("e4m3", "float8_e4m3fn"):  # MiniMax-M2 spells it the torch way
         raise ConfigError(f"config.json: quantization_config.fmt {fmt!r} is not supported: e4m3")
     block = quant.get("weight_block_size")
     if (
@@ -123,7 +154,7 @@ def read_quantization(cfg: dict[str, Any]) -> Fp8Block | None:
                 f"config.json: quantization_config.{key} {value!r} is not supported; "
                 f"supported: {ok!r}"
             )
-    return Fp8Block(tuple(block), fmt)
+    return Fp8Block(tuple(block), "e4m3")
 
 
 def scale_name(name: str) -> str:
@@ -260,3 +291,219 @@ def fp8_scale_names(
             )
         scales.add(scale_name(name))
     return scales
+
+
+# -------------------------------------------------------------------------------------------------
+# MXFP4 (OCP Microscaling Formats v1.0): gpt-oss's expert weights.
+
+MXFP4_BLOCK = 32  # elements per E8M0 scale
+_MXFP4_KEYS = ("quant_method", "modules_to_not_convert", "dequantize")
+# The 16 FP4 E2M1 codes: bit 3 the sign, bits 2-1 the exponent (bias 1), bit 0 the mantissa;
+# exponent 0 is subnormal (0 and 0.5). transformers' FP4_VALUES are the same list.
+_E2M1 = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    np.float32,
+)
+# A byte's two elements, the low nibble first, as the 8 bytes of two float32s: one uint64
+# gather per byte decodes both.
+_E2M1_PAIRS = np.ascontiguousarray(
+    np.stack([_E2M1[np.arange(256) & 15], _E2M1[np.arange(256) >> 4]], axis=-1)
+).view(np.uint64)[:, 0]
+_ROWS_PER_CHUNK = 1 << 14  # blocks dequantized per step: 2 MiB of float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Mxfp4:
+    """OCP Microscaling MXFP4 tensors (``quant_method: "mxfp4"``), as gpt-oss ships its experts.
+
+    A tensor ``X`` is stored as ``X_blocks`` (uint8 ``[..., out, in / 32, 16]``: 32 FP4 E2M1
+    elements per block, two per byte, the low nibble first) and ``X_scales`` (uint8
+    ``[..., out, in / 32]``: the block's E8M0 scale, ``2 ** (code - 127)``).
+
+    Attributes:
+      modules_to_not_convert: the config's list (modules transformers keeps unquantized), or
+        None. Informational: which tensors are MXFP4 is read from the files' names.
+    """
+
+    modules_to_not_convert: tuple[str, ...] | None = None
+
+    @staticmethod
+    def blocks_name(name: str) -> str:
+        """``X`` -> ``X_blocks``."""
+        return name + "_blocks"
+
+    @staticmethod
+    def scales_name(name: str) -> str:
+        """``X`` -> ``X_scales``."""
+        return name + "_scales"
+
+
+def _read_mxfp4(quant: dict[str, Any]) -> Mxfp4:
+    unknown = sorted(set(quant) - set(_MXFP4_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"config.json: quantization_config (mxfp4) has unsupported key(s) {unknown}; "
+            f"supported: {list(_MXFP4_KEYS)}"
+        )
+    skip = quant.get("modules_to_not_convert")
+    if skip is not None and (
+        not isinstance(skip, (list, tuple)) or not all(isinstance(m, str) for m in skip)
+    ):
+        raise ConfigError(
+            "config.json: quantization_config.modules_to_not_convert must be a list of module "
+            f"names, got {skip!r}"
+        )
+    dequantize = quant.get("dequantize", False)
+    if not isinstance(dequantize, bool):  # transformers' loading option; jaxops always does
+        raise ConfigError(
+            f"config.json: quantization_config.dequantize must be a bool, got {dequantize!r}"
+        )
+    return Mxfp4(None if skip is None else tuple(skip))
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The values of MXFP4 `blocks` and `scales`: float32 ``[..., out, in]``, bit-exact.
+
+    ``out[..., r, 32 g + 2 j + h] = e2m1(nibble h of blocks[..., r, g, j]) * 2 ** (scales[..., r,
+    g] - 127)`` (h = 0 the low nibble), exact in float32 (subnormal down to ``0.5 * 2**-127``)
+    except where the value exceeds float32's range (scale codes 253 and 254 with large
+    elements), which is +-inf as IEEE rounding makes it. One float32 result is allocated; the
+    temporaries are one chunk of blocks.
+
+    Raises:
+      ValueError: blocks or scales not uint8, blocks' last axis not 16, scales' shape not
+        ``blocks.shape[:-1]``, or a scale code 255 (E8M0's NaN).
+    """
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
+        raise ValueError(
+            f"MXFP4 blocks and scales must be uint8, got {blocks.dtype.name} and "
+            f"{scales.dtype.name}"
+        )
+    if blocks.ndim < 2 or blocks.shape[-1] != MXFP4_BLOCK // 2:
+        raise ValueError(
+            f"MXFP4 blocks must have shape [..., out, in / {MXFP4_BLOCK}, {MXFP4_BLOCK // 2}] "
+            f"({MXFP4_BLOCK} FP4 elements in {MXFP4_BLOCK // 2} bytes per block), got "
+            f"{list(blocks.shape)}"
+        )
+    if tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        raise ValueError(
+            f"MXFP4 scales have shape {list(scales.shape)}; blocks {list(blocks.shape)} need one "
+            f"per block, {list(blocks.shape[:-1])}"
+        )
+    nan = np.flatnonzero(scales.reshape(-1) == 255)
+    if nan.size:
+        raise ValueError(
+            f"MXFP4 scale code 255 (NaN in E8M0) at "
+            f"{[int(i) for i in np.unravel_index(nan[0], scales.shape)]} ({nan.size} block(s)); "
+            "refusing to load NaN weights"
+        )
+    rows = scales.size
+    out = np.empty((rows, MXFP4_BLOCK), np.float32)
+    flat_blocks = blocks.reshape(rows, MXFP4_BLOCK // 2)
+    flat_scales = scales.reshape(rows)
+    with np.errstate(over="ignore"):  # +-inf beyond float32's range, as IEEE rounds
+        for r in range(0, rows, _ROWS_PER_CHUNK):
+            chunk = out[r : r + _ROWS_PER_CHUNK]
+            # mode="clip": no bounds checks to buffer for (a byte indexes 256 entries)
+            np.take(_E2M1_PAIRS, flat_blocks[r : r + _ROWS_PER_CHUNK], mode="clip",
+                    out=chunk.view(np.uint64))  # fmt: skip
+            exponent = flat_scales[r : r + _ROWS_PER_CHUNK].astype(np.int32) - 127
+            np.ldexp(chunk, exponent[:, None], out=chunk)
+    return out.reshape(*blocks.shape[:-2], blocks.shape[-2] * MXFP4_BLOCK)
+
+
+class Mxfp4Codec:
+    """The checkpoint codec of MXFP4 files (``codec=`` of ``import_safetensors``), gpt-oss's.
+
+    Import: their tensor ``X`` (an expert weight in transformers' module layout ``[E, in,
+    out]``, e.g. ``model.layers.3.mlp.experts.gate_up_proj``, ``[E, hidden, 2 * intermediate]``)
+    is read, when the files store it so, from ``X_blocks`` (uint8 ``[E, out, in / 32, 16]``) and
+    ``X_scales`` (uint8 ``[E, out, in / 32]``), dequantized bit-exactly to float32
+    (:func:`dequantize_mxfp4`) and transposed to ``[E, in, out]``: the tensor an unquantized
+    (bf16) gpt-oss checkpoint stores as ``X``. Other tensors are read as they are. Export:
+    every tensor as it is (jaxops writes no MXFP4).
+
+    Example:
+      >>> import numpy as np
+      >>> from jaxops.models._quant import Mxfp4Codec
+      >>> stored = {"w_blocks": np.full((1, 2, 1, 16), 0x72, np.uint8),  # elements 1.0, 6.0
+      ...           "w_scales": np.array([[[127], [128]]], np.uint8)}  # 2**0, 2**1 per row
+      >>> codec = Mxfp4Codec()
+      >>> codec.stored("w", stored)
+      ('w_blocks', 'w_scales')
+      >>> w = codec.decode("w", stored.__getitem__)  # [E, in, out]
+      >>> w.shape, w[0, :4].tolist()
+      ((1, 32, 2), [[1.0, 2.0], [6.0, 12.0], [1.0, 2.0], [6.0, 12.0]])
+    """
+
+    def __init__(self, fmt: Mxfp4 | None = None):
+        self.fmt = Mxfp4() if fmt is None else fmt
+
+    def stored(self, name: str, names: Collection[str]) -> tuple[str, ...]:
+        """The stored tensors that make `name`: its blocks and scales if `names` has either."""
+        blocks, scales = Mxfp4.blocks_name(name), Mxfp4.scales_name(name)
+        if blocks in names or scales in names:
+            return (blocks, scales)
+        return (name,)
+
+    def decode(self, name: str, read: Callable[[str], np.ndarray]) -> np.ndarray:
+        blocks_name, scales_name = Mxfp4.blocks_name(name), Mxfp4.scales_name(name)
+        try:
+            blocks = read(blocks_name)
+        except ValueError:  # not MXFP4: stored as it is
+            return read(name)
+        try:
+            scales = read(scales_name)
+        except ValueError as e:
+            raise ValueError(f"{blocks_name!r} is stored but its scales are missing: {e}") from None
+        if blocks.ndim != 4:
+            raise ValueError(
+                f"{blocks_name!r} has shape {list(blocks.shape)}; MXFP4 expert weights are "
+                f"[experts, out, in / {MXFP4_BLOCK}, {MXFP4_BLOCK // 2}]"
+            )
+        try:
+            values = dequantize_mxfp4(blocks, scales)
+        except ValueError as e:
+            raise ValueError(f"{name!r} ({blocks_name!r}, {scales_name!r}): {e}") from None
+        return values.swapaxes(-1, -2)  # [E, out, in] -> the module layout [E, in, out]
+
+    def encode(
+        self, name: str, tensor: np.ndarray, *, shapes_only: bool = False
+    ) -> list[tuple[str, np.ndarray]] | None:
+        return None
+
+
+def mxfp4_check(op: str, tensors: Mapping[str, HFTensor], names: Collection[str]) -> set[str]:
+    """The blocks and scales of the MXFP4 tensors among `names`, checked from the headers alone.
+
+    Returns:
+      The stored names (``X_blocks``, ``X_scales``) of each of `names` stored as MXFP4.
+
+    Raises:
+      CheckpointError: blocks without scales or scales without blocks, either not U8, blocks
+        not ``[E, out, in / 32, 16]`` or scales not ``[E, out, in / 32]``; the message names
+        the tensor and its file.
+    """
+    stored = set()
+    for name in sorted(names):
+        b = tensors.get(Mxfp4.blocks_name(name))
+        s = tensors.get(Mxfp4.scales_name(name))
+        if b is None and s is None:
+            continue
+        what = f"{op}: {name!r} is stored as MXFP4"
+        if b is None or s is None:
+            have, lack = (s, Mxfp4.blocks_name(name)) if b is None else (b, Mxfp4.scales_name(name))
+            raise CheckpointError(f"{what} ({have.file}), but {lack!r} is missing")
+        half = MXFP4_BLOCK // 2
+        if b.dtype != "U8" or len(b.shape) != 4 or b.shape[-1] != half:
+            raise CheckpointError(
+                f"{what}: {Mxfp4.blocks_name(name)!r} in {b.file} is {b.dtype}{list(b.shape)}; "
+                f"expected U8[experts, out, in / {MXFP4_BLOCK}, {half}]"
+            )
+        if s.dtype != "U8" or s.shape != b.shape[:-1]:
+            raise CheckpointError(
+                f"{what}: {Mxfp4.scales_name(name)!r} in {s.file} is {s.dtype}{list(s.shape)}; "
+                f"its blocks {list(b.shape)} (in {b.file}) need U8{list(b.shape[:-1])}"
+            )
+        stored |= {Mxfp4.blocks_name(name), Mxfp4.scales_name(name)}
+    return stored

@@ -54,14 +54,16 @@ MESHES = {
 
 
 def randomize(model, layer_scale: float = 1.0):
-    """`model` (transformers) with every weight random: norms, biases and the router's
-    correction bias (a parameter or a buffer) moved off their init so that a mix-up shows, and
+    """`model` (transformers) with every weight random: norms, biases, attention sinks and the
+    router's correction bias (a parameter or a buffer) moved off their init so a mix-up shows, and
     the layers' other weights times `layer_scale` (clear router choices, varied greedy tokens).
     Returns the model, in eval mode."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(".bias") or "e_score_correction_bias" in name:
+            if "norm" in name or name.endswith("bias"):  # gpt-oss's gate_up_proj_bias too
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith(".sinks"):  # gpt-oss's attention sinks: comparable to the scores
+                p.copy_(torch.randn_like(p))
             elif ".layers." in name and layer_scale != 1.0:
                 p.mul_(layer_scale)
         for name, b in model.named_buffers():

@@ -170,8 +170,33 @@ def _to_ours(
         rule.our_shape([p.shape for p in parts])  # checks what the mapping assumes
         return rule.to_ours(parts)
     except ValueError as e:
-        files = ", ".join(sorted({str(table[name][0]) for name in names}))
+        files = _files(names, table, codec)
         raise CheckpointError(f"{op}: {key!r} from {list(names)} in {files}: {e}") from None
+
+
+def _stored(codec: Codec | None, name: str, table) -> tuple[str, ...]:
+    """The stored tensors that make their tensor `name` (``codec.stored``; default itself)."""
+    stored = getattr(codec, "stored", None)
+    if stored is None:
+        return (name,)
+    out = tuple(stored(name, table))
+    if not out or not all(isinstance(n, str) for n in out):
+        raise TypeError(
+            f"{type(codec).__name__}.stored({name!r}) must give tensor names, got {out!r}"
+        )
+    return out
+
+
+def _missing(names: Sequence[str], table, codec: Codec | None) -> list[str]:
+    """The stored tensors making `names` that the files lack, in order, once each."""
+    out = [s for name in names for s in _stored(codec, name, table) if s not in table]
+    return list(dict.fromkeys(out))
+
+
+def _files(names: Sequence[str], table, codec: Codec | None) -> str:
+    """The files holding the stored tensors of `names`, sorted and comma-separated."""
+    stored = {s for name in names for s in _stored(codec, name, table)}
+    return ", ".join(sorted({str(table[s][0]) for s in stored if s in table})) or "(none)"
 
 
 def _read_stored(name: str, table) -> np.ndarray:
@@ -197,13 +222,23 @@ def _check_cast(
     table: dict[str, tuple[Path, dict[str, Any], int]],
     dtype: np.dtype,
     cast: bool,
+    codec: Codec | None = None,
 ) -> None:
-    """Refuses, unless `cast`, tensors whose kind (bool, int, uint, float) the target changes."""
+    """Refuses, unless `cast`, tensors whose kind (bool, int, uint, float) the target changes.
+
+    A tensor the codec makes of other stored tensors (say, uint8 MXFP4 blocks and scales) is
+    decoded to floating point: its kind is float, whatever the stored ones' dtypes.
+    """
     if cast:
         return
     for name in names:
-        file, entry, _ = table[name]
+        stored = _stored(codec, name, table)
+        file, entry, _ = table[stored[0]]
         code = entry["dtype"]
+        if stored != (name,):
+            if _kind(dtype) == "float":
+                continue
+            code = "F32"
         if code not in _ST_DTYPES:
             continue  # reading it raises
         have = _np_dtype(_ST_DTYPES[code])
@@ -223,42 +258,57 @@ def _import_stacked(op, src, table, key, rule: Rule, shape, dtype, sharding, cas
             f"{op}: {key!r} stacks {rule.stack} but the target has shape {list(shape)}"
         )
     elements = dict(rule.elements(key, shape[:n]))
-    missing = [name for names in elements.values() for name in names if name not in table]
+    all_names = [name for names in elements.values() for name in names]
+    missing = _missing(all_names, table, codec)
     if missing:
         raise CheckpointError(
             f"{op}: {key!r} needs {missing[:3]}{' ...' if len(missing) > 3 else ''} "
             f"({len(missing)} missing) in {src}; it has e.g. {list(table)[:5]}"
         )
-    _check_cast(
-        op, key, [name for names in elements.values() for name in names], table, dtype, cast
-    )
-    cache: dict[tuple, np.ndarray] = {}
+    _check_cast(op, key, all_names, table, dtype, cast, codec)
 
     def element(idx: tuple) -> np.ndarray:
-        if idx not in cache:
-            names = elements[idx]
-            arr = _to_ours(op, key, rule, names, table, codec)
-            if tuple(arr.shape) != tuple(shape[n:]):
-                raise CheckpointError(
-                    f"{op}: {key!r}[{', '.join(map(str, idx))}] from {names} has shape "
-                    f"{list(arr.shape)}, the target element {list(shape[n:])}"
-                )
-            cache[idx] = arr.astype(dtype, copy=False)
-        return cache[idx]
+        names = elements[idx]
+        arr = _to_ours(op, key, rule, names, table, codec)
+        if tuple(arr.shape) != tuple(shape[n:]):
+            raise CheckpointError(
+                f"{op}: {key!r}[{', '.join(map(str, idx))}] from {names} has shape "
+                f"{list(arr.shape)}, the target element {list(shape[n:])}"
+            )
+        return arr  # cast to dtype part by part, as it is copied into the blocks
 
-    def block(index: tuple[slice, ...]) -> np.ndarray:
+    def normalize(index: tuple[slice, ...]) -> tuple[range, ...]:
         index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-        ranges = [range(*sl.indices(dim)) for sl, dim in zip(index[:n], shape[:n], strict=True)]
-        out = np.empty([len(r) for r in ranges] + [len(range(*sl.indices(d))) for sl, d in
-                       zip(index[n:], shape[n:], strict=True)], dtype)  # fmt: skip
-        for pos in np.ndindex(*[len(r) for r in ranges]):
-            idx = tuple(r[i] for r, i in zip(ranges, pos, strict=True))
-            out[pos] = element(idx)[index[n:]]
-        return out
+        return tuple(range(*sl.indices(dim)) for sl, dim in zip(index, shape, strict=True))
+
+    # The distinct blocks this process's devices hold (replicas share one), filled element by
+    # element: each element is read once, copied into every block holding part of it and
+    # dropped, so the host holds this process's share of the leaf and one element.
+    index_map = (
+        {None: (slice(None),) * len(shape)}
+        if sharding is None
+        else sharding.addressable_devices_indices_map(shape)
+    )
+    blocks: dict[tuple[range, ...], np.ndarray] = {}
+    uses: dict[tuple, list[tuple[np.ndarray, tuple, tuple[slice, ...]]]] = {}
+    for index in index_map.values():
+        ranges = normalize(index)
+        if ranges in blocks:
+            continue
+        blocks[ranges] = out = np.empty([len(r) for r in ranges], dtype)
+        rest = tuple(slice(r.start, r.stop, r.step) for r in ranges[n:])
+        for pos in np.ndindex(*[len(r) for r in ranges[:n]]):
+            idx = tuple(r[i] for r, i in zip(ranges[:n], pos, strict=True))
+            uses.setdefault(idx, []).append((out, pos, rest))
+    for idx in sorted(uses):
+        arr = element(idx)
+        for out, pos, rest in uses.pop(idx):
+            out[pos] = arr[rest]
+        del arr
 
     if sharding is None:
-        return block((slice(None),) * len(shape))
-    return jax.make_array_from_callback(shape, sharding, block)
+        return next(iter(blocks.values()))
+    return jax.make_array_from_callback(shape, sharding, lambda index: blocks[normalize(index)])
 
 
 @named_errors("jaxops.parallel.checkpoint.import_safetensors")
@@ -291,9 +341,12 @@ def import_safetensors(
         tensor raises CheckpointError; precision changes within a kind (bfloat16 -> float32,
         float32 -> bfloat16, int8 -> int32) are always made.
       codec: how their tensors are stored, if not each as one array (e.g. block-scaled FP8
-        weights with their ``weight_scale_inv``): a :class:`Codec`. It reads what it needs per
-        tensor, so the import still reads, per process, only the tensors its shards hold. The
-        cast check (`cast`) looks at the stored dtype of the tensors the rules name.
+        weights with their ``weight_scale_inv``, MXFP4 ``X_blocks`` and ``X_scales`` for an
+        ``X`` the files lack): a :class:`Codec`. It reads what it needs per tensor, so the
+        import still reads, per process, only the tensors its shards hold. A tensor counts as
+        present when the files hold what the codec's ``stored`` says makes it. The cast check
+        (`cast`) looks at the stored dtype of the tensors the rules name; one the codec makes of
+        others counts as float.
 
     Returns:
       A tree like `target`.
@@ -333,13 +386,13 @@ def import_safetensors(
                     bar.update(math.prod(shape) * dtype.itemsize)
                 continue
             names = rule.their_names(key) or []
-            missing = [n for n in names if n not in table]
+            missing = _missing(names, table, codec)
             if not names or missing:
                 raise CheckpointError(
                     f"{op}: {key!r} needs {missing or names} in {src}; "
                     f"it has e.g. {list(table)[:5]}"
                 )
-            _check_cast(op, key, names, table, dtype, cast)
+            _check_cast(op, key, names, table, dtype, cast, codec)
             arr = _to_ours(op, key, rule, names, table, codec)
             if tuple(arr.shape) != shape:
                 raise CheckpointError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -343,9 +343,23 @@ class Codec(Protocol):
     The name maps (:class:`Rule`) say which of their tensors make our arrays; a codec says how
     such a tensor is stored, when that is more than one array in its dtype: for example a
     block-scaled FP8 checkpoint keeps ``X.weight`` as float8 with a float32
-    ``X.weight_scale_inv`` beside it. Both methods see one of their tensors at a time, so
+    ``X.weight_scale_inv`` beside it, and an MXFP4 one stores ``X`` as ``X_blocks`` and
+    ``X_scales`` without any ``X``. The methods see one of their tensors at a time, so
     loading and writing keep streaming tensor by tensor.
+
+    :meth:`stored` is optional: import looks it up with ``getattr`` and, without it, takes
+    every tensor to be stored under its own name.
     """
+
+    def stored(self, name: str, names: Collection[str]) -> tuple[str, ...]:
+        """Import: the stored tensors that make their tensor `name`, given the files' `names`.
+
+        Import checks these (rather than `name`) are in the files before reading anything,
+        names their files in errors, and, for a tensor made of others (anything but
+        ``(name,)``), takes the decoded tensor to be floating point in the cast check (the
+        stored ones may be packed integers). Default: ``(name,)``, stored as it is.
+        """
+        return (name,)
 
     def decode(self, name: str, read: Callable[[str], np.ndarray]) -> np.ndarray:
         """Import: their tensor `name` from the stored ones (``read(n)``: stored tensor `n`).
