@@ -151,3 +151,34 @@ def hf_generate(model, prompt, mask, max_new_tokens: int) -> np.ndarray:
             pad_token_id=0,
         )
     return out.numpy()
+
+
+def check_loss(model, params, torch_model, batch: int = 8, seed: int = 3) -> None:
+    """Our training loss of a batch (next-token targets, the last one ignored) equals
+    transformers' loss with ``labels`` (rtol 2e-5)."""
+    tokens = random_tokens(batch, seed=seed)
+    with torch.no_grad():
+        ids = torch.tensor(tokens, dtype=torch.long)
+        want = torch_model(ids, labels=ids).loss.item()
+    targets = np.concatenate([tokens[:, 1:], np.full((batch, 1), -100, np.int32)], axis=1)
+    got = jax.jit(model.loss)(params, *model.place_batch(tokens, targets))
+    np.testing.assert_allclose(float(got), want, rtol=2e-5)
+
+
+def train_save_reload(model, params, torch_model, out, what: str) -> tuple[list[str], dict]:
+    """3 adamw steps lower the loss; ``save_pretrained`` to `out`; transformers loads it as a
+    model of `torch_model`'s class whose logits equal ours. Returns (the tensor names written,
+    the saved config.json)."""
+    import json
+
+    from jaxops import models
+
+    params, losses = adamw_steps(model, params)
+    assert losses[2] < losses[1] < losses[0], losses
+    names = models.save_pretrained(model, params, out, max_shard_size="200KB")
+    trained = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(trained) is type(torch_model), (type(trained), type(torch_model))
+    check_logits(
+        model, params, trained, random_tokens(16, seed=9), f"{what} trained {losses}, saved"
+    )
+    return names, json.loads((out / "config.json").read_text())

@@ -23,12 +23,13 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from _hf_families import (  # noqa: E402
-    adamw_steps,
     check_greedy_generate,
     check_logits,
+    check_loss,
     mesh,
     random_tokens,
     randomize,
+    train_save_reload,
 )
 
 from jaxops import models  # noqa: E402
@@ -103,27 +104,13 @@ def test_logits_match_transformers(hf, name, mesh_name):
 def test_adamw_steps_and_save_pretrained_round_trip(hf, tmp_path):
     torch_model, path = hf["interleaved"]
     model, params = models.from_pretrained(path, mesh=mesh("d2e4"), router_aux_loss_coef=0.0)
-    tokens = random_tokens(8, seed=3)
-    with torch.no_grad():
-        want = torch_model(
-            torch.tensor(tokens, dtype=torch.long), labels=torch.tensor(tokens, dtype=torch.long)
-        ).loss.item()
-    targets = np.concatenate([tokens[:, 1:], np.full((8, 1), -100, np.int32)], axis=1)
-    got = jax.jit(model.loss)(params, *model.place_batch(tokens, targets))
-    np.testing.assert_allclose(float(got), want, rtol=2e-5)
-    params, losses = adamw_steps(model, params)
-    assert losses[2] < losses[1] < losses[0], losses
-    out = tmp_path / "trained"
-    names = models.save_pretrained(model, params, out, max_shard_size="200KB")
+    check_loss(model, params, torch_model)
+    names, saved = train_save_reload(model, params, torch_model, tmp_path / "out", "llama4_text")
     assert {"model.layers.1.feed_forward.experts.gate_up_proj",
             "model.layers.2.feed_forward.gate_proj.weight",
             "model.layers.3.feed_forward.shared_expert.down_proj.weight"} <= set(names)  # fmt: skip
-    saved = json.loads((out / "config.json").read_text())
     assert saved["moe_layers"] == [1, 3] and saved["no_rope_layers"] == [1, 0, 1, 0]
     assert saved["floor_scale"] == 4 and saved["intermediate_size_mlp"] == 48
-    trained = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert type(trained).__name__ == "Llama4ForCausalLM"
-    _check_logits(model, params, trained, random_tokens(16, seed=9), f"trained {losses}, saved")
 
 
 def test_greedy_generate_matches_transformers(hf):

@@ -10,8 +10,6 @@ Tolerance: float32 logits within 1e-4 of the logit scale (max |logit|).
 
 from __future__ import annotations
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,12 +19,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from _hf_families import (  # noqa: E402
-    adamw_steps,
     check_greedy_generate,
     check_logits,
     mesh,
     random_tokens,
     randomize,
+    train_save_reload,
 )
 
 from jaxops import models  # noqa: E402
@@ -107,17 +105,10 @@ def test_loss_with_ignored_targets_matches_transformers(hf):
 
 def test_adamw_steps_and_save_pretrained_round_trip(hf, tmp_path):
     model, params = models.from_pretrained(hf["base"][1], mesh=mesh("d2e4"))
-    params, losses = adamw_steps(model, params)
-    assert losses[2] < losses[1] < losses[0], losses
-    out = tmp_path / "trained"
-    names = models.save_pretrained(model, params, out, max_shard_size="200KB")
+    names, saved = train_save_reload(model, params, hf["base"][0], tmp_path / "out", "olmoe")
     assert "model.layers.1.self_attn.q_norm.weight" in names
-    saved = json.loads((out / "config.json").read_text())
     assert saved["architectures"] == ["OlmoeForCausalLM"] and saved["clip_qkv"] is None
     assert "head_dim" not in saved
-    trained = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert type(trained).__name__ == "OlmoeForCausalLM"
-    _check_logits(model, params, trained, random_tokens(16, seed=9), f"trained {losses}, saved")
 
 
 def test_greedy_generate_matches_transformers(hf):
