@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -258,6 +259,16 @@ def layer_kinds(c: DecoderConfig, layers: Any) -> tuple[LayerKind, LayerKind | N
     )
 
 
+def _l2_norm(x: jax.Array, eps: float) -> jax.Array:
+    """``x / sqrt(mean(x^2) + eps)`` over the last axis in float32, no weight (Llama 4's L2Norm).
+
+    Plain jnp, not ``jaxops.rms_norm`` with a weight of ones: that weight would be a constant
+    inside a pipeline stage's shard_map, and the kernel's weight gradient a per-device value.
+    """
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
 def _maybe(flag: Any, f: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
     """``f(x)`` where `flag` (a bool, or a traced bool scalar: both computed), else ``x``."""
     if flag is True:
@@ -302,8 +313,7 @@ def qkv(
     q = _maybe(rope, lambda a: rotary(a, c.rope, where.positions), q)
     k = _maybe(rope, lambda a: rotary(a, c.rope, where.positions), k)
     if c.qk_l2_norm:
-        ones = jnp.ones((dh,), dt)
-        l2 = lambda a: jaxops.rms_norm(a, ones, eps=c.rms_norm_eps, impl=ops.impl)  # noqa: E731
+        l2 = functools.partial(_l2_norm, eps=c.rms_norm_eps)
         q, k = _maybe(rope, l2, q), _maybe(rope, l2, k)
     if c.attn_temperature_tuning and rope is not True:  # the NoPE layers' queries
         t = where.index.astype(jnp.float32)

@@ -182,3 +182,29 @@ def train_save_reload(model, params, torch_model, out, what: str) -> tuple[list[
         model, params, trained, random_tokens(16, seed=9), f"{what} trained {losses}, saved"
     )
     return names, json.loads((out / "config.json").read_text())
+
+
+def pipeline_and_scan_grads(path, tokens=None) -> dict:
+    """``loss_and_grads`` of the model in directory `path` on pipe x expert equal data x
+    expert's for one batch (loss rtol 1e-5, every gradient leaf within 1e-4 of its scale);
+    returns the pipeline's gradients. Without the load-balancing loss, which the pipeline
+    computes per microbatch and data x expert over the whole batch."""
+    from jaxops import models
+
+    tokens = random_tokens(16, seed=4) if tokens is None else tokens
+    targets = np.roll(tokens, -1, axis=1)
+    out = {}
+    for mesh_name in ("d2e4", "p2e4"):
+        model, params = models.from_pretrained(
+            path, mesh=mesh(mesh_name), num_microbatches=2, router_aux_loss_coef=0.0
+        )
+        loss, grads = jax.jit(model.loss_and_grads)(params, *model.place_batch(tokens, targets))
+        out[mesh_name] = float(loss), jax.tree.map(np.asarray, grads)
+    (l1, g1), (l2, g2) = out["d2e4"], out["p2e4"]
+    np.testing.assert_allclose(l2, l1, rtol=1e-5)
+    for (where, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(g1), jax.tree.leaves(g2), strict=True
+    ):
+        scale = max(float(np.abs(a).max()), 1e-6)
+        assert float(np.abs(a - b).max()) <= 1e-4 * scale, jax.tree_util.keystr(where)
+    return g2

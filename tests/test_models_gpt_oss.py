@@ -25,6 +25,7 @@ from _hf_families import (  # noqa: E402
     check_logits,
     check_loss,
     mesh,
+    pipeline_and_scan_grads,
     random_tokens,
     randomize,
     train_save_reload,
@@ -99,6 +100,12 @@ def test_packed_and_padded_batches_match_transformers(hf):
     real = mask.astype(bool)
     err = np.abs(np.asarray(got)[real] - want[real]).max() / np.abs(want[real]).max()
     assert np.isfinite(np.asarray(got)).all() and err <= 1e-4, err
+
+
+def test_pipeline_gradients_equal_the_scan_gradients(hf):
+    """pipe x expert (each stage slicing its layers' attention patterns) against data x expert."""
+    grads = pipeline_and_scan_grads(hf[1])
+    assert float(np.abs(grads["layers"]["sinks"]).max()) > 0
 
 
 def test_adamw_steps_and_save_pretrained_round_trip(hf, tmp_path):

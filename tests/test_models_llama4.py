@@ -27,6 +27,7 @@ from _hf_families import (  # noqa: E402
     check_logits,
     check_loss,
     mesh,
+    pipeline_and_scan_grads,
     random_tokens,
     randomize,
     train_save_reload,
@@ -99,6 +100,12 @@ def test_logits_match_transformers(hf, name, mesh_name):
     assert c.dense_layers == ((0, 2) if name != "every" else ())
     tokens = random_tokens(2 if mesh_name == "1dev" else 16)
     _check_logits(model, params, torch_model, tokens, f"{name} {mesh_name}")
+
+
+def test_pipeline_gradients_equal_the_scan_gradients(hf):
+    """pipe x expert (each stage slicing its layers' attention patterns) against data x expert."""
+    grads = pipeline_and_scan_grads(hf["every"][1])
+    assert float(np.abs(grads["layers"]["w_qkv"]).max()) > 0
 
 
 def test_adamw_steps_and_save_pretrained_round_trip(hf, tmp_path):
