@@ -56,8 +56,11 @@ CASES = {
 # The layer vs the reference: (case, capacity_factor, with a token mask, impl). Each case, the
 # combinations also with dropped slots and with padding; one with the permute's pure-JAX twin
 # (impl="xla": its probs gradient is JAX's, the custom call's is its own rule).
+# The layer runs the combinations (each option alone is in the oracle tests below): gpt-oss has
+# expert biases, the clamped SwiGLU and the router logit bias; Llama 4 weight_inputs; and the
+# logit bias beside the correction bias.
 LAYER_CASES = [
-    *((case, None, False, None) for case in CASES if case != "llama4-top1"),
+    *((case, None, False, None) for case in ("gpt-oss", "llama4-top2", "router_logit_bias")),
     ("gpt-oss", 0.5, True, None),
     ("llama4-top1", 1.0, False, "xla"),
     ("llama4-top2", None, True, None),
