@@ -436,9 +436,16 @@ def attention(
     D]``, optional ``b_o``, ``sinks [Hq]`` (gpt-oss); with MLA those of
     ``jaxops.models._mla``. `where` places every token (causal, document and padding mask,
     rotary positions); `kind` is the layer's pattern (:class:`LayerKind`: sliding window,
-    chunk, RoPE; default: the config's `sliding_window` for every layer). Returns ``[b, s, D]``.
+    chunk, RoPE; None: the config's one pattern, a ValueError when its layers differ).
+    Returns ``[b, s, D]``.
     """
-    kind = LayerKind(c.sliding_window) if kind is None else kind
+    if kind is None:
+        kind, scanned = layer_kinds(c, ())
+        if scanned is not None:
+            raise ValueError(
+                "jaxops.models._layers.attention: the config's layers have different attention "
+                "patterns (layer_types / nope_layers); pass the layer's kind"
+            )
     q, kv = attention_inputs(ops, c, p, x, where, kind)
     mask = allowed(where, where, kind.window, chunk=kind.chunk)
     return attention_output(ops, c, p, q, kv, mask, causal=True)

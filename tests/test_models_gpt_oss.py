@@ -143,5 +143,9 @@ def test_config_defaults_round_trip_and_refusals(hf):
         models.DecoderConfig.from_hf({**hf_cfg, "layer_types": ["local"] * 4})
     with pytest.raises(models.ConfigError, match="swiglu_limit must be a finite number > 0"):
         models.DecoderConfig.from_hf({**hf_cfg, "swiglu_limit": -1.0})
+    from jaxops.models import _layers
+
+    with pytest.raises(ValueError, match="different attention patterns"):  # needs the kind
+        _layers.attention(_layers.Ops(np.float32), cfg, {}, None, None)
     with pytest.raises(models.ConfigError, match="cannot express"):
         models.DecoderConfig(**{**cfg.__dict__, "attention_sinks": False}).to_hf()
