@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 __all__ = [
     "SpecEntry",
     "axes_of",
+    "constrain",
     "cotangent_like",
     "named",
     "padded_spec",
@@ -73,6 +74,21 @@ def place(tree: Any, mesh: Any, specs: Any) -> Any:
         specs,
         is_leaf=lambda s: isinstance(s, P),
     )
+
+
+def constrain(tree: Any, shardings: Any) -> Any:
+    """`tree` laid out on `shardings` (a matching pytree of NamedShardings) inside a trace.
+
+    ``jax.reshard`` on meshes with Explicit axes (where the sharding is part of the type),
+    ``with_sharding_constraint`` on others; the partitioner inserts the collectives.
+    """
+
+    def one(a: Any, s: NamedSharding) -> Any:
+        if any(t == AxisType.Explicit for t in s.mesh.axis_types):
+            return jax.reshard(a, s)
+        return jax.lax.with_sharding_constraint(a, s)
+
+    return jax.tree.map(one, tree, shardings)
 
 
 def named(mesh: Any, *entries: SpecEntry) -> NamedSharding:

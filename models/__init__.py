@@ -18,6 +18,11 @@
   Published FP8 checkpoints (128 x 128 block scales) and gpt-oss's MXFP4 checkpoints load
   dequantized, and
   ``save_pretrained(..., quantize="fp8-block")`` writes that format.
+- Training at scale: ``MoEDecoder(..., zero=1 or 3)`` (:data:`ZERO_STAGES`: the optimizer
+  state, and with 3 the parameters, sharded over the batch axes), ``init_optimizer`` and
+  ``train_step`` (loss, gradients and an optax update in one jitted step), and
+  ``python -m jaxops.models.plan`` (:mod:`jaxops.models.plan`): the memory plan of that step
+  for a config.json on a mesh of simulated devices, compiled ahead of time.
 - :data:`DECODER_SCHEDULES`, :data:`MOE_IMPLS`, :data:`MODEL_TYPES`, :data:`BLOCK_MODEL_TYPES`:
   what the decoder and the blocks take.
 
@@ -50,6 +55,7 @@ from jaxops.models._decoder import (
     DECODER_SCHEDULES,
     MOE_IMPLS,
     REMAT_POLICIES,
+    ZERO_STAGES,
     MoEDecoder,
 )
 from jaxops.models._generate import generate
@@ -72,6 +78,7 @@ __all__ = [
     "REMAT_POLICIES",
     "ROPE_KINDS",
     "ROUTERS",
+    "ZERO_STAGES",
     "ConfigError",
     "DecoderConfig",
     "Mla",

@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from jaxops.models import _batch, _layers, _objective
+from jaxops.models import _batch, _layers, _objective, _train
 from jaxops.models._config import DecoderConfig
-from jaxops.models._layout import Layout
+from jaxops.models._layout import Layout, without_gathered
 from jaxops.parallel import expert as ep
 from jaxops.parallel import pipeline as pl
 
@@ -28,7 +28,14 @@ from jaxops._errors import ConfigError, renamed_fields
 from jaxops._ffi import has_kernel
 from jaxops._sharding import place
 
-__all__ = ["ATTENTION_IMPLS", "DECODER_SCHEDULES", "MOE_IMPLS", "REMAT_POLICIES", "MoEDecoder"]
+__all__ = [
+    "ATTENTION_IMPLS",
+    "DECODER_SCHEDULES",
+    "MOE_IMPLS",
+    "REMAT_POLICIES",
+    "ZERO_STAGES",
+    "MoEDecoder",
+]
 
 #: The pipeline schedules the decoder trains with (of :data:`jaxops.parallel.pipeline.SCHEDULES`;
 #: "interleaved" would need the layers stored in its round-robin layout).
@@ -44,6 +51,8 @@ _OP = "jaxops.models.MoEDecoder"
 #: residual; "full": only its input (the backward recomputes the layer); "matmuls": the outputs
 #: of the projections and of every XLA dot (the backward recomputes norms, softmax, activations).
 REMAT_POLICIES = ("none", "full", "matmuls")
+#: ZeRO stages of :attr:`MoEDecoder.zero`: none, the optimizer state, the parameters too.
+ZERO_STAGES = (0, 1, 3)
 _MATMULS = jax.checkpoint_policies.save_from_both_policies(
     jax.checkpoint_policies.dots_saveable,
     jax.checkpoint_policies.save_only_these_names(_layers.PROJECTION),
@@ -124,6 +133,12 @@ class MoEDecoder(Layout):
       attention_impl: one of :data:`ATTENTION_IMPLS`. ``jax.nn.dot_product_attention`` needs
         keys and values of one head width: multi-head latent attention (192 / 128 in
         DeepSeek-V3) always takes the jnp softmax.
+      zero: ZeRO sharding over the batch axes (:data:`ZERO_STAGES`): 0 none; 1 the optimizer
+        state (:meth:`init_optimizer`) and the gradients the update reads
+        (:meth:`train_step`); 3 the parameters too (:meth:`~Layout.zero_specs`), each
+        layer's weights all-gathered as the layer runs (again in its backward, instead of
+        keeping them), the gradients reduced to the shards. With a pipe axis a stage's layers
+        are gathered for the whole step.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -155,6 +170,7 @@ class MoEDecoder(Layout):
     impl: str | None = None
     moe_impl: str = "ep"
     attention_impl: str = "auto"
+    zero: int = 0
 
     def __post_init__(self):
         op = _OP
@@ -166,34 +182,7 @@ class MoEDecoder(Layout):
             raise TypeError(
                 f"{op}: mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}"
             )
-        shape = dict(self.mesh.shape)
-        if self.expert_axis not in shape:
-            raise ConfigError(
-                f"{op}: the mesh has no axis {self.expert_axis!r} (expert_axis); its axes are "
-                f"{tuple(shape)}. On one device use jax.make_mesh((1,), ('expert',))"
-            )
-        if self.config.num_experts % shape[self.expert_axis]:
-            raise ConfigError(
-                f"{op}: num_experts = {self.config.num_experts} must be divisible by the size "
-                f"{shape[self.expert_axis]} of the expert axis {self.expert_axis!r}"
-            )
-        c = self.config
-        if len(c.moe_layers) % self.pipe:
-            raise ConfigError(
-                f"{op}: the {len(c.moe_layers)} MoE layers (num_layers = {c.num_layers} less "
-                f"{len(c.dense_layers)} dense) must be divisible by the size {self.pipe} of the "
-                f"pipe axis {self.pipe_axis!r}"
-            )
-        if self.pipe > 1 and c.dense_layers != tuple(range(len(c.dense_layers))):
-            raise ConfigError(
-                f"{op}: with a pipeline the dense layers must come first (they run ahead of "
-                f"the pipeline stages); got dense_layers = {c.dense_layers}"
-            )
-        if self.expert_axis == self.pipe_axis:
-            raise ConfigError(
-                f"{op}: expert_axis and pipe_axis are both {self.expert_axis!r}; the experts and "
-                "the pipeline stages need two different mesh axes"
-            )
+        self._check_mesh(op)
         _checks.check_int(op, "num_microbatches", self.num_microbatches, 1)
         if self.remat is None or isinstance(self.remat, bool):
             object.__setattr__(self, "remat", "full" if self.remat else "none")
@@ -221,25 +210,9 @@ class MoEDecoder(Layout):
         if dtype not in _checks.FLOAT_DTYPES:
             raise TypeError(f"{op}: dtype must be float32, bfloat16 or float16, got {dtype.name}")
         object.__setattr__(self, "dtype", dtype)
+        if self.zero not in ZERO_STAGES:
+            raise ConfigError(f"{op}: zero must be one of {ZERO_STAGES}, got {self.zero!r}")
         self.moe  # noqa: B018 -- validates the MoE settings now
-
-    # ---------------------------------------------------------------------------------------------
-    # Layout.
-
-    @property
-    def pipe(self) -> int:
-        """Pipeline stages: the size of the pipe axis (1 without one)."""
-        return dict(self.mesh.shape).get(self.pipe_axis, 1)
-
-    @property
-    def data_axes(self) -> tuple[str, ...]:
-        """Mesh axes the batch is split over besides the expert axis (all but expert and pipe)."""
-        return tuple(a for a in self.mesh.axis_names if a not in (self.expert_axis, self.pipe_axis))
-
-    @property
-    def batch_axes(self) -> tuple[str, ...]:
-        """All mesh axes the batch is split over: ``(*data_axes, expert_axis)``."""
-        return (*self.data_axes, self.expert_axis)
 
     # ---------------------------------------------------------------------------------------------
     # The model: unvalidated internals on the layer functions.
@@ -295,7 +268,8 @@ class MoEDecoder(Layout):
             if (start, stop) != (0, jax.tree.leaves(stack)[0].shape[0]):
                 stack = jax.tree.map(lambda a, i=start, j=stop: a[i:j], stack)
             rows = range(first, first + stop - start)  # consecutive layers of one kind
-            h, aux = self._run_layers(stack, h, where, key, _layers.layer_kinds(self.config, rows))
+            kinds = _layers.layer_kinds(self.config, rows)
+            h, aux = self._run_layers(stack, h, where, key, kinds, gather=True)
             if key == "layers":
                 auxes.append(aux)
         if not auxes:
@@ -318,18 +292,32 @@ class MoEDecoder(Layout):
         where: _layers.Tokens,
         key: str,
         kinds: tuple[_layers.LayerKind, _layers.LayerKind | None],
+        gather: bool = False,
     ) -> tuple[jax.Array, ep.MoEAux]:
         """``h`` through the stacked `layers` of stack `key` (one lax.scan).
 
         `kinds`: their attention patterns (``_layers.layer_kinds``: one for all, or per-layer
         arrays scanned with the parameters). Returns ``(h, aux)``: the per-layer aux (MoEAux
-        of MoE layers, None for dense ones), stacked.
+        of MoE layers, None for dense ones), stacked. `gather`: ZeRO-3 gathers each layer's
+        weights in the loop (outside a pipeline stage, whose weights its shard_map gathered).
         """
         static, scanned = kinds
-        body = functools.partial(
+        layer = functools.partial(
             _layers.decoder_layer, self._ops, self.config, self._ffn(key), where, static
         )
         remat = self._remat
+        body = layer
+        if gather and self.zero == 3:
+            specs = jax.tree.map(
+                lambda s: P(*s[1:]), self.compute_specs()[key], is_leaf=lambda s: isinstance(s, P)
+            )
+
+            def body(h, xs):
+                if scanned is None:
+                    return layer(h, self._gather(xs, specs))
+                return layer(h, (self._gather(xs[0], specs), xs[1]))
+
+            remat = without_gathered(remat)
         if remat is not False:
             body = jax.checkpoint(body, policy=None if remat is True else remat)
         return jax.lax.scan(body, h, layers if scanned is None else (layers, scanned))
@@ -340,7 +328,7 @@ class MoEDecoder(Layout):
 
     def _head_params(self, params: dict[str, Any]) -> dict[str, Any]:
         key = "embed" if self.config.tie_word_embeddings else "lm_head"
-        return {"final_norm": params["final_norm"], key: params[key]}
+        return self._gather({"final_norm": params["final_norm"], key: params[key]}, P())
 
     def _head(self, head: dict[str, Any], h: jax.Array) -> jax.Array:
         return _layers.head(self._ops, self.config, head, h)
@@ -390,7 +378,7 @@ class MoEDecoder(Layout):
 
     def _embed(self, table: jax.Array, tokens: jax.Array, where: _layers.Tokens) -> jax.Array:
         """The tokens' rows of `table`, split over the batch axes; 0 at padding."""
-        x = self._place(_layers.embed(self._ops, table, tokens))
+        x = self._place(_layers.embed(self._ops, self._gather(table, P()), tokens))
         if where.segments is not None:
             x = jnp.where(where.valid[..., None], x, jnp.zeros((), x.dtype))
         return x
@@ -576,3 +564,31 @@ class MoEDecoder(Layout):
         if self.num_microbatches > 1:
             return _objective.accumulate(self, params, batch, grads=True)
         return jax.value_and_grad(functools.partial(_objective.objective, self))(params, batch)
+
+    def train_step(self, optimizer: Any) -> _train.TrainStep:
+        """A jitted training step: :meth:`loss_and_grads`, ``optimizer.update``, applied.
+
+        ``step(params, opt_state, tokens, targets, **batch) -> (params, opt_state, loss)``.
+
+        `optimizer`: an optax ``GradientTransformation`` (or anything with ``init`` and
+        ``update(grads, state, params)``); its state from :meth:`init_optimizer`. The batch
+        keywords are :meth:`loss`'s. Parameters and state are donated, laid out by
+        :attr:`zero`. ``step.lower(...)`` takes ``jax.ShapeDtypeStruct`` s
+        (``jaxops.models.plan`` compiles it so).
+
+        Example:
+          >>> import jax, numpy as np, optax
+          >>> from jaxops.models import DecoderConfig, MoEDecoder
+          >>> cfg = DecoderConfig("mixtral", vocab_size=64, hidden_size=32, num_layers=2,
+          ...                     num_heads=4, num_kv_heads=2, head_dim=8, num_experts=4,
+          ...                     top_k=2, expert_ffn=16)
+          >>> model = MoEDecoder(cfg, jax.make_mesh((1,), ("expert",)), zero=1)
+          >>> opt = optax.adamw(1e-3)
+          >>> params = model.init(jax.random.key(0))
+          >>> state = model.init_optimizer(opt, params)
+          >>> tokens = np.zeros((2, 8), np.int32)
+          >>> params, state, loss = model.train_step(opt)(params, state, tokens, tokens)
+          >>> loss.shape
+          ()
+        """
+        return _train.train_step(self, optimizer)

@@ -407,7 +407,8 @@ def generate(
 
     Args:
       model: the decoder; its mesh must have no pipe axis of size > 1.
-      params: its parameters (:meth:`MoEDecoder.init`, :func:`from_pretrained`).
+      params: its parameters (:meth:`MoEDecoder.init`, :func:`from_pretrained`); ZeRO-3
+        shards are gathered whole first (:meth:`MoEDecoder.gathered`).
       prompt: int32 or int64 ``[B, S]`` token ids; B a multiple of the devices of
         ``model.batch_axes`` (the batch is split over them, the experts over the expert axis).
         Host (numpy) ids of real tokens are checked against ``[0, V)``; on device arrays an id
@@ -491,6 +492,8 @@ def generate(
     window = None if None in windows else max(windows)
     slots = s + steps if window is None else min(window, s + steps)
     prompt, mask_dev = model.place_batch(np.asarray(prompt).astype(np.int32), mask)
+    if model.zero == 3:  # the whole model gathered for generation
+        params = model.gathered(params)
     cache, out, done = _prefill(
         params, prompt, mask_dev, sampling, model=model, slots=slots, steps=steps
     )

@@ -8,6 +8,7 @@ parameter and batch row lives; it reads the decoder's fields (``config``, ``mesh
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -17,7 +18,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxops.parallel import expert as ep
 
-__all__ = ["Layout"]
+from jaxops._errors import ConfigError
+from jaxops._sharding import axes_of, constrain, padded_spec
+
+__all__ = ["Layout", "without_gathered"]
 
 _INIT_STD = 0.02  # transformers' initializer_range for these models
 # Leaves initialized to zeros: biases and the attention sinks.
@@ -39,8 +43,85 @@ def _is_sharding(x: Any) -> bool:
     return isinstance(x, NamedSharding)
 
 
+#: The checkpoint name of ZeRO-3's gathered weights, which a layer's backward gathers again.
+_GATHERED = "zero_gathered"
+
+
+def without_gathered(remat: bool | Callable) -> bool | Callable:
+    """`remat` keeping nothing named :data:`_GATHERED` (False: everything else)."""
+    if remat is True:
+        return True
+    if remat is False:
+        return jax.checkpoint_policies.save_anything_except_these_names(_GATHERED)
+
+    def policy(prim, *args, **params):
+        if params.get("name") == _GATHERED:
+            return False
+        return remat(prim, *args, **params)
+
+    return policy
+
+
 class Layout:
     """Parameter shapes, PartitionSpecs, shardings, initialization and batch placement."""
+
+    def _check_mesh(self, op: str) -> None:
+        """The mesh's axes fit the config (ConfigError naming what does not)."""
+        shape = dict(self.mesh.shape)
+        if self.expert_axis not in shape:
+            raise ConfigError(
+                f"{op}: the mesh has no axis {self.expert_axis!r} (expert_axis); its axes are "
+                f"{tuple(shape)}. On one device use jax.make_mesh((1,), ('expert',))"
+            )
+        if self.config.num_experts % shape[self.expert_axis]:
+            raise ConfigError(
+                f"{op}: num_experts = {self.config.num_experts} must be divisible by the size "
+                f"{shape[self.expert_axis]} of the expert axis {self.expert_axis!r}"
+            )
+        c = self.config
+        if len(c.moe_layers) % self.pipe:
+            raise ConfigError(
+                f"{op}: the {len(c.moe_layers)} MoE layers (num_layers = {c.num_layers} less "
+                f"{len(c.dense_layers)} dense) must be divisible by the size {self.pipe} of the "
+                f"pipe axis {self.pipe_axis!r}"
+            )
+        if self.pipe > 1 and c.dense_layers != tuple(range(len(c.dense_layers))):
+            raise ConfigError(
+                f"{op}: with a pipeline the dense layers must come first (they run ahead of "
+                f"the pipeline stages); got dense_layers = {c.dense_layers}"
+            )
+        if self.expert_axis == self.pipe_axis:
+            raise ConfigError(
+                f"{op}: expert_axis and pipe_axis are both {self.expert_axis!r}; the experts and "
+                "the pipeline stages need two different mesh axes"
+            )
+
+    @property
+    def pipe(self) -> int:
+        """Pipeline stages: the size of the pipe axis (1 without one)."""
+        return dict(self.mesh.shape).get(self.pipe_axis, 1)
+
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """Mesh axes the batch is split over besides the expert axis (all but expert and pipe)."""
+        return tuple(a for a in self.mesh.axis_names if a not in (self.expert_axis, self.pipe_axis))
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """All mesh axes the batch is split over: ``(*data_axes, expert_axis)``."""
+        return (*self.data_axes, self.expert_axis)
+
+    def _gather(self, tree: Any, specs: Any) -> Any:
+        """ZeRO-3: `tree` (parameters) laid out on `specs` as the layers use them.
+
+        Named :data:`_GATHERED`, so that a layer's backward gathers them again. Else `tree`.
+        """
+        if self.zero != 3:
+            return tree
+        if isinstance(specs, P):
+            specs = jax.tree.map(lambda _: specs, tree)
+        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)
+        return jax.ad_checkpoint.checkpoint_name(constrain(tree, shardings), _GATHERED)
 
     @functools.cached_property
     def moe(self) -> ep.MoEConfig:
@@ -159,11 +240,11 @@ class Layout:
         specs["moe"] = {k: P(lead, *s) for k, s in moe_specs.items() if k in shapes["moe"]}
         return specs
 
-    def param_specs(self) -> dict[str, Any]:
-        """PartitionSpecs of the parameters.
+    def compute_specs(self) -> dict[str, Any]:
+        """PartitionSpecs of the parameters as the layers use them.
 
         MoE layers over the pipe axis, experts over the expert axis, everything else
-        replicated (the dense layers too).
+        replicated (the dense layers too). Without ZeRO-3 the parameters are stored so.
         """
         lead = self.pipe_axis if self.pipe > 1 else None
         specs = {"embed": P(), "layers": self._layer_specs(lead)}
@@ -175,11 +256,94 @@ class Layout:
             specs["lm_head"] = P()
         return specs
 
+    def zero_specs(self) -> dict[str, Any]:
+        """PartitionSpecs of the ZeRO shards: :meth:`compute_specs` split over the batch axes.
+
+        Each parameter is split over every batch axis (``data_axes`` and the expert axis, size
+        > 1) it is replicated on, one axis at a time on its largest dimension that the axis
+        divides (never the layer axis of a stack): a weight replicated on all ``N`` devices
+        of the batch axes keeps ``1 / N`` of itself per device, an expert weight ``1 / D``
+        (D: the data axes' devices). A dimension no axis divides stays whole (a norm of
+        odd width). The optimizer state is laid out so with ``zero >= 1`` and the parameters
+        with ``zero = 3``.
+        """
+        sizes = dict(self.mesh.shape)
+        axes = [a for a in self.batch_axes if sizes[a] > 1]
+
+        def split(spec: P, shape: tuple[int, ...], first: int) -> P:
+            entries = list(padded_spec(NamedSharding(self.mesh, spec), len(shape)))
+            local = [
+                n // int(np.prod([sizes[a] for a in axes_of([e])]))
+                for n, e in zip(shape, entries, strict=True)
+            ]
+            for a in (a for a in axes if a not in axes_of(entries)):
+                fit = [i for i in range(first, len(shape)) if local[i] % sizes[a] == 0]
+                if not fit:
+                    continue
+                i = max(fit, key=lambda i: local[i])  # the first of the largest
+                entries[i] = (*axes_of([entries[i]]), a)
+                local[i] //= sizes[a]
+            return P(*(e[0] if isinstance(e, tuple) and len(e) == 1 else e for e in entries))
+
+        shapes = self.param_shapes()
+        out = {}
+        for key, specs in self.compute_specs().items():
+            first = 1 if key in ("layers", "dense_layers") else 0
+            out[key] = jax.tree.map(
+                lambda s, shape, f=first: split(s, shape, f), specs, shapes[key], is_leaf=_is_spec
+            )
+        return out
+
+    def param_specs(self) -> dict[str, Any]:
+        """PartitionSpecs the parameters are stored with.
+
+        :meth:`compute_specs`, or with ``zero = 3`` :meth:`zero_specs` (the layers gather
+        what they use).
+        """
+        return self.zero_specs() if self.zero == 3 else self.compute_specs()
+
     def shardings(self) -> dict[str, Any]:
         """NamedShardings of :meth:`param_specs` on the mesh."""
         return jax.tree.map(
             lambda s: NamedSharding(self.mesh, s), self.param_specs(), is_leaf=_is_spec
         )
+
+    def optimizer_shardings(self, optimizer: Any, params: Any = None) -> Any:
+        """NamedShardings of the state of an optax-style `optimizer` for these parameters.
+
+        Every subtree of ``optimizer.init(params)`` shaped like the parameters (Adam's moments)
+        takes :meth:`zero_specs` with ``zero >= 1``, else the parameters' own; any other leaf
+        (a step count) is replicated.
+
+        Args:
+          optimizer: anything with ``init(params)`` (an ``optax.GradientTransformation``).
+          params: the parameters or their abstract twin (default :meth:`abstract_params`).
+        """
+        params = self.abstract_params() if params is None else params
+        state = jax.eval_shape(optimizer.init, params)
+        treedef = jax.tree.structure(params)
+        specs = self.zero_specs() if self.zero >= 1 else self.param_specs()
+        moments = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)
+        replicated = NamedSharding(self.mesh, P())
+
+        def like(x):
+            return moments if jax.tree.structure(x) == treedef else replicated
+
+        return jax.tree.map(like, state, is_leaf=lambda x: jax.tree.structure(x) == treedef)
+
+    def init_optimizer(self, optimizer: Any, params: dict[str, Any]) -> Any:
+        """``optimizer.init(params)`` laid out by :meth:`optimizer_shardings` (ZeRO shards)."""
+        shardings = self.optimizer_shardings(optimizer, params)
+        with jax.set_mesh(self.mesh):
+            init = jax.jit(lambda p: constrain(optimizer.init(p), shardings))
+            return init(params)
+
+    def gathered(self, params: dict[str, Any]) -> dict[str, Any]:
+        """`params` laid out as the layers use them (:meth:`compute_specs`; ZeRO-3 gathered)."""
+        shardings = jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s), self.compute_specs(), is_leaf=_is_spec
+        )
+        return jax.device_put(params, shardings)
 
     def abstract_params(self, dtype: Any = jnp.float32) -> dict[str, Any]:
         """The parameter tree as ``jax.ShapeDtypeStruct`` s with their shardings (a load target).
