@@ -1,0 +1,348 @@
+r"""Ahead-of-time memory plan of a training step: ``python -m jaxops.models.plan``.
+
+Builds the decoder of a Hugging Face ``config.json`` on a mesh of simulated CPU devices, lowers
+and compiles its full training step (:meth:`~jaxops.models.MoEDecoder.train_step`: forward,
+backward and an ``optax.adamw`` update) for abstract arguments (``jax.ShapeDtypeStruct``:
+nothing is allocated), and reports per device: parameters, optimizer state and gradients
+(exact: the shards of the arrays the step holds), XLA's temporaries
+(``compiled.memory_analysis()``), the total, whether it fits the device memory, the
+collectives' bytes per step (from the compiled HLO, loops counted by their trip counts) and
+the compile time::
+
+    python -m jaxops.models.plan examples/configs/deepseek-v3 \
+        --mesh pipe=8,data=4,expert=32 --zero 1 --batch 256 --seq 4096 --json
+
+What the plan predicts of a GPU compile: the parameters, optimizer state and gradients are the
+same arrays on any backend. The temporaries are XLA:CPU's buffer assignment of the same
+program; on a GPU they depend on XLA:GPU's fusion and scheduling, cuDNN's attention (which keeps
+no score matrix) and the expert exchange (``ragged_all_to_all`` on GPU, its padded dense twin
+here), so they are an estimate. The MoE layer's receive buffers are the static bounds of
+:func:`jaxops.parallel.expert.exchange_bounds` either way (dropless layers size them for the
+worst routing, which at these sizes is why ``--capacity-factor`` matters); XLA:CPU's dense
+exchange also pads each device's send and receive blocks to ``expert x chunk`` rows, which the
+report names (``moe_exchange.cpu_padding_bytes``): on a wide expert axis the temporaries are an
+upper bound of a GPU's.
+
+The CPU devices must be set before jax starts: run it as a fresh process (the ``main``
+function sets ``jax_num_cpu_devices`` and the CPU platform itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["count_params", "main", "parse_bytes", "parse_mesh", "plan"]
+
+#: The default device memory: an H100's 80 GB.
+H100_BYTES = 80 * 10**9
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"pipe=2,data=4,expert=8"`` as ``{"pipe": 2, "data": 4, "expert": 8}`` (in order).
+
+    Example:
+      >>> parse_mesh("data=4,expert=8")
+      {'data': 4, 'expert': 8}
+    """
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        m = re.fullmatch(r"([A-Za-z_]\w*)=(\d+)", part)
+        if m is None or int(m.group(2)) < 1 or m.group(1) in out:
+            raise ValueError(
+                f"--mesh: expected comma-separated AXIS=SIZE entries with distinct axes and "
+                f"sizes >= 1 (e.g. pipe=2,data=4,expert=8), got {text!r}"
+            )
+        out[m.group(1)] = int(m.group(2))
+    if "expert" not in out:
+        raise ValueError(f"--mesh: needs an 'expert' axis (size 1 for none), got {text!r}")
+    return out
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"80GB"``, ``"80GiB"``, ``"8e10"`` or an int as bytes.
+
+    Example:
+      >>> parse_bytes("80GB"), parse_bytes("1GiB"), parse_bytes(512)
+      (80000000000, 1073741824, 512)
+    """
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?I?B?)\s*", text.upper())
+    if m is None or m.group(2) not in _UNITS:
+        raise ValueError(
+            f"--device-memory: expected bytes such as 80GB or 85899345920, got {text!r}"
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def count_params(abstract: Any) -> int:
+    """The elements of a parameter tree (arrays or ``jax.ShapeDtypeStruct`` s)."""
+    import jax
+
+    return sum(math.prod(a.shape) for a in jax.tree.leaves(abstract))
+
+
+def _device_bytes(tree: Any) -> int:
+    """Bytes of the largest per-device shard set of `tree`'s arrays (sharded structs)."""
+    import jax
+
+    total = 0
+    for a in jax.tree.leaves(tree):
+        shape = a.sharding.shard_shape(a.shape) if a.sharding is not None else a.shape
+        total += math.prod(shape) * a.dtype.itemsize
+    return total
+
+
+def _with_shardings(tree: Any, shardings: Any) -> Any:
+    import jax
+
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings
+    )
+
+
+def plan(
+    config: Any,
+    mesh_shape: dict[str, int],
+    *,
+    batch: int,
+    seq: int,
+    zero: int = 0,
+    fp8: str | None = None,
+    remat: str = "full",
+    dtype: str = "bfloat16",
+    param_dtype: str = "float32",
+    microbatches: int | None = None,
+    capacity_factor: float | None = None,
+    device_memory: int = H100_BYTES,
+) -> dict[str, Any]:
+    """The memory plan of one training step (the process must have the mesh's CPU devices).
+
+    Args:
+      config: a :class:`~jaxops.models.DecoderConfig` or a model directory / config.json path.
+      mesh_shape: axis -> size (:func:`parse_mesh`); "pipe" makes pipeline stages, "expert"
+        holds the experts, the other axes split the batch.
+      batch: the global batch in sequences.
+      seq: their length in tokens.
+      zero: :attr:`MoEDecoder.zero` (0, 1 or 3).
+      fp8: None or "block" (:attr:`MoEDecoder.fp8`).
+      remat: a :data:`~jaxops.models.REMAT_POLICIES` name.
+      dtype: the compute dtype.
+      param_dtype: the parameters' and the Adam moments' dtype.
+      microbatches: per data shard (default: the pipe size, 1 without a pipeline).
+      capacity_factor: the MoE layers' capacity factor (None: dropless).
+      device_memory: bytes per device for ``fits``.
+
+    Returns:
+      The JSON-ready dict :func:`main` prints (see the module docstring).
+    """
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from jaxops.models._config import DecoderConfig, read_config
+    from jaxops.models._decoder import MoEDecoder
+    from jaxops.models._hlo import collective_traffic
+    from jaxops.parallel.expert import exchange_bounds
+
+    cfg = config if isinstance(config, DecoderConfig) else read_config(config)
+    devices = math.prod(mesh_shape.values())
+    if jax.device_count() < devices:
+        raise ValueError(
+            f"plan: the mesh {mesh_shape} needs {devices} devices, this process has "
+            f"{jax.device_count()} (run `python -m jaxops.models.plan`, which sets them)"
+        )
+    mesh = jax.make_mesh(
+        tuple(mesh_shape.values()), tuple(mesh_shape), devices=jax.devices()[:devices]
+    )
+    pipe = mesh_shape.get("pipe", 1)
+    model = MoEDecoder(
+        cfg,
+        mesh,
+        num_microbatches=microbatches or (pipe if pipe > 1 else 1),
+        remat=remat,
+        dtype=jnp.dtype(dtype),
+        fp8=fp8,
+        capacity_factor=capacity_factor,
+        zero=zero,
+    )
+    optimizer = optax.adamw(1e-4)
+    params = model.abstract_params(jnp.dtype(param_dtype))
+    state = _with_shardings(
+        jax.eval_shape(optimizer.init, params), model.optimizer_shardings(optimizer, params)
+    )
+    grad_specs = model.zero_specs() if zero >= 1 else model.param_specs()
+    grad_shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), grad_specs, is_leaf=lambda s: isinstance(s, P)
+    )
+    grads = _with_shardings(params, grad_shardings)
+    rows = NamedSharding(mesh, P(model.batch_axes))
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=rows)
+    start = time.perf_counter()
+    lowered = model.train_step(optimizer).lower(params, state, tokens, tokens)
+    lower_s = time.perf_counter() - start
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    n = mesh_shape["expert"]
+    shards = math.prod(mesh_shape[a] for a in model.batch_axes)
+    per_device = batch * seq // (shards * model.num_microbatches)
+    chunk, recv_rows = exchange_bounds(model.moe, per_device, n, per_device * shards, align=32)
+    exchange = {
+        "tokens_per_device": per_device,
+        "chunk": chunk,
+        "recv_rows": recv_rows,
+        "cpu_padding_bytes": 2 * n * chunk * cfg.hidden_size * jnp.dtype(dtype).itemsize,
+    }
+    traffic = collective_traffic(compiled.as_text())
+    by = {
+        "params": _device_bytes(params),
+        "optimizer": _device_bytes(state),
+        "gradients": _device_bytes(grads),
+        "temp": int(memory.temp_size_in_bytes),
+    }
+    arguments = int(memory.argument_size_in_bytes)
+    total = arguments + int(memory.output_size_in_bytes) - int(memory.alias_size_in_bytes)
+    by["total"] = total + by["temp"]
+    return {
+        "model_type": cfg.model_type,
+        "params": count_params(params),
+        "mesh": dict(mesh_shape),
+        "devices": devices,
+        "batch": batch,
+        "seq": seq,
+        "zero": zero,
+        "fp8": fp8,
+        "remat": remat,
+        "dtype": str(jnp.dtype(dtype)),
+        "param_dtype": str(jnp.dtype(param_dtype)),
+        "microbatches": model.num_microbatches,
+        "capacity_factor": capacity_factor,
+        "bytes_per_device": by,
+        "arguments": arguments,
+        "fits": by["total"] <= device_memory,
+        "device_memory": device_memory,
+        "collective_bytes": traffic.total,
+        "collectives": {
+            k: {"bytes": b, "count": traffic.counts[k]} for k, b in sorted(traffic.bytes.items())
+        },
+        "unknown_loops": traffic.unknown_loops,
+        "moe_exchange": exchange,
+        "lower_s": round(lower_s, 2),
+        "compile_s": round(compile_s, 2),
+    }
+
+
+def _size(n: int) -> str:
+    """Bytes in the largest unit of 1000 that keeps a number >= 1."""
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _report(r: dict[str, Any]) -> str:
+    by = r["bytes_per_device"]
+    mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
+    ex, n = r["moe_exchange"], r["mesh"]["expert"]
+    rows = [
+        ("parameters", by["params"], ""),
+        ("optimizer state", by["optimizer"], ""),
+        ("gradients", by["gradients"], "part of the temporaries"),
+        ("temporaries", by["temp"], "XLA:CPU's buffer assignment: a GPU's estimate"),
+        (
+            "total",
+            by["total"],
+            f"of {_size(r['device_memory'])}: " + ("fits" if r["fits"] else "DOES NOT FIT"),
+        ),
+    ]
+    coll = "; ".join(
+        f"{k} {_size(v['bytes'])} ({v['count']}x)" for k, v in r["collectives"].items()
+    )
+    lines = [
+        f"{r['model_type']}: {r['params'] / 1e9:.2f} B parameters on {r['devices']} devices "
+        f"({mesh}), batch {r['batch']} x {r['seq']} tokens, zero={r['zero']}, fp8={r['fp8']}, "
+        f"remat={r['remat']}, {r['dtype']} compute, {r['param_dtype']} parameters, "
+        f"{r['microbatches']} microbatches",
+        "per device:",
+        *(f"  {name:<16} {_size(n):>10}  {note}".rstrip() for name, n, note in rows),
+        f"collectives per step and device: {_size(r['collective_bytes'])} ({coll})",
+        f"MoE exchange per layer: {ex['tokens_per_device']} tokens per device, receive buffer "
+        f"{ex['recv_rows']} rows; XLA:CPU's dense exchange pads {n} x {ex['chunk']} rows each "
+        f"way ({_size(ex['cpu_padding_bytes'])}, which a GPU's ragged_all_to_all does not "
+        "allocate)",
+        f"compile: {r['compile_s']:.1f} s (lowering {r['lower_s']:.1f} s)",
+    ]
+    if r["unknown_loops"]:
+        lines.append(f"({r['unknown_loops']} loops of unknown trip count counted once)")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxops.models.plan",
+        description="Memory plan of a training step on simulated devices, compiled ahead of time.",
+    )
+    p.add_argument("config", help="a model directory holding config.json (or the file)")
+    p.add_argument("--mesh", required=True, help="AXIS=SIZE,... e.g. pipe=2,data=4,expert=8")
+    p.add_argument("--zero", type=int, default=0, choices=(0, 1, 3))
+    p.add_argument("--fp8", choices=("block",), default=None)
+    p.add_argument("--remat", default="full", choices=("none", "full", "matmuls"))
+    p.add_argument("--batch", type=int, required=True, help="global batch (sequences)")
+    p.add_argument("--seq", type=int, required=True, help="sequence length (tokens)")
+    p.add_argument("--microbatches", type=int, default=None, help="per data shard")
+    p.add_argument("--capacity-factor", type=float, default=None, help="default: dropless")
+    p.add_argument("--dtype", default="bfloat16", help="compute dtype")
+    p.add_argument("--param-dtype", default="float32", help="parameters and Adam moments")
+    p.add_argument("--device-memory", default=str(H100_BYTES), help="bytes (80GB, 141GB, ...)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (see ``--help``); returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        mesh_shape = parse_mesh(args.mesh)
+        device_memory = parse_bytes(args.device_memory)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", math.prod(mesh_shape.values()))
+    result = plan(
+        args.config,
+        mesh_shape,
+        batch=args.batch,
+        seq=args.seq,
+        zero=args.zero,
+        fp8=args.fp8,
+        remat=args.remat,
+        dtype=args.dtype,
+        param_dtype=args.param_dtype,
+        microbatches=args.microbatches,
+        capacity_factor=args.capacity_factor,
+        device_memory=device_memory,
+    )
+    print(_report(result))
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""``python -m jaxops.models.plan``: the ahead-of-time memory plan, and the published configs.
+
+The parameter count of every config in examples/configs is checked against transformers' own
+model built from the same file (on the meta device: nothing allocated) and the published total.
+"""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jaxops.models import plan
+from jaxops.models._hlo import collective_traffic
+
+from jaxops import models
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "examples" / "configs"
+# Published totals (the model cards; main model only: no MTP layers, no vision tower).
+PUBLISHED = {
+    "deepseek-v3": 671e9,
+    "kimi-k2": 1.04e12,
+    "glm-4.5": 355e9,
+    "gpt-oss-120b": 116.8e9,
+    "gpt-oss-20b": 20.9e9,
+    "llama4-maverick": 400e9,
+    "llama4-scout": 107.8e9,
+    "mixtral-8x22b": 140.6e9,
+    "qwen2-57b-a14b": 57.4e9,
+    "qwen3-235b-a22b": 235e9,
+    "qwen3-30b-a3b": 30.5e9,
+}
+
+
+def _hf_count(path: pathlib.Path) -> int:
+    """transformers' parameters (and the router correction biases we hold as parameters)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    return n + sum(b.numel() for k, b in model.named_buffers() if "correction_bias" in k)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_config_parameter_count(name):
+    cfg = models.read_config(CONFIGS / name)
+    model = models.MoEDecoder(cfg, jax.make_mesh((1,), ("expert",)))
+    ours = plan.count_params(model.abstract_params())
+    assert ours == _hf_count(CONFIGS / name)
+    assert abs(ours / PUBLISHED[name] - 1) < 0.015, (ours, PUBLISHED[name])
+
+
+def _tiny(tmp_path) -> pathlib.Path:
+    cfg = models.DecoderConfig(
+        "qwen3_moe",
+        vocab_size=96,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        num_experts=8,
+        top_k=2,
+        expert_ffn=32,
+        qk_norm=True,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
+    return tmp_path
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    return subprocess.run(
+        [sys.executable, "-m", "jaxops.models.plan", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd="/",
+    )
+
+
+def test_plan_command_json(tmp_path):
+    path = _tiny(tmp_path)
+    out = {}
+    for zero in (0, 3):
+        done = _run(
+            str(path),
+            "--mesh",
+            "data=2,expert=4",
+            "--zero",
+            str(zero),
+            "--batch",
+            "8",
+            "--seq",
+            "16",
+            "--device-memory",
+            "1MB",
+            "--json",
+        )
+        assert done.returncode == 0, done.stderr
+        out[zero] = json.loads(done.stdout.strip().splitlines()[-1])
+        assert "per device:" in done.stdout
+    model = models.MoEDecoder(models.read_config(path), jax.make_mesh((1,), ("expert",)))
+    assert out[0]["params"] == out[3]["params"] == plan.count_params(model.abstract_params())
+    # float32 parameters: every device holds the attention etc. whole and 1 / 4 of the experts
+    shapes = model.param_shapes()
+    expert = sum(
+        math.prod(s)
+        for s in jax.tree.leaves(shapes["layers"]["moe"], is_leaf=lambda s: isinstance(s, tuple))
+        if len(s) == 4
+    )
+    assert out[0]["bytes_per_device"]["params"] == 4 * (out[0]["params"] - expert + expert // 4)
+    by0, by3 = out[0]["bytes_per_device"], out[3]["bytes_per_device"]
+    assert by3["params"] < by0["params"] / 2 and by3["optimizer"] < by0["optimizer"] / 2
+    assert by0["optimizer"] == 2 * by0["params"] + 4  # Adam's two moments and its step count
+    for r in out.values():
+        by = r["bytes_per_device"]
+        assert by["total"] >= by["params"] + by["optimizer"] + by["temp"]
+        assert r["fits"] is False and r["device_memory"] == 10**6
+        assert r["collective_bytes"] > 0 and r["compile_s"] > 0
+        assert set(r["collectives"]) >= {"all-to-all", "all-reduce"}
+    assert (
+        out[3]["collectives"]["all-gather"]["count"]
+        > out[0]["collectives"].get("all-gather", {"count": 0})["count"]
+    )
+
+
+def test_plan_command_bad_mesh(tmp_path):
+    done = _run(str(_tiny(tmp_path)), "--mesh", "data=2", "--batch", "8", "--seq", "16")
+    assert done.returncode == 2
+    assert "needs an 'expert' axis" in done.stderr
+    assert plan.parse_mesh("pipe=2,data=2,expert=4") == {"pipe": 2, "data": 2, "expert": 4}
+    with pytest.raises(ValueError, match="AXIS=SIZE"):
+        plan.parse_mesh("data=0,expert=2")
+    assert plan.parse_bytes("80GB") == 80 * 10**9 and plan.parse_bytes("1 GiB") == 2**30
+    with pytest.raises(ValueError, match="--device-memory"):
+        plan.parse_bytes("lots")
+
+
+def test_collective_traffic_counts_loop_trips():
+    mesh = jax.make_mesh((8,), ("data",))
+
+    def body(c, x):
+        return c + jax.lax.psum(x, "data"), None
+
+    f = jax.shard_map(
+        lambda xs: jax.lax.scan(body, jnp.zeros(16), xs)[0],
+        mesh=mesh,
+        in_specs=jax.P(None, "data"),
+        out_specs=jax.P("data"),
+    )
+    xs = jax.device_put(jnp.ones((5, 128)), jax.NamedSharding(mesh, jax.P(None, "data")))
+    text = jax.jit(f).lower(xs).compile().as_text()
+    t = collective_traffic(text)
+    assert t.counts == {"all-reduce": 5} and t.bytes == {"all-reduce": 5 * 16 * 4}
+    assert t.unknown_loops == 0 and t.total == 320
