@@ -19,7 +19,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxops.models import _batch, _layers, _objective, _train
 from jaxops.models._config import DecoderConfig
-from jaxops.models._layout import Layout, without_gathered
+from jaxops.models._layout import Layout
+from jaxops.models._run import Runner
 from jaxops.parallel import expert as ep
 from jaxops.parallel import pipeline as pl
 
@@ -53,10 +54,6 @@ _OP = "jaxops.models.MoEDecoder"
 REMAT_POLICIES = ("none", "full", "matmuls")
 #: ZeRO stages of :attr:`MoEDecoder.zero`: none, the optimizer state, the parameters too.
 ZERO_STAGES = (0, 1, 3)
-_MATMULS = jax.checkpoint_policies.save_from_both_policies(
-    jax.checkpoint_policies.dots_saveable,
-    jax.checkpoint_policies.save_only_these_names(_layers.PROJECTION),
-)
 
 
 @renamed_fields(
@@ -67,7 +64,7 @@ _MATMULS = jax.checkpoint_policies.save_from_both_policies(
     }
 )
 @dataclasses.dataclass(frozen=True)
-class MoEDecoder(Layout):
+class MoEDecoder(Runner, Layout):
     """A decoder-only MoE transformer laid out on a mesh: parameters, forward, loss, gradients.
 
     Per layer (``L`` of them, parameters stacked on a leading layer axis)::
@@ -88,7 +85,8 @@ class MoEDecoder(Layout):
     over `pipe_axis` when the mesh has it with size > 1 (``Lm / P`` consecutive MoE layers per
     pipeline stage, trained with :func:`jaxops.parallel.pipeline.pipeline_step`), the batch
     over every other axis and the expert axis. Without a pipe axis the layers run in one
-    ``lax.scan`` per run of consecutive layers of one kind (MoE or dense).
+    ``lax.scan`` per run of consecutive layers of one kind (MoE or dense), or one over the
+    repeats of a dense / MoE pattern (Llama 4 Maverick's alternation).
 
     Dense and MoE layers: the MoE layers are stacked in ``params["layers"]`` and the dense ones
     in ``params["dense_layers"]`` (two stacks, since their parameters differ). A pipeline stage
@@ -228,99 +226,6 @@ class MoEDecoder(Layout):
             half = self.dtype in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
             attention = "dot_product" if platform == "gpu" and half else "xla"
         return _layers.Ops(self.dtype, self.impl, self.fp8, self.mesh, gemm_impl, attention)
-
-    def _moe_fn(self) -> Callable:
-        """``moe(params, y, token_mask)``: the MoE layer; padding (mask False) is not routed."""
-        cfg = self.moe
-
-        def moe(p, y, token_mask=None):
-            if self.moe_impl == "dense":
-                return ep.moe_layer_reference(p, y, cfg, impl=self.impl, token_mask=token_mask)
-            return ep.moe_layer(p, y, cfg, mesh=self.mesh, impl=self.impl, token_mask=token_mask)
-
-        return moe
-
-    def _ffn(self, key: str) -> Callable:
-        """The ffn of the layers of stack `key` for ``_layers.decoder_layer``.
-
-        "layers": the MoE layer on ``p["moe"]`` (aux its MoEAux); "dense_layers": the dense
-        MLP on ``p["mlp"]`` (aux None).
-        """
-        if key == "dense_layers":
-            ops = self._ops
-            return lambda p, y, token_mask: (_layers.mlp(ops, p["mlp"], y), None)
-        moe = self._moe_fn()
-        return lambda p, y, token_mask: moe(p["moe"], y, token_mask)
-
-    def _run_all(
-        self, params: dict[str, Any], h: jax.Array, where: _layers.Tokens, *, prefix: bool = False
-    ) -> tuple[jax.Array, ep.MoEAux | None]:
-        """``h`` through every layer in order (one ``lax.scan`` per run of one kind).
-
-        Returns the MoE layers' MoEAux stacked ``[Lm, ...]``. With `prefix`, only the dense
-        layers before the first MoE layer (what runs ahead of a pipeline; aux None).
-        """
-        auxes = []
-        for key, start, stop, first in self._runs:
-            if prefix and key == "layers":
-                break
-            stack = params[key]
-            if (start, stop) != (0, jax.tree.leaves(stack)[0].shape[0]):
-                stack = jax.tree.map(lambda a, i=start, j=stop: a[i:j], stack)
-            rows = range(first, first + stop - start)  # consecutive layers of one kind
-            kinds = _layers.layer_kinds(self.config, rows)
-            h, aux = self._run_layers(stack, h, where, key, kinds, gather=True)
-            if key == "layers":
-                auxes.append(aux)
-        if not auxes:
-            return h, None
-        return h, auxes[0] if len(auxes) == 1 else jax.tree.map(
-            lambda *a: jnp.concatenate(a), *auxes
-        )
-
-    @property
-    def _remat(self) -> bool | Callable:
-        """What a layer keeps for its backward: False (everything), True (its input) or a policy."""
-        if callable(self.remat):
-            return self.remat
-        return {"none": False, "full": True, "matmuls": _MATMULS}[self.remat]
-
-    def _run_layers(
-        self,
-        layers: dict[str, Any],
-        h: jax.Array,
-        where: _layers.Tokens,
-        key: str,
-        kinds: tuple[_layers.LayerKind, _layers.LayerKind | None],
-        gather: bool = False,
-    ) -> tuple[jax.Array, ep.MoEAux]:
-        """``h`` through the stacked `layers` of stack `key` (one lax.scan).
-
-        `kinds`: their attention patterns (``_layers.layer_kinds``: one for all, or per-layer
-        arrays scanned with the parameters). Returns ``(h, aux)``: the per-layer aux (MoEAux
-        of MoE layers, None for dense ones), stacked. `gather`: ZeRO-3 gathers each layer's
-        weights in the loop (outside a pipeline stage, whose weights its shard_map gathered).
-        """
-        static, scanned = kinds
-        layer = functools.partial(
-            _layers.decoder_layer, self._ops, self.config, self._ffn(key), where, static
-        )
-        remat = self._remat
-        body = layer
-        if gather and self.zero == 3:
-            specs = jax.tree.map(
-                lambda s: P(*s[1:]), self.compute_specs()[key], is_leaf=lambda s: isinstance(s, P)
-            )
-
-            def body(h, xs):
-                if scanned is None:
-                    return layer(h, self._gather(xs, specs))
-                return layer(h, (self._gather(xs[0], specs), xs[1]))
-
-            remat = without_gathered(remat)
-        if remat is not False:
-            body = jax.checkpoint(body, policy=None if remat is True else remat)
-        return jax.lax.scan(body, h, layers if scanned is None else (layers, scanned))
 
     def _place(self, x: jax.Array) -> jax.Array:
         """Activations ``[B, ...]`` split over the batch axes (a no-op off Explicit meshes)."""

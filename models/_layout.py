@@ -213,23 +213,51 @@ class Layout:
 
     @property
     def _runs(self) -> tuple[tuple[str, int, int, int], ...]:
+        """:meth:`_runs_in` of every layer."""
+        return self._runs_in(None)
+
+    def _key(self, layer: int) -> str:
+        """The stack of model layer `layer`: "dense_layers" or "layers" (MoE)."""
+        return "dense_layers" if layer in self.config.dense_layers else "layers"
+
+    def _stack_rows(self, stop: int) -> dict[str, int]:
+        """Per stack, how many of its layers come before model layer `stop`."""
+        keys = [self._key(i) for i in range(stop)]
+        return {k: keys.count(k) for k in ("layers", "dense_layers")}
+
+    def _runs_in(self, stop: int | None) -> tuple[tuple[str, int, int, int], ...]:
         """``(stack, start, stop, first layer)`` of each run of consecutive layers of one kind.
 
-        In layer order; `stack` is "layers" (MoE) or "dense_layers", ``start:stop`` the run's
-        rows of that stack and `first layer` the model's index of its first layer.
+        In layer order, of the layers before `stop` (None: all); `stack` is "layers" (MoE) or
+        "dense_layers", ``start:stop`` the run's rows of that stack and `first layer` the
+        model's index of its first layer.
         """
-        c = self.config
-        dense = set(c.dense_layers)
         runs: list[list] = []
         count = {"layers": 0, "dense_layers": 0}
-        for i in range(c.num_layers):
-            key = "dense_layers" if i in dense else "layers"
+        for i in range(self.config.num_layers if stop is None else stop):
+            key = self._key(i)
             if runs and runs[-1][0] == key:
                 runs[-1][2] += 1
             else:
                 runs.append([key, count[key], count[key] + 1, i])
             count[key] += 1
         return tuple(tuple(r) for r in runs)
+
+    @functools.cached_property
+    def _period(self) -> tuple[int, tuple[str, ...]] | None:
+        """``(first layer, stacks)`` of layers that repeat one pattern of both kinds, or None.
+
+        The layers from `first layer` on repeat the pattern `stacks` at least twice (Llama 4
+        Maverick's and ERNIE's dense / MoE alternation): they run as one scan over the repeats.
+        """
+        keys = [self._key(i) for i in range(self.config.num_layers)]
+        for first in range(len(keys)):
+            tail = keys[first:]
+            for n in range(2, len(tail) // 2 + 1):
+                if len(tail) % n == 0 and len(set(tail[:n])) == 2:
+                    if tail == tail[:n] * (len(tail) // n):
+                        return first, tuple(tail[:n])
+        return None
 
     def _layer_specs(self, lead: Any) -> dict[str, Any]:
         shapes = self.param_shapes()["layers"]

@@ -324,20 +324,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", math.prod(mesh_shape.values()))
-    result = plan(
-        args.config,
-        mesh_shape,
-        batch=args.batch,
-        seq=args.seq,
-        zero=args.zero,
-        fp8=args.fp8,
-        remat=args.remat,
-        dtype=args.dtype,
-        param_dtype=args.param_dtype,
-        microbatches=args.microbatches,
-        capacity_factor=args.capacity_factor,
-        device_memory=device_memory,
-    )
+    try:
+        result = plan(
+            args.config,
+            mesh_shape,
+            batch=args.batch,
+            seq=args.seq,
+            zero=args.zero,
+            fp8=args.fp8,
+            remat=args.remat,
+            dtype=args.dtype,
+            param_dtype=args.param_dtype,
+            microbatches=args.microbatches,
+            capacity_factor=args.capacity_factor,
+            device_memory=device_memory,
+        )
+    except (ValueError, TypeError) as e:  # a config, mesh or batch the model refuses
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(_report(result))
     if args.json:
         print(json.dumps(result))

@@ -199,3 +199,34 @@ def test_dot_product_attention_equals_the_jnp_softmax():
     assert models.MoEDecoder(cfg, mesh)._ops.attention == "xla"
     with pytest.raises(models.ConfigError, match="attention_impl must be one of"):
         models.MoEDecoder(cfg, mesh, attention_impl="flash")
+
+
+@pytest.mark.parametrize(
+    ("dense", "period"),
+    [
+        ((0, 2, 4, 6), (0, ("dense_layers", "layers"))),  # Llama 4 Maverick, ERNIE
+        ((0, 3, 6), (2, ("layers", "dense_layers", "layers"))),  # runs of layers 0-1 first
+    ],
+    ids=["alternating", "runs-then-period-of-three"],
+)
+def test_repeated_dense_moe_pattern_is_one_scan(dense, period):
+    """Layers repeating a dense / MoE pattern run as one scan over the repeats (compile time
+    independent of the depth), equal to one scan per run of one kind."""
+    cfg = dataclasses.replace(CFG, num_layers=8, dense_layers=dense, dense_ffn=24)
+    model = models.MoEDecoder(cfg, _mesh((1,), ("expert",)))
+    assert model._period == period
+    for other in ((0,), (0, 1, 3, 5, 7)):  # DeepSeek-V3's dense layers first: runs; a prefix
+        found = models.MoEDecoder(dataclasses.replace(cfg, dense_layers=other), model.mesh)
+        assert found._period == (None if other == (0,) else (2, ("layers", "dense_layers")))
+    params = model.init(jax.random.key(3))
+    tokens, targets = _batch()
+    no_period = models.MoEDecoder(cfg, _mesh((1,), ("expert",)))
+    object.__setattr__(no_period, "_period", None)  # the cached property, forced off
+    loss, grads = jax.jit(model.loss_and_grads)(params, tokens, targets)
+    want, want_grads = jax.jit(no_period.loss_and_grads)(params, tokens, targets)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    scans = str(jax.make_jaxpr(model.loss)(params, tokens, targets)).count("scan[")
+    runs = str(jax.make_jaxpr(no_period.loss)(params, tokens, targets)).count("scan[")
+    assert scans < runs, (scans, runs)

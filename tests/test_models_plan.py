@@ -136,6 +136,8 @@ def test_plan_command_bad_mesh(tmp_path):
     done = _run(str(_tiny(tmp_path)), "--mesh", "data=2", "--batch", "8", "--seq", "16")
     assert done.returncode == 2
     assert "needs an 'expert' axis" in done.stderr
+    done = _run(str(_tiny(tmp_path)), "--mesh", "data=2,expert=3", "--batch", "6", "--seq", "16")
+    assert done.returncode == 2 and "must be divisible by the size 3" in done.stderr, done.stderr
     assert plan.parse_mesh("pipe=2,data=2,expert=4") == {"pipe": 2, "data": 2, "expert": 4}
     with pytest.raises(ValueError, match="AXIS=SIZE"):
         plan.parse_mesh("data=0,expert=2")

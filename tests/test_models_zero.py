@@ -56,9 +56,9 @@ def _train(model, steps=2):
     opt = optax.adamw(3e-3, weight_decay=0.1)
     params = model.init(jax.random.key(0))
     state = model.init_optimizer(opt, params)
-    step = model.train_step(opt)
     batch = _batch(model)
-    text = step.lower(params, state, *batch).compile().as_text()
+    step = model.train_step(opt).lower(params, state, *batch).compile()  # one compile
+    text = step.as_text()
     losses = []
     for _ in range(steps):
         params, state, loss = step(params, state, *batch)

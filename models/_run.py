@@ -1,0 +1,175 @@
+"""How the decoder runs its layers: scans over the stacked layers, remat, ZeRO-3 gathers.
+
+:class:`Runner` is the part of :class:`~jaxops.models.MoEDecoder` that turns the stacked
+parameters into ``lax.scan`` s of :func:`jaxops.models._layers.decoder_layer`: one scan per run
+of consecutive layers of one kind, or one over the repeats of a dense / MoE pattern, each layer
+rematerialized as ``remat`` says and, with ``zero = 3``, its weights gathered as it runs. It
+reads the decoder's fields and holds none itself.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jaxops.models import _layers
+from jaxops.models._layout import without_gathered
+from jaxops.parallel import expert as ep
+
+__all__ = ["Runner"]
+
+_MATMULS = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_saveable,
+    jax.checkpoint_policies.save_only_these_names(_layers.PROJECTION),
+)
+
+
+class Runner:
+    """The layer loops of the decoder (see the module docstring)."""
+
+    def _moe_fn(self) -> Callable:
+        """``moe(params, y, token_mask)``: the MoE layer; padding (mask False) is not routed."""
+        cfg = self.moe
+
+        def moe(p, y, token_mask=None):
+            if self.moe_impl == "dense":
+                return ep.moe_layer_reference(p, y, cfg, impl=self.impl, token_mask=token_mask)
+            return ep.moe_layer(p, y, cfg, mesh=self.mesh, impl=self.impl, token_mask=token_mask)
+
+        return moe
+
+    def _ffn(self, key: str) -> Callable:
+        """The ffn of the layers of stack `key` for ``_layers.decoder_layer``.
+
+        "layers": the MoE layer on ``p["moe"]`` (aux its MoEAux); "dense_layers": the dense
+        MLP on ``p["mlp"]`` (aux None).
+        """
+        if key == "dense_layers":
+            ops = self._ops
+            return lambda p, y, token_mask: (_layers.mlp(ops, p["mlp"], y), None)
+        moe = self._moe_fn()
+        return lambda p, y, token_mask: moe(p["moe"], y, token_mask)
+
+    def _run_all(
+        self, params: dict[str, Any], h: jax.Array, where: _layers.Tokens, *, prefix: bool = False
+    ) -> tuple[jax.Array, ep.MoEAux | None]:
+        """``h`` through every layer in order (one ``lax.scan`` per run of one kind).
+
+        Layers that repeat a pattern of both kinds (:attr:`_period`: Llama 4 Maverick's dense /
+        MoE alternation) run as one scan over the repeats. Returns the MoE layers' MoEAux
+        stacked ``[Lm, ...]``. With `prefix`, only the dense layers before the first MoE layer
+        (what runs ahead of a pipeline; aux None).
+        """
+        period = None if prefix else self._period
+        auxes = []
+        for key, start, stop, first in self._runs_in(period[0] if period else None):
+            if prefix and key == "layers":
+                break
+            stack = params[key]
+            if (start, stop) != (0, jax.tree.leaves(stack)[0].shape[0]):
+                stack = jax.tree.map(lambda a, i=start, j=stop: a[i:j], stack)
+            rows = range(first, first + stop - start)  # consecutive layers of one kind
+            kinds = _layers.layer_kinds(self.config, rows)
+            h, aux = self._run_layers(stack, h, where, key, kinds, gather=True)
+            if key == "layers":
+                auxes.append(aux)
+        if period is not None:
+            h, aux = self._run_period(params, h, where, *period)
+            auxes.append(aux)
+        if not auxes:
+            return h, None
+        return h, auxes[0] if len(auxes) == 1 else jax.tree.map(
+            lambda *a: jnp.concatenate(a), *auxes
+        )
+
+    def _run_period(
+        self, params: dict[str, Any], h: jax.Array, where: _layers.Tokens, first: int, keys
+    ) -> tuple[jax.Array, ep.MoEAux]:
+        """Layers ``first ..`` as repeats of the stacks `keys`, one ``lax.scan`` over them."""
+        c = self.config
+        groups = (c.num_layers - first) // len(keys)
+        xs = {}
+        for key in dict.fromkeys(keys):
+            per, start = keys.count(key), self._stack_rows(first)[key]
+            xs[key] = jax.tree.map(
+                lambda a, i=start, n=per: a[i : i + groups * n].reshape(groups, n, *a.shape[1:]),
+                params[key],
+            )
+        static, scanned = _layers.layer_kinds(c, range(first, c.num_layers))
+        if scanned is not None:
+            scanned = jax.tree.map(lambda a: a.reshape(groups, len(keys)), scanned)
+        steps = {k: self._layer_step(k, where, static, gather=True) for k in xs}
+
+        def body(h, x):
+            stacks, kinds = x
+            seen = dict.fromkeys(stacks, 0)
+            auxes = []
+            for j, key in enumerate(keys):
+                p = jax.tree.map(lambda a, i=seen[key]: a[i], stacks[key])
+                seen[key] += 1
+                kind = None if kinds is None else jax.tree.map(lambda a, j=j: a[j], kinds)
+                h, aux = steps[key](h, p if kind is None else (p, kind))
+                if key == "layers":
+                    auxes.append(aux)
+            return h, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+
+        h, aux = jax.lax.scan(body, h, (xs, scanned))
+        return h, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), aux)
+
+    @property
+    def _remat(self) -> bool | Callable:
+        """What a layer keeps for its backward: False (everything), True (its input) or a policy."""
+        if callable(self.remat):
+            return self.remat
+        return {"none": False, "full": True, "matmuls": _MATMULS}[self.remat]
+
+    def _layer_step(
+        self, key: str, where: _layers.Tokens, static: _layers.LayerKind, gather: bool
+    ) -> Callable:
+        """One layer of stack `key` as a scan body ``(h, xs) -> (h, aux)``.
+
+        Rematerialized as :attr:`remat` says; `gather`: ZeRO-3 gathers its weights (outside a
+        pipeline stage, whose weights its shard_map gathered) and again in its backward.
+        """
+        layer = functools.partial(
+            _layers.decoder_layer, self._ops, self.config, self._ffn(key), where, static
+        )
+        remat = self._remat
+        body = layer
+        if gather and self.zero == 3:
+            specs = jax.tree.map(
+                lambda s: P(*s[1:]), self.compute_specs()[key], is_leaf=lambda s: isinstance(s, P)
+            )
+
+            def body(h, xs):
+                if isinstance(xs, tuple):
+                    return layer(h, (self._gather(xs[0], specs), xs[1]))
+                return layer(h, self._gather(xs, specs))
+
+            remat = without_gathered(remat)
+        if remat is not False:
+            body = jax.checkpoint(body, policy=None if remat is True else remat)
+        return body
+
+    def _run_layers(
+        self,
+        layers: dict[str, Any],
+        h: jax.Array,
+        where: _layers.Tokens,
+        key: str,
+        kinds: tuple[_layers.LayerKind, _layers.LayerKind | None],
+        gather: bool = False,
+    ) -> tuple[jax.Array, ep.MoEAux]:
+        """``h`` through the stacked `layers` of stack `key` (one lax.scan).
+
+        `kinds`: their attention patterns (``_layers.layer_kinds``: one for all, or per-layer
+        arrays scanned with the parameters). Returns ``(h, aux)``: the per-layer aux (MoEAux
+        of MoE layers, None for dense ones), stacked. `gather`: as in :meth:`_layer_step`.
+        """
+        static, scanned = kinds
+        body = self._layer_step(key, where, static, gather)
+        return jax.lax.scan(body, h, layers if scanned is None else (layers, scanned))
