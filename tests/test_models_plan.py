@@ -132,6 +132,31 @@ def test_plan_command_json(tmp_path):
     )
 
 
+def test_plan_command_pipeline_fp8_remat(tmp_path):
+    """A pipe axis (its default microbatches), block FP8 and remat of the projections."""
+    done = _run(
+        str(_tiny(tmp_path)),
+        "--mesh",
+        "pipe=2,data=2,expert=2",
+        "--zero",
+        "1",
+        "--fp8",
+        "block",
+        "--remat",
+        "matmuls",
+        "--batch",
+        "8",
+        "--seq",
+        "128",
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (r["microbatches"], r["fp8"], r["remat"], r["zero"]) == (2, "block", "matmuls", 1)
+    assert r["collectives"]["collective-permute"]["count"] > 0  # the stages' sends
+    assert r["fits"] is True
+
+
 def test_plan_command_bad_mesh(tmp_path):
     done = _run(str(_tiny(tmp_path)), "--mesh", "data=2", "--batch", "8", "--seq", "16")
     assert done.returncode == 2

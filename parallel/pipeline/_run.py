@@ -346,7 +346,9 @@ def run_training(
     init = {
         "act": buffer(prog.act_slots + 1, x0),
         "grad": buffer(prog.grad_slots + 1, x0),
-        "stash": buffer(prog.stash_slots + 1, res0),
+        # varying over the pipe axis: a residual the stage derives from constants alone (a
+        # rotary table under remat) is written at the schedule's per-stage row, which varies.
+        "stash": buffer(prog.stash_slots + 1, vary_over(res0, (setup.pipe_axis,))),
         "gacc": jax.tree.map(lambda a: jnp.zeros((setup.v, *a.shape), a.dtype), types["dp"]),
         "dlp": zeros["dlp"],
         "loss": zeros["loss"],
