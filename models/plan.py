@@ -148,7 +148,6 @@ def plan(
     """
     import jax
     import jax.numpy as jnp
-    import optax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     from jaxops.models._config import DecoderConfig, read_config
@@ -156,6 +155,13 @@ def plan(
     from jaxops.models._hlo import collective_traffic
     from jaxops.parallel.expert import exchange_bounds
 
+    try:
+        import optax
+    except ImportError:
+        raise ImportError(
+            "jaxops.models.plan: the plan's optimizer is optax.adamw; pip install optax "
+            "(or jaxops[examples])"
+        ) from None
     cfg = config if isinstance(config, DecoderConfig) else read_config(config)
     devices = math.prod(mesh_shape.values())
     if jax.device_count() < devices:
@@ -339,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             capacity_factor=args.capacity_factor,
             device_memory=device_memory,
         )
-    except (ValueError, TypeError) as e:  # a config, mesh or batch the model refuses
+    except (ValueError, TypeError, ImportError) as e:  # refused config, mesh or batch; no optax
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(_report(result))
