@@ -120,8 +120,7 @@ class Layout:
             return tree
         if isinstance(specs, P):
             specs = jax.tree.map(lambda _: specs, tree)
-        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)
-        return jax.ad_checkpoint.checkpoint_name(constrain(tree, shardings), _GATHERED)
+        return jax.ad_checkpoint.checkpoint_name(constrain(tree, self.named(specs)), _GATHERED)
 
     @functools.cached_property
     def moe(self) -> ep.MoEConfig:
@@ -332,9 +331,11 @@ class Layout:
 
     def shardings(self) -> dict[str, Any]:
         """NamedShardings of :meth:`param_specs` on the mesh."""
-        return jax.tree.map(
-            lambda s: NamedSharding(self.mesh, s), self.param_specs(), is_leaf=_is_spec
-        )
+        return self.named(self.param_specs())
+
+    def named(self, specs: Any) -> Any:
+        """A pytree of PartitionSpecs as NamedShardings on the mesh."""
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)
 
     def optimizer_shardings(self, optimizer: Any, params: Any = None) -> Any:
         """NamedShardings of the state of an optax-style `optimizer` for these parameters.
@@ -351,7 +352,7 @@ class Layout:
         state = jax.eval_shape(optimizer.init, params)
         treedef = jax.tree.structure(params)
         specs = self.zero_specs() if self.zero >= 1 else self.param_specs()
-        moments = jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)
+        moments = self.named(specs)
         replicated = NamedSharding(self.mesh, P())
 
         def like(x):
@@ -368,10 +369,7 @@ class Layout:
 
     def gathered(self, params: dict[str, Any]) -> dict[str, Any]:
         """`params` laid out as the layers use them (:meth:`compute_specs`; ZeRO-3 gathered)."""
-        shardings = jax.tree.map(
-            lambda s: NamedSharding(self.mesh, s), self.compute_specs(), is_leaf=_is_spec
-        )
-        return jax.device_put(params, shardings)
+        return jax.device_put(params, self.named(self.compute_specs()))
 
     def abstract_params(self, dtype: Any = jnp.float32) -> dict[str, Any]:
         """The parameter tree as ``jax.ShapeDtypeStruct`` s with their shardings (a load target).

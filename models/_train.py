@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
-from jax.sharding import NamedSharding
 
 from jaxops._sharding import constrain
 
@@ -49,11 +48,7 @@ def train_step(model: MoEDecoder, optimizer: Any) -> TrainStep:
     """One training step of `model` with an optax-style `optimizer` (``init`` / ``update``)."""
     params_sharding = model.shardings()
     state_sharding = model.optimizer_shardings(optimizer)
-    zero_sharding = jax.tree.map(
-        lambda s: NamedSharding(model.mesh, s),
-        model.zero_specs(),
-        is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec),
-    )
+    zero_sharding = model.named(model.zero_specs())
 
     def step(params, opt_state, tokens, targets, **batch):
         loss, grads = model.loss_and_grads(params, tokens, targets, **batch)

@@ -189,9 +189,7 @@ def plan(
         jax.eval_shape(optimizer.init, params), model.optimizer_shardings(optimizer, params)
     )
     grad_specs = model.zero_specs() if zero >= 1 else model.param_specs()
-    grad_shardings = jax.tree.map(
-        lambda s: NamedSharding(mesh, s), grad_specs, is_leaf=lambda s: isinstance(s, P)
-    )
+    grad_shardings = model.named(grad_specs)
     grads = _with_shardings(params, grad_shardings)
     rows = NamedSharding(mesh, P(model.batch_axes))
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=rows)
