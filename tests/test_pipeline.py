@@ -693,3 +693,30 @@ def test_docstring_examples():
     from jaxops import testing
 
     assert testing.run_docstring_examples(pl) >= 25
+
+
+def test_residuals_from_params_alone_are_recomputed_not_stashed():
+    # A stage that slices its weight out of a stack and casts it: those residuals are functions
+    # of the params alone. The backward recomputes them; only activations are stashed.
+    from jaxops.parallel.pipeline import _trees
+
+    def stage(p, x):
+        w = p["w"][1].astype(jnp.bfloat16)
+        h = jnp.tanh(jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32))
+        return h * p["scale"] + 0.5
+
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = {"w": jax.random.normal(k1, (3, 16, 24)), "scale": jax.random.normal(k2, (24,))}
+    x = jax.random.normal(k3, (8, 16))
+    derived, recompute = _trees.param_derived(stage, params, x)
+    y, vjp_fn = jax.vjp(stage, params, x)
+    stash, layout = _trees.split_residuals(vjp_fn, params, derived)
+    kinds = [kind for kind, _ in layout.where]
+    assert "derived" in kinds, layout.where
+    # The bf16 weight (16 x 24) is not stashed; what is stashed has a row per token.
+    assert all(a.ndim and a.shape[0] == 8 for a in stash), [a.shape for a in stash]
+    rebuilt = _trees.join_residuals(layout, stash, params, recompute(params))
+    dy = jax.random.normal(jax.random.key(4), y.shape)
+    want, got = vjp_fn(dy), rebuilt(dy)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

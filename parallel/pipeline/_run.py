@@ -7,7 +7,8 @@ activation ring). Then
 - :func:`run_forward` (inference, ``pipeline_forward``): per tick the stage's forward or a
   pass-through, the activation sent on; the last stage's outputs are gathered after the loop.
 - :func:`run_training` (``pipeline_step``): per tick an idle, forward, last-stage forward (with
-  the loss and its vjp) or backward branch; a forward stashes the stage's vjp residuals, the
+  the loss and its vjp) or backward branch; a forward stashes the stage's vjp residuals (but
+  those computed from the params alone, which the backward recomputes), the
   backward rebuilds the vjp from them with the :class:`~._trees.ResidualLayout` that a trace of
   the stage in the prologue returned. Gradients accumulate over the ticks and are reduced once
   after the loop.
@@ -55,6 +56,7 @@ from ._trees import (
     join_residuals,
     merge_floats,
     microbatches,
+    param_derived,
     ppermute,
     put,
     slot,
@@ -108,6 +110,12 @@ class Prologue:
                 f"{op}: stage_fn's aux_loss must be a scalar, got shape {jnp.shape(out[1])}"
             )
         return out[0], vary_like(out[1].astype(jnp.float32), self.x0)
+
+    def chunk_params(self, chunk: jax.Array) -> Any:
+        """The params of this device's chunk `chunk` (one chunk: a static index, no copy)."""
+        if self.setup.v == 1:
+            return jax.tree.map(lambda a: a[0], self.params)
+        return slot(self.params, chunk)
 
     def stage_input(self, act: Any, row: jax.Array) -> Any:
         """The op's input: its microbatch of inputs at stage 0, else the activation it reads."""
@@ -176,7 +184,7 @@ def _forward_tick(pro: Prologue, carry: dict, row: jax.Array) -> tuple[dict, Non
         row[KIND] == FORWARD,
         lambda p_v, x: conform(pro.apply(p_v, x)[0], pro.x0),
         lambda p_v, x: x,
-        slot(pro.params, row[CHUNK]),
+        pro.chunk_params(row[CHUNK]),
         pro.stage_input(carry["act"], row),
     )
     act = pro.send_forward(carry["act"], row, y)
@@ -187,10 +195,15 @@ def _forward_tick(pro: Prologue, carry: dict, row: jax.Array) -> tuple[dict, Non
 # Training.
 
 
-def _stage_forward(pro: Prologue, p_v: Any, x: Any) -> tuple[Any, jax.Array, list, ResidualLayout]:
-    """``(y, aux, stash, layout)``: the stage's forward, its residuals to stash and their layout."""
+def _stage_forward(
+    pro: Prologue, p_v: Any, x: Any, derived: frozenset
+) -> tuple[Any, jax.Array, list, ResidualLayout]:
+    """``(y, aux, stash, layout)``: the stage's forward, its residuals to stash and their layout.
+
+    derived: the residuals computed from the params alone (:func:`param_derived`), not stashed.
+    """
     (y, aux), vjp_fn = jax.vjp(pro.apply, p_v, x)
-    stash, layout = split_residuals(vjp_fn, p_v)
+    stash, layout = split_residuals(vjp_fn, p_v, derived)
     return y, aux, stash, layout
 
 
@@ -232,13 +245,15 @@ class _TrainTick:
     ts: Any
     seed: float
     layout: ResidualLayout
+    derived: frozenset
+    recompute: Callable
     aux0: jax.Array
     types: dict
     zeros: dict
     input_grads: bool
 
     def _forward(self, p_v: Any, x: Any) -> tuple[Any, jax.Array, list]:
-        y, aux, res, layout = _stage_forward(self.pro, p_v, x)
+        y, aux, res, layout = _stage_forward(self.pro, p_v, x, self.derived)
         if layout.where != self.layout.where:  # backward rebuilds the vjp with self.layout
             raise RuntimeError(
                 f"{self.pro.setup.op}: stage_fn's vjp residuals differ between two traces "
@@ -246,22 +261,39 @@ class _TrainTick:
             )
         return y, aux, res
 
-    def idle(self, p_v, x, dy, res, t):
-        return self.zeros
+    def _conform(self, out: dict) -> dict:
+        """`out` (every key but dp) typed as ``types``."""
+        return conform(out, {k: self.types[k] for k in self.zeros})
 
-    def fwd(self, p_v, x, dy, res, t):
+    def idle(self, p_v, x, dy, res, t, chunk, gacc):
+        return {**self.zeros, "gacc": gacc}
+
+    def fwd(self, p_v, x, dy, res, t, chunk, gacc):
         y, aux, res = self._forward(p_v, x)
-        return conform({**self.zeros, "y": y, "res": res, "loss": aux * self.seed}, self.types)
+        out = {**self.zeros, "y": y, "res": res, "loss": aux * self.seed}
+        return {**self._conform(out), "gacc": gacc}
 
-    def fwd_last(self, p_v, x, dy, res, t):
+    def fwd_last(self, p_v, x, dy, res, t, chunk, gacc):
         y, aux, res = self._forward(p_v, x)
         loss, dlp, dy, dt = _loss_vjp(self.pro, self.loss_fn, self.seed, self.loss_params, y, t)
         out = {"res": res, "loss": (loss + aux) * self.seed, "dy": dy, "dlp": dlp, "dt": dt}
-        return conform({**self.zeros, **out}, self.types)
+        return {**self._conform({**self.zeros, **out}), "gacc": gacc}
 
-    def bwd(self, p_v, x, dy, res, t):
-        dp, dx = join_residuals(self.layout, res, p_v)((dy, _aux_cotangent(self.seed, self.aux0)))
-        return conform({**self.zeros, "dx": dx, "dp": dp}, self.types)
+    def bwd(self, p_v, x, dy, res, t, chunk, gacc):
+        vjp_fn = join_residuals(self.layout, res, p_v, self.recompute(p_v))
+        dp, dx = vjp_fn((dy, _aux_cotangent(self.seed, self.aux0)))
+        dp = conform(dp, self.types["dp"])
+        if self.pro.setup.v == 1:
+            gacc = jax.tree.map(lambda acc, g: acc.at[0].add(g), gacc, dp)
+        else:
+            gacc = jax.tree.map(
+                lambda acc, g: jax.lax.dynamic_update_index_in_dim(
+                    acc, jax.lax.dynamic_index_in_dim(acc, chunk, keepdims=False) + g, chunk, 0
+                ),
+                gacc,
+                dp,
+            )
+        return {**self._conform({**self.zeros, "dx": dx}), "gacc": gacc}
 
     def __call__(self, c: dict, row: jax.Array) -> tuple[dict, None]:
         pro = self.pro
@@ -271,11 +303,13 @@ class _TrainTick:
         out = jax.lax.switch(
             branch,
             [self.idle, self.fwd, self.fwd_last, self.bwd],
-            slot(pro.params, chunk),
+            pro.chunk_params(chunk),
             x_in,
             slot(c["grad"], row[GRAD_READ]),
             slot(c["stash"], row[STASH]),
             slot(self.ts, mb) if self.ts is not None else None,
+            chunk,
+            c["gacc"],
         )
         act_bwd = [(j, i) for i, j in pro.act_fwd]
         grad = put(c["grad"], row[GRAD_STORE], ppermute(out["dx"], pro.setup.pipe_axis, act_bwd))
@@ -284,13 +318,7 @@ class _TrainTick:
             "act": pro.send_forward(c["act"], row, out["y"]),
             "grad": put(grad, row[LOSS_STORE], out["dy"]),
             "stash": put(c["stash"], stash_at, out["res"]),
-            "gacc": jax.tree.map(
-                lambda acc, g: jax.lax.dynamic_update_index_in_dim(
-                    acc, jax.lax.dynamic_index_in_dim(acc, chunk, keepdims=False) + g, chunk, 0
-                ),
-                c["gacc"],
-                out["dp"],
-            ),
+            "gacc": out["gacc"],
             "dlp": jax.tree.map(jnp.add, c["dlp"], out["dlp"]),
             "loss": c["loss"] + out["loss"],
         }
@@ -324,11 +352,14 @@ def run_training(
 
     # Trace the stage and the loss once here for the types of their outputs, residuals and
     # gradients, and the stage's residual layout (XLA drops this unused computation).
-    y0, aux0, res0, layout = _stage_forward(pro, pro.p0, pro.x0)
+    # Residuals computed from the params alone are recomputed by the backward, not stashed.
+    derived, recompute = param_derived(pro.apply, pro.p0, pro.x0)
+    y0, aux0, res0, layout = _stage_forward(pro, pro.p0, pro.x0, derived)
     check_like(setup.op, y0, pro.x0)
     t0 = slot(ts, jnp.int32(0)) if ts is not None else None
     loss0, dlp0, dy0, dt0 = _loss_vjp(pro, loss_fn, seed, loss_params, y0, t0)
-    dp0, dx0 = join_residuals(layout, res0, pro.p0)((dy0, _aux_cotangent(seed, aux0)))
+    vjp0 = join_residuals(layout, res0, pro.p0, recompute(pro.p0))
+    dp0, dx0 = vjp0((dy0, _aux_cotangent(seed, aux0)))
     f32 = functools.partial(jax.tree.map, lambda a: a.astype(jnp.float32))
     types = {
         "y": y0,
@@ -340,8 +371,26 @@ def run_training(
         "dlp": f32(dlp0),
         "dt": dt0,
     }
-    zeros = jax.tree.map(lambda a: vary_like(jnp.zeros(a.shape, a.dtype), a), types)
-    tick = _TrainTick(pro, loss_fn, loss_params, ts, seed, layout, aux0, types, zeros, input_grads)
+    # dp is never zero-filled: the backward branch adds it to the accumulator it is given.
+    zeros = {
+        k: jax.tree.map(lambda a: vary_like(jnp.zeros(a.shape, a.dtype), a), v)
+        for k, v in types.items()
+        if k != "dp"
+    }
+    tick = _TrainTick(
+        pro,
+        loss_fn,
+        loss_params,
+        ts,
+        seed,
+        layout,
+        derived,
+        recompute,
+        aux0,
+        types,
+        zeros,
+        input_grads,
+    )
     x0 = pro.x0
     init = {
         "act": buffer(prog.act_slots + 1, x0),

@@ -12,10 +12,16 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
 from jaxops._sharding import vary_like, varying_axes
+
+try:  # prunes a jaxpr to what some of its outputs need (private; without it nothing is derived)
+    from jax._src.interpreters.partial_eval import dce_jaxpr as _dce_jaxpr
+except ImportError:  # pragma: no cover
+    _dce_jaxpr = None
 
 __all__ = [
     "ResidualLayout",
@@ -26,6 +32,7 @@ __all__ = [
     "join_residuals",
     "merge_floats",
     "microbatches",
+    "param_derived",
     "ppermute",
     "put",
     "slot",
@@ -96,36 +103,85 @@ class ResidualLayout(NamedTuple):
 
     Attributes:
       treedef: the vjp function's treedef.
-      where: per residual leaf, the index of the param leaf it is, or None (stashed).
+      where: per residual leaf, ``("param", i)`` (it is param leaf i: the backward reads the
+        param), ``("derived", i)`` (it is computed from the params alone, a cast or a slice of
+        a weight say: the backward recomputes it, output i of :func:`param_derived`'s
+        function) or ``("stash", i)`` (stashed leaf i).
     """
 
     treedef: Any
-    where: tuple[int | None, ...]
+    where: tuple[tuple[str, int], ...]
 
 
-def split_residuals(vjp_fn: Any, params: Any) -> tuple[list, ResidualLayout]:
+def param_derived(fn: Any, params: Any, x: Any) -> tuple[frozenset, Any]:
+    """Which vjp residuals of ``fn(params, x)`` do not depend on x, and a function computing them.
+
+    Returns ``(indices, recompute)``: the indices (into the vjp function's leaves) of the
+    residuals computed from `params` and constants alone (weights cast to the compute dtype,
+    sliced out of a stack, transposed, ...), and ``recompute(params)``, the list of those leaves
+    in index order: only what they need of the stage is computed (dead code pruned from a trace
+    of the vjp, collectives included). A pipeline stashes the others per microbatch; these it
+    recomputes in the backward instead of keeping a copy of the stage's weights per microbatch
+    in flight. Without jax's jaxpr pruning (a private API) nothing is derived.
+    """
+    if _dce_jaxpr is None:
+        return frozenset(), lambda p: []
+    closed = jax.make_jaxpr(lambda p, x: jax.tree.leaves(jax.vjp(fn, p, x)[1]))(params, x)
+    jaxpr, n_p = closed.jaxpr, len(jax.tree.leaves(params))
+    n_out = len(jaxpr.outvars)
+    derived = tuple(
+        i
+        for i in range(n_out)
+        if not any(_dce_jaxpr(jaxpr, [j == i for j in range(n_out)])[1][n_p:])
+    )
+    if not derived:
+        return frozenset(), lambda p: []
+    pruned, used = _dce_jaxpr(jaxpr, [i in derived for i in range(n_out)])
+    if any(used[n_p:]):  # cannot happen: every kept output is independent of x
+        return frozenset(), lambda p: []
+    run = jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(pruned, closed.consts))
+
+    def recompute(p: Any) -> list:
+        return list(run(*(a for a, u in zip(jax.tree.leaves(p), used, strict=False) if u)))
+
+    return frozenset(derived), recompute
+
+
+def split_residuals(
+    vjp_fn: Any, params: Any, derived: frozenset = frozenset()
+) -> tuple[list, ResidualLayout]:
     """Splits a vjp function into what a stage stashes and how to rebuild it.
 
-    Returns the residual leaves that are not the params themselves (those get stashed; the
-    backward reads the params instead) and the :class:`ResidualLayout`.
+    Returns the residual leaves that are neither the params themselves (the backward reads the
+    params instead) nor in `derived` (indices of :func:`param_derived`: the backward recomputes
+    them), which get stashed, and the :class:`ResidualLayout`.
     """
     leaves, treedef = jax.tree.flatten(vjp_fn)
     param_leaves = jax.tree.leaves(params)
-    where: list[int | None] = []
+    where: list[tuple[str, int]] = []
     stashed = []
-    for leaf in leaves:
-        hit = next((i for i, q in enumerate(param_leaves) if leaf is q), None)
-        where.append(hit)
-        if hit is None:
+    order = sorted(derived)
+    for i, leaf in enumerate(leaves):
+        hit = next((k for k, q in enumerate(param_leaves) if leaf is q), None)
+        if hit is not None:
+            where.append(("param", hit))
+        elif i in derived:
+            where.append(("derived", order.index(i)))
+        else:
+            where.append(("stash", len(stashed)))
             stashed.append(leaf)
     return stashed, ResidualLayout(treedef, tuple(where))
 
 
-def join_residuals(layout: ResidualLayout, stashed: list, params: Any) -> Any:
-    """Inverse of :func:`split_residuals`: the vjp function from its stash and params."""
-    param_leaves = jax.tree.leaves(params)
-    it = iter(stashed)
-    leaves = [next(it) if i is None else param_leaves[i] for i in layout.where]
+def join_residuals(
+    layout: ResidualLayout, stashed: list, params: Any, derived: Sequence = ()
+) -> Any:
+    """Inverse of :func:`split_residuals`: the vjp function from its parts.
+
+    `derived` are the recomputed leaves, ``recompute(params)`` of :func:`param_derived`.
+    """
+    sources = {"param": jax.tree.leaves(params), "stash": stashed, "derived": derived}
+    leaves = [sources[kind][i] for kind, i in layout.where]
     return jax.tree.unflatten(layout.treedef, leaves)
 
 
