@@ -28,7 +28,8 @@ ragged all-to-all, so there a dense twin reproduces its exact semantics with a d
 ``all_to_all`` of per-destination chunks plus a scatter. One function picks by platform.
 The grouped GEMM is ``jax.lax.ragged_dot`` on GPU; XLA:CPU's ragged_dot computes every group for
 every row (L times the work), so there groups are padded to 32-row tiles (``align`` becomes
-``lcm(align, 32)``) and a loop runs one GEMM per tile in use.
+``lcm(align, 32)``) and each group is cut into chunks (as many of 256 rows as fit, then at most 3
+of 64 or 32): one loop per chunk size runs one GEMM per chunk with its group's weights.
 
 Buffer sizes are static and never overflow (``Tl`` tokens per device, N devices on the expert
 axis, L local experts; top-k experts of a token are distinct, so a token sends at most

@@ -3,11 +3,13 @@
 Rows arrive grouped by local expert, each group padded to a multiple of the plan's alignment.
 On GPU the grouped GEMM is ``jax.lax.ragged_dot``. XLA:CPU lowers ragged_dot to one dense dot
 over every group for every row (masked), L times the work; there the groups are padded to
-multiples of a row tile and a loop runs one ``[tile, K] x [K, N]`` GEMM per tile in use (a
-dynamic trip count: the work follows the rows actually received, not the buffer's worst-case
-size). With ``fp8="block"`` the GEMMs use DeepSeek-V3's block-scaled FP8 numerics. Expert biases
-(``MoEConfig.expert_bias``) are added in float32 to the GEMMs' float32 outputs, each row taking
-its group's bias; padding rows take none, so they stay zero as without biases.
+multiples of a 32-row tile and each group is cut into chunks, as many of 256 rows as fit, then
+at most 3 of 64 or 32; one loop per chunk size runs one GEMM per chunk with its group's weights
+(dynamic trip counts: the work follows the rows actually received, not the buffer's worst-case
+size). With ``fp8="block"`` the GEMMs use DeepSeek-V3's block-scaled FP8
+numerics. Expert biases (``MoEConfig.expert_bias``) are added in float32 to the GEMMs' float32
+outputs, each row taking its group's bias; padding rows take none, so they stay zero as without
+biases.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from ._config import FP8_BLOCK, MoEConfig
 
 __all__ = ["CPU_TILE", "activate", "expert_ffn", "grouped_ffn", "shared_expert"]
 
-#: Row tile of the grouped GEMM loop off GPU (0 in a plan: jax.lax.ragged_dot).
+#: Row alignment of the groups off GPU, the smallest chunk of the grouped GEMM loops (0 in a
+#: plan: jax.lax.ragged_dot).
 CPU_TILE = 32
 
 
@@ -48,24 +51,65 @@ def activate(cfg: MoEConfig, h: jax.Array) -> jax.Array:
     return jax.nn.silu(h)
 
 
-def _gmm(tile: int, x, w, groups) -> jax.Array:
-    """``y[rows of group l] = x[rows] @ w[l]``, float32 ``[R, N]``; padding rows give zeros."""
-    group_sizes, tile_group, n_tiles = groups
+def _chunks(tile: int, rows: int) -> tuple[int, ...]:
+    """The row chunks of the CPU loops, largest first: multiples of `tile` up to `rows`."""
+    return (*(c for c in (8 * tile, 2 * tile) if c <= rows), tile)
+
+
+def _levels(tile: int, rows: int, groups) -> list:
+    """The chunks of the CPU loops, per chunk size c of :func:`_chunks`, largest first.
+
+    Per size ``(c, n, group, first)``: n chunks of c rows in use (an int32 scalar), and for
+    chunk i < n its group and first row (int32 ``[rows // c]``; entries from n on are unused).
+
+    Each group (its size a multiple of `tile`) is covered in order by as many chunks of each
+    size as fit in what is left of it, so most rows go through large GEMMs and at most 3 smaller
+    chunks end a group, while groups stay padded to a multiple of `tile` only.
+    """
+    group_sizes, starts = groups
+    last = group_sizes.shape[0] - 1
+    done = jnp.zeros_like(group_sizes)
+    levels = []
+    for c in _chunks(tile, rows):
+        n = (group_sizes - done) // c
+        ends = jnp.cumsum(n)
+        i = jnp.arange(rows // c, dtype=jnp.int32)
+        group = jnp.minimum(jnp.searchsorted(ends, i, side="right").astype(jnp.int32), last)
+        first = starts[group] + done[group] + (i - (ends[group] - n[group])) * c
+        levels.append((c, ends[-1], group, first))
+        done = done + n * c
+    return levels
+
+
+def _gmm(tile: int, x, w, groups, transpose_w: bool = False) -> jax.Array:
+    """``y[rows of group l] = x[rows] @ w[l]`` (``w[l].T`` with transpose_w), float32 ``[R, N]``.
+
+    Padding rows give zeros. Off GPU one loop per chunk size runs one GEMM per chunk of rows
+    (:func:`_levels`) with its group's weights (with transpose_w the GEMM reads them transposed:
+    no transposed copy of w is made).
+    """
+    group_sizes = groups[0]
     if tile == 0:
+        w = jnp.swapaxes(w, 1, 2) if transpose_w else w
         return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+    dims = (((1,), (1,)) if transpose_w else ((1,), (0,)), ((), ()))
+    n = w.shape[1] if transpose_w else w.shape[2]
+    out = vary_like(jnp.zeros((x.shape[0], n), jnp.float32), x, w, group_sizes)
+    for c, count, group, first in _levels(tile, x.shape[0], groups):
 
-    def body(i, out):
-        rows = jax.lax.dynamic_slice_in_dim(x, i * tile, tile)
-        y = jnp.dot(rows, w[tile_group[i]], preferred_element_type=jnp.float32)
-        return jax.lax.dynamic_update_slice_in_dim(out, y, i * tile, 0)
+        def chunk(i, out, c=c, group=group, first=first):
+            rows = jax.lax.dynamic_slice_in_dim(x, first[i], c)
+            wg = jax.lax.dynamic_index_in_dim(w, group[i], keepdims=False)
+            y = jax.lax.dot_general(rows, wg, dims, preferred_element_type=jnp.float32)
+            return jax.lax.dynamic_update_slice_in_dim(out, y, first[i], 0)
 
-    out = vary_like(jnp.zeros((x.shape[0], w.shape[2]), jnp.float32), x, w, tile_group)
-    return jax.lax.fori_loop(0, n_tiles, body, out)
+        out = jax.lax.fori_loop(0, count, chunk, out)
+    return out
 
 
 def _gmm_wgrad(tile: int, x, dy, groups, num_groups: int) -> jax.Array:
     """``dw[l] = x[rows of l]^T @ dy[rows of l]``, float32 ``[L, K, N]``."""
-    group_sizes, tile_group, n_tiles = groups
+    group_sizes = groups[0]
     shape = (num_groups, x.shape[1], dy.shape[1])
     if tile == 0:
         _, vjp = jax.vjp(
@@ -73,15 +117,18 @@ def _gmm_wgrad(tile: int, x, dy, groups, num_groups: int) -> jax.Array:
             jnp.zeros(shape, x.dtype),
         )
         return vjp(dy.astype(jnp.float32))[0].astype(jnp.float32)
+    dims = (((0,), (0,)), ((), ()))
+    dw = vary_like(jnp.zeros(shape, jnp.float32), x, dy, group_sizes)
+    for c, count, group, first in _levels(tile, x.shape[0], groups):
 
-    def body(i, dw):
-        rows = jax.lax.dynamic_slice_in_dim(x, i * tile, tile)
-        grad = jax.lax.dynamic_slice_in_dim(dy, i * tile, tile)
-        g = tile_group[i]
-        return dw.at[g].add(jnp.dot(rows.T, grad, preferred_element_type=jnp.float32))
+        def chunk(i, dw, c=c, group=group, first=first):
+            rows = jax.lax.dynamic_slice_in_dim(x, first[i], c)
+            grad = jax.lax.dynamic_slice_in_dim(dy, first[i], c)
+            g = jax.lax.dot_general(rows, grad, dims, preferred_element_type=jnp.float32)
+            return dw.at[group[i]].add(g)
 
-    dw = vary_like(jnp.zeros(shape, jnp.float32), x, dy, tile_group)
-    return jax.lax.fori_loop(0, n_tiles, body, dw)
+        dw = jax.lax.fori_loop(0, count, chunk, dw)
+    return dw
 
 
 def _fp8_rows(impl, x, grad: bool = False) -> jax.Array:
@@ -125,7 +172,7 @@ def _grouped_linear_bwd(tile: int, quantized: bool | str, impl, saved, dy):
     else:
         dyq = dys = dy.astype(x.dtype)
         xs = x
-    dx = _gmm(tile, dyq, jnp.swapaxes(w, 1, 2), groups)
+    dx = _gmm(tile, dyq, w, groups, transpose_w=True)
     dw = _gmm_wgrad(tile, xs, dys, groups, w.shape[0])
     dx = cotangent_like(dx.astype(x_like.dtype), x_like)
     return dx, cotangent_like(dw.astype(w.dtype), w), None
@@ -134,15 +181,9 @@ def _grouped_linear_bwd(tile: int, quantized: bool | str, impl, saved, dy):
 _grouped_linear.defvjp(_grouped_linear_fwd, _grouped_linear_bwd)
 
 
-def _groups(tile: int, group_sizes: jax.Array, rows: int):
-    """(group_sizes, the group of each row tile, tiles in use) for :func:`_gmm`."""
-    if tile == 0:
-        return group_sizes, jnp.zeros((1,), jnp.int32), jnp.zeros((), jnp.int32)
-    ends = jnp.cumsum(group_sizes)
-    starts = jnp.arange(rows // tile, dtype=jnp.int32) * tile
-    tile_group = jnp.searchsorted(ends, starts, side="right").astype(jnp.int32)
-    tile_group = jnp.minimum(tile_group, group_sizes.shape[0] - 1)
-    return group_sizes, tile_group, (ends[-1] // tile).astype(jnp.int32)
+def _groups(group_sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(group_sizes, each group's first row) for :func:`_gmm`."""
+    return group_sizes, jnp.cumsum(group_sizes) - group_sizes
 
 
 def _bias_rows(group_sizes: jax.Array, used: jax.Array, rows: int):
@@ -188,7 +229,7 @@ def grouped_ffn(
     expert's biases (float32, after each GEMM), so padding rows stay zero and add nothing to the
     biases' gradients or to an FP8 wgrad's 128-row group scales.
     """
-    groups = _groups(tile, group_sizes, rows.shape[0])
+    groups = _groups(group_sizes)
     quantized = cfg.fp8 == "block"
     first = "given" if cfg.dispatch == "fp8" else quantized
     bias_rows = None if b_in is None else _bias_rows(group_sizes, used, rows.shape[0])

@@ -234,9 +234,10 @@ class _TrainTick:
     """One training tick on one device: the branch of its op, then the sends and the stores.
 
     Every branch returns the same dict (``zeros`` where it computes nothing, typed as ``types``):
-    y (activation out), res (residuals to stash), dx (input gradient out), dp (param
-    gradients), loss, dy (loss gradient of the last stage), dlp (loss_params gradients),
-    dt (target gradients).
+    y (activation out), res (residuals to stash), dx (input gradient out), loss, dy (loss
+    gradient of the last stage), dlp (loss_params gradients), dt (target gradients), and gacc:
+    the parameter gradient accumulator it is given, to which the backward branch adds its
+    gradients (the others return it as it is: no zero gradient is made or added).
     """
 
     pro: Prologue
