@@ -10,6 +10,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # Before jax initializes its backends: 8 CPU devices for the sharded tests.
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+# Under pytest-xdist (`pytest -n 2`) each worker is a process: on a GPU, jax's default
+# preallocation of 75% of its memory would leave the second worker none.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
 import pytest

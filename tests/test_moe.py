@@ -654,6 +654,7 @@ def test_garbage_indices_are_ignored_not_dereferenced():
 
 
 @pytest.mark.slow
+@pytest.mark.bigmem
 def test_more_than_2_pow_31_elements():
     # 131,072 fp8 rows of 16,400 bytes: offsets up to 2.15e9 > 2^31.
     t, h = 65536, 16400

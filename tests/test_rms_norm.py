@@ -194,6 +194,7 @@ def test_large_hidden_and_many_rows_index_math():
 
 
 @pytest.mark.slow
+@pytest.mark.bigmem
 def test_more_than_2_pow_31_elements():
     # 32769 x 65536 bfloat16 = 2^31 + 65536 elements (4.3 GB): row offsets must be 64-bit.
     rows, hidden = 32769, 65536
