@@ -101,7 +101,7 @@ def test_plan_command_json(tmp_path):
             "--seq",
             "16",
             "--device-memory",
-            "1MB",
+            "100KB",  # less than the optimizer state alone: never fits, whatever XLA's temps
             "--json",
         )
         assert done.returncode == 0, done.stderr
@@ -123,7 +123,7 @@ def test_plan_command_json(tmp_path):
     for r in out.values():
         by = r["bytes_per_device"]
         assert by["total"] >= by["params"] + by["optimizer"] + by["temp"]
-        assert r["fits"] is False and r["device_memory"] == 10**6
+        assert r["fits"] is False and r["device_memory"] == 10**5
         assert r["collective_bytes"] > 0 and r["compile_s"] > 0
         assert set(r["collectives"]) >= {"all-to-all", "all-reduce"}
     assert (
