@@ -196,7 +196,7 @@ def _forward_tick(pro: Prologue, carry: dict, row: jax.Array) -> tuple[dict, Non
 
 
 def _stage_forward(
-    pro: Prologue, p_v: Any, x: Any, derived: frozenset
+    pro: Prologue, p_v: Any, x: Any, derived: dict
 ) -> tuple[Any, jax.Array, list, ResidualLayout]:
     """``(y, aux, stash, layout)``: the stage's forward, its residuals to stash and their layout.
 
@@ -246,7 +246,7 @@ class _TrainTick:
     ts: Any
     seed: float
     layout: ResidualLayout
-    derived: frozenset
+    derived: dict
     recompute: Callable
     aux0: jax.Array
     types: dict

@@ -113,19 +113,20 @@ class ResidualLayout(NamedTuple):
     where: tuple[tuple[str, int], ...]
 
 
-def param_derived(fn: Any, params: Any, x: Any) -> tuple[frozenset, Any]:
+def param_derived(fn: Any, params: Any, x: Any) -> tuple[dict, Any]:
     """Which vjp residuals of ``fn(params, x)`` do not depend on x, and a function computing them.
 
-    Returns ``(indices, recompute)``: the indices (into the vjp function's leaves) of the
-    residuals computed from `params` and constants alone (weights cast to the compute dtype,
-    sliced out of a stack, transposed, ...), and ``recompute(params)``, the list of those leaves
-    in index order: only what they need of the stage is computed (dead code pruned from a trace
-    of the vjp, collectives included). A pipeline stashes the others per microbatch; these it
-    recomputes in the backward instead of keeping a copy of the stage's weights per microbatch
-    in flight. Without jax's jaxpr pruning (a private API) nothing is derived.
+    Returns ``(derived, recompute)``: ``{index: (shape, dtype)}`` of the residuals (indices into
+    the vjp function's leaves) computed from `params` and constants alone (weights cast to the
+    compute dtype, sliced out of a stack, transposed, ...), and ``recompute(params)``, the list
+    of those leaves in index order: only what they need of the stage is computed (dead code
+    pruned from a trace of the vjp, collectives included). A pipeline stashes the others per
+    microbatch; these it recomputes in the backward instead of keeping a copy of the stage's
+    weights per microbatch in flight. Without jax's jaxpr pruning (a private API) nothing is
+    derived.
     """
     if _dce_jaxpr is None:
-        return frozenset(), lambda p: []
+        return {}, lambda p: []
     closed = jax.make_jaxpr(lambda p, x: jax.tree.leaves(jax.vjp(fn, p, x)[1]))(params, x)
     jaxpr, n_p = closed.jaxpr, len(jax.tree.leaves(params))
     n_out = len(jaxpr.outvars)
@@ -135,27 +136,33 @@ def param_derived(fn: Any, params: Any, x: Any) -> tuple[frozenset, Any]:
         if not any(_dce_jaxpr(jaxpr, [j == i for j in range(n_out)])[1][n_p:])
     )
     if not derived:
-        return frozenset(), lambda p: []
+        return {}, lambda p: []
     pruned, used = _dce_jaxpr(jaxpr, [i in derived for i in range(n_out)])
     if any(used[n_p:]):  # cannot happen: every kept output is independent of x
-        return frozenset(), lambda p: []
+        return {}, lambda p: []
     run = jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(pruned, closed.consts))
 
     def recompute(p: Any) -> list:
-        return list(run(*(a for a, u in zip(jax.tree.leaves(p), used, strict=False) if u)))
+        return list(run(*(a for a, u in zip(jax.tree.leaves(p), used[:n_p], strict=True) if u)))
 
-    return frozenset(derived), recompute
+    avals = [v.aval for v in jaxpr.outvars]
+    return {i: (tuple(avals[i].shape), avals[i].dtype) for i in derived}, recompute
 
 
 def split_residuals(
-    vjp_fn: Any, params: Any, derived: frozenset = frozenset()
+    vjp_fn: Any, params: Any, derived: dict | None = None
 ) -> tuple[list, ResidualLayout]:
     """Splits a vjp function into what a stage stashes and how to rebuild it.
 
     Returns the residual leaves that are neither the params themselves (the backward reads the
-    params instead) nor in `derived` (indices of :func:`param_derived`: the backward recomputes
-    them), which get stashed, and the :class:`ResidualLayout`.
+    params instead) nor in `derived` (of :func:`param_derived`: the backward recomputes them),
+    which get stashed, and the :class:`ResidualLayout`.
+
+    Raises:
+      RuntimeError: a derived leaf's shape or dtype is not the one :func:`param_derived` traced
+        (the stage traced differently twice).
     """
+    derived = derived or {}
     leaves, treedef = jax.tree.flatten(vjp_fn)
     param_leaves = jax.tree.leaves(params)
     where: list[tuple[str, int]] = []
@@ -166,6 +173,12 @@ def split_residuals(
         if hit is not None:
             where.append(("param", hit))
         elif i in derived:
+            if (tuple(leaf.shape), leaf.dtype) != derived[i]:
+                raise RuntimeError(
+                    f"pipeline: stage_fn's vjp residual {i} is {leaf.shape} {leaf.dtype} here "
+                    f"and {derived[i]} in another trace (stage_fn must trace the same way "
+                    "every time)"
+                )
             where.append(("derived", order.index(i)))
         else:
             where.append(("stash", len(stashed)))
