@@ -21,8 +21,9 @@ Public API (everything else is private):
 - ``jaxops.moe``: MoE token permute / unpermute (any expert count, alignment padding, capacity,
   FP8 scales, on device without host synchronization).
 - ``jaxops.parallel``: expert and pipeline parallelism, sharded checkpointing.
-- ``jaxops.models``: published MoE models (Mixtral, Qwen3-MoE, Qwen2-MoE) with Hugging Face
-  import and export.
+- ``jaxops.models``: published MoE models (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, GLM-4.5,
+  DeepSeek-V3 / Kimi K2, ERNIE-4.5-MoE, gpt-oss, Llama 4, MiniMax-M2) with Hugging Face import
+  and export, fine-tuning, generation and memory plans.
 
 The three tiers, each a folder of the repository, imports running only downwards::
 

@@ -25,13 +25,13 @@
   for a config.json on a mesh of simulated devices, compiled ahead of time.
 - :data:`DECODER_SCHEDULES`, :data:`MOE_IMPLS`, :data:`MODEL_TYPES`, :data:`BLOCK_MODEL_TYPES`:
   what the decoder and the blocks take.
-
-The sources live in the repository's top-level ``models/`` folder, the top tier: it builds on
-``jaxops.parallel`` and the core ``jaxops``, and nothing below imports it.
 - :func:`llama_name_map` and :data:`LLAMA_NAME_MAP`: a Llama-style dense tree and
   ``LlamaForCausalLM`` (every published model's name map lives in this package).
 - :func:`moe_block_config`, :func:`load_moe_block`, :func:`is_moe_layer`: one layer's MoE block
   of DeepSeek-V3, Qwen2-MoE, Qwen3-MoE, Mixtral or OLMoE as a ``jaxops.parallel.expert.moe_layer``.
+
+The sources live in the repository's top-level ``models/`` folder, the top tier: it builds on
+``jaxops.parallel`` and the core ``jaxops``, and nothing below imports it.
 """
 
 if __name__ != "jaxops.models":

@@ -246,11 +246,11 @@ class CheckpointManager:
           target: as for :func:`restore`.
           ema: restore the EMA of the target's leaves instead, cast to the target's dtypes
             (leaves without an EMA, such as integers, get their saved values).
+          subtree: as for :func:`restore`.
 
         With ``ema_decay``, either way the manager reloads the saved EMA of the target's leaves,
         so that the next saves continue it. It cannot with ``target=None`` or, with several
         processes, a ``subtree``: those warn, and the EMA starts again at the next save.
-          subtree: as for :func:`restore`.
         """
         op = "jaxops.parallel.checkpoint.CheckpointManager.restore"
         self.wait()

@@ -339,7 +339,7 @@ class MoEConfig:
 
     @property
     def w_in_width(self) -> int:
-        """F': the width of w_in (2F for (clamped_)swiglu's gate and up projections, else F)."""
+        """F': the width of w_in (2F for the gated activations' gate and up projections, else F)."""
         return 2 * self.expert_ffn if self.activation in GATED_ACTIVATIONS else self.expert_ffn
 
     @property

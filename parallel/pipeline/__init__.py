@@ -19,18 +19,19 @@ reads the slot, applies the vjp and frees the slot. What is stashed is set by ``
 - a ``jax.checkpoint_policies`` policy: the residuals that policy saves.
 
 Residuals that are the stage's parameters themselves are never stashed (the backward reads them
-from the parameters). The number of slots is the largest number of microbatches a device holds
-at once, which the schedule decides:
+from the parameters), and neither are those computed from the parameters alone, such as a slice
+or a cast of a weight (the backward recomputes them). The number of slots is the largest number
+of microbatches a device holds at once, which the schedule decides:
 
-==============  ===============================  =====================================
-schedule        order on each device             stashed microbatches per device
-==============  ===============================  =====================================
-"gpipe"         all forwards, then all backwards ``M * V`` (grows with M)
-"1f1b"          warm-up ``P - d - 1`` forwards,  at most ``P`` (independent of M)
+==============  ================================  =====================================
+schedule        order on each device              stashed microbatches per device
+==============  ================================  =====================================
+"gpipe"         all forwards, then all backwards  ``M * V`` (grows with M)
+"1f1b"          warm-up ``P - d - 1`` forwards,   at most ``P`` (independent of M)
                 then one forward / one backward
-"interleaved"   Megatron-LM's interleaved 1F1B   at most ``2 (P - 1) + (V - 1) P + 1``
-                over V chunks per device         microbatch-chunks (independent of M)
-==============  ===============================  =====================================
+"interleaved"   Megatron-LM's interleaved 1F1B    at most ``2 (P - 1) + (V - 1) P + 1``
+                over V chunks per device          microbatch-chunks (independent of M)
+==============  ================================  =====================================
 
 With P devices, M microbatches and V virtual stages every schedule takes ``2 (V M + P - 1)``
 ticks of one chunk's forward or backward, so its bubble (idle fraction, counting forward and
