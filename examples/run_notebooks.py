@@ -11,6 +11,7 @@ Usage (from any directory)::
     python examples/run_notebooks.py                 # check and execute every notebook
     python examples/run_notebooks.py kernels.ipynb   # only these
     python examples/run_notebooks.py --strip         # remove outputs in place (for authors)
+    python examples/run_notebooks.py --check         # only check for committed outputs
 
 Exit status 1 names each notebook that failed and the error of its failing cell.
 """
@@ -113,6 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--strip", action="store_true", help="remove outputs and execution counts in place"
     )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="only check for committed outputs, execute nothing (the docs build executes them)",
+    )
     args = parser.parse_args(argv)
     paths = notebooks(args.notebooks)
     if not paths:
@@ -122,6 +128,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.strip:
         for path in paths:
             print(f"{path.name}: {'stripped' if strip_outputs(path) else 'clean'}")
+        return 0
+
+    if args.check:
+        stale = {p.name: stale_outputs(nbformat.read(p, as_version=4)) for p in paths}
+        for name, problems in stale.items():
+            status = "FAIL" if problems else "ok  "
+            print(f"{status}  {name}: {'; '.join(problems) or 'no outputs'}")
+        if any(stale.values()):
+            print("run_notebooks: committed outputs (run with --strip)", file=sys.stderr)
+            return 1
         return 0
 
     failures = []
