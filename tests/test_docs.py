@@ -16,6 +16,7 @@ from pathlib import Path
 import jaxops.models
 import jaxops.parallel
 import pytest
+from _package import installed_modules
 
 import jaxops
 from jaxops import testing
@@ -41,20 +42,7 @@ PAGES = {
 
 def _public_modules() -> set[str]:
     """Every module of the installed package with no underscore-prefixed part in its name."""
-    names = set()
-    roots = [
-        ("jaxops", Path(jaxops.__file__).parent),
-        ("jaxops.parallel", Path(jaxops.parallel.__file__).parent),
-        ("jaxops.models", Path(jaxops.models.__file__).parent),
-    ]
-    for prefix, root in roots:
-        for path in root.rglob("*.py"):
-            parts = [p for p in path.relative_to(root).with_suffix("").parts if p != "__init__"]
-            if prefix == "jaxops" and parts and parts[0] in ("parallel", "models"):
-                continue  # listed under its own root
-            if not any(p.startswith("_") for p in parts):
-                names.add(".".join([prefix, *parts]))
-    return names
+    return {m for m in installed_modules() if not any(p.startswith("_") for p in m.split("."))}
 
 
 def _resolve(entry: str, current: str):

@@ -15,6 +15,7 @@ from pathlib import Path
 import jaxops.models
 import jaxops.parallel
 import pytest
+from _package import installed_modules
 
 import jaxops
 
@@ -34,26 +35,7 @@ def _tier(module: str) -> str:
     return "core"
 
 
-def _modules() -> dict[str, Path]:
-    """Every Python module of the installed package: dotted name -> file."""
-    out = {}
-    roots = [
-        ("jaxops", Path(jaxops.__file__).parent),
-        ("jaxops.parallel", Path(jaxops.parallel.__file__).parent),
-        ("jaxops.models", Path(jaxops.models.__file__).parent),
-    ]
-    for prefix, root in roots:
-        for path in root.rglob("*.py"):
-            rel = path.relative_to(root).with_suffix("")
-            parts = [p for p in rel.parts if p != "__init__"]
-            name = ".".join([prefix, *parts])
-            if prefix == "jaxops" and parts and parts[0] in ("parallel", "models"):
-                continue  # a copy inside an installed tree is listed under its own root
-            out[name] = path
-    return out
-
-
-MODULES = _modules()
+MODULES = installed_modules()
 
 
 def _imports(name: str, path: Path):
