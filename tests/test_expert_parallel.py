@@ -36,6 +36,8 @@ MESHES = {
     "e8": ((8,), ("expert",), ()),
     "d2e4": ((2, 4), ("data", "expert"), ("data",)),
     "d4e2": ((4, 2), ("data", "expert"), ("data",)),
+    # every expert on every device: no exchange when dropless (capacity still all-gathers)
+    "d8e1": ((8, 1), ("data", "expert"), ("data",)),
 }
 # (top_k, router, capacity_factor)
 ROUTINGS = [

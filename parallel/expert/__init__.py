@@ -26,6 +26,9 @@ rows from sender 0, then sender 1, ..., zero-padded to a multiple of ``align``):
 before the grouped GEMM. On GPU the exchange is ``jax.lax.ragged_all_to_all``; XLA:CPU has no
 ragged all-to-all, so there a dense twin reproduces its exact semantics with a dense
 ``all_to_all`` of per-destination chunks plus a scatter. One function picks by platform.
+With one device on the expert axis and no capacity (dropless) there is nothing to exchange:
+permute pads each expert's group to ``align`` itself, which is the buffer the exchange would
+have made, and neither exchange runs (nor the all-gather of the counts).
 The grouped GEMM is ``jax.lax.ragged_dot`` on GPU; XLA:CPU's ragged_dot computes every group for
 every row (L times the work), so there groups are padded to 32-row tiles (``align`` becomes
 ``lcm(align, 32)``) and each group is cut into chunks (as many of 256 rows as fit, then at most 3

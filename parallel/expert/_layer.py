@@ -95,6 +95,10 @@ def local_layer(
         return _probe(probs, aux.loss, kept)
 
     compute = tokens.astype(cfg.dtype)
+    # One device on the expert axis, no capacity: permuted with the receiver's alignment, the
+    # buffer is already the layout the exchange would make (each expert's group padded to
+    # plan.align, in slot order), so neither exchange runs.
+    direct = plan.n == 1 and plan.capacity is None and cfg.dispatch != "fp8"
     if cfg.dispatch == "fp8":
         # The sender quantizes once; the FP8 rows move with their scales (no gradient here:
         # fp8_dispatch passes it straight through to the tokens).
@@ -105,29 +109,34 @@ def local_layer(
         # router's gradient comes back through it), and the row is scaled by it in float32 and
         # rounded once before it is sent.
         weights = probs if cfg.weight_inputs else None
-        permuted = _moe.permute(compute, ids, e, probs=weights, impl=impl)
+        align = plan.align if direct else 1
+        permuted = _moe.permute(compute, ids, e, probs=weights, align=align, impl=impl)
     sent = permuted.tokens
     if cfg.weight_inputs:
         sent = (sent.astype(jnp.float32) * permuted.probs[:, None]).astype(cfg.dtype)
     if upto == "permute":
         return _probe(probs, aux.loss, kept, sent)
-    both = jax.lax.all_gather(jnp.stack([counts, kept]), axis)  # [N, 2, E]
-    me = jax.lax.axis_index(axis)
-    forward, backward, group_sizes, used = offsets(plan, plan.align, me, both[:, 0], both[:, 1])
-    if cfg.dispatch == "fp8":
-        rows = fp8_dispatch(
-            plan,
-            axis,
-            impl,
-            compute,
-            permuted.tokens,
-            permuted.scales,
-            permuted.row_map,
-            (forward, backward),
-        )
+    if direct:
+        rows = jnp.pad(sent, ((0, plan.recv_rows - sent.shape[0]), (0, 0)))
+        group_sizes, used = permuted.group_sizes, counts
     else:
-        recv = jnp.zeros((plan.recv_rows, h), cfg.dtype)
-        rows = exchange(plan, axis, sent, recv, forward)
+        both = jax.lax.all_gather(jnp.stack([counts, kept]), axis)  # [N, 2, E]
+        me = jax.lax.axis_index(axis)
+        forward, backward, group_sizes, used = offsets(plan, plan.align, me, both[:, 0], both[:, 1])
+        if cfg.dispatch == "fp8":
+            rows = fp8_dispatch(
+                plan,
+                axis,
+                impl,
+                compute,
+                permuted.tokens,
+                permuted.scales,
+                permuted.row_map,
+                (forward, backward),
+            )
+        else:
+            recv = jnp.zeros((plan.recv_rows, h), cfg.dtype)
+            rows = exchange(plan, axis, sent, recv, forward)
     if upto == "exchange":
         return _probe(probs, aux.loss, rows)
     out = grouped_ffn(
@@ -144,8 +153,11 @@ def local_layer(
     )
     if upto == "ffn":
         return _probe(probs, aux.loss, out)
-    back = jnp.zeros((permuted.tokens.shape[0], h), cfg.dtype)
-    returned = exchange(plan, axis, out, back, backward)
+    if direct:
+        returned = out[: sent.shape[0]]
+    else:
+        back = jnp.zeros((permuted.tokens.shape[0], h), cfg.dtype)
+        returned = exchange(plan, axis, out, back, backward)
     # weight_inputs: the weights went in with the rows; the outputs are summed unweighted.
     y = _moe.unpermute(returned, permuted, probs=None if cfg.weight_inputs else probs, impl=impl)
     shared = shared_expert(cfg, params, tokens, impl)
