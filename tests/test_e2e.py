@@ -157,9 +157,19 @@ def _losses(out: str) -> dict[int, float]:
     return {int(s): float(v) for s, v in _STEP.findall(out)}
 
 
-def _train(*args: str, timeout: float = 300) -> str:
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory) -> str:
+    """A persistent compilation cache shared by this module's runs of train_moe.py: the runs of
+    one configuration compile the same programs (the resumed run and the uninterrupted one), and
+    a cache hit takes about 3 s of a 13 s run instead of 9 s compiling."""
+    return str(tmp_path_factory.mktemp("jax-compilation-cache"))
+
+
+def _train(*args: str, cache: str | None = None, timeout: float = 300) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env["JAX_PLATFORMS"] = "cpu"
+    if cache is not None:
+        env["JAX_COMPILATION_CACHE_DIR"] = cache
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / "train_moe.py"), "--no-progress", *args],
         capture_output=True,
@@ -173,21 +183,21 @@ def _train(*args: str, timeout: float = 300) -> str:
 
 
 @pytest.mark.slow
-def test_train_checkpoint_resume(tmp_path):
+def test_train_checkpoint_resume(tmp_path, compile_cache):
     """Loss falls; stop at step 12, resume: the losses continue as in one uninterrupted run."""
     ckpt = str(tmp_path / "ckpt")
     common = ("--steps", "24", "--lr", "1e-2", "--log-every", "1", "--save-every", "6")
-    first = _losses(_train(*common, "--stop-after", "12", "--ckpt-dir", ckpt))
+    first = _losses(_train(*common, "--stop-after", "12", "--ckpt-dir", ckpt, cache=compile_cache))
     assert sorted(first) == list(range(1, 13))
     assert first[12] < 0.7 * first[1], first
     assert sorted(int(p.name) for p in Path(ckpt).iterdir() if p.name.isdigit())[-1] == 12
     index = (Path(ckpt) / "12" / "index.json").read_text()
     assert '"ema/params/' in index and '"opt/' in index
-    out = _train(*common, "--ckpt-dir", ckpt, "--resume")
+    out = _train(*common, "--ckpt-dir", ckpt, "--resume", cache=compile_cache)
     assert "resumed from step 12" in out, out
     second = _losses(out)
     assert sorted(second) == list(range(13, 25))
-    whole = _losses(_train(*common))
+    whole = _losses(_train(*common, cache=compile_cache))
     for step in range(13, 25):
         np.testing.assert_allclose(second[step], whole[step], rtol=1e-5, err_msg=f"step {step}")
     assert second[24] < 0.6 * first[1], (first, second)
