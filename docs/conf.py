@@ -12,13 +12,7 @@ link to that folder) are executed during the build; the committed notebooks carr
 
 from __future__ import annotations
 
-import os
-
-# Before anything imports jax: the notebooks and the docstring examples use 8 CPU devices.
-os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-
-import jaxops
+import jaxops  # the installed package, for its version (autodoc imports the rest)
 
 project = "jaxops"
 author = "the jaxops developers"
