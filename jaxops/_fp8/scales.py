@@ -231,8 +231,7 @@ def scale_from_amax(
       1.0
     """
     amax = jnp.asarray(amax, jnp.float32)
-    divisor = _no_reciprocal(jnp.float32(max_finite(dtype)), amax)
-    scale = jnp.maximum(amax, np.float32(amax_floor)) / divisor
+    scale = _div_max_finite(jnp.maximum(amax, np.float32(amax_floor)), dtype)
     if not pow2_scale:
         return scale
     bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
@@ -241,13 +240,50 @@ def scale_from_amax(
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def _div_max_finite(a: jax.Array, dtype: Any) -> jax.Array:
+    """``a / max_finite(dtype)`` in float32, correctly rounded on every backend.
+
+    XLA:GPU's float32 division is not correctly rounded (measured on an H100: the per-tensor
+    scale came out one ulp above numpy's for some amax), and XLA:CPU rewrites a division by a
+    broadcast constant into a multiplication by its reciprocal. Both FP8 formats have
+    ``max_finite = 7 * 2**p`` (448 = 7 * 2**6, 57344 = 7 * 2**13), so for a positive normal `a`
+    the quotient is the 24-bit significand divided by 7 in integer arithmetic, rounded to
+    nearest even by hand, with the exponent lowered by p; that is exactly the kernels'
+    ``__fdiv_rn``. Other values (zero, subnormal, inf, NaN) take the plain division.
+    """
+    limit = max_finite(dtype)
+    p = round(np.log2(limit / 7))
+    if 7 * 2**p != limit:  # pragma: no cover - both FP8 formats satisfy it
+        raise AssertionError(f"max_finite({np.dtype(dtype).name}) = {limit} is not 7 * 2**p")
+    a = jnp.asarray(a, jnp.float32)
+    bits = jax.lax.bitcast_convert_type(a, jnp.uint32)
+    exponent = ((bits >> 23) & np.uint32(0xFF)).astype(jnp.int32)
+    n = ((bits & np.uint32(0x7FFFFF)) | np.uint32(0x800000)) << 5  # [2**28, 2**29)
+    q, r = n // np.uint32(7), n % np.uint32(7)  # q in [2**25.2, 2**26.2)
+    shift = jnp.where(q >= np.uint32(1 << 26), np.uint32(3), np.uint32(2))
+    mant = q >> shift
+    rest = q & ((np.uint32(1) << shift) - np.uint32(1))
+    half = np.uint32(1) << (shift - np.uint32(1))
+    up = (rest > half) | ((rest == half) & ((r != 0) | ((mant & np.uint32(1)) == 1)))
+    mant = mant + up.astype(jnp.uint32)
+    carry = mant >> 24  # rounding up reached 2**24
+    mant = mant >> carry
+    new_exponent = exponent - 5 + shift.astype(jnp.int32) - p + carry.astype(jnp.int32)
+    out = (new_exponent.astype(jnp.uint32) << 23) | (mant & np.uint32(0x7FFFFF))
+    exact = jax.lax.bitcast_convert_type(out, jnp.float32)
+    normal = (exponent >= 1) & (exponent <= 254) & (new_exponent >= 1) & (a > 0)
+    return jnp.where(normal, exact, a / np.float32(limit))
+
+
 def _no_reciprocal(divisor: jax.Array, finite_like: jax.Array) -> jax.Array:
     """`divisor` broadcast to `finite_like`'s shape, in a form XLA keeps as a divisor.
 
     XLA rewrites ``a / broadcast(b)`` into ``a * broadcast(1 / b)``, which is off by one ulp for
     some ``a``; the kernels divide exactly. ``finite_like * 0 + divisor`` (exact for finite
-    values, which XLA does not fold for floats) keeps the division elementwise and correctly
-    rounded, also under vmap, without materializing anything.
+    values, which XLA does not fold for floats) keeps the division elementwise, and correctly
+    rounded on XLA:CPU (not on XLA:GPU, whose float32 division is itself approximate: there the
+    twin's FP8 codes can differ from the kernels' by one step), also under vmap, without
+    materializing anything.
     """
     return finite_like * np.float32(0) + divisor
 
