@@ -210,7 +210,8 @@ def gemm_fp8_call(
     Args:
       a_data: float8 ``[M, K]``.
       b_data: float8 ``[N, K]`` (both operands K-major, as Hopper's FP8 tensor cores take them).
-      a_scale: float32 ``[]`` ("tensor") or ``[K / 128, pad4(row blocks)]`` (block modes).
+      a_scale: float32 ``[]`` ("tensor"), ``[K / 128, pad4(M)]`` ("rows", M contiguous) or
+        ``[M / 128, pad4(K / 128)]`` ("tiles", K blocks contiguous); /128 rounded up.
       b_scale: as a_scale, for b.
       bias: None or ``[N]`` in out_dtype.
       out_dtype: bfloat16 or float16.

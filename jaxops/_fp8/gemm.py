@@ -4,7 +4,11 @@ On CUDA, cuBLASLt's scaled FP8 matmul (:mod:`jaxops._cublaslt`), per tensor (``S
 with block scales (``VEC128_32F`` for 1 x 128 groups along K, ``BLK128x128_32F`` for 128 x 128
 tiles; cuBLAS >= 12.9 on sm_90), so no kernel of our own is needed on Hopper. Problems cuBLASLt
 cannot take (K not a multiple of 16, or of 128 with block scales; a float32 output; both operands
-e5m2), and every other platform, run the reference: dequantize + dot, in float32.
+e5m2; N not a multiple of 8; M not a multiple of 4 with a in 1 x 128 groups), and every other
+platform, run the reference: dequantize + dot, in float32. The last two conditions were measured
+on an H100 (cuBLAS 13.0): its heuristic finds no algorithm for them ("the requested
+functionality is not supported") at N = 130, 260, 516 in every scaling and at M = 130, 250 with
+1 x 128 groups on a, while N = 200 and M = 130 in 128 x 128 tiles ran.
 """
 
 from __future__ import annotations
@@ -48,7 +52,12 @@ def _operand_mode(op: str, name: str, q: QuantizedArray, k_axis_of_data: int) ->
 
 
 def _kernel_scale(mode: str, q: QuantizedArray, transpose_data: bool) -> jax.Array:
-    """Q's scales as the kernel takes them: [KB, pad4(row blocks)], row blocks contiguous."""
+    """Q's scales as cuBLASLt takes them.
+
+    1 x 128 groups (``VEC128_32F``): ``[KB, pad4(rows)]``, rows contiguous. 128 x 128 tiles
+    (``BLK128x128_32F``): ``[row blocks, pad4(KB)]``, K blocks contiguous (rows: M for a, N for
+    b; measured on an H100: the tile grid in the groups' layout gives wrong products).
+    """
     scale = q.scale.astype(jnp.float32)
     if mode == "tensor":
         return scale.reshape(())
@@ -58,9 +67,22 @@ def _kernel_scale(mode: str, q: QuantizedArray, transpose_data: bool) -> jax.Arr
     grid = grid[:rows] if q.scale_layout == "col_tma" else grid
     if transpose_data:  # tiles: the tile grid transposes with the data
         grid = grid.T
-    kernel = grid.T  # [KB, RB]
+    # grid: [operand row blocks, KB]
+    if mode == "tiles":
+        pad = (-grid.shape[1]) % 4
+        return jnp.pad(grid, ((0, 0), (0, pad))) if pad else grid
+    kernel = grid.T  # [KB, rows]
     pad = (-kernel.shape[1]) % 4
     return jnp.pad(kernel, ((0, 0), (0, pad))) if pad else kernel
+
+
+def _lt_takes(m: int, n: int, a_mode: str) -> bool:
+    """Whether cuBLASLt's FP8 matmul has an algorithm for M x N (see the module docstring).
+
+    N % 8: the bf16 / f16 output's rows must start on 16 bytes. M % 4 with a in 1 x 128 groups:
+    its scales' rows ([K / 128, M], M contiguous) must too.
+    """
+    return n % 8 == 0 and (a_mode != "rows" or m % 4 == 0)
 
 
 def _fp8_reference(a, b, bias, activation, out_dtype):
@@ -166,6 +188,7 @@ def fp8_gemm(
         and n > 0
         and k % (BLOCK if blocked else 16) == 0
         and k > 0
+        and _lt_takes(m, n, a_mode)
     )
     if not kernel:
         return _fp8_reference(a, b, bias, activation, out)

@@ -19,8 +19,9 @@
 // jaxops_gemm_fp8: D = act(scale_a * scale_b * (A @ B^T) + bias) with FP8 operands, both stored
 // K-major (the only FP8 layout Hopper tensor cores take), fp32 accumulation.
 //   operands  a (f8e4m3fn | f8e5m2) [M, K], b (f8e4m3fn | f8e5m2) [N, K] (not both e5m2),
-//             a_scale f32, b_scale f32: [] per tensor, [K/128, pad4(rows)] per 1 x 128 group,
-//             [K/128, pad4(rows/128)] per 128 x 128 tile (rows = M for a, N for b; rounded up),
+//             a_scale f32, b_scale f32: [] per tensor, [K/128, pad4(rows)] per 1 x 128 group
+//             (rows contiguous), [rows/128, pad4(K/128)] per 128 x 128 tile (K blocks contiguous:
+//             cuBLASLt's BLK128x128 layout; rows = M for a, N for b; /128 rounded up),
 //             bias d's dtype [N] | [0]
 //   results   d (bf16 | f16) [M, N], workspace u8 [W]
 //   attributes a_scale_mode, b_scale_mode (gemm::ScaleMode; not both tiles), activation.
@@ -121,8 +122,12 @@ inline ffi::ErrorOr<Problem> CheckGemm(const ffi::AnyBuffer& a, const ffi::AnyBu
 inline bool ScaleShapeOk(const ffi::AnyBuffer& scale, ScaleMode mode, int64_t rows, int64_t k) {
   auto dims = scale.dimensions();
   if (mode == ScaleMode::kTensor) return dims.size() == 0;
-  const int64_t grid_rows = mode == ScaleMode::kRows ? rows : CeilDiv(rows, kScaleBlock);
-  return dims.size() == 2 && dims[0] == CeilDiv(k, kScaleBlock) && dims[1] == RoundUp(grid_rows, 4);
+  const int64_t k_blocks = CeilDiv(k, kScaleBlock);
+  if (mode == ScaleMode::kRows) {
+    return dims.size() == 2 && dims[0] == k_blocks && dims[1] == RoundUp(rows, 4);
+  }
+  return dims.size() == 2 && dims[0] == CeilDiv(rows, kScaleBlock) &&
+         dims[1] == RoundUp(k_blocks, 4);
 }
 
 inline ffi::ErrorOr<ScaleMode> CheckScaleMode(const char* name, int32_t mode) {
