@@ -71,6 +71,28 @@ def _fn(mode: str, impl: str):
     return jax.jit(lambda x: jax.tree_util.tree_leaves(fp8.quantize(x, impl=impl, **kwargs)))
 
 
+def _check_same(ffi: jax.Array, xla: jax.Array, what: str) -> None:
+    """The kernels' result against the twin's: bit for bit, except FP8 codes on a GPU.
+
+    XLA:GPU's float32 division is not correctly rounded, so there the twin's ``x / scale`` can
+    land one FP8 step from the kernels' exact quotient; up to 0.1% of the codes may differ by one
+    step. Scales, offsets and everything on a CPU must be identical.
+    """
+    a8 = np.atleast_1d(np.asarray(ffi)).view(np.uint8)
+    b8 = np.atleast_1d(np.asarray(xla)).view(np.uint8)
+    if np.array_equal(a8, b8):
+        return
+    if H.is_gpu() and np.dtype(ffi.dtype) in (
+        np.dtype(jnp.float8_e4m3fn),
+        np.dtype(jnp.float8_e5m2),
+    ):
+        steps = np.abs(a8.astype(np.int16) - b8.astype(np.int16))
+        off = steps != 0
+        if steps.max() == 1 and off.mean() <= 1e-3:
+            return
+    raise AssertionError(f"{what}: ffi and xla results differ ({ffi.dtype})")
+
+
 def _bytes(outs: Sequence[jax.Array], x: jax.Array) -> int:
     return int(x.nbytes) + sum(int(o.nbytes) for o in outs)
 
@@ -88,9 +110,7 @@ def run(args) -> H.Result:
                 fns = {impl: _fn(mode, impl) for impl in ("ffi", "xla")}
                 outs = {impl: jax.block_until_ready(fn(*operands)) for impl, fn in fns.items()}
                 for a, b in zip(outs["ffi"], outs["xla"], strict=True):
-                    a8, b8 = np.atleast_1d(np.asarray(a)), np.atleast_1d(np.asarray(b))
-                    if not np.array_equal(a8.view(np.uint8), b8.view(np.uint8)):
-                        raise AssertionError(f"{mode} {shape_text}: ffi and xla results differ")
+                    _check_same(a, b, f"{mode} {shape_text}")
                 timings = H.time_interleaved(
                     {impl: (fn, operands) for impl, fn in fns.items()}, repeats=args.repeats
                 )

@@ -734,7 +734,8 @@ def test_gpu_kernels_match_the_reference(dtype, case):
         want = moe.permute(x, ids, e, probs=probs, align=align, capacity=capacity, impl="xla")
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(
-                np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)
+                np.atleast_1d(np.asarray(a)).view(np.uint8),
+                np.atleast_1d(np.asarray(b)).view(np.uint8),
             )
         if dtype != jnp.float8_e4m3fn:
             y = rand(got.tokens.shape, dtype, seed=93)
@@ -748,4 +749,7 @@ def test_gpu_kernels_match_the_reference(dtype, case):
                     lambda a, b: _loss("xla", a, b, jnp.ones(h), ids, e, align, capacity), (0, 1)
                 )(x, probs)
                 for a, b in zip(g, g_ref, strict=True):
-                    assert_allclose(a, b, jnp.float32, scale=8)
+                    # The loss weighs y's columns by up to H (7168 here): the gradients are sums
+                    # of terms that large, so they are compared relative to their largest one.
+                    top = float(jnp.max(jnp.abs(b)))
+                    assert_allclose(a / top, b / top, jnp.float32, scale=8)
