@@ -18,7 +18,22 @@
 #   PYTHON (python), JAXOPS_CUDA (ON), JAXOPS_CUDA_ARCHITECTURES (90a),
 #   JAXOPS_BUILD_DIR (<repo>/build/gpu: kept between runs for incremental rebuilds),
 #   TESTS_GPU_TIMEOUT (180), TESTS_ALL_TIMEOUT (300), BENCH_TIMEOUT (240): seconds per step,
-#   BENCH_ARGS: extra arguments for every benchmark (e.g. "--quick").
+#   BENCH_ARGS: extra arguments for every benchmark (e.g. "--quick"),
+#   STEPS ("tests_gpu tests_all bench"): which steps run after the build, in this order; "sanitize"
+#     runs compute-sanitizer over the GPU tests (below),
+#   BENCHES (every bench_*.py): benchmark names without the bench_ prefix, e.g. "rms_norm fp8",
+#   PYTEST_GPU_ARGS: extra arguments for the tests_gpu step (e.g. "-n 8" with pytest-xdist),
+#   GPU_TEST_FILES (every test file): test files, relative to tests/, that tests_gpu and sanitize
+#     collect (the GPU tests live in test_{rms_norm,fp8,moe,gemm,expert_parallel}.py),
+#   SANITIZE_TOOLS ("memcheck racecheck initcheck synccheck"), SANITIZE_K (a pytest -k expression
+#     choosing the GPU tests run under each tool; default: all of them), SANITIZE_TIMEOUT (300),
+#   BUILD (1): 0 skips the build and tests the jaxops already installed for $PYTHON,
+#   DEADLINE (0: none): seconds after the start past which no further step starts, and each step's
+#     limit is cut to the time left (a lent GPU machine's call has a hard limit).
+# The sanitizer instruments only jaxops' own kernels (their names hold "jaxops"; initcheck: every
+# kernel), with every XLA buffer its own cudaMalloc (XLA_PYTHON_CLIENT_ALLOCATOR=platform) so that
+# memcheck sees each buffer's end, and without reporting failed CUDA API calls (NCCL, which jax
+# loads, probes kernels for other architectures at start; our handlers check their own calls).
 set -euo pipefail
 
 if [[ $# -ne 1 ]]; then
@@ -36,8 +51,23 @@ BUILD_DIR="${JAXOPS_BUILD_DIR:-$REPO/build/gpu}"
 TESTS_GPU_TIMEOUT="${TESTS_GPU_TIMEOUT:-180}"
 TESTS_ALL_TIMEOUT="${TESTS_ALL_TIMEOUT:-300}"
 BENCH_TIMEOUT="${BENCH_TIMEOUT:-240}"
+STEPS="${STEPS:-tests_gpu tests_all bench}"
+SANITIZE_TOOLS="${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}"
+SANITIZE_K="${SANITIZE_K:-}"
+SANITIZE_TIMEOUT="${SANITIZE_TIMEOUT:-300}"
+DEADLINE="${DEADLINE:-0}"
+read -r -a PYTEST_GPU_EXTRA <<< "${PYTEST_GPU_ARGS:-}"
+GPU_TESTS=("$REPO/tests")
+if [[ -n "${GPU_TEST_FILES:-}" ]]; then
+  read -r -a GPU_TESTS <<< "$GPU_TEST_FILES"
+  GPU_TESTS=("${GPU_TESTS[@]/#/$REPO/tests/}")
+fi
 read -r -a BENCH_EXTRA <<< "${BENCH_ARGS:-}"
 export PYTHONUNBUFFERED=1
+# CMake finds nvcc through PATH only; the toolkit's usual home holds compute-sanitizer too.
+if [[ -d /usr/local/cuda/bin && ":$PATH:" != *":/usr/local/cuda/bin:"* ]]; then
+  export PATH="$PATH:/usr/local/cuda/bin"
+fi
 
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -53,12 +83,24 @@ record() {
 }
 
 # step NAME LOG TIMEOUT CMD...: run CMD with a time limit, tee its output to LOG, record its rc.
+# Past DEADLINE the step is skipped (recorded as rc=skipped, a failure); before it, the limit is
+# cut to the time left.
 step() {
   local name=$1 log=$2 limit=$3 rc=0
   shift 3
   section "$name"
+  if [[ $DEADLINE -gt 0 ]]; then
+    local left=$((DEADLINE - (SECONDS - START)))
+    if [[ $left -lt 20 ]]; then
+      echo "!! $name: skipped, ${left}s left before the deadline" | tee "$log"
+      printf '%-28s rc=skipped\n' "$name" | tee -a "$SUMMARY"
+      FAILED=1
+      return
+    fi
+    if [[ $left -lt $limit ]]; then limit=$left; fi
+  fi
   echo "+ $*"
-  timeout --signal=INT --kill-after=30 "$limit" "$@" 2>&1 | tee "$log" || rc=$?
+  timeout --signal=INT --kill-after=10 "$limit" "$@" 2>&1 | tee "$log" || rc=$?
   if [[ $rc -eq 124 ]]; then echo "!! $name: timed out after ${limit}s" | tee -a "$log"; fi
   record "$name" "$rc"
 }
@@ -73,20 +115,22 @@ nvcc --version || echo "(nvcc not on PATH)"
   || echo "(jax import failed)"
 echo "nproc: $(nproc)"
 
-section "build (JAXOPS_CUDA=$JAXOPS_CUDA JAXOPS_CUDA_ARCHITECTURES=$JAXOPS_CUDA_ARCHITECTURES)"
-echo "build dir: $BUILD_DIR; log: $OUT/build.log"
-BUILD_RC=0
-(
-  cd "$REPO"
-  export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
-  "$PYTHON" -m pip install --no-build-isolation --no-deps -v \
-    --config-settings=build-dir="$BUILD_DIR" .
-) > "$OUT/build.log" 2>&1 || BUILD_RC=$?
-tail -n 25 "$OUT/build.log"
-record "build" "$BUILD_RC"
-if [[ $BUILD_RC -ne 0 ]]; then
-  echo "!! build failed (rc=$BUILD_RC); see $OUT/build.log" >&2
-  exit "$BUILD_RC"
+if [[ "${BUILD:-1}" != "0" ]]; then
+  section "build (JAXOPS_CUDA=$JAXOPS_CUDA JAXOPS_CUDA_ARCHITECTURES=$JAXOPS_CUDA_ARCHITECTURES)"
+  echo "build dir: $BUILD_DIR; log: $OUT/build.log"
+  BUILD_RC=0
+  (
+    cd "$REPO"
+    export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+    "$PYTHON" -m pip install --no-build-isolation --no-deps -v \
+      --config-settings=build-dir="$BUILD_DIR" .
+  ) > "$OUT/build.log" 2>&1 || BUILD_RC=$?
+  tail -n 25 "$OUT/build.log"
+  record "build" "$BUILD_RC"
+  if [[ $BUILD_RC -ne 0 ]]; then
+    echo "!! build failed (rc=$BUILD_RC); see $OUT/build.log" >&2
+    exit "$BUILD_RC"
+  fi
 fi
 
 # From here on run outside the source tree, so that `import jaxops` finds the installed package
@@ -113,16 +157,73 @@ cat "$OUT/build_info.txt"
 record "build_info" "$INFO_RC"
 
 PYTEST=("$PYTHON" -m pytest -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml")
-step "tests_gpu" "$OUT/tests_gpu.log" "$TESTS_GPU_TIMEOUT" \
-  "${PYTEST[@]}" -m gpu -q "$REPO/tests"
-step "tests_all" "$OUT/tests_all.log" "$TESTS_ALL_TIMEOUT" \
-  "${PYTEST[@]}" -q "$REPO/tests"
 
-shopt -s nullglob
-for bench in "$REPO"/benchmarks/bench_*.py; do
-  name="$(basename "$bench" .py)"
-  step "$name" "$OUT/$name.log" "$BENCH_TIMEOUT" \
-    "$PYTHON" "$bench" --out "$OUT" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"}
+run_tests_gpu() {
+  step "tests_gpu" "$OUT/tests_gpu.log" "$TESTS_GPU_TIMEOUT" \
+    "${PYTEST[@]}" -m gpu -q -rfE ${PYTEST_GPU_EXTRA[@]+"${PYTEST_GPU_EXTRA[@]}"} "${GPU_TESTS[@]}"
+}
+
+run_tests_all() {
+  step "tests_all" "$OUT/tests_all.log" "$TESTS_ALL_TIMEOUT" "${PYTEST[@]}" -q "$REPO/tests"
+}
+
+run_bench() {
+  local bench name
+  shopt -s nullglob
+  if [[ -n "${BENCHES:-}" ]]; then
+    local names
+    read -r -a names <<< "$BENCHES"
+    for name in "${names[@]}"; do
+      bench="$REPO/benchmarks/bench_$name.py"
+      step "bench_$name" "$OUT/bench_$name.log" "$BENCH_TIMEOUT" \
+        "$PYTHON" "$bench" --out "$OUT" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"}
+    done
+    return
+  fi
+  for bench in "$REPO"/benchmarks/bench_*.py; do
+    name="$(basename "$bench" .py)"
+    step "$name" "$OUT/$name.log" "$BENCH_TIMEOUT" \
+      "$PYTHON" "$bench" --out "$OUT" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"}
+  done
+}
+
+# compute-sanitizer over the GPU tests, one run per tool: only kernels whose name holds "jaxops"
+# are instrumented (initcheck: all), XLA's and cuBLAS' run as they are; the tool's error count
+# decides (--error-exitcode).
+run_sanitize() {
+  local tool filter=(--kernel-name kns=jaxops)
+  if ! command -v compute-sanitizer >/dev/null 2>&1; then
+    section "sanitize"
+    echo "!! compute-sanitizer not on PATH" | tee "$OUT/sanitize.log"
+    record "sanitize" 127
+    return
+  fi
+  local help
+  help="$(compute-sanitizer --help 2>&1 || true)"  # (grep -q on a pipe would fail under pipefail)
+  if [[ "$help" != *"--kernel-name"* ]]; then filter=(--filter kns=jaxops); fi
+  local select=()
+  if [[ -n "$SANITIZE_K" ]]; then select=(-k "$SANITIZE_K"); fi
+  for tool in $SANITIZE_TOOLS; do
+    # initcheck needs every kernel instrumented: memory that an unchecked (XLA) kernel wrote would
+    # read as uninitialized in ours.
+    local only=("${filter[@]}")
+    if [[ "$tool" == "initcheck" ]]; then only=(); fi
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
+      step "sanitize_$tool" "$OUT/sanitize_$tool.log" "$SANITIZE_TIMEOUT" \
+      compute-sanitizer --tool "$tool" ${only[@]+"${only[@]}"} --report-api-errors no --error-exitcode 86 \
+      --print-limit 50 \
+      "${PYTEST[@]}" -m gpu -q -rfE -p no:xdist ${select[@]+"${select[@]}"} "${GPU_TESTS[@]}"
+  done
+}
+
+for name in $STEPS; do
+  case "$name" in
+    tests_gpu) run_tests_gpu ;;
+    tests_all) run_tests_all ;;
+    bench) run_bench ;;
+    sanitize) run_sanitize ;;
+    *) echo "!! unknown step $name (tests_gpu, tests_all, bench, sanitize)" >&2; record "$name" 2 ;;
+  esac
 done
 
 section "summary"
