@@ -20,13 +20,17 @@
 #   TESTS_GPU_TIMEOUT (180), TESTS_ALL_TIMEOUT (300), BENCH_TIMEOUT (240): seconds per step,
 #   BENCH_ARGS: extra arguments for every benchmark (e.g. "--quick"),
 #   STEPS ("tests_gpu tests_all bench"): which steps run after the build, in this order; "sanitize"
-#     runs compute-sanitizer over the GPU tests (below),
+#     runs compute-sanitizer over the GPU tests (below), "profile" Nsight Compute over benchmarks,
 #   BENCHES (every bench_*.py): benchmark names without the bench_ prefix, e.g. "rms_norm fp8",
 #   PYTEST_GPU_ARGS: extra arguments for the tests_gpu step (e.g. "-n 8" with pytest-xdist),
 #   GPU_TEST_FILES (every test file): test files, relative to tests/, that tests_gpu and sanitize
 #     collect (the GPU tests live in test_{rms_norm,fp8,moe,gemm,expert_parallel}.py),
 #   SANITIZE_TOOLS ("memcheck racecheck initcheck synccheck"), SANITIZE_K (a pytest -k expression
 #     choosing the GPU tests run under each tool; default: all of them), SANITIZE_TIMEOUT (300),
+#   PROFILE_BENCHES ("fp8"), PROFILE_ARGS (e.g. "--shapes 4096x7168 --dtypes bfloat16": arguments
+#     of each profiled benchmark), PROFILE_LAUNCHES (24: kernels profiled per benchmark, jaxops'
+#     only), PROFILE_TIMEOUT (240): `ncu` with the speed-of-light, memory, launch and occupancy
+#     sections, its report as text in ncu_<name>.log,
 #   BUILD (1): 0 skips the build and tests the jaxops already installed for $PYTHON,
 #   DEADLINE (0: none): seconds after the start past which no further step starts, and each step's
 #     limit is cut to the time left (a lent GPU machine's call has a hard limit).
@@ -216,13 +220,34 @@ run_sanitize() {
   done
 }
 
+# Nsight Compute over benchmarks: the first PROFILE_LAUNCHES jaxops kernels each one launches.
+run_profile() {
+  local name extra
+  read -r -a extra <<< "${PROFILE_ARGS:-}"
+  if ! command -v ncu >/dev/null 2>&1; then
+    section "profile"
+    echo "!! ncu not on PATH" | tee "$OUT/ncu.log"
+    record "profile" 127
+    return
+  fi
+  for name in ${PROFILE_BENCHES:-fp8}; do
+    step "ncu_$name" "$OUT/ncu_$name.log" "${PROFILE_TIMEOUT:-240}" \
+      ncu --kernel-name regex:jaxops --launch-count "${PROFILE_LAUNCHES:-24}" \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats \
+      --section Occupancy "$PYTHON" "$REPO/benchmarks/bench_$name.py" --repeats 1 \
+      ${extra[@]+"${extra[@]}"}
+  done
+}
+
 for name in $STEPS; do
   case "$name" in
     tests_gpu) run_tests_gpu ;;
     tests_all) run_tests_all ;;
     bench) run_bench ;;
     sanitize) run_sanitize ;;
-    *) echo "!! unknown step $name (tests_gpu, tests_all, bench, sanitize)" >&2; record "$name" 2 ;;
+    profile) run_profile ;;
+    *) echo "!! unknown step $name (tests_gpu, tests_all, bench, sanitize, profile)" >&2
+       record "$name" 2 ;;
   esac
 done
 
