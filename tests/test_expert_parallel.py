@@ -515,19 +515,15 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm((a - b).ravel()) / np.linalg.norm(b.ravel()))
 
 
-@pytest.mark.parametrize("case", list(DISPATCH_CASES))
-def test_fp8_dispatch_equals_quantizing_after_the_exchange(case):
-    """y, aux, dx and every weight gradient but w_in's are bitwise those of the bf16 dispatch
-    with fp8="block" (the same rows quantized in the same 1 x 128 groups, before the exchange
-    instead of after); w_in's gradient is within W_IN_BOUND; all within FP8's bound of f32."""
-    kw = {"hidden_size": 256, "expert_ffn": 128, "fp8": "block", "dtype": jnp.bfloat16}
-    cfg = _config("d2e4", **{**kw, **DISPATCH_CASES[case]})
+def _check_fp8_dispatch(cfg, mesh, case, batch=8):
+    """y, aux, dx and every weight gradient but w_in's of cfg with dispatch="fp8" are bitwise
+    those of cfg (the same rows quantized in the same 1 x 128 groups, before the exchange instead
+    of after); w_in's gradient is within W_IN_BOUND; all within FP8's bound of f32."""
     cfg8 = dataclasses.replace(cfg, dispatch="fp8")
     params = init_moe_params(jax.random.key(40), cfg)
     if cfg.router_bias:
-        params["router_bias"] = jax.random.normal(jax.random.key(41), (16,)) * 0.2
-    x = jax.random.normal(jax.random.key(42), (8, 10, 256), jnp.bfloat16)
-    mesh = _mesh("d2e4")
+        params["router_bias"] = jax.random.normal(jax.random.key(41), (cfg.num_experts,)) * 0.2
+    x = jax.random.normal(jax.random.key(42), (batch, 10, cfg.hidden_size), jnp.bfloat16)
     (y, aux), grads = _run(cfg, mesh, params, x)
     (y8, aux8), grads8 = _run(cfg8, mesh, params, x)
     np.testing.assert_array_equal(np.asarray(y8, np.float32), np.asarray(y, np.float32))
@@ -551,6 +547,23 @@ def test_fp8_dispatch_equals_quantizing_after_the_exchange(case):
     for name in params:
         if name != "router_bias":
             assert _rel(grads8[0][name], grads32[0][name]) < 0.1, name
+
+
+@pytest.mark.parametrize("case", list(DISPATCH_CASES))
+def test_fp8_dispatch_equals_quantizing_after_the_exchange(case):
+    kw = {"hidden_size": 256, "expert_ffn": 128, "fp8": "block", "dtype": jnp.bfloat16}
+    _check_fp8_dispatch(_config("d2e4", **{**kw, **DISPATCH_CASES[case]}), _mesh("d2e4"), case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(DISPATCH_CASES))
+def test_gpu_fp8_dispatch_over_the_ragged_exchange(case):
+    # Every local GPU on the expert axis; the tokens cross ragged_all_to_all as FP8 + scales.
+    n = len(jax.devices())
+    kw = {"hidden_size": 256, "expert_ffn": 128, "fp8": "block", "dtype": jnp.bfloat16}
+    kw.update(data_axes=(), exchange="ragged", num_experts=16 * n)
+    cfg = _config("d2e4", **{**kw, **DISPATCH_CASES[case]})
+    _check_fp8_dispatch(cfg, jax.make_mesh((n,), ("expert",)), case, batch=8 * n)
 
 
 def _token_exchanges(hlo: str, hidden: int) -> list[tuple[str, int]]:
