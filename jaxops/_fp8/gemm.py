@@ -79,8 +79,8 @@ def _kernel_scale(mode: str, q: QuantizedArray, transpose_data: bool) -> jax.Arr
 def _lt_takes(m: int, n: int, a_mode: str) -> bool:
     """Whether cuBLASLt's FP8 matmul has an algorithm for M x N (see the module docstring).
 
-    N % 8: the bf16 / f16 output's rows must start on 16 bytes. M % 4 with a in 1 x 128 groups:
-    its scales' rows ([K / 128, M], M contiguous) must too.
+    Measured, not documented by cuBLAS; presumably 16-byte alignment: N % 8 of the bf16 / f16
+    output's rows, M % 4 of the rows of a's 1 x 128 group scales ([K / 128, M], M contiguous).
     """
     return n % 8 == 0 and (a_mode != "rows" or m % 4 == 0)
 
