@@ -10,6 +10,7 @@
 #   tests_gpu.log, tests_all.log   pytest -m gpu, and the whole suite
 #   bench_<name>.log           stdout + stderr of benchmarks/bench_<name>.py
 #   <name>.md, <name>.json     the benchmarks' result tables (bench_*.py --out OUT_DIR)
+#   sanitize_<tool>.log, ncu_<name>.log   the sanitize and profile steps (below), when chosen
 #   summary.txt                every step's exit code
 # Test and benchmark failures do not stop the script; it exits non-zero at the end if any step
 # failed. A failed build stops it at once.
@@ -24,7 +25,8 @@
 #   BENCHES (every bench_*.py): benchmark names without the bench_ prefix, e.g. "rms_norm fp8",
 #   PYTEST_GPU_ARGS: extra arguments for the tests_gpu step (e.g. "-n 8" with pytest-xdist),
 #   GPU_TEST_FILES (every test file): test files, relative to tests/, that tests_gpu and sanitize
-#     collect (the GPU tests live in test_{rms_norm,fp8,moe,gemm,expert_parallel}.py),
+#     collect (the GPU tests live in test_{rms_norm,fp8,moe,gemm,expert_parallel}.py and
+#     test_models_decoder.py),
 #   SANITIZE_TOOLS ("memcheck racecheck initcheck synccheck"), SANITIZE_K (a pytest -k expression
 #     choosing the GPU tests run under each tool; default: all of them), SANITIZE_TIMEOUT (300),
 #   PROFILE_BENCHES ("fp8"), PROFILE_ARGS (e.g. "--shapes 4096x7168 --dtypes bfloat16": arguments
