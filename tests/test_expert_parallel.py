@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _numerics import rel_error
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
@@ -336,13 +337,10 @@ def test_shared_experts_bf16_and_fp8():
     (y8, _), _ = _reference(cfg8, params, x)
     (y32, _), grads32 = _reference(dataclasses.replace(cfg8, fp8=None), params, x)
 
-    def rel(a, b):
-        return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
-
-    assert rel(y, y8) < 5e-5  # the same quantized operands; fp32 sums in another order
-    assert 1e-3 < rel(y, y32) < 0.1
+    assert rel_error(y, y8) < 5e-5  # the same quantized operands; fp32 sums in another order
+    assert 1e-3 < rel_error(y, y32) < 0.1
     for name in params:
-        assert rel(grads[0][name], grads32[0][name]) < 0.1, name
+        assert rel_error(grads[0][name], grads32[0][name]) < 0.1, name
 
 
 def test_aux_loss_free_balancing_evens_a_skewed_router():
@@ -482,17 +480,14 @@ def test_fp8_block():
     (y8, _), grads8 = _reference(cfg, params, x)
     (y32, _), grads32 = _reference(dataclasses.replace(cfg, fp8=None), params, x)
 
-    def rel(a, b):
-        return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
-
     # The forward quantizes rows and weight tiles exactly as fp8.linear does: same numbers.
-    assert rel(y, y8) < 1e-5
-    assert rel(y, y32) < 0.1
+    assert rel_error(y, y8) < 1e-5
+    assert rel_error(y, y32) < 0.1
     for g, g32 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads32), strict=True):
-        assert rel(g, g32) < 0.1
-    assert rel(grads[0]["router"], grads8[0]["router"]) < 1e-4
+        assert rel_error(g, g32) < 0.1
+    assert rel_error(grads[0]["router"], grads8[0]["router"]) < 1e-4
     # And it is really quantized: far from the fp32 result at FP8's resolution.
-    assert rel(y, y32) > 1e-3
+    assert rel_error(y, y32) > 1e-3
 
 
 # -------------------------------------------------------------------------------------------------
@@ -508,11 +503,6 @@ DISPATCH_CASES = {
 # dispatch requantizes the received FP8 tokens in 128-token groups for the weight gradient, the
 # bf16 dispatch quantizes the original tokens (both within FP8's resolution, 2^-4).
 W_IN_BOUND = 0.06
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm((a - b).ravel()) / np.linalg.norm(b.ravel()))
 
 
 def _check_fp8_dispatch(cfg, mesh, case, batch=8):
@@ -534,7 +524,7 @@ def _check_fp8_dispatch(cfg, mesh, case, batch=8):
     )
     for name in params:
         if name == "w_in":
-            err = _rel(grads8[0][name], grads[0][name])
+            err = rel_error(grads8[0][name], grads[0][name])
             print(f"{case}: w_in gradient, fp8 vs bf16 dispatch: {err:.3e}")
             assert 0 < err < W_IN_BOUND, err
         else:
@@ -543,10 +533,10 @@ def _check_fp8_dispatch(cfg, mesh, case, batch=8):
         assert int(aux8.dropped) > 0
     # Both stay within the FP8 recipe's bound of the float32 layer.
     (y32, _), grads32 = _reference(dataclasses.replace(cfg, fp8=None, dtype=jnp.float32), params, x)
-    assert _rel(y8, y32) < 0.1
+    assert rel_error(y8, y32) < 0.1
     for name in params:
         if name != "router_bias":
-            assert _rel(grads8[0][name], grads32[0][name]) < 0.1, name
+            assert rel_error(grads8[0][name], grads32[0][name]) < 0.1, name
 
 
 @pytest.mark.parametrize("case", list(DISPATCH_CASES))
@@ -630,7 +620,7 @@ def test_fp8_dispatch_in_a_pipeline_stage():
     for (path, g), g8 in zip(flat, jax.tree.leaves(grads8), strict=True):
         name = jax.tree_util.keystr(path)
         if "w_in" in name and "shared" not in name:
-            assert _rel(g8, g) < W_IN_BOUND, name
+            assert rel_error(g8, g) < W_IN_BOUND, name
         else:
             np.testing.assert_array_equal(g8, g, err_msg=name)
 
