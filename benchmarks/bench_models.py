@@ -27,6 +27,13 @@ each case on every ``--meshes`` mesh ``data x expert`` (default 1 x 1, one devic
 simulated devices sharing the host's cores; torch uses all the cores either way); on GPUs every
 local GPU on the expert axis.
 
+``--scan-unroll 1,all`` adds a row per value of ``MoEDecoder.scan_unroll`` (the layers unrolled
+in the layer scans); ``--reuse-host-memory`` calls :func:`jaxops.reuse_host_memory` before
+anything runs (on CPU XLA allocates each step's temporaries afresh, and glibc's defaults make
+that a page fault per 4 KiB page; torch's step is unaffected by it, measured). For the one-device
+row in a process of one device: ``JAX_NUM_CPU_DEVICES=1 ... --meshes 1x1`` (in a process of 8
+simulated devices the same one-device step ran 1.4-1.6x slower).
+
 Run from the repository root: ``python benchmarks/bench_models.py``, with ``--quick`` (one small
 case) for a smoke test, or ``--torch --out benchmarks/results/cpu`` for the saved table.
 """
@@ -68,6 +75,7 @@ FAMILY_CASE = "4x256x16x2x256:16x128"
 COLUMNS = [
     H.Column("case", "L x D x E x K x F : B x S", align="<"),
     H.Column("mesh", "mesh", align="<"),
+    H.Column("unroll", "scan_unroll", align="<"),
     *H.tokens_columns("ep", "dense", "{:.1f}"),
     H.Column("torch_ms", "torch ms", "{:.1f}"),
     H.Column("torch_ratio", "torch/ep", "{:.2f}x"),
@@ -266,10 +274,14 @@ def _family(args, mesh, family: str, case: str) -> dict[str, Any]:
     }
 
 
-def _case(args, mesh, case: str, cfg: DecoderConfig | None = None) -> dict[str, Any]:
+def _case(
+    args, mesh, case: str, cfg: DecoderConfig | None = None, unroll: int | bool = 1
+) -> dict[str, Any]:
     cfg, b, s = (cfg, *_config(case)[1:]) if cfg is not None else _config(case)
     # aux losses off: transformers' training loss is the cross-entropy (comparable losses).
-    kw = dict(router_aux_loss_coef=0.0, router_z_loss_coef=0.0, dtype=jnp.float32)
+    kw = dict(
+        router_aux_loss_coef=0.0, router_z_loss_coef=0.0, dtype=jnp.float32, scan_unroll=unroll
+    )
     ep_model = MoEDecoder(cfg, mesh, **kw)
     dense_model = MoEDecoder(cfg, mesh, moe_impl="dense", **kw)
     params_ep = ep_model.init(jax.random.key(0))
@@ -298,6 +310,7 @@ def _case(args, mesh, case: str, cfg: DecoderConfig | None = None) -> dict[str, 
     row: dict[str, Any] = {
         "case": case,
         "mesh": "x".join(str(n) for n in mesh.devices.shape),
+        "unroll": "all" if unroll is True else str(unroll),
         **H.tokens_fields(timings, "ep", "dense", b * s),
         "torch_ms": float("nan"),
         "torch_ratio": float("nan"),
@@ -378,8 +391,9 @@ def run(args) -> H.Result:
         H.log_row(families[-1], FAMILY_COLUMNS)
     for case in args.case_list:
         for m in meshes:
-            rows.append(_case(args, m, case))
-            H.log_row(rows[-1], COLUMNS)
+            for unroll in args.unroll_list:
+                rows.append(_case(args, m, case, unroll=unroll))
+                H.log_row(rows[-1], COLUMNS)
     text = "EP decoder train step faster than the dense-MoE decoder (dense/ep >= 1)"
     table = H.Table(
         "remat",
@@ -398,14 +412,19 @@ def run(args) -> H.Result:
     )
     goals = [H.worst_goal(rows, "ratio", 1.0, text, lambda r: f"{r['case']} on {r['mesh']}")]
     if args.torch:
+        best: dict[tuple[str, str], dict[str, Any]] = {}  # each case and mesh at its best unroll
+        for r in rows:
+            key = (r["case"], r["mesh"])
+            if key not in best or r["torch_ratio"] > best[key]["torch_ratio"]:
+                best[key] = r
         goals.append(
             H.worst_goal(
-                rows,
+                list(best.values()),
                 "torch_ratio",
                 1.0,
                 "MoEDecoder train step at least as fast as transformers + torch with the same "
-                "threads (torch/ep >= 1)",
-                lambda r: f"{r['case']} on {r['mesh']}",
+                "threads (torch/ep >= 1; each case and mesh at its best scan_unroll)",
+                lambda r: f"{r['case']} on {r['mesh']}, scan_unroll {r['unroll']}",
             )
         )
     return H.Result(rows, COLUMNS, goals, tables=[table, family_table])
@@ -443,8 +462,27 @@ def parse_args(argv: Sequence[str] | None = None):
         "expert axis",
     )
     p.add_argument("--torch", action="store_true", help="also transformers' step in torch")
+    p.add_argument(
+        "--scan-unroll",
+        default="1",
+        help="comma-separated MoEDecoder.scan_unroll values of the main table, a row each "
+        "('all' unrolls every layer; default 1: one compiled layer body)",
+    )
+    p.add_argument(
+        "--reuse-host-memory",
+        action="store_true",
+        help="call jaxops.reuse_host_memory() first (glibc keeps freed memory: XLA:CPU's "
+        "per-step temporaries are not page-faulted in again; transformers + torch runs in the "
+        "same process under the same setting)",
+    )
     args = p.parse_args(argv)
     args.mesh_list = args.meshes.split(",")
+    args.unroll_list = [True if v == "all" else int(v) for v in args.scan_unroll.split(",")]
+    if args.reuse_host_memory:
+        import jaxops
+
+        if not jaxops.reuse_host_memory():
+            raise SystemExit("--reuse-host-memory: this C library has no glibc mallopt")
     return args
 
 

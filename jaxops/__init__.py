@@ -12,6 +12,8 @@ Public API (everything else is private):
   :func:`precision_report` (or the ``JAXOPS_MATMUL_PRECISION`` environment variable).
 - Errors: :class:`JaxopsError`, the base of every exception jaxops defines, and
   :class:`ConfigError` (a ``ValueError``) for configurations it cannot build.
+- :func:`reuse_host_memory`: keep freed host memory in the process (glibc ``mallopt``), so
+  XLA:CPU's per-step temporaries are not page-faulted in again every step.
 - :func:`build_info` (what was built, and which path each op family takes here),
   :func:`cuda_available`, :class:`JaxlibVersionError` and :class:`CudaModuleMissingWarning`
   (issued once at import where jax has a CUDA GPU but this install has no CUDA module).
@@ -50,6 +52,7 @@ from jaxops._ffi import (
     cuda_available,
 )
 from jaxops._gemm import gemm, gemm_reference
+from jaxops._host import reuse_host_memory
 from jaxops._precision import current_precision, precision, precision_report
 from jaxops._rms_norm import (
     add_rms_norm,
@@ -79,6 +82,7 @@ __all__ = [
     "moe",
     "precision",
     "precision_report",
+    "reuse_host_memory",
     "rms_norm",
     "rms_norm_reference",
     "set_default_impl",

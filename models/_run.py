@@ -117,8 +117,13 @@ class Runner:
                     auxes.append(aux)
             return h, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 
-        h, aux = jax.lax.scan(body, h, (xs, scanned))
+        h, aux = jax.lax.scan(body, h, (xs, scanned), unroll=self._unroll)
         return h, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), aux)
+
+    @property
+    def _unroll(self) -> int | bool:
+        """``lax.scan``'s unroll for the layer scans (:attr:`scan_unroll`; False is 1)."""
+        return self.scan_unroll if self.scan_unroll is True else max(int(self.scan_unroll), 1)
 
     @property
     def _remat(self) -> bool | Callable:
@@ -172,4 +177,5 @@ class Runner:
         """
         static, scanned = kinds
         body = self._layer_step(key, where, static, gather)
-        return jax.lax.scan(body, h, layers if scanned is None else (layers, scanned))
+        xs = layers if scanned is None else (layers, scanned)
+        return jax.lax.scan(body, h, xs, unroll=self._unroll)

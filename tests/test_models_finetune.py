@@ -288,6 +288,31 @@ def test_remat_policies_through_the_pipeline(hf):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("mesh_name", ["1dev", "p2e4"])
+def test_scan_unroll_gives_the_same_gradients(hf, mesh_name):
+    """Unrolled layer scans (no stacked residuals) compute what the rolled scan does, also
+    through the pipeline's stages (one layer each here: the setting passes through). On one
+    device it takes effect: the compiled program repeats the MoE layer's loops per layer."""
+    options = {"num_microbatches": 2} if mesh_name == "p2e4" else {}
+    base, params = _load(hf, "qwen3_moe", mesh_name, **options)
+    tokens, _, targets = _sft_batch(base.config.vocab_size, 8, 8, seed=5)
+    loss, want = jax.jit(base.loss_and_grads)(params, tokens, targets)
+    whiles = {}
+    for unroll in (1, 2, True):
+        model = dataclasses.replace(base, scan_unroll=unroll)
+        compiled = jax.jit(model.loss_and_grads).lower(params, tokens, targets).compile()
+        whiles[str(unroll)] = compiled.as_text().count(" while(")
+        got_loss, got = compiled(params, tokens, targets)
+        np.testing.assert_allclose(float(got_loss), float(loss), rtol=1e-6)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
+    if mesh_name == "1dev":
+        assert whiles["True"] > whiles["1"], whiles
+    for bad in (0, -1, 1.5, "all"):
+        with pytest.raises(jaxops.ConfigError, match=r"MoEDecoder: scan_unroll must be True or"):
+            dataclasses.replace(base, scan_unroll=bad)
+
+
 def test_bad_inputs_are_named(hf):
     model, params = _load(hf, "mixtral", "1dev")
     vocab = model.config.vocab_size
