@@ -659,6 +659,7 @@ def test_dense_exchange_has_ragged_all_to_all_semantics(data, slices):
         in_off[d] = np.cumsum(sizes + gaps) - sizes
     recv = np.zeros_like(send)
     out_off = np.zeros_like(send)
+    recv_off = np.zeros_like(send)  # the receiver's view: where each sender's slice lands
     for dst in range(n):
         pos = 0
         for src in range(n):
@@ -666,6 +667,7 @@ def test_dense_exchange_has_ragged_all_to_all_semantics(data, slices):
                 size = send[src, dst * slices + s]
                 recv[dst, src * slices + s] = size
                 out_off[src, dst * slices + s] = pos
+                recv_off[dst, src * slices + s] = pos
                 pos += size + 1  # a gap between received slices
     out_rows = int(max(out_off.max() + send.max(), 1)) + 1
     operands = rng.normal(size=(n, rows, 3)).astype(np.float32)
@@ -673,16 +675,21 @@ def test_dense_exchange_has_ragged_all_to_all_semantics(data, slices):
     want = _np_ragged_all_to_all(operands, outputs, in_off, send, out_off, recv)
     mesh = jax.make_mesh((n,), ("x",))
 
-    def body(op, out, a, b, c, d):
-        return expert._ragged_all_to_all_dense(
-            op[0], out[0], a[0], b[0], c[0], d[0], axis_name="x", chunk=chunk
-        )[None]
+    def body(op, out, a, b, c, d, r):  # the output offsets exchanged, and given
+        kw = dict(axis_name="x", chunk=chunk)
+        exchanged = expert._ragged_all_to_all_dense(op[0], out[0], a[0], b[0], c[0], d[0], **kw)
+        given = expert._ragged_all_to_all_dense(
+            op[0], out[0], a[0], b[0], c[0], d[0], recv_offsets=r[0], **kw
+        )
+        return exchanged[None], given[None]
 
     args = jax.device_put(
-        (operands, outputs, in_off, send, out_off, recv), jax.NamedSharding(mesh, P("x"))
+        (operands, outputs, in_off, send, out_off, recv, recv_off), jax.NamedSharding(mesh, P("x"))
     )
-    got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(*args)
-    np.testing.assert_array_equal(np.asarray(got), np.stack(want))
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    exchanged, given = fn(*args)
+    np.testing.assert_array_equal(np.asarray(exchanged), np.stack(want))
+    np.testing.assert_array_equal(np.asarray(given), np.stack(want))
 
 
 def test_exchange_bounds():
@@ -739,11 +746,12 @@ def test_compiled_collectives_move_no_tokens_but_by_all_to_all():
     )
     hlo = step.lower(params, x).compile().as_text()
     counts = count_collectives(hlo)
-    # Forward: tokens out and back; backward: the two transposed exchanges; plus 2 offset
-    # exchanges (s32). Router gradient: one all-reduce over the token axes.
+    # Forward: tokens out and back; backward: the two transposed exchanges. No offsets cross
+    # (each device computes every peer's from the gathered counts). Router gradient: one
+    # all-reduce over the token axes.
     data = [s for s in collective_shapes(hlo, "all-to-all") if "f32" in s]
     ints = [s for s in collective_shapes(hlo, "all-to-all") if "f32" not in s]
-    assert len(data) == 4 and len(ints) == 2, counts
+    assert len(data) == 4 and not ints, counts
     # Only the [N, 2, E] int32 counts are gathered: no token all-gather.
     assert all(re.fullmatch(r"s32\[4,2,16\]\S*", s) for s in collective_shapes(hlo, "all-gather"))
     for shape in collective_shapes(hlo, "all-reduce"):

@@ -25,7 +25,9 @@ peer, one slice, and the receiver's buffer comes out already grouped by local ex
 rows from sender 0, then sender 1, ..., zero-padded to a multiple of ``align``): no second sort
 before the grouped GEMM. On GPU the exchange is ``jax.lax.ragged_all_to_all``; XLA:CPU has no
 ragged all-to-all, so there a dense twin reproduces its exact semantics with a dense
-``all_to_all`` of per-destination chunks plus a scatter. One function picks by platform.
+``all_to_all`` of per-destination chunks plus a scatter (the receiver computes where each
+sender's rows land from the gathered counts, so each exchange is that one collective). One
+function picks by platform.
 With one device on the expert axis and no capacity (dropless) there is nothing to exchange:
 permute pads each expert's group to ``align`` itself, which is the buffer the exchange would
 have made, and neither exchange runs (nor the all-gather of the counts).

@@ -55,14 +55,26 @@ def _slice_of_row(sizes: jax.Array, chunk: int):
 
 
 def ragged_all_to_all_dense(
-    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, chunk
+    operand,
+    output,
+    input_offsets,
+    send_sizes,
+    output_offsets,
+    recv_sizes,
+    *,
+    axis_name,
+    chunk,
+    recv_offsets=None,
 ):
     """``jax.lax.ragged_all_to_all``'s semantics from a dense ``all_to_all`` (for XLA:CPU).
 
     Same arguments (``L = len(input_offsets) / axis size`` slices per peer); `chunk` (static)
     bounds the rows one device sends another. Each device packs the slices for peer j back to back
-    into ``[chunk, ...]``, one all_to_all moves the ``[n, chunk, ...]`` blocks and the output
-    offsets, and the receiver scatters each row to ``output_offsets + position`` in its slice.
+    into ``[chunk, ...]``, one all_to_all moves the ``[n, chunk, ...]`` blocks, and the receiver
+    scatters each row to ``output_offsets + position`` in its slice, the senders'
+    `output_offsets` for it: a second all_to_all brings them, unless `recv_offsets` gives them
+    (int32 ``[n * L]``: sender i's slice l starts at ``recv_offsets[i * L + l]`` of `output`;
+    the layer knows them from the all-gathered counts, so its exchanges are one collective).
     Rows beyond `chunk` would be lost: callers size it with :func:`exchange_bounds`.
     """
     n = jax.lax.axis_size(axis_name)
@@ -73,9 +85,12 @@ def ragged_all_to_all_dense(
     src = jnp.take_along_axis(input_offsets.reshape(n, slices), idx, axis=1) + s - start
     packed = take_rows(operand, src, valid)
     received = jax.lax.all_to_all(packed, axis_name, 0, 0, tiled=False)
-    their_offsets = jax.lax.all_to_all(
-        output_offsets.reshape(n, slices), axis_name, 0, 0, tiled=False
-    )
+    if recv_offsets is None:
+        their_offsets = jax.lax.all_to_all(
+            output_offsets.reshape(n, slices), axis_name, 0, 0, tiled=False
+        )
+    else:
+        their_offsets = recv_offsets.reshape(n, slices)
     idx, start, valid = _slice_of_row(recv_sizes.reshape(n, slices), chunk)
     dst = jnp.take_along_axis(their_offsets, idx, axis=1) + s - start
     dst = jnp.where(valid, dst, output.shape[0])  # out of range: dropped by the scatter
@@ -163,10 +178,18 @@ def make_plan(cfg: MoEConfig, mesh: Any, n: int, shards: int, num_tokens: int) -
 
 
 def exchange(plan: Plan, axis: str, operand, output, offsets):
-    """One exchange: ragged_all_to_all on GPU, its dense form elsewhere."""
+    """One exchange: ragged_all_to_all on GPU, its dense form elsewhere.
+
+    `offsets`: :func:`offsets`' forward or backward tuple (ragged_all_to_all's four arguments,
+    then the receiver's view of the senders' output offsets, which the dense form uses instead
+    of exchanging them).
+    """
+    *ragged, recv_offsets = offsets
     if plan.ragged:
-        return jax.lax.ragged_all_to_all(operand, output, *offsets, axis_name=axis)
-    return ragged_all_to_all_dense(operand, output, *offsets, axis_name=axis, chunk=plan.chunk)
+        return jax.lax.ragged_all_to_all(operand, output, *ragged, axis_name=axis)
+    return ragged_all_to_all_dense(
+        operand, output, *ragged, axis_name=axis, chunk=plan.chunk, recv_offsets=recv_offsets
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -218,7 +241,9 @@ def offsets(plan: Plan, align: int, me, counts_all, kept_all):
     expert. G[i, j, l] = rows peer i sends to peer j's local expert l.
 
     Returns:
-      ``(forward, backward, group_sizes, used)``: the two exchanges' arguments, this device's
+      ``(forward, backward, group_sizes, used)``: the two exchanges' arguments (those of
+      ``jax.lax.ragged_all_to_all``, then where each sender's slices land in this device's
+      output: every peer's offsets follow from the all-gathered counts), this device's
       int32 ``[L]`` group sizes padded to `align`, and the rows of each group that hold tokens
       (the first ``used[l]`` of group l; the backward exchange returns exactly those, so the
       padding rows after them, and after the last group, are never read back).
@@ -237,11 +262,13 @@ def offsets(plan: Plan, align: int, me, counts_all, kept_all):
         g[me].reshape(-1),
         recv_at[me].reshape(-1),
         g[:, me].reshape(-1),
+        recv_at[:, me].reshape(-1),  # sender i's rows for my expert l land at recv_at[i, me, l]
     )
     backward = (
         recv_at[:, me].reshape(-1),
         g[:, me].reshape(-1),
         send_base[:, me].reshape(-1),
         g[me].reshape(-1),
+        send_base[me].reshape(-1),  # expert device i's rows return to send_base[me, i, l]
     )
     return forward, backward, padded[me], totals[me]
