@@ -296,9 +296,10 @@ def test_scan_unroll_gives_the_same_gradients(hf, mesh_name):
     options = {"num_microbatches": 2} if mesh_name == "p2e4" else {}
     base, params = _load(hf, "qwen3_moe", mesh_name, **options)
     tokens, _, targets = _sft_batch(base.config.vocab_size, 8, 8, seed=5)
-    loss, want = jax.jit(base.loss_and_grads)(params, tokens, targets)
-    whiles = {}
-    for unroll in (1, 2, True):
+    rolled = jax.jit(base.loss_and_grads).lower(params, tokens, targets).compile()
+    loss, want = rolled(params, tokens, targets)
+    whiles = {"1": rolled.as_text().count(" while(")}
+    for unroll in (2, True) if mesh_name == "1dev" else (True,):
         model = dataclasses.replace(base, scan_unroll=unroll)
         compiled = jax.jit(model.loss_and_grads).lower(params, tokens, targets).compile()
         whiles[str(unroll)] = compiled.as_text().count(" while(")
