@@ -63,11 +63,11 @@ def reuse_host_memory() -> bool:
       JaxopsError: jax's backends are already initialized (call it at the top of the program).
 
     Example:
-      At the top of a program, before anything runs on jax (here a fresh interpreter):
+      At the top of a program, before anything runs on jax (here a fresh, isolated interpreter):
 
       >>> import subprocess, sys
       >>> code = "import jaxops; print(jaxops.reuse_host_memory())"
-      >>> subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
+      >>> subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True).stdout
       'True\n'
     """
     if _backends_initialized():

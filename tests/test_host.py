@@ -45,12 +45,13 @@ print(json.dumps({"applied": applied, "temp": temp, "faults": min(faults)}))
 """
 
 
-def _probe(mode: str) -> dict:
+def _probe(mode: str, cwd) -> dict:
     skip = ("XLA_FLAGS", "JAX_", "MALLOC_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(skip)}
     env["JAX_PLATFORMS"] = "cpu"
     run = subprocess.run(
-        [sys.executable, "-c", _PROBE, mode],
+        [sys.executable, "-I", "-c", _PROBE, mode],  # -I: the installed jaxops, not ./jaxops
+        cwd=cwd,
         capture_output=True,
         text=True,
         env=env,
@@ -62,8 +63,8 @@ def _probe(mode: str) -> dict:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
-def test_reuse_host_memory_stops_the_temporaries_page_faults():
-    default, reused = _probe("default"), _probe("reuse")
+def test_reuse_host_memory_stops_the_temporaries_page_faults(tmp_path):
+    default, reused = _probe("default", tmp_path), _probe("reuse", tmp_path)
     pages = default["temp"] // 4096
     assert default["temp"] >= 128 * 2**20, default
     assert reused["applied"] is True, reused
