@@ -4,11 +4,11 @@ XLA:CPU allocates every execution's temporaries (one buffer: a train step's acti
 gradients, hundreds of MiB) and its outputs afresh, from the thread that runs the program. With
 glibc's defaults an allocation that large is a fresh ``mmap`` and is unmapped again when freed,
 so every step touches new pages and pays a page fault per 4 KiB page: measured here, about
-70 ms of a 430-520 ms MoE decoder train step (300 MiB of temporaries), and 72 ms to fill a
-287 MiB temporary that takes 27 ms once its pages are kept (``tests/test_host.py`` counts the
-faults). :func:`reuse_host_memory` sets glibc's ``mallopt`` so that large blocks come from the
-heap and stay there (the same thing a caching allocator such as TCMalloc or jemalloc, or the
-GPU runtime's BFC allocator, does).
+70 ms of a 430-520 ms MoE decoder train step (300 MiB of temporaries), and a jitted program
+that fills a 287 MiB temporary took 92-99 ms per execution, 27 ms once its pages are kept
+(``tests/test_host.py`` counts the faults). :func:`reuse_host_memory` sets glibc's
+``mallopt`` so that large blocks come from the heap and stay there (the same thing a caching
+allocator such as TCMalloc or jemalloc, or the GPU runtime's BFC allocator, does).
 """
 
 from __future__ import annotations
