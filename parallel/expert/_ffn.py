@@ -4,12 +4,13 @@ Rows arrive grouped by local expert, each group padded to a multiple of the plan
 On GPU the grouped GEMM is ``jax.lax.ragged_dot``. XLA:CPU lowers ragged_dot to one dense dot
 over every group for every row (masked), L times the work; there the groups are padded to
 multiples of a 32-row tile and each group is cut into chunks, as many of 256 rows as fit, then
-at most 3 of 64 or 32; one loop per chunk size runs one GEMM per chunk with its group's weights
-(dynamic trip counts: the work follows the rows actually received, not the buffer's worst-case
-size). With ``fp8="block"`` the GEMMs use DeepSeek-V3's block-scaled FP8
-numerics. Expert biases (``MoEConfig.expert_bias``) are added in float32 to the GEMMs' float32
-outputs, each row taking its group's bias; padding rows take none, so they stay zero as without
-biases.
+at most 3 of 64 or 32; a loop over the non-empty groups slices each group's weights once and
+runs one GEMM per chunk (dynamic trip counts: the work follows the rows actually received, not
+the buffer's worst-case size), and the backward computes a chunk's input and weight gradients
+in the same trip, each group's weight gradient summed in place. With ``fp8="block"`` the GEMMs
+use DeepSeek-V3's block-scaled FP8 numerics. Expert biases (``MoEConfig.expert_bias``) are
+added in float32 to the GEMMs' float32 outputs, each row taking its group's bias; padding rows
+take none, so they stay zero as without biases.
 """
 
 from __future__ import annotations
@@ -56,37 +57,59 @@ def _chunks(tile: int, rows: int) -> tuple[int, ...]:
     return (*(c for c in (8 * tile, 2 * tile) if c <= rows), tile)
 
 
-def _levels(tile: int, rows: int, groups) -> list:
-    """The chunks of the CPU loops, per chunk size c of :func:`_chunks`, largest first.
+def _levels(tile: int, rows: int, group_sizes: jax.Array) -> list:
+    """Each group's chunks per chunk size c of :func:`_chunks`, largest first.
 
-    Per size ``(c, n, group, first)``: n chunks of c rows in use (an int32 scalar), and for
-    chunk i < n its group and first row (int32 ``[rows // c]``; entries from n on are unused).
-
-    Each group (its size a multiple of `tile`) is covered in order by as many chunks of each
-    size as fit in what is left of it, so most rows go through large GEMMs and at most 3 smaller
-    chunks end a group, while groups stay padded to a multiple of `tile` only.
+    Per size ``(c, n, done)``: n int32 ``[L]`` chunks of c rows in group l, the first of them
+    starting ``done[l]`` rows into the group. Each group (its size a multiple of `tile`) is
+    covered in order by as many chunks of each size as fit in what is left of it, so most rows
+    go through large GEMMs and at most 3 smaller chunks end a group, while groups stay padded to
+    a multiple of `tile` only.
     """
-    group_sizes, starts = groups
-    last = group_sizes.shape[0] - 1
     done = jnp.zeros_like(group_sizes)
     levels = []
     for c in _chunks(tile, rows):
         n = (group_sizes - done) // c
-        ends = jnp.cumsum(n)
-        i = jnp.arange(rows // c, dtype=jnp.int32)
-        group = jnp.minimum(jnp.searchsorted(ends, i, side="right").astype(jnp.int32), last)
-        first = starts[group] + done[group] + (i - (ends[group] - n[group])) * c
-        levels.append((c, ends[-1], group, first))
+        levels.append((c, n, done))
         done = done + n * c
     return levels
+
+
+def _group_loop(tile: int, rows: int, groups, group_body, carry):
+    """``group_body(e, each_chunk, carry) -> carry`` for every non-empty group e, in order.
+
+    ``each_chunk(fn, carry)`` runs ``fn(c, first, carry) -> carry`` over group e's chunks:
+    c rows from row `first` (an int32 scalar), largest c first (:func:`_levels`). What the
+    group body reads per group (its expert's weights) is sliced once per group, not per chunk,
+    and empty groups are skipped (a few routed tokens cost a few trips, not L).
+    """
+    group_sizes, starts = groups
+    levels = _levels(tile, rows, group_sizes)
+    busy = jnp.nonzero(group_sizes > 0, size=group_sizes.shape[0], fill_value=0)[0]
+    count = jnp.sum(group_sizes > 0, dtype=jnp.int32)
+
+    def group(j, carry):
+        e = busy[j].astype(jnp.int32)
+
+        def each_chunk(fn, carry):
+            for c, n, done in levels:
+                first = starts[e] + done[e]
+                carry = jax.lax.fori_loop(
+                    0, n[e], lambda i, carry, c=c, first=first: fn(c, first + i * c, carry), carry
+                )
+            return carry
+
+        return group_body(e, each_chunk, carry)
+
+    return jax.lax.fori_loop(0, count, group, carry)
 
 
 def _gmm(tile: int, x, w, groups, transpose_w: bool = False) -> jax.Array:
     """``y[rows of group l] = x[rows] @ w[l]`` (``w[l].T`` with transpose_w), float32 ``[R, N]``.
 
-    Padding rows give zeros. Off GPU one loop per chunk size runs one GEMM per chunk of rows
-    (:func:`_levels`) with its group's weights (with transpose_w the GEMM reads them transposed:
-    no transposed copy of w is made).
+    Padding rows give zeros. Off GPU a loop over the groups runs one GEMM per chunk of their
+    rows (:func:`_group_loop`) with the group's weights (with transpose_w the GEMM reads them
+    transposed: no transposed copy of w is made).
     """
     group_sizes = groups[0]
     if tile == 0:
@@ -95,40 +118,59 @@ def _gmm(tile: int, x, w, groups, transpose_w: bool = False) -> jax.Array:
     dims = (((1,), (1,)) if transpose_w else ((1,), (0,)), ((), ()))
     n = w.shape[1] if transpose_w else w.shape[2]
     out = vary_like(jnp.zeros((x.shape[0], n), jnp.float32), x, w, group_sizes)
-    for c, count, group, first in _levels(tile, x.shape[0], groups):
 
-        def chunk(i, out, c=c, group=group, first=first):
-            rows = jax.lax.dynamic_slice_in_dim(x, first[i], c)
-            wg = jax.lax.dynamic_index_in_dim(w, group[i], keepdims=False)
+    def group(e, each_chunk, out):
+        wg = jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
+
+        def chunk(c, first, out):
+            rows = jax.lax.dynamic_slice_in_dim(x, first, c)
             y = jax.lax.dot_general(rows, wg, dims, preferred_element_type=jnp.float32)
-            return jax.lax.dynamic_update_slice_in_dim(out, y, first[i], 0)
+            return jax.lax.dynamic_update_slice_in_dim(out, y, first, 0)
 
-        out = jax.lax.fori_loop(0, count, chunk, out)
-    return out
+        return each_chunk(chunk, out)
+
+    return _group_loop(tile, x.shape[0], groups, group, out)
 
 
-def _gmm_wgrad(tile: int, x, dy, groups, num_groups: int) -> jax.Array:
-    """``dw[l] = x[rows of l]^T @ dy[rows of l]``, float32 ``[L, K, N]``."""
+def _gmm_bwd(tile: int, dy, w, x, dy_w, groups) -> tuple[jax.Array, jax.Array]:
+    """The grouped GEMM's two gradients, float32: ``(dx [R, K], dw [L, K, N])``.
+
+    ``dx[rows of l] = dy[rows] @ w[l].T`` and ``dw[l] = x[rows of l].T @ dy_w[rows of l]``
+    (dy_w: the gradient the wgrad reads; dy itself unless quantized differently). Off GPU one
+    loop over the groups computes both per chunk of rows, each group's weight gradient summed
+    in a ``[K, N]`` accumulator and written once; groups without rows get zeros.
+    """
     group_sizes = groups[0]
-    shape = (num_groups, x.shape[1], dy.shape[1])
     if tile == 0:
+        dx = _gmm(tile, dy, w, groups, transpose_w=True)
         _, vjp = jax.vjp(
             lambda w: jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32),
-            jnp.zeros(shape, x.dtype),
+            jnp.zeros(w.shape, x.dtype),
         )
-        return vjp(dy.astype(jnp.float32))[0].astype(jnp.float32)
-    dims = (((0,), (0,)), ((), ()))
-    dw = vary_like(jnp.zeros(shape, jnp.float32), x, dy, group_sizes)
-    for c, count, group, first in _levels(tile, x.shape[0], groups):
+        return dx, vjp(dy_w.astype(jnp.float32))[0].astype(jnp.float32)
+    nt = (((1,), (1,)), ((), ()))
+    tn = (((0,), (0,)), ((), ()))
+    dx = vary_like(jnp.zeros((dy.shape[0], w.shape[1]), jnp.float32), dy, w, group_sizes)
+    dw = vary_like(jnp.zeros(w.shape, jnp.float32), x, dy_w, group_sizes)
 
-        def chunk(i, dw, c=c, group=group, first=first):
-            rows = jax.lax.dynamic_slice_in_dim(x, first[i], c)
-            grad = jax.lax.dynamic_slice_in_dim(dy, first[i], c)
-            g = jax.lax.dot_general(rows, grad, dims, preferred_element_type=jnp.float32)
-            return dw.at[group[i]].add(g)
+    def group(e, each_chunk, carry):
+        dx, dw = carry
+        wg = jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
 
-        dw = jax.lax.fori_loop(0, count, chunk, dw)
-    return dw
+        def chunk(c, first, carry):
+            dx, acc = carry
+            grad = jax.lax.dynamic_slice_in_dim(dy, first, c)
+            y = jax.lax.dot_general(grad, wg, nt, preferred_element_type=jnp.float32)
+            rows = jax.lax.dynamic_slice_in_dim(x, first, c)
+            grad_w = jax.lax.dynamic_slice_in_dim(dy_w, first, c)
+            g = jax.lax.dot_general(rows, grad_w, tn, preferred_element_type=jnp.float32)
+            return jax.lax.dynamic_update_slice_in_dim(dx, y, first, 0), acc + g
+
+        acc = vary_like(jnp.zeros(w.shape[1:], jnp.float32), x, dy_w, group_sizes)
+        dx, acc = each_chunk(chunk, (dx, acc))
+        return dx, jax.lax.dynamic_update_index_in_dim(dw, acc, e, 0)
+
+    return _group_loop(tile, x.shape[0], groups, group, (dx, dw))
 
 
 def _fp8_rows(impl, x, grad: bool = False) -> jax.Array:
@@ -172,8 +214,7 @@ def _grouped_linear_bwd(tile: int, quantized: bool | str, impl, saved, dy):
     else:
         dyq = dys = dy.astype(x.dtype)
         xs = x
-    dx = _gmm(tile, dyq, w, groups, transpose_w=True)
-    dw = _gmm_wgrad(tile, xs, dys, groups, w.shape[0])
+    dx, dw = _gmm_bwd(tile, dyq, w, xs, dys, groups)
     dx = cotangent_like(dx.astype(x_like.dtype), x_like)
     return dx, cotangent_like(dw.astype(w.dtype), w), None
 
