@@ -22,7 +22,8 @@ the compiled step's temporary bytes (``memory_analysis()``: the activations it k
 time, each checked to give the same loss.
 
 Both jax models are checked to give the same loss before anything is timed (and transformers
-too with ``--torch``). Printed: step time, tokens/s and the ratios. On CPU the main table runs
+too with ``--torch``); the three steps are timed interleaved, a sample of each in turn, so a
+slower spell of the shared machine falls on all of them. Printed: step time, tokens/s and the ratios. On CPU the main table runs
 each case on every ``--meshes`` mesh ``data x expert`` (default 1 x 1, one device, and 2 x 4, 8
 simulated devices sharing the host's cores; torch uses all the cores either way); on GPUs every
 local GPU on the expert axis.
@@ -129,10 +130,8 @@ def _step(model: MoEDecoder, opt: optax.GradientTransformation):
     return step
 
 
-def _torch_step(path: Path, tokens: np.ndarray, targets: np.ndarray, repeats: int):
-    """(median seconds, first loss) of transformers' forward + backward + AdamW step."""
-    import time
-
+def _torch_step(path: Path, tokens: np.ndarray, targets: np.ndarray):
+    """(step, first loss): transformers' forward + backward + AdamW step, a function to time."""
     import torch
     import transformers
 
@@ -143,30 +142,20 @@ def _torch_step(path: Path, tokens: np.ndarray, targets: np.ndarray, repeats: in
     x = torch.tensor(tokens, dtype=torch.long, device=device)
     y = torch.tensor(targets, dtype=torch.long, device=device)
 
-    def step():
+    def step() -> None:
         logits = model(x).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        if device == "cuda":
+            torch.cuda.synchronize()
 
     with torch.no_grad():
         first = torch.nn.functional.cross_entropy(
             model(x).logits.flatten(0, 1).float(), y.flatten()
         )
-    for _ in range(2):
-        step()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)), float(first)
+    return step, float(first)
 
 
 def _family_config(family: str, case: str) -> tuple[DecoderConfig, int, int]:
@@ -299,22 +288,9 @@ def _case(
     loss_dense = float(jax.jit(dense_model.loss)(params_dense, *batch))
     if not np.isclose(loss_ep, loss_dense, rtol=1e-4):
         raise AssertionError(f"{case}: ep loss {loss_ep} != dense loss {loss_dense}")
-    with jax.set_mesh(mesh):
-        timings = H.time_interleaved(
-            {
-                "ep": (step_ep, (params_ep, state_ep, *batch)),
-                "dense": (step_dense, (params_dense, state_dense, *batch)),
-            },
-            repeats=args.repeats,
-        )
-    row: dict[str, Any] = {
-        "case": case,
-        "mesh": "x".join(str(n) for n in mesh.devices.shape),
-        "unroll": "all" if unroll is True else str(unroll),
-        **H.tokens_fields(timings, "ep", "dense", b * s),
-        "torch_ms": float("nan"),
-        "torch_ratio": float("nan"),
-        "loss": loss_ep,
+    cases = {
+        "ep": (step_ep, (params_ep, state_ep, *batch)),
+        "dense": (step_dense, (params_dense, state_dense, *batch)),
     }
     if args.torch:
         with tempfile.TemporaryDirectory() as tmp:
@@ -325,9 +301,23 @@ def _case(
                 for a, c in zip(jax.tree.leaves(params_ep), jax.tree.leaves(again), strict=True)
             ):
                 raise AssertionError("save_pretrained / from_pretrained changed the weights")
-            torch_s, torch_loss = _torch_step(Path(tmp) / "m", tokens, targets, args.repeats)
+            torch_step, torch_loss = _torch_step(Path(tmp) / "m", tokens, targets)
         if not np.isclose(torch_loss, loss_ep, rtol=1e-4):
             raise AssertionError(f"{case}: transformers' loss {torch_loss} != jaxops' {loss_ep}")
+        cases["torch"] = (torch_step, ())  # interleaved with ours: the same machine state
+    with jax.set_mesh(mesh):
+        timings = H.time_interleaved(cases, repeats=args.repeats)
+    row: dict[str, Any] = {
+        "case": case,
+        "mesh": "x".join(str(n) for n in mesh.devices.shape),
+        "unroll": "all" if unroll is True else str(unroll),
+        **H.tokens_fields(timings, "ep", "dense", b * s),
+        "torch_ms": float("nan"),
+        "torch_ratio": float("nan"),
+        "loss": loss_ep,
+    }
+    if args.torch:
+        torch_s = timings["torch"].median
         row.update(torch_ms=1e3 * torch_s, torch_ratio=torch_s / timings["ep"].median)
     return row
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -339,10 +340,11 @@ def attend(
     Returns ``[b, sq, Hq Dv]``. `mask`: bool ``[b, sq, sk]`` (:func:`allowed`). Scores are
     ``q . k`` times `scale` (default ``Dh ** -0.5``), float32, as is the softmax; a query that
     sees no key at all (padding) gets zeros, never NaN. `causal`: queries and keys are the same
-    tokens in order and `mask` is causal (a hint for ``ops.attention="dot_product"``, which then
-    lets cuDNN skip the masked blocks). `sinks` ``[Hq]`` (gpt-oss): one more logit per head in
-    each query's softmax denominator, whose probability is dropped (the jnp softmax computes
-    it: ``jax.nn.dot_product_attention`` has no sinks).
+    tokens in order and `mask` is causal (a hint: ``ops.attention="dot_product"`` then lets
+    cuDNN skip the masked blocks, and the jnp softmax computes :data:`CAUSAL_BLOCKS` query
+    blocks, each against the keys up to its last query only). `sinks` ``[Hq]`` (gpt-oss): one
+    more logit per head in each query's softmax denominator, whose probability is dropped (the
+    jnp softmax computes it: ``jax.nn.dot_product_attention`` has no sinks).
     """
     b, sq, hq, dh = q.shape
     hkv, dv = k.shape[2], v.shape[-1]
@@ -353,13 +355,47 @@ def attend(
         seen = jnp.any(mask, axis=-1)[:, :, None, None]  # a query that sees no key: zeros
         return jnp.where(seen, out, jnp.zeros((), out.dtype)).reshape(b, sq, hq * dv)
     q = q.reshape(b, sq, hkv, hq // hkv, dh)
+    scale = dh**-0.5 if scale is None else scale
+    blocks = _causal_blocks(sq) if causal and k.shape[1] == sq else 1
+    if blocks == 1:
+        out = _softmax_attention(ops, q, k, v, mask, scale, sinks)
+    else:  # query block i sees keys up to its last query only: the masked blocks are skipped
+        bounds = [sq * i // blocks for i in range(blocks + 1)]
+        out = jnp.concatenate(
+            [
+                _softmax_attention(
+                    ops, q[:, lo:hi], k[:, :hi], v[:, :hi], mask[:, lo:hi, :hi], scale, sinks
+                )
+                for lo, hi in itertools.pairwise(bounds)
+            ],
+            axis=1,
+        )
+    return out.reshape(b, sq, hq * dv)
+
+
+#: Query blocks of causal self-attention in the jnp softmax (each block computes the scores of
+#: the keys up to its last query only), for sequences of at least 2 * CAUSAL_BLOCK_MIN tokens.
+CAUSAL_BLOCKS = 4
+CAUSAL_BLOCK_MIN = 32
+
+
+def _causal_blocks(s: int) -> int:
+    """How many query blocks causal self-attention over `s` tokens is computed in."""
+    return max(1, min(CAUSAL_BLOCKS, s // CAUSAL_BLOCK_MIN))
+
+
+def _softmax_attention(ops: Ops, q, k, v, mask, scale: float, sinks) -> jax.Array:
+    """``q [b, sq, Hkv, G, Dh]`` over ``k [b, sk, Hkv, Dh]``: ``[b, sq, Hkv, G, Dv]``, ops.dtype.
+
+    float32 scores and softmax; `mask` bool ``[b, sq, sk]``; a query that sees no key gets zeros.
+    """
+    hkv, g = q.shape[2], q.shape[3]
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (dh**-0.5 if scale is None else scale)
-    mask = mask[:, None, None, :, :]
-    scores = jnp.where(mask, scores, -jnp.inf)
+    scores = scores * scale
+    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
     top = jnp.max(scores, axis=-1, keepdims=True)
     if sinks is not None:  # [Hq] -> [1, Hkv, G, 1, 1]
-        sink = sinks.astype(jnp.float32).reshape(1, hkv, hq // hkv, 1, 1)
+        sink = sinks.astype(jnp.float32).reshape(1, hkv, g, 1, 1)
         top = jnp.maximum(top, sink)
     e = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))
     total = jnp.sum(e, axis=-1, keepdims=True)
@@ -367,7 +403,7 @@ def attend(
         total = total + jnp.exp(sink - top)
     probs = (e / jnp.where(total > 0, total, 1.0)).astype(ops.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.astype(ops.dtype).reshape(b, sq, hq * dv)
+    return out.astype(ops.dtype)
 
 
 def output(ops: Ops, c: DecoderConfig, p: dict[str, jax.Array], out: jax.Array) -> jax.Array:

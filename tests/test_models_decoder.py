@@ -199,6 +199,57 @@ def test_deprecated_names_warn_and_still_work():
         models.MoEDecoder(CFG, mesh, num_microbatches=2, router_aux_loss_coef=0.5)
 
 
+def _attention_oracle(q, k, v, mask, sinks):
+    """float64 softmax attention ``[b, sq, Hq Dv]`` (GQA, sinks); a query without keys: 0."""
+    q, k, v, sinks = (np.asarray(a, np.float64) for a in (q, k, v, sinks))
+    b, sq, hq, dh = q.shape
+    group = hq // k.shape[2]
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    scores = np.einsum("bqhd,bshd->bhqs", q, k) * dh**-0.5
+    scores = np.where(mask[:, None], scores, -np.inf)
+    top = np.maximum(scores.max(-1, keepdims=True), sinks[None, :, None, None])
+    e = np.exp(scores - top)
+    probs = e / (e.sum(-1, keepdims=True) + np.exp(sinks[None, :, None, None] - top))
+    return np.einsum("bhqs,bshd->bqhd", probs, v).reshape(b, sq, -1)
+
+
+@pytest.mark.parametrize("seq", [31, 64, 100])
+def test_causal_query_blocks_equal_the_whole_softmax(seq, monkeypatch):
+    """Causal self-attention in query blocks (each against the keys up to its last query)
+    against float64 numpy and against one block, with a sliding window, two packed documents,
+    a padding row (queries that see no key) and sinks; values and gradients."""
+    from jaxops.models import _layers
+
+    rng = np.random.default_rng(seq)
+    q = jnp.asarray(rng.standard_normal((3, seq, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((3, seq, 2, 8)), jnp.float32) for _ in range(2))
+    sinks = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    t = np.arange(seq)
+    docs = np.stack([np.ones(seq), 1 + (t >= seq // 3), np.zeros(seq)]).astype(np.int32)
+    mask = (t[:, None] >= t[None, :]) & (t[:, None] - t[None, :] < 40)
+    mask = mask[None] & (docs[:, :, None] == docs[:, None, :]) & (docs[:, None, :] != 0)
+    ops = _layers.Ops(jnp.float32)
+    cot = jnp.asarray(rng.standard_normal((3, seq, 32)), jnp.float32)
+
+    def run():
+        def f(q, k, v, sinks):
+            out = _layers.attend(ops, CFG, q, k, v, jnp.asarray(mask), causal=True, sinks=sinks)
+            return jnp.sum(out * cot), out
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, sinks)
+
+    assert _layers._causal_blocks(seq) == (1 if seq < 64 else min(_layers.CAUSAL_BLOCKS, seq // 32))
+    (_, out), grads = run()
+    want = _attention_oracle(q, k, v, mask, sinks)
+    assert rel_error(out, want) < 1e-5
+    assert not np.asarray(out)[2].any()  # the padding row: no keys, zeros
+    monkeypatch.setattr(_layers, "CAUSAL_BLOCKS", 1)
+    (_, whole), whole_grads = run()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(whole), atol=1e-5)
+    for a, b in zip(grads, whole_grads, strict=True):
+        assert rel_error(a, b) < 1e-5
+
+
 def test_dot_product_attention_equals_the_jnp_softmax():
     """attention_impl="dot_product" (jax.nn.dot_product_attention: cuDNN on GPUs) against the
     jnp softmax, with every mask the decoder builds: left padding, packed documents, a sliding
