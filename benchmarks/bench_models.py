@@ -23,10 +23,10 @@ time, each checked to give the same loss.
 
 Both jax models are checked to give the same loss before anything is timed (and transformers
 too with ``--torch``); the three steps are timed interleaved, a sample of each in turn, so a
-slower spell of the shared machine falls on all of them. Printed: step time, tokens/s and the ratios. On CPU the main table runs
-each case on every ``--meshes`` mesh ``data x expert`` (default 1 x 1, one device, and 2 x 4, 8
-simulated devices sharing the host's cores; torch uses all the cores either way); on GPUs every
-local GPU on the expert axis.
+slower spell of the shared machine falls on all of them. Printed: step time, tokens/s and the
+ratios. On CPU the main table runs each case on every ``--meshes`` mesh ``data x expert``
+(default 1 x 1, one device, and 2 x 4, 8 simulated devices sharing the host's cores; torch uses
+all the cores either way); on GPUs every local GPU on the expert axis.
 
 ``--scan-unroll 1,all`` adds a row per value of ``MoEDecoder.scan_unroll`` (the layers unrolled
 in the layer scans); ``--reuse-host-memory`` calls :func:`jaxops.reuse_host_memory` before
