@@ -222,7 +222,8 @@ run_sanitize() {
   done
 }
 
-# Nsight Compute over benchmarks: the first PROFILE_LAUNCHES jaxops kernels each one launches.
+# Nsight Compute over benchmarks: the first PROFILE_LAUNCHES jaxops kernels each one launches
+# (matched in the mangled name, which holds the namespace: the plain function name does not).
 run_profile() {
   local name extra
   read -r -a extra <<< "${PROFILE_ARGS:-}"
@@ -234,7 +235,7 @@ run_profile() {
   fi
   for name in ${PROFILE_BENCHES:-fp8}; do
     step "ncu_$name" "$OUT/ncu_$name.log" "${PROFILE_TIMEOUT:-240}" \
-      ncu --kernel-name regex:jaxops --launch-count "${PROFILE_LAUNCHES:-24}" \
+      ncu --kernel-name-base mangled --kernel-name regex:jaxops --launch-count "${PROFILE_LAUNCHES:-24}" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats \
       --section Occupancy "$PYTHON" "$REPO/benchmarks/bench_$name.py" --repeats 1 \
       ${extra[@]+"${extra[@]}"}

@@ -16,8 +16,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxops import _checks, _ffi
+from jaxops._sharding import matmul_sharding
 
 __all__ = [
     "ACTIVATIONS",
@@ -172,10 +175,15 @@ def gemm_call(
     n = b.shape[0] if transpose_b else b.shape[1]
     dtype = a.dtype
     empty = jnp.zeros((0,), dtype)
+    # On Explicit meshes the result types carry the operands' row and column shardings.
+    mn = matmul_sharding(a, b, 1 if transpose_a else 0, 0 if transpose_b else 1)
+    col = None if mn is None else NamedSharding(mn.mesh, P(mn.spec[1]))
     out_types = [
-        jax.ShapeDtypeStruct((m, n), dtype),
-        jax.ShapeDtypeStruct((m, n) if aux else (0,), dtype),
-        jax.ShapeDtypeStruct((n,) if bias_grad else (0,), dtype),
+        jax.ShapeDtypeStruct((m, n), dtype, sharding=mn),
+        jax.ShapeDtypeStruct((m, n) if aux else (0,), dtype, sharding=mn if aux else None),
+        jax.ShapeDtypeStruct(
+            (n,) if bias_grad else (0,), dtype, sharding=col if bias_grad else None
+        ),
         jax.ShapeDtypeStruct((_WORKSPACE_BYTES,), jnp.uint8),
     ]
     d, aux_out, bias_grad_out, _ = _ffi.ffi_call(
@@ -228,7 +236,7 @@ def gemm_fp8_call(
     y, _ = _ffi.ffi_call(
         TARGET_GEMM_FP8,
         [
-            jax.ShapeDtypeStruct((m, n), out_dtype),
+            jax.ShapeDtypeStruct((m, n), out_dtype, sharding=matmul_sharding(a_data, b_data, 0, 0)),
             jax.ShapeDtypeStruct((_WORKSPACE_BYTES,), jnp.uint8),
         ],
         a_data,

@@ -19,6 +19,7 @@ __all__ = [
     "axes_of",
     "constrain",
     "cotangent_like",
+    "matmul_sharding",
     "named",
     "padded_spec",
     "place",
@@ -112,6 +113,31 @@ def result_sharding(x: jax.Array, ndim_dropped: int = 0) -> Any:
     if ndim_dropped:
         entries = entries[: x.ndim - ndim_dropped]
     return NamedSharding(mesh, P(*entries))
+
+
+def matmul_sharding(a: Any, b: Any, a_rows: int, b_cols: int) -> NamedSharding | None:
+    """The sharding of a custom-call matmul's ``[M, N]`` result type on Explicit meshes.
+
+    M keeps `a`'s entry on its axis `a_rows`, N `b`'s entry on its axis `b_cols` (dropped when
+    it names a mesh axis M already uses); the contraction axis leaves the type. The result is the
+    whole product whatever the operands' shardings, so this only types it: a custom call typed
+    replicated would not match the sharded values around it (a ``custom_vjp`` cotangent, say).
+    None where `a` is not on a mesh with Explicit axes.
+    """
+    sharding = jax.typeof(a).sharding
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or getattr(mesh, "empty", True):
+        return None
+    if not any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        return None
+    m_entry = padded_spec(sharding, a.ndim)[a_rows]
+    b_sharding = jax.typeof(b).sharding
+    n_entry = None
+    if getattr(b_sharding, "mesh", None) == mesh:
+        n_entry = padded_spec(b_sharding, b.ndim)[b_cols]
+        if set(axes_of([n_entry])) & set(axes_of([m_entry])):
+            n_entry = None
+    return NamedSharding(mesh, P(m_entry, n_entry))
 
 
 # -------------------------------------------------------------------------------------------------

@@ -307,6 +307,45 @@ def test_gemm_grads_with_batch_sharded_rows_on_explicit_mesh(transpose_w, w_on_m
     assert grads[1].sharding.spec in (P(), P(None, None))
 
 
+def test_cuda_path_types_its_results_on_explicit_mesh():
+    """The cuBLASLt custom calls' result types carry the operands' row sharding on an Explicit
+    mesh. Typed replicated, the gradient of a loss whose targets are sharded by batch failed:
+    "Expected cotangent type float32[16,24] but got float32[16@data,24]" (seen on an H100)."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    x, w, b = _inputs((16,), 32, 24, jnp.float32)
+    rows = NamedSharding(mesh, P("data", None))
+    xs, ws = jax.device_put(x, rows), jax.device_put(w, NamedSharding(mesh, P()))
+    idx = jax.device_put(jnp.arange(16, dtype=jnp.int32)[:, None] % 24, rows)
+    cfg = _gemm._Config("gelu_tanh", False, "fp32", kernel=True)
+
+    def loss(x, w, b):
+        logp = jax.nn.log_softmax(_gemm._gemm(cfg, x, w, b), axis=-1)
+        return -jnp.sum(jnp.take_along_axis(logp, idx, axis=-1))
+
+    with jax.set_mesh(mesh):
+        y = jax.eval_shape(lambda x, w, b: _gemm._gemm(cfg, x, w, b), xs, ws, b)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(xs, ws, b)
+        text = grads.lower(lowering_platforms=("cuda",)).as_text()
+        a8 = jax.device_put(jnp.ones((16, 128), jnp.float8_e4m3fn), rows)
+        b8 = jnp.ones((24, 128), jnp.float8_e4m3fn)
+        one = jnp.ones((), jnp.float32)
+        y8 = jax.eval_shape(
+            functools.partial(
+                _cublaslt.gemm_fp8_call, out_dtype=jnp.bfloat16, a_mode="tensor", b_mode="tensor"
+            ),
+            a8,
+            b8,
+            one,
+            one,
+            None,
+        )
+    assert y.sharding.spec == P("data", None), y.sharding
+    assert [g.sharding.spec for g in grads.out_info] == [P("data", None), P(None, None), P(None)]
+    # dx and dw; the forward is a custom_partitioning call until XLA partitions it.
+    assert text.count(_gemm.TARGET_GEMM) == 2 and "CustomSPMDPartitioning" in text
+    assert y8.sharding.spec == P("data", None), y8.sharding
+
+
 @pytest.mark.parametrize("op", ["gemm", "fp8_linear"])
 def test_grads_of_a_replicated_weight_inside_shard_map(op):
     """Rows split over a shard_map axis, weight and bias invariant (shared by every device):
