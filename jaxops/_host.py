@@ -48,8 +48,12 @@ def reuse_host_memory() -> bool:
     MALLOC_TRIM_THRESHOLD_=2147483647 MALLOC_ARENA_MAX=1`` do the same from outside.
 
     What it costs: the process keeps its peak heap (its resident memory does not shrink when
-    big arrays are freed), and threads share one arena's lock. It matters on CPU only: on a GPU,
-    device memory comes from XLA's own caching allocator. Nothing numeric changes.
+    big arrays are freed), and threads share one arena's lock. The first executions may still
+    fault in fresh pages: a freed block whose neighbours small allocations have taken is too
+    small for the next aligned block of the same size, and the heap grows by one (measured:
+    up to 4 of 8 executions of a program with a 128 MiB temporary, then none). It matters on
+    CPU only: on a GPU, device memory comes from XLA's own caching allocator. Nothing numeric
+    changes.
 
     It must run before jax's first computation (before ``jax.devices()`` or any array is
     made): the arena setting only binds threads that have not allocated yet, and XLA's threads
