@@ -19,6 +19,7 @@
 #   PYTHON (python), JAXOPS_CUDA (ON), JAXOPS_CUDA_ARCHITECTURES (90a),
 #   JAXOPS_BUILD_DIR (<repo>/build/gpu: kept between runs for incremental rebuilds),
 #   TESTS_GPU_TIMEOUT (180), TESTS_ALL_TIMEOUT (300), BENCH_TIMEOUT (240): seconds per step,
+#   TESTS_GPU_PER_TEST (90): seconds per GPU test (with pytest-timeout; the test ids are printed),
 #   BENCH_ARGS: extra arguments for every benchmark (e.g. "--quick"),
 #   STEPS ("tests_gpu tests_all bench"): which steps run after the build, in this order; "sanitize"
 #     runs compute-sanitizer over the GPU tests (below), "profile" Nsight Compute over benchmarks,
@@ -56,6 +57,7 @@ export JAXOPS_CUDA_ARCHITECTURES="${JAXOPS_CUDA_ARCHITECTURES:-90a}"
 BUILD_DIR="${JAXOPS_BUILD_DIR:-$REPO/build/gpu}"
 TESTS_GPU_TIMEOUT="${TESTS_GPU_TIMEOUT:-180}"
 TESTS_ALL_TIMEOUT="${TESTS_ALL_TIMEOUT:-300}"
+TESTS_GPU_PER_TEST="${TESTS_GPU_PER_TEST:-90}"
 BENCH_TIMEOUT="${BENCH_TIMEOUT:-240}"
 STEPS="${STEPS:-tests_gpu tests_all bench}"
 SANITIZE_TOOLS="${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}"
@@ -164,9 +166,19 @@ record "build_info" "$INFO_RC"
 
 PYTEST=("$PYTHON" -m pytest -p no:cacheprovider --rootdir "$REPO" -c "$REPO/pyproject.toml")
 
+# Each GPU test under its own limit where pytest-timeout is installed, with the thread method: a
+# test stuck in native code (a kernel or a collective that never returns) cannot take a signal,
+# and the thread method dumps every thread's stack and ends the process, so the log names the
+# test (under xdist the worker is replaced) instead of the whole step running out of time.
+PER_TEST=()
+if "$PYTHON" -c "import pytest_timeout" >/dev/null 2>&1; then
+  PER_TEST=(--timeout "$TESTS_GPU_PER_TEST" --timeout-method thread)
+fi
+
 run_tests_gpu() {
   step "tests_gpu" "$OUT/tests_gpu.log" "$TESTS_GPU_TIMEOUT" \
-    "${PYTEST[@]}" -m gpu -q -rfE ${PYTEST_GPU_EXTRA[@]+"${PYTEST_GPU_EXTRA[@]}"} "${GPU_TESTS[@]}"
+    "${PYTEST[@]}" -m gpu -v -rfE ${PER_TEST[@]+"${PER_TEST[@]}"} \
+    ${PYTEST_GPU_EXTRA[@]+"${PYTEST_GPU_EXTRA[@]}"} "${GPU_TESTS[@]}"
 }
 
 run_tests_all() {
@@ -234,11 +246,15 @@ run_profile() {
     return
   fi
   for name in ${PROFILE_BENCHES:-fp8}; do
-    step "ncu_$name" "$OUT/ncu_$name.log" "${PROFILE_TIMEOUT:-240}" \
+    # No preallocation: ncu saves and restores the device memory in use around each replayed
+    # kernel, and XLA's default 75% of the GPU made the second kernel's replay fail.
+    XLA_PYTHON_CLIENT_PREALLOCATE=false step "ncu_$name" "$OUT/ncu_$name.log" "${PROFILE_TIMEOUT:-240}" \
       ncu --kernel-name-base mangled --kernel-name regex:jaxops --launch-count "${PROFILE_LAUNCHES:-24}" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats \
       --section Occupancy "$PYTHON" "$REPO/benchmarks/bench_$name.py" --repeats 1 \
       ${extra[@]+"${extra[@]}"}
+    # A profiled program that outlived ncu's time limit still holds the GPU's memory.
+    pkill -KILL -f "benchmarks/bench_$name.py" 2>/dev/null || true
   done
 }
 
