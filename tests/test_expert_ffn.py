@@ -1,8 +1,11 @@
-"""The expert layer's grouped GEMM loops off GPU (``jaxops.parallel.expert._ffn``): forward,
-input gradient and weight gradient against float64 numpy, for random group sizes (empty groups,
-groups of one tile, groups longer than the largest chunk, trailing padding rows)."""
+"""The expert layer's grouped GEMMs off GPU (``jaxops.parallel.expert._ffn``), the CPU custom
+calls (impl "ffi") and their twin, the loops of XLA GEMMs (impl "xla"): forward, input gradient
+and weight gradient against float64 numpy, for random group sizes (empty groups, groups of one
+tile, groups longer than the largest chunk, trailing padding rows)."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +35,7 @@ def _oracle(x, w, dy, sizes):
     return y, dx, dw
 
 
-def _check(sizes, spare_tiles, k, n, seed):
+def _check(sizes, spare_tiles, k, n, seed, impl):
     sizes = np.asarray(sizes, np.int32) * TILE
     rows = int(sizes.sum()) + spare_tiles * TILE
     rng = np.random.default_rng(seed)
@@ -43,9 +46,12 @@ def _check(sizes, spare_tiles, k, n, seed):
 
     @jax.jit
     def run(x, w, dy, groups):
-        y, vjp = jax.vjp(lambda x, w: _ffn._grouped_linear(TILE, False, None, x, w, groups), x, w)
+        y, vjp = jax.vjp(lambda x, w: _ffn._grouped_linear(TILE, False, impl, x, w, groups), x, w)
         return (y, *vjp(dy))
 
+    calls = set(re.findall(r"jaxops_grouped_gemm\w*", run.lower(x, w, dy, groups).as_text()))
+    want_calls = {"jaxops_grouped_gemm", "jaxops_grouped_gemm_wgrad"} if impl == "ffi" else set()
+    assert calls == want_calls, calls
     want = _oracle(x, w, dy, sizes)
     for name, got, ref in zip(("y", "dx", "dw"), run(x, w, dy, groups), want, strict=True):
         assert got.shape == ref.shape, name
@@ -67,8 +73,9 @@ def _check(sizes, spare_tiles, k, n, seed):
         pytest.param([1], 0, id="one-tile"),
     ],
 )
-def test_grouped_linear_loops(sizes, spare_tiles):
-    _check(sizes, spare_tiles, k=24, n=40, seed=0)
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_grouped_linear(sizes, spare_tiles, impl):
+    _check(sizes, spare_tiles, k=24, n=40, seed=0, impl=impl)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -78,8 +85,9 @@ def test_grouped_linear_loops(sizes, spare_tiles):
     k=st.integers(1, 40),
     n=st.integers(1, 40),
     seed=st.integers(0, 2**16),
+    impl=st.sampled_from(["ffi", "xla"]),
 )
-def test_fuzz_grouped_linear_loops(sizes, spare_tiles, k, n, seed):
+def test_fuzz_grouped_linear(sizes, spare_tiles, k, n, seed, impl):
     if sum(sizes) + spare_tiles == 0:
         spare_tiles = 1  # the loops' buffers hold at least one tile
-    _check(sizes, spare_tiles, k, n, seed)
+    _check(sizes, spare_tiles, k, n, seed, impl)

@@ -5,6 +5,7 @@
 
 #include "xla_ffi/checkpoint/crc32c.h"
 #include "xla_ffi/fp8/handlers.h"
+#include "xla_ffi/grouped_gemm/handlers.h"
 #include "xla_ffi/module_common.h"
 #include "xla_ffi/moe/handlers.h"
 #include "xla_ffi/rms_norm/handlers.h"
@@ -24,6 +25,8 @@ std::vector<Registration> Registrations() {
       Register("jaxops_moe_permute", MoePermuteCpu),
       Register("jaxops_moe_unpermute", MoeUnpermuteCpu),
       Register("jaxops_moe_unpermute_bwd", MoeUnpermuteBwdCpu),
+      Register("jaxops_grouped_gemm", GroupedGemmCpu),
+      Register("jaxops_grouped_gemm_wgrad", GroupedGemmWgradCpu),
   };
 }
 

@@ -33,9 +33,11 @@ permute pads each expert's group to ``align`` itself, which is the buffer the ex
 have made, and neither exchange runs (nor the all-gather of the counts).
 The grouped GEMM is ``jax.lax.ragged_dot`` on GPU; XLA:CPU's ragged_dot computes every group for
 every row (L times the work), so there groups are padded to 32-row tiles (``align`` becomes
-``lcm(align, 32)``) and each group is cut into chunks (as many of 256 rows as fit, then at most 3
-of 64 or 32): a loop over the non-empty groups slices a group's weights once and runs one GEMM
-per chunk; the backward computes a chunk's input and weight gradients in the same trip.
+``lcm(align, 32)``) and go through jaxops' grouped GEMM custom calls (one call per GEMM and one
+per weight gradient, the groups' tiles spread over the FFI thread pool). ``impl="xla"`` runs
+their twin: each group cut into chunks (as many of 256 rows as fit, then at most 3 of 64 or 32),
+a loop over the non-empty groups slicing a group's weights once and running one XLA GEMM per
+chunk; its backward computes a chunk's input and weight gradients in the same trip.
 
 Buffer sizes are static and never overflow (``Tl`` tokens per device, N devices on the expert
 axis, L local experts; top-k experts of a token are distinct, so a token sends at most

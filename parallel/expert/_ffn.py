@@ -3,11 +3,14 @@
 Rows arrive grouped by local expert, each group padded to a multiple of the plan's alignment.
 On GPU the grouped GEMM is ``jax.lax.ragged_dot``. XLA:CPU lowers ragged_dot to one dense dot
 over every group for every row (masked), L times the work; there the groups are padded to
-multiples of a 32-row tile and each group is cut into chunks, as many of 256 rows as fit, then
-at most 3 of 64 or 32; a loop over the non-empty groups slices each group's weights once and
-runs one GEMM per chunk (dynamic trip counts: the work follows the rows actually received, not
-the buffer's worst-case size), and the backward computes a chunk's input and weight gradients
-in the same trip, each group's weight gradient summed in place. With ``fp8="block"`` the GEMMs
+multiples of a 32-row tile and run jaxops' grouped GEMM custom calls
+(:mod:`jaxops._grouped_gemm`: the forward, the input gradient with the weights read transposed,
+the weight gradient). With ``impl="xla"`` their twin runs instead: each group cut into chunks,
+as many of 256 rows as fit, then at most 3 of 64 or 32; a loop over the non-empty groups slices
+each group's weights once and runs one GEMM per chunk (dynamic trip counts: the work follows the
+rows actually received, not the buffer's worst-case size), and the backward computes a chunk's
+input and weight gradients in the same trip, each group's weight gradient summed in a ``[K, N]``
+carry and written once. With ``fp8="block"`` the GEMMs
 use DeepSeek-V3's block-scaled FP8 numerics. Expert biases (``MoEConfig.expert_bias``) are
 added in float32 to the GEMMs' float32 outputs, each row taking its group's bias; padding rows
 take none, so they stay zero as without biases.
@@ -20,7 +23,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxops import fp8
+from jaxops import _grouped_gemm, fp8
+from jaxops._config import resolve_impl
 from jaxops._fp8.scales import GRAD_AMAX_FLOOR
 from jaxops._sharding import cotangent_like, vary_like
 
@@ -104,14 +108,28 @@ def _group_loop(tile: int, rows: int, groups, group_body, carry):
     return jax.lax.fori_loop(0, count, group, carry)
 
 
-def _gmm(tile: int, x, w, groups, transpose_w: bool = False) -> jax.Array:
+def _kernel(tile: int, impl) -> bool:
+    """Whether the grouped GEMMs run jaxops' CPU custom calls (off GPU, unless impl is "xla")."""
+    if tile == 0:
+        return False
+    available = _grouped_gemm.kernel_available()
+    return resolve_impl(impl, kernel_available=available, op="moe_layer") == "ffi"
+
+
+def _gmm(tile: int, x, w, groups, transpose_w: bool = False, impl=None) -> jax.Array:
     """``y[rows of group l] = x[rows] @ w[l]`` (``w[l].T`` with transpose_w), float32 ``[R, N]``.
 
-    Padding rows give zeros. Off GPU a loop over the groups runs one GEMM per chunk of their
+    Padding rows give zeros. On XLA:CPU the CPU custom call (:mod:`jaxops._grouped_gemm`), or
+    with ``impl="xla"`` its twin: a loop over the groups that runs one GEMM per chunk of their
     rows (:func:`_group_loop`) with the group's weights (with transpose_w the GEMM reads them
     transposed: no transposed copy of w is made).
     """
     group_sizes = groups[0]
+    if _kernel(tile, impl):
+        dtype = jnp.promote_types(x.dtype, w.dtype)
+        return _grouped_gemm.grouped_gemm(
+            x.astype(dtype), w.astype(dtype), group_sizes, transpose_w=transpose_w
+        )
     if tile == 0:
         w = jnp.swapaxes(w, 1, 2) if transpose_w else w
         return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
@@ -132,15 +150,23 @@ def _gmm(tile: int, x, w, groups, transpose_w: bool = False) -> jax.Array:
     return _group_loop(tile, x.shape[0], groups, group, out)
 
 
-def _gmm_bwd(tile: int, dy, w, x, dy_w, groups) -> tuple[jax.Array, jax.Array]:
+def _gmm_bwd(tile: int, dy, w, x, dy_w, groups, impl=None) -> tuple[jax.Array, jax.Array]:
     """The grouped GEMM's two gradients, float32: ``(dx [R, K], dw [L, K, N])``.
 
     ``dx[rows of l] = dy[rows] @ w[l].T`` and ``dw[l] = x[rows of l].T @ dy_w[rows of l]``
-    (dy_w: the gradient the wgrad reads; dy itself unless quantized differently). Off GPU one
-    loop over the groups computes both per chunk of rows, each group's weight gradient summed
-    in a ``[K, N]`` accumulator and written once; groups without rows get zeros.
+    (dy_w: the gradient the wgrad reads; dy itself unless quantized differently). On XLA:CPU
+    the CPU custom calls, or with ``impl="xla"`` one loop over the groups that computes both per
+    chunk of rows, each group's weight gradient summed in a ``[K, N]`` accumulator and written
+    once; groups without rows get zeros.
     """
     group_sizes = groups[0]
+    if _kernel(tile, impl):
+        dtype = jnp.promote_types(dy.dtype, w.dtype)
+        dx = _gmm(tile, dy.astype(dtype), w.astype(dtype), groups, True, impl)
+        dtype = jnp.promote_types(x.dtype, dy_w.dtype)
+        return dx, _grouped_gemm.grouped_gemm_wgrad(
+            x.astype(dtype), dy_w.astype(dtype), group_sizes
+        )
     if tile == 0:
         dx = _gmm(tile, dy, w, groups, transpose_w=True)
         _, vjp = jax.vjp(
@@ -199,8 +225,8 @@ def _grouped_linear_fwd(tile: int, quantized: bool | str, impl, x, w, groups):
         # so they are kept in the compute dtype (the weights'), as other inputs are.
         saved = x.astype(w.dtype) if quantized == "given" else x
         w = fp8.dequantize(fp8.quantize(w, block=(FP8_BLOCK, FP8_BLOCK), impl=impl), jnp.float32)
-        return _gmm(tile, xq, w, groups), ((saved, like), w, groups)
-    return _gmm(tile, x, w, groups), ((x, like), w, groups)
+        return _gmm(tile, xq, w, groups, impl=impl), ((saved, like), w, groups)
+    return _gmm(tile, x, w, groups, impl=impl), ((x, like), w, groups)
 
 
 def _grouped_linear_bwd(tile: int, quantized: bool | str, impl, saved, dy):
@@ -214,7 +240,7 @@ def _grouped_linear_bwd(tile: int, quantized: bool | str, impl, saved, dy):
     else:
         dyq = dys = dy.astype(x.dtype)
         xs = x
-    dx, dw = _gmm_bwd(tile, dyq, w, xs, dys, groups)
+    dx, dw = _gmm_bwd(tile, dyq, w, xs, dys, groups, impl=impl)
     dx = cotangent_like(dx.astype(x_like.dtype), x_like)
     return dx, cotangent_like(dw.astype(w.dtype), w), None
 

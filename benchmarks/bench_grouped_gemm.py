@@ -1,0 +1,223 @@
+"""Grouped GEMM benchmark: the expert FFN's CPU custom calls against the loop of XLA dots.
+
+One MoE layer's expert FFN on one CPU device, forward + backward (``jax.value_and_grad`` of
+``sum(y * y)`` over x, w_in and w_out) of::
+
+    h = grouped_linear(x, w_in)        # [R, 2F]
+    a = silu(h[:, :F]) * h[:, F:]      # [R, F]
+    y = grouped_linear(a, w_out)       # [R, D]
+
+with the expert layer's grouped GEMM (``jaxops.parallel.expert._ffn._grouped_linear``, the
+``custom_vjp`` op of ``grouped_ffn``, groups padded to multiples of ``CPU_TILE`` = 32 rows from
+row 0) run three ways in one process, timed interleaved on the same inputs, float32 throughout:
+
+- ``ffi``: ``impl="ffi"``, the CPU custom calls ``jaxops_grouped_gemm`` and
+  ``jaxops_grouped_gemm_wgrad`` (:mod:`jaxops._grouped_gemm`);
+- ``xla``: ``impl="xla"``, their twin: a ``fori_loop`` over the groups of XLA dots per chunk;
+- ``dense``: the lower bound of XLA's own dot on the same FLOPs: one dense ``x @ w_in[0]`` and
+  ``a @ w_out[0]`` over the U rows in groups (no grouping at all), with its backward.
+
+A case ``ExDxF:M`` has E experts, model width D and expert width F; each expert gets about M
+rows: group sizes drawn with a fixed numpy seed between 25/32 M and 5/4 M (200 to 320 for
+M = 256), rounded down to multiples of 32; R = U + 64 spare rows (U = the sum of the sizes; the
+grouped GEMMs skip the spare rows, as the layer's padding). ffi and xla are checked to give the
+same loss and gradients (relative error < 1e-5) before anything is timed, and the ffi program
+is checked to hold the custom calls (the xla one none). Reported per case: the median ms of
+each, GFLOP/s of each on ``3 x 2 x U x (D x 2F + F x D)`` (forward + backward), and the ratios
+xla/ffi and dense/ffi. The goal line: the custom calls are faster than the loop of XLA dots
+(xla/ffi >= 1) on every case.
+
+Usage, from the repository root: ``python benchmarks/bench_grouped_gemm.py`` runs the three
+default cases, ``--quick`` one small case (a smoke test, seconds on 2 cores), ``--cases
+32x256x128:256 --out benchmarks/results/cpu`` picks cases and saves the tables (the common
+flags: ``_harness.parser``). The process has one CPU device (``JAX_NUM_CPU_DEVICES`` overrides
+it); the custom calls are CPU-only, so on a GPU backend run it with ``JAX_PLATFORMS=cpu``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxops.parallel.expert import _ffn
+
+from jaxops import _grouped_gemm
+
+# The harness next to this script (also under ``python -m benchmarks.<script>``).
+H = importlib.import_module(f"{__package__}._harness" if __package__ else "_harness")
+
+# E x D x F : rows per expert (about)
+CASES = "32x256x128:256,16x256x256:256,8x1024x512:512"
+QUICK_CASES = "8x128x64:64"
+TILE = _ffn.CPU_TILE
+SPARE_ROWS = 64
+TOLERANCE = 1e-5
+IMPLS = ("ffi", "xla", "dense")
+CALLS = {"jaxops_grouped_gemm", "jaxops_grouped_gemm_wgrad"}
+
+COLUMNS = [
+    H.Column("case", "E x D x F : M", align="<"),
+    H.Column("rows", "U / R", align="<"),
+    H.Column("ffi_ms", "ffi ms", "{:.3f}"),
+    H.Column("xla_ms", "xla ms", "{:.3f}"),
+    H.Column("dense_ms", "dense ms", "{:.3f}"),
+    H.Column("ffi_gflops", "ffi GFLOP/s", "{:.1f}"),
+    H.Column("xla_gflops", "xla GFLOP/s", "{:.1f}"),
+    H.Column("dense_gflops", "dense GFLOP/s", "{:.1f}"),
+    H.Column("speedup", "xla/ffi", "{:.2f}x"),
+    H.Column("dense_ratio", "dense/ffi", "{:.2f}x"),
+]
+
+
+def parse_case(case: str) -> tuple[int, int, int, int]:
+    """``"32x256x128:256"`` -> (E, D, F, M)."""
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+):(\d+)", case.strip())
+    if match is None:
+        raise ValueError(f"bad case {case!r}: expected ExDxF:M, e.g. 32x256x128:256")
+    values = tuple(int(v) for v in match.groups())
+    if any(v < 1 for v in values):
+        raise ValueError(f"bad case {case!r}: every number must be >= 1")
+    return values  # type: ignore[return-value]
+
+
+def group_sizes(experts: int, per_expert: int, seed: int) -> np.ndarray:
+    """int32 [E]: drawn between 25/32 and 5/4 of `per_expert`, rounded down to the tile."""
+    low, high = round(per_expert * 25 / 32), round(per_expert * 5 / 4)
+    sizes = np.random.default_rng(seed).integers(low, high, size=experts, endpoint=True)
+    return (sizes // TILE * TILE).astype(np.int32)
+
+
+def _ffn_loss(impl: str):
+    """``sum(y * y)`` of the grouped FFN with the grouped GEMMs of `impl` ("ffi" or "xla")."""
+
+    def loss(x, w_in, w_out, groups):
+        h = _ffn._grouped_linear(TILE, False, impl, x, w_in, groups)
+        f = h.shape[1] // 2
+        a = jax.nn.silu(h[:, :f]) * h[:, f:]
+        y = _ffn._grouped_linear(TILE, False, impl, a, w_out, groups)
+        return jnp.sum(y * y)
+
+    return loss
+
+
+def _dense_loss(x, w_in, w_out):
+    """The same math as one dense GEMM per projection over every row of x."""
+    h = jnp.dot(x, w_in, preferred_element_type=jnp.float32)
+    f = h.shape[1] // 2
+    a = jax.nn.silu(h[:, :f]) * h[:, f:]
+    y = jnp.dot(a, w_out, preferred_element_type=jnp.float32)
+    return jnp.sum(y * y)
+
+
+def _rel_error(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def _check(case: str, fns, operands) -> None:
+    """Raises unless ffi and xla agree and only the ffi program holds the custom calls."""
+    for impl in ("ffi", "xla"):
+        text = fns[impl].lower(*operands[impl]).as_text()
+        calls = set(re.findall(r"jaxops_grouped_gemm\w*", text))
+        want = CALLS if impl == "ffi" else set()
+        if calls != want:
+            raise AssertionError(f"{case}: the {impl} program calls {sorted(calls)}, not {want}")
+    outs = {impl: jax.block_until_ready(fns[impl](*operands[impl])) for impl in ("ffi", "xla")}
+    (loss_ffi, grads_ffi), (loss_xla, grads_xla) = outs["ffi"], outs["xla"]
+    names = ("loss", "dx", "dw_in", "dw_out")
+    for name, got, want in zip(names, (loss_ffi, *grads_ffi), (loss_xla, *grads_xla), strict=True):
+        err = _rel_error(got, want)
+        if not err < TOLERANCE:
+            raise AssertionError(
+                f"{case}: {name} of impl='ffi' and impl='xla' differ (relative error {err:.3g})"
+            )
+
+
+def _case(args, case: str) -> dict[str, Any]:
+    e, d, f, m = parse_case(case)
+    sizes = group_sizes(e, m, args.seed)
+    used = int(sizes.sum())
+    rows = used + SPARE_ROWS
+    kx, ki, ko = jax.random.split(jax.random.key(args.seed), 3)
+    x = jax.random.normal(kx, (rows, d), jnp.float32)
+    w_in = jax.random.normal(ki, (e, d, 2 * f), jnp.float32) / np.sqrt(d)
+    w_out = jax.random.normal(ko, (e, f, d), jnp.float32) / np.sqrt(f)
+    groups = _ffn._groups(jnp.asarray(sizes))
+    grad = {"argnums": (0, 1, 2)}
+    fns = {
+        "ffi": jax.jit(jax.value_and_grad(_ffn_loss("ffi"), **grad)),
+        "xla": jax.jit(jax.value_and_grad(_ffn_loss("xla"), **grad)),
+        "dense": jax.jit(jax.value_and_grad(_dense_loss, **grad)),
+    }
+    dense_in = (jnp.array(x[:used]), jnp.array(w_in[0]), jnp.array(w_out[0]))
+    operands = {
+        "ffi": (x, w_in, w_out, groups),
+        "xla": (x, w_in, w_out, groups),
+        "dense": jax.block_until_ready(dense_in),
+    }
+    _check(case, fns, operands)
+    timings = H.time_interleaved(
+        {impl: (fns[impl], operands[impl]) for impl in IMPLS}, repeats=args.repeats
+    )
+    flops = 3 * 2 * used * (d * 2 * f + f * d)
+    seconds = {impl: timings[impl].median for impl in IMPLS}
+    row: dict[str, Any] = {
+        "case": case,
+        "rows": f"{used} / {rows}",
+        "experts": e,
+        "d": d,
+        "f": f,
+        "used_rows": used,
+        "total_rows": rows,
+        "group_sizes": sizes.tolist(),
+        "flops": flops,
+        **{f"{impl}_ms": 1e3 * s for impl, s in seconds.items()},
+        **{f"{impl}_gflops": flops / s / 1e9 for impl, s in seconds.items()},
+        "speedup": seconds["xla"] / seconds["ffi"],
+        "dense_ratio": seconds["dense"] / seconds["ffi"],
+        "timings": {impl: t.to_json() for impl, t in timings.items()},
+    }
+    H.log_row(row, COLUMNS)
+    return row
+
+
+def run(args) -> H.Result:
+    """Checks and times every case; the rows and the goal."""
+    if not _grouped_gemm.kernel_available():
+        raise SystemExit(
+            "bench_grouped_gemm: the grouped GEMM custom calls run on the CPU only (jax's default "
+            f"backend is {jax.default_backend()}); run it with JAX_PLATFORMS=cpu"
+        )
+    rows = [_case(args, case) for case in args.case_list]
+    text = "grouped GEMM custom calls faster than the loop of XLA dots (xla/ffi >= 1)"
+    goals = [H.worst_goal(rows, "speedup", 1.0, text, lambda r: r["case"])]
+    line = (
+        f"times are medians of {args.repeats} samples of fwd+bwd; GFLOP/s counts "
+        "3 x 2 x U x (D x 2F + F x D) on the U rows in groups (R = U + "
+        f"{SPARE_ROWS} spare rows); dense: one dot per projection over the U rows"
+    )
+    return H.Result(rows, COLUMNS, goals, lines=[line])
+
+
+def parse_args(argv: Sequence[str] | None = None):
+    """Command-line options: the common ones (:func:`_harness.parser`) and the cases."""
+    p = H.parser(__doc__, name="grouped_gemm", repeats=11, quick=f"case {QUICK_CASES}, 3 repeats")
+    p.add_list("--cases", CASES, "comma-separated ExDxF:M (M: rows per expert)", quick=QUICK_CASES)
+    p.add_argument("--seed", type=int, default=0, help="seed of the group sizes and inputs")
+    args = p.parse_args(argv)
+    for case in args.case_list:
+        try:
+            parse_case(case)
+        except ValueError as e:
+            p.error(str(e))
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(H.main(parse_args, run, cpu_devices=1))

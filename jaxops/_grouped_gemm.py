@@ -1,0 +1,154 @@
+"""Grouped GEMM custom calls of the CPU: consecutive groups of rows, each times its own matrix.
+
+The expert layer's grouped GEMMs (:mod:`jaxops.parallel.expert`) run here on XLA:CPU, where
+``jax.lax.ragged_dot`` is one dense dot over every group for every row. On GPUs the grouped GEMM
+is ``jax.lax.ragged_dot``; there is no CUDA kernel of this family.
+
+The rows of group g are rows ``[start_g, start_g + group_sizes[g])``, from row 0 in order. The
+kernels clip the sizes, which are device data: a negative size counts as 0, and no group reaches
+past the last row. Outputs are float32 (fp32 accumulation), whatever the inputs' dtype (float32,
+bfloat16 or float16).
+
+- :func:`grouped_gemm`: ``y[rows of g] = x[rows of g] @ w[g]`` (``w[g].T`` with
+  `transpose_w`); rows past the groups are zero. C++ ``GroupedGemm`` <-> target
+  ``"jaxops_grouped_gemm"`` <-> :data:`TARGET_GROUPED_GEMM`.
+- :func:`grouped_gemm_wgrad`: ``dw[g] = x[rows of g].T @ dy[rows of g]``; a group without rows
+  gets zeros. ``GroupedGemmWgrad`` <-> ``"jaxops_grouped_gemm_wgrad"`` <-> :data:`TARGET_WGRAD`.
+
+Both are plain custom calls (the expert layer's ``custom_vjp`` pairs them); their pure-JAX twin
+is ``jax.lax.ragged_dot`` and its VJP (:func:`grouped_gemm_reference`,
+:func:`grouped_gemm_wgrad_reference`), the tests' oracle besides float64 numpy.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxops import _checks, _ffi
+
+__all__ = [
+    "TARGET_GROUPED_GEMM",
+    "TARGET_WGRAD",
+    "grouped_gemm",
+    "grouped_gemm_reference",
+    "grouped_gemm_wgrad",
+    "grouped_gemm_wgrad_reference",
+    "kernel_available",
+]
+
+TARGET_GROUPED_GEMM = "jaxops_grouped_gemm"
+TARGET_WGRAD = "jaxops_grouped_gemm_wgrad"
+
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def kernel_available() -> bool:
+    """Whether the custom calls run here: jax's default backend is the CPU."""
+    return jax.default_backend() == "cpu" and (TARGET_GROUPED_GEMM, "cpu") in set(
+        _ffi.registered_targets()
+    )
+
+
+def _check(op: str, name: str, a, ndim: int, dtype=None) -> jax.Array:
+    """`a` as an array of rank `ndim` and dtype `dtype` (default: a float of :data:`_DTYPES`)."""
+    want = _DTYPES if dtype is None else (dtype,)
+    a = _checks.check_array(op, name, a, dtypes=tuple(np.dtype(d) for d in want))
+    if a.ndim != ndim:
+        raise ValueError(f"{op}: {name} must have {ndim} dimensions, got shape {a.shape}")
+    return a
+
+
+def _check_sizes(op: str, group_sizes, groups: int) -> jax.Array:
+    group_sizes = _check(op, "group_sizes", group_sizes, 1, jnp.int32)
+    if group_sizes.shape != (groups,):
+        raise ValueError(
+            f"{op}: group_sizes must be int32 [{groups}] (one size per group), got "
+            f"{group_sizes.shape}"
+        )
+    return group_sizes
+
+
+def grouped_gemm(x, w, group_sizes, *, transpose_w: bool = False) -> jax.Array:
+    """``y[rows of g] = x[rows of g] @ w[g]`` for consecutive groups of rows, float32.
+
+    Args:
+      x: ``[R, K]`` float32, bfloat16 or float16.
+      w: x's dtype, ``[G, K, N]`` (``[G, N, K]`` with `transpose_w`: read transposed, no copy).
+      group_sizes: int32 ``[G]``; group g is the next ``group_sizes[g]`` rows of x.
+      transpose_w: w's last two axes are ``[N, K]``.
+
+    Returns:
+      float32 ``[R, N]``; rows past the groups are zero.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxops._grouped_gemm import grouped_gemm
+      >>> x = jnp.ones((5, 3)); w = jnp.stack([jnp.eye(3), 2 * jnp.eye(3)])
+      >>> grouped_gemm(x, w, jnp.array([2, 2], jnp.int32))[:, 0].tolist()
+      [1.0, 1.0, 2.0, 2.0, 0.0]
+    """
+    op = "grouped_gemm"
+    x = _check(op, "x", x, 2)
+    w = _check(op, "w", w, 3, x.dtype)
+    k = x.shape[1]
+    wk, n = (w.shape[2], w.shape[1]) if transpose_w else (w.shape[1], w.shape[2])
+    if wk != k:
+        layout = "[G, N, K]" if transpose_w else "[G, K, N]"
+        raise ValueError(f"{op}: w must be {layout} with K = x.shape[1] = {k}; got {w.shape}")
+    group_sizes = _check_sizes(op, group_sizes, w.shape[0])
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return _ffi.ffi_call(TARGET_GROUPED_GEMM, out, x, w, group_sizes, transpose_w=bool(transpose_w))
+
+
+def grouped_gemm_wgrad(x, dy, group_sizes) -> jax.Array:
+    """``dw[g] = x[rows of g].T @ dy[rows of g]``, float32 ``[G, K, N]``.
+
+    Args:
+      x: ``[R, K]`` float32, bfloat16 or float16.
+      dy: x's dtype, ``[R, N]``.
+      group_sizes: int32 ``[G]``, as in :func:`grouped_gemm`.
+
+    Returns:
+      float32 ``[G, K, N]``; groups without rows get zeros.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxops._grouped_gemm import grouped_gemm_wgrad
+      >>> dw = grouped_gemm_wgrad(jnp.ones((4, 2)), jnp.ones((4, 3)), jnp.array([3, 0], jnp.int32))
+      >>> dw[:, 0, 0].tolist()
+      [3.0, 0.0]
+    """
+    op = "grouped_gemm_wgrad"
+    x = _check(op, "x", x, 2)
+    dy = _check(op, "dy", dy, 2, x.dtype)
+    if dy.shape[0] != x.shape[0]:
+        raise ValueError(f"{op}: dy must have x's {x.shape[0]} rows, got shape {dy.shape}")
+    group_sizes = _check(op, "group_sizes", group_sizes, 1, jnp.int32)
+    out = jax.ShapeDtypeStruct((group_sizes.shape[0], x.shape[1], dy.shape[1]), jnp.float32)
+    return _ffi.ffi_call(TARGET_WGRAD, out, x, dy, group_sizes)
+
+
+def _clipped(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """The kernels' reading of the sizes: negative as 0, none past the last row."""
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), rows)
+    return jnp.diff(ends, prepend=0).astype(jnp.int32)
+
+
+def grouped_gemm_reference(x, w, group_sizes, *, transpose_w: bool = False) -> jax.Array:
+    """The pure-JAX twin of :func:`grouped_gemm` (``jax.lax.ragged_dot``, float32)."""
+    w = jnp.swapaxes(w, 1, 2) if transpose_w else w
+    sizes = _clipped(group_sizes, x.shape[0])
+    return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+
+
+def grouped_gemm_wgrad_reference(x, dy, group_sizes) -> jax.Array:
+    """The pure-JAX twin of :func:`grouped_gemm_wgrad` (``ragged_dot``'s VJP, float32)."""
+    sizes = _clipped(group_sizes, x.shape[0])
+    shape = (group_sizes.shape[0], x.shape[1], dy.shape[1])
+    _, vjp = jax.vjp(
+        lambda w: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32),
+        jnp.zeros(shape, x.dtype),
+    )
+    return vjp(dy.astype(jnp.float32))[0].astype(jnp.float32)

@@ -1,0 +1,184 @@
+"""The grouped GEMM CPU custom calls (``jaxops._grouped_gemm``) against float64 numpy.
+
+Shapes cross the kernels' blocks (K, and a group's rows for the weight gradient, past one
+256-deep block, N past a 32-column panel, rows past a 12-row register tile and a 96-row task),
+with empty groups, negative and oversized group sizes (clipped), zero-size operands and one
+element; dtypes float32, bfloat16 and float16 (outputs float32). Also the pure-JAX twins,
+trace-time errors, vmap, shard_map on 8 devices and a hypothesis fuzz.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _numerics import rel_error
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxops import _grouped_gemm as gg
+from jaxops.testing import count_collectives
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+# Rows, K, N and the group sizes.
+SHAPES = {
+    "blocks-300x257x130": (300, 257, 130, [100, 0, 150, 20]),
+    "deep-97x600x33": (97, 600, 33, [40, 57]),
+    "tasks-250x64x96": (250, 64, 96, [250]),
+    "long-group-600x40x50": (600, 40, 50, [520, 80]),
+    "clipped-60x17x40": (60, 17, 40, [25, -4, 50, 9]),
+    "tiny-7x1x33": (7, 1, 33, [3, 4]),
+    "one-element": (1, 1, 1, [1]),
+    "no-rows": (0, 5, 4, [0, 3]),
+    "no-k": (9, 0, 6, [4, 5]),
+    "no-n": (9, 5, 0, [4, 5]),
+    "no-groups-used": (8, 5, 6, [0, 0]),
+}
+
+
+def _rows(sizes, rows):
+    """[(begin, end)] of each group as the kernels clip them."""
+    out, at = [], 0
+    for size in sizes:
+        end = min(rows, at + max(0, int(size)))
+        out.append((at, end))
+        at = end
+    return out
+
+
+def _oracle(x, w, dy, sizes):
+    """float64 (y, dw) of y[rows of g] = x[rows] @ w[g], dw[g] = x[rows].T @ dy[rows]."""
+    x, w, dy = (np.asarray(a, np.float64) for a in (x, w, dy))
+    y = np.zeros((x.shape[0], w.shape[2]))
+    dw = np.zeros_like(w)
+    for g, (b, e) in enumerate(_rows(sizes, x.shape[0])):
+        y[b:e] = x[b:e] @ w[g]
+        dw[g] = x[b:e].T @ dy[b:e]
+    return y, dw
+
+
+def _inputs(rows, k, n, sizes, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((len(sizes), k, n)), dtype)
+    dy = jnp.asarray(rng.standard_normal((rows, n)), dtype)
+    return x, w, dy, jnp.asarray(sizes, jnp.int32)
+
+
+def _close(got, want):
+    assert got.dtype == jnp.float32 and got.shape == want.shape, (got.dtype, got.shape)
+    # The inputs are exact in float32; the sums are float32 in a different order than numpy's.
+    if want.size:
+        assert rel_error(got, want) < 1e-5, rel_error(got, want)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_kernels_match_float64(shape, dtype):
+    rows, k, n, sizes = SHAPES[shape]
+    x, w, dy, gs = _inputs(rows, k, n, sizes, dtype)
+    y_ref, dw_ref = _oracle(x, w, dy, sizes)
+    y = jax.jit(gg.grouped_gemm)(x, w, gs)
+    y_t = jax.jit(lambda x, w, gs: gg.grouped_gemm(x, w, gs, transpose_w=True))(
+        x, jnp.swapaxes(w, 1, 2), gs
+    )
+    dw = jax.jit(gg.grouped_gemm_wgrad)(x, dy, gs)
+    _close(y, y_ref)
+    _close(y_t, y_ref)
+    _close(dw, dw_ref)
+    # Rows past the groups and the gradients of groups without rows are exactly zero.
+    spans = _rows(sizes, rows)
+    used = spans[-1][1]
+    assert not np.asarray(y)[used:].any()
+    empty = [g for g, (b, e) in enumerate(spans) if b == e]
+    assert not np.asarray(dw)[empty].any()
+
+
+@pytest.mark.parametrize("shape", ["blocks-300x257x130", "clipped-60x17x40", "no-rows"])
+def test_twins_match_float64(shape):
+    rows, k, n, sizes = SHAPES[shape]
+    x, w, dy, gs = _inputs(rows, k, n, sizes, jnp.float32)
+    y_ref, dw_ref = _oracle(x, w, dy, sizes)
+    _close(gg.grouped_gemm_reference(x, w, gs), y_ref)
+    _close(gg.grouped_gemm_reference(x, jnp.swapaxes(w, 1, 2), gs, transpose_w=True), y_ref)
+    _close(gg.grouped_gemm_wgrad_reference(x, dy, gs), dw_ref)
+
+
+def test_bad_input_is_named_at_trace_time():
+    x, w, dy, gs = _inputs(8, 5, 6, [4, 4], jnp.float32)
+    with pytest.raises(TypeError, match=r"grouped_gemm: w must have dtype float32; got bfloat16"):
+        gg.grouped_gemm(x, w.astype(jnp.bfloat16), gs)
+    with pytest.raises(ValueError, match=r"grouped_gemm: w must be \[G, K, N\] with K = .* 5"):
+        gg.grouped_gemm(x, jnp.swapaxes(w, 1, 2), gs)
+    with pytest.raises(ValueError, match=r"grouped_gemm: w must have 3 dimensions"):
+        gg.grouped_gemm(x, w[0], gs)
+    with pytest.raises(ValueError, match=r"group_sizes must be int32 \[2\]"):
+        gg.grouped_gemm(x, w, gs[:1])
+    with pytest.raises(TypeError, match=r"group_sizes must have dtype int32; got float32"):
+        gg.grouped_gemm(x, w, gs.astype(jnp.float32))
+    with pytest.raises(TypeError, match=r"grouped_gemm: x must have dtype float32, bfloat16"):
+        gg.grouped_gemm(x.astype(jnp.int32), w, gs)
+    with pytest.raises(ValueError, match=r"grouped_gemm_wgrad: dy must have x's 8 rows"):
+        gg.grouped_gemm_wgrad(x, dy[:3], gs)
+    with pytest.raises(TypeError, match=r"grouped_gemm_wgrad: dy must have dtype float32"):
+        gg.grouped_gemm_wgrad(x, dy.astype(jnp.float16), gs)
+
+
+def test_vmap_runs_each_example():
+    x, w, dy, gs = _inputs(40, 9, 11, [10, 0, 25], jnp.float32)
+    xs = jnp.stack([x, 2 * x])
+    sizes = jnp.stack([gs, jnp.asarray([40, 0, 0], jnp.int32)])
+    ys = jax.vmap(gg.grouped_gemm, in_axes=(0, None, 0))(xs, w, sizes)
+    for i in range(2):
+        _close(ys[i], _oracle(xs[i], w, dy, np.asarray(sizes[i]))[0])
+
+
+def test_inside_shard_map_each_device_multiplies_its_own_groups():
+    devices = jax.devices("cpu")[:8]
+    mesh = jax.make_mesh((len(devices),), ("expert",), devices=devices)
+    n_dev, rows, k, n, groups = len(devices), 48, 20, 36, 3
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((n_dev * rows, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((n_dev * groups, k, n)), jnp.float32)
+    sizes = jnp.asarray(rng.integers(0, 17, (n_dev * groups,)), jnp.int32)
+    host = tuple(np.asarray(a) for a in (x, w, sizes))
+    x, w, sizes = jax.device_put((x, w, sizes), NamedSharding(mesh, P("expert")))
+
+    @jax.jit
+    def f(x, w, sizes):
+        return jax.shard_map(
+            gg.grouped_gemm,
+            mesh=mesh,
+            in_specs=(P("expert"), P("expert"), P("expert")),
+            out_specs=P("expert"),
+        )(x, w, sizes)
+
+    assert count_collectives(f.lower(x, w, sizes).compile().as_text()) == {}
+    y = np.asarray(f(x, w, sizes))
+    hx, hw, hsizes = host
+    for d in range(n_dev):
+        part = slice(d * rows, (d + 1) * rows)
+        g = slice(d * groups, (d + 1) * groups)
+        want = _oracle(hx[part], hw[g], np.zeros((rows, n)), hsizes[g])[0]
+        _close(jnp.asarray(y[part]), want)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=st.integers(0, 130),
+    k=st.integers(0, 70),
+    n=st.integers(0, 70),
+    sizes=st.lists(st.integers(-5, 80), min_size=1, max_size=5),
+    dtype=st.sampled_from(DTYPES),
+    transpose_w=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_fuzz_against_float64(rows, k, n, sizes, dtype, transpose_w, seed):
+    x, w, dy, gs = _inputs(rows, k, n, sizes, dtype, seed)
+    y_ref, dw_ref = _oracle(x, w, dy, sizes)
+    wt = jnp.swapaxes(w, 1, 2) if transpose_w else w
+    _close(gg.grouped_gemm(x, wt, gs, transpose_w=transpose_w), y_ref)
+    _close(gg.grouped_gemm_wgrad(x, dy, gs), dw_ref)

@@ -1,0 +1,422 @@
+// Grouped GEMM CPU kernels: the expert FFNs' GEMMs, one custom call per grouped GEMM.
+//
+//   * GroupedGemm: y[rows of g] = x[rows of g] @ w[g] (w[g]^T with transpose_w), fp32 y; rows
+//     past the groups are zero.
+//   * GroupedGemmWgrad: dw[g] = x[rows of g]^T @ dy[rows of g], fp32; a group without rows
+//     gets zeros.
+//
+// Blocked the way BLIS blocks a GEMM: a task owns up to kMb rows of one group's output; per
+// block of kKc along the contraction it packs its rows of A into panels of kMr rows and, per
+// kNr = 32 output columns, a panel of B, both as fp32 (so every dtype and every layout, x^T for
+// the weight gradient and w^T for the input gradient included, reaches one micro-kernel), and
+// the micro-kernel keeps a kMr x 32 tile of fp32 sums in registers over the block. Tasks run on
+// the FFI thread pool, taken from a shared counter, so the groups' GEMMs spread over the cores
+// with no loop of small XLA ops around them. fp32 accumulation throughout; the blocks of the
+// contraction are added in order.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define JAXOPS_GROUPED_GEMM_AVX512 1
+#endif
+
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/common/cpu_dispatch.h"
+#include "xla_ffi/common/cpu_parallel.h"
+#include "xla_ffi/common/ffi_util.h"
+#include "xla_ffi/common/host_float.h"
+#include "xla_ffi/grouped_gemm/grouped_gemm.h"
+#include "xla_ffi/grouped_gemm/handlers.h"
+
+namespace jaxops::grouped_gemm {
+namespace {
+
+// Rows of the micro-kernels' register tiles: AVX-512 holds 12 x 32 fp32 sums in 24 of its 32
+// registers; the portable kernel (AVX2 or the baseline, as the compiler vectorizes it) 4 x 32.
+constexpr int64_t kMrAvx512 = 12;
+constexpr int64_t kMrPortable = 4;
+static_assert(kMb % kMrAvx512 == 0 && kMb % kMrPortable == 0, "kMb: whole register tiles");
+
+// ---------------------------------------------------------------------------------------------
+// Micro-kernels: c[mr, nr] (+)= A (kc x kMr, packed [kc][kMr]) times B (kc x kNr, packed
+// [kc][kNr]); c has leading dimension ldc. accumulate: add to c (a later block of the
+// contraction); else overwrite it.
+
+template <int64_t kMr>
+JAXOPS_CPU_CLONES void MicroPortable(int64_t kc, const float* ap, const float* bp, float* c,
+                                     int64_t ldc, int64_t mr, int64_t nr, bool accumulate) {
+  float acc[kMr][kNr] = {};
+  for (int64_t k = 0; k < kc; ++k) {
+    for (int64_t i = 0; i < kMr; ++i) {
+      const float a = ap[k * kMr + i];
+      for (int64_t j = 0; j < kNr; ++j) acc[i][j] += a * bp[k * kNr + j];
+    }
+  }
+  for (int64_t i = 0; i < mr; ++i) {
+    float* row = c + i * ldc;
+    for (int64_t j = 0; j < nr; ++j) row[j] = (accumulate ? row[j] : 0.0f) + acc[i][j];
+  }
+}
+
+#if defined(JAXOPS_GROUPED_GEMM_AVX512)
+bool HasAvx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  return has;
+}
+
+__attribute__((target("avx512f,fma"))) void MicroAvx512(int64_t kc, const float* ap,
+                                                        const float* bp, float* c, int64_t ldc,
+                                                        int64_t mr, int64_t nr, bool accumulate) {
+  __m512 lo[kMrAvx512];
+  __m512 hi[kMrAvx512];
+  for (int64_t i = 0; i < kMrAvx512; ++i) {
+    lo[i] = _mm512_setzero_ps();
+    hi[i] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m512 b0 = _mm512_loadu_ps(bp + k * kNr);
+    const __m512 b1 = _mm512_loadu_ps(bp + k * kNr + 16);
+    const float* a = ap + k * kMrAvx512;
+#pragma GCC unroll 12
+    for (int64_t i = 0; i < kMrAvx512; ++i) {
+      const __m512 ai = _mm512_set1_ps(a[i]);
+      lo[i] = _mm512_fmadd_ps(ai, b0, lo[i]);
+      hi[i] = _mm512_fmadd_ps(ai, b1, hi[i]);
+    }
+  }
+  // Columns past nr are masked off (a masked load or store touches no memory there).
+  const __mmask16 mask_lo = nr >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nr) - 1u);
+  const __mmask16 mask_hi = nr >= 32  ? __mmask16(0xFFFF)
+                            : nr > 16 ? __mmask16((1u << (nr - 16)) - 1u)
+                                      : __mmask16(0);
+  for (int64_t i = 0; i < mr; ++i) {
+    float* row = c + i * ldc;
+    __m512 v0 = lo[i];
+    __m512 v1 = hi[i];
+    if (accumulate) {
+      v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(mask_lo, row));
+      v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(mask_hi, row + 16));
+    }
+    _mm512_mask_storeu_ps(row, mask_lo, v0);
+    _mm512_mask_storeu_ps(row + 16, mask_hi, v1);
+  }
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Packing into fp32 panels, zero-padded to whole register tiles.
+
+// A panels from `rows` rows of a row-major matrix (leading dimension ld), columns [k0, k0 + kc):
+// panel p holds rows [p kMr, (p + 1) kMr) as [kc][kMr].
+template <int64_t kMr, typename X>
+JAXOPS_CPU_CLONES void PackRows(const X* src, int64_t ld, int64_t rows, int64_t k0, int64_t kc,
+                                float* dst) {
+  for (int64_t p = 0; p * kMr < rows; ++p) {
+    float* panel = dst + p * kc * kMr;
+    const int64_t mr = std::min(kMr, rows - p * kMr);
+    for (int64_t i = 0; i < kMr; ++i) {
+      if (i >= mr) {
+        for (int64_t k = 0; k < kc; ++k) panel[k * kMr + i] = 0.0f;
+        continue;
+      }
+      const X* row = src + (p * kMr + i) * ld + k0;
+      for (int64_t k = 0; k < kc; ++k) panel[k * kMr + i] = HostType<X>::Load(row[k]);
+    }
+  }
+}
+
+// A panels of the transpose: A(i, k) = src[(k0 + k) ld + c0 + i] for i < cols (columns of a
+// row-major matrix become the panel's rows; each of its rows is read contiguously).
+template <int64_t kMr, typename X>
+JAXOPS_CPU_CLONES void PackColumns(const X* src, int64_t ld, int64_t c0, int64_t cols, int64_t k0,
+                                   int64_t kc, float* dst) {
+  for (int64_t p = 0; p * kMr < cols; ++p) {
+    float* panel = dst + p * kc * kMr;
+    const int64_t mr = std::min(kMr, cols - p * kMr);
+    for (int64_t k = 0; k < kc; ++k) {
+      const X* row = src + (k0 + k) * ld + c0 + p * kMr;
+      float* out = panel + k * kMr;
+      for (int64_t i = 0; i < mr; ++i) out[i] = HostType<X>::Load(row[i]);
+      for (int64_t i = mr; i < kMr; ++i) out[i] = 0.0f;
+    }
+  }
+}
+
+// A B panel [kc][kNr]: B(k, j) = src[(k0 + k) ld + n0 + j] (row-major B), j < nr.
+template <typename X>
+JAXOPS_CPU_CLONES void PackB(const X* src, int64_t ld, int64_t k0, int64_t kc, int64_t n0,
+                             int64_t nr, float* dst) {
+  for (int64_t k = 0; k < kc; ++k) {
+    const X* row = src + (k0 + k) * ld + n0;
+    float* out = dst + k * kNr;
+    for (int64_t j = 0; j < nr; ++j) out[j] = HostType<X>::Load(row[j]);
+    for (int64_t j = nr; j < kNr; ++j) out[j] = 0.0f;
+  }
+}
+
+// A B panel of a transposed B: B(k, j) = src[(n0 + j) ld + k0 + k], j < nr.
+template <typename X>
+JAXOPS_CPU_CLONES void PackBTransposed(const X* src, int64_t ld, int64_t k0, int64_t kc, int64_t n0,
+                                       int64_t nr, float* dst) {
+  for (int64_t j = 0; j < kNr; ++j) {
+    if (j >= nr) {
+      for (int64_t k = 0; k < kc; ++k) dst[k * kNr + j] = 0.0f;
+      continue;
+    }
+    const X* col = src + (n0 + j) * ld + k0;
+    for (int64_t k = 0; k < kc; ++k) dst[k * kNr + j] = HostType<X>::Load(col[k]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tasks.
+
+struct Problem {
+  int64_t rows = 0;    // R
+  int64_t k = 0;       // x's columns (the contraction of the forward)
+  int64_t n = 0;       // y's columns (dy's for the weight gradient)
+  int64_t groups = 0;  // G
+};
+
+template <typename X>
+struct ForwardArgs {
+  Problem p;
+  const X* x = nullptr;  // [R, K]
+  const X* w = nullptr;  // [G, K, N], or [G, N, K] with transpose_w
+  bool transpose_w = false;
+  float* y = nullptr;  // [R, N]
+};
+
+template <typename X>
+struct WgradArgs {
+  Problem p;
+  const X* x = nullptr;   // [R, K]
+  const X* dy = nullptr;  // [R, N]
+  float* dw = nullptr;    // [G, K, N]
+};
+
+// Scratch of one worker: an A block of kMb x kKc and a B panel of kKc x kNr, fp32.
+struct Scratch {
+  std::vector<float> a = std::vector<float>(kMb * kKc);
+  std::vector<float> b = std::vector<float>(kKc * kNr);
+};
+
+using Micro = void (*)(int64_t, const float*, const float*, float*, int64_t, int64_t, int64_t,
+                       bool);
+
+// y rows [t.first, t.first + t.rows) of group t.group.
+template <int64_t kMr, typename X>
+void ForwardTask(const ForwardArgs<X>& a, const Task& t, Micro micro, Scratch& s) {
+  const Problem& p = a.p;
+  const X* w = a.w + t.group * p.k * p.n;
+  float* y = a.y + t.first * p.n;
+  if (p.k == 0) {
+    std::fill(y, y + t.rows * p.n, 0.0f);
+    return;
+  }
+  for (int64_t k0 = 0; k0 < p.k; k0 += kKc) {
+    const int64_t kc = std::min(kKc, p.k - k0);
+    PackRows<kMr>(a.x + t.first * p.k, p.k, t.rows, k0, kc, s.a.data());
+    for (int64_t n0 = 0; n0 < p.n; n0 += kNr) {
+      const int64_t nr = std::min(kNr, p.n - n0);
+      if (a.transpose_w) {
+        PackBTransposed(w, p.k, k0, kc, n0, nr, s.b.data());
+      } else {
+        PackB(w, p.n, k0, kc, n0, nr, s.b.data());
+      }
+      for (int64_t r = 0; r < t.rows; r += kMr) {
+        micro(kc, s.a.data() + (r / kMr) * kc * kMr, s.b.data(), y + r * p.n + n0, p.n,
+              std::min(kMr, t.rows - r), nr, k0 > 0);
+      }
+    }
+  }
+}
+
+// dw[t.group] rows [t.first, t.first + t.rows) (columns of x), over the group's rows.
+template <int64_t kMr, typename X>
+void WgradTask(const WgradArgs<X>& a, const GroupRows& groups, const Task& t, Micro micro,
+               Scratch& s) {
+  const Problem& p = a.p;
+  float* dw = a.dw + (t.group * p.k + t.first) * p.n;
+  const int64_t begin = groups.begins[t.group];
+  const int64_t end = groups.ends[t.group];
+  if (begin == end) {
+    std::fill(dw, dw + t.rows * p.n, 0.0f);
+    return;
+  }
+  for (int64_t r0 = begin; r0 < end; r0 += kKc) {
+    const int64_t kc = std::min(kKc, end - r0);
+    PackColumns<kMr>(a.x, p.k, t.first, t.rows, r0, kc, s.a.data());
+    for (int64_t n0 = 0; n0 < p.n; n0 += kNr) {
+      const int64_t nr = std::min(kNr, p.n - n0);
+      PackB(a.dy, p.n, r0, kc, n0, nr, s.b.data());
+      for (int64_t r = 0; r < t.rows; r += kMr) {
+        micro(kc, s.a.data() + (r / kMr) * kc * kMr, s.b.data(), dw + r * p.n + n0, p.n,
+              std::min(kMr, t.rows - r), nr, r0 > begin);
+      }
+    }
+  }
+}
+
+// Bytes of memory traffic of a task of `rows` rows (ParallelFor's unit of work).
+int64_t TaskBytes(const Problem& p, int64_t contraction) {
+  return (kMb * contraction + contraction * p.n + kMb * p.n) * int64_t{4};
+}
+
+// Runs task(t, micro, scratch) for every task over the pool, with the micro-kernel this machine
+// has (kMr rows: its tiles).
+template <typename RunTask>
+ffi::Future RunTasks(ffi::ThreadPool& pool, std::vector<Task> tasks, int64_t item_bytes,
+                     RunTask run) {
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  return ParallelFor(pool, n, item_bytes,
+                     [tasks = std::move(tasks), run](int64_t begin, int64_t end) {
+                       Scratch scratch;
+                       for (int64_t i = begin; i < end; ++i) run(tasks[i], scratch);
+                     });
+}
+
+template <typename X>
+ffi::Future ForwardImpl(ffi::ThreadPool& pool, const ForwardArgs<X>& a, const int32_t* sizes) {
+  const Problem& p = a.p;
+  const GroupRows groups = ClipGroups(sizes, p.groups, p.rows);
+  // Rows past the last group: zeros.
+  const int64_t used = p.groups > 0 ? groups.ends.back() : 0;
+  std::fill(a.y + used * p.n, a.y + p.rows * p.n, 0.0f);
+  std::vector<Task> tasks =
+      MakeTasks(p.groups, [&](int64_t g) { return std::pair(groups.begins[g], groups.ends[g]); });
+#if defined(JAXOPS_GROUPED_GEMM_AVX512)
+  if (HasAvx512()) {
+    return RunTasks(pool, std::move(tasks), TaskBytes(p, p.k), [a](const Task& t, Scratch& s) {
+      ForwardTask<kMrAvx512>(a, t, MicroAvx512, s);
+    });
+  }
+#endif
+  return RunTasks(pool, std::move(tasks), TaskBytes(p, p.k), [a](const Task& t, Scratch& s) {
+    ForwardTask<kMrPortable>(a, t, MicroPortable<kMrPortable>, s);
+  });
+}
+
+template <typename X>
+ffi::Future WgradImpl(ffi::ThreadPool& pool, const WgradArgs<X>& a, const int32_t* sizes) {
+  const Problem& p = a.p;
+  GroupRows groups = ClipGroups(sizes, p.groups, p.rows);
+  std::vector<Task> tasks =
+      MakeTasks(p.groups, [&](int64_t) { return std::pair(int64_t{0}, p.k); });
+  // A group's contraction is its rows (kMb of them taken as a typical group for the split).
+  const int64_t bytes = TaskBytes(p, kMb);
+#if defined(JAXOPS_GROUPED_GEMM_AVX512)
+  if (HasAvx512()) {
+    return RunTasks(pool, std::move(tasks), bytes, [a, groups](const Task& t, Scratch& s) {
+      WgradTask<kMrAvx512>(a, groups, t, MicroAvx512, s);
+    });
+  }
+#endif
+  return RunTasks(pool, std::move(tasks), bytes, [a, groups](const Task& t, Scratch& s) {
+    WgradTask<kMrPortable>(a, groups, t, MicroPortable<kMrPortable>, s);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation and dtype dispatch.
+
+ffi::Error CheckGroups(const char* op, const ffi::Buffer<ffi::S32>& sizes, int64_t groups) {
+  if (sizes.dimensions().size() != 1 || sizes.dimensions()[0] != groups) {
+    return InvalidArgument(std::string(op) + ": group_sizes must be int32 [" +
+                           std::to_string(groups) + "], got " + ShapeString(sizes));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Future ForwardDispatch(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                            ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                            bool transpose_w) {
+  constexpr const char* kOp = "grouped_gemm";
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3) {
+    return ReadyFuture(InvalidArgument(std::string(kOp) + ": x must be [R, K] and w [G, K, N] " +
+                                       "(or [G, N, K]); got x " + ShapeString(x) + ", w " +
+                                       ShapeString(w)));
+  }
+  Problem p;
+  p.rows = xd[0];
+  p.k = xd[1];
+  p.groups = wd[0];
+  p.n = transpose_w ? wd[1] : wd[2];
+  const int64_t wk = transpose_w ? wd[2] : wd[1];
+  if (wk != p.k || w.element_type() != x.element_type()) {
+    return ReadyFuture(InvalidArgument(std::string(kOp) +
+                                       ": w must hold x's dtype and K = " + std::to_string(p.k) +
+                                       "; got x " + ShapeString(x) + ", w " + ShapeString(w)));
+  }
+  if (auto e = CheckGroups(kOp, sizes, p.groups); e.failure()) return ReadyFuture(std::move(e));
+  const auto yd = y->dimensions();
+  if (yd.size() != 2 || yd[0] != p.rows || yd[1] != p.n) {
+    return ReadyFuture(InvalidArgument(std::string(kOp) + ": y must be float32 [" +
+                                       std::to_string(p.rows) + ", " + std::to_string(p.n) +
+                                       "], got " + ShapeString(*y)));
+  }
+  return DispatchFloat(kOp, "x", x.element_type(), [&](auto tag) {
+    using X = typename decltype(tag)::type;
+    ForwardArgs<X> a;
+    a.p = p;
+    a.x = static_cast<const X*>(x.untyped_data());
+    a.w = static_cast<const X*>(w.untyped_data());
+    a.transpose_w = transpose_w;
+    a.y = y->typed_data();
+    return ForwardImpl<X>(pool, a, sizes.typed_data());
+  });
+}
+
+ffi::Future WgradDispatch(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy,
+                          ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::Buffer<ffi::F32>> dw) {
+  constexpr const char* kOp = "grouped_gemm_wgrad";
+  const auto xd = x.dimensions();
+  const auto dyd = dy.dimensions();
+  const auto dwd = dw->dimensions();
+  if (xd.size() != 2 || dyd.size() != 2 || dwd.size() != 3 || dyd[0] != xd[0] || dwd[1] != xd[1] ||
+      dwd[2] != dyd[1] || dy.element_type() != x.element_type()) {
+    return ReadyFuture(InvalidArgument(
+        std::string(kOp) + ": x [R, K], dy [R, N] of x's dtype and dw float32 [G, K, N]; got x " +
+        ShapeString(x) + ", dy " + ShapeString(dy) + ", dw " + ShapeString(*dw)));
+  }
+  Problem p;
+  p.rows = xd[0];
+  p.k = xd[1];
+  p.n = dyd[1];
+  p.groups = dwd[0];
+  if (auto e = CheckGroups(kOp, sizes, p.groups); e.failure()) return ReadyFuture(std::move(e));
+  return DispatchFloat(kOp, "x", x.element_type(), [&](auto tag) {
+    using X = typename decltype(tag)::type;
+    WgradArgs<X> a;
+    a.p = p;
+    a.x = static_cast<const X*>(x.untyped_data());
+    a.dy = static_cast<const X*>(dy.untyped_data());
+    a.dw = dw->typed_data();
+    return WgradImpl<X>(pool, a, sizes.typed_data());
+  });
+}
+
+}  // namespace
+}  // namespace jaxops::grouped_gemm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedGemmCpu, jaxops::grouped_gemm::ForwardDispatch,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()  // pool
+                                  .Arg<xla::ffi::AnyBuffer>()   // x [R, K]
+                                  .Arg<xla::ffi::AnyBuffer>()   // w [G, K, N] | [G, N, K]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // group_sizes [G]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // y [R, N]
+                                  .Attr<bool>("transpose_w"));             // w is [G, N, K]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedGemmWgradCpu, jaxops::grouped_gemm::WgradDispatch,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()               // pool
+                                  .Arg<xla::ffi::AnyBuffer>()                // x [R, K]
+                                  .Arg<xla::ffi::AnyBuffer>()                // dy [R, N]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // group_sizes [G]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // dw [G, K, N]

@@ -1,0 +1,14 @@
+// Handler symbols of the grouped GEMM family, defined in cpu.cc and exported to Python by the CPU
+// nanobind module. Names follow the chain C++ handler <-> FFI target <-> Python constant:
+//   GroupedGemm      <-> "jaxops_grouped_gemm"       <-> jaxops._grouped_gemm.TARGET_GROUPED_GEMM
+//   GroupedGemmWgrad <-> "jaxops_grouped_gemm_wgrad" <-> jaxops._grouped_gemm.TARGET_WGRAD
+#ifndef JAXOPS_XLA_FFI_GROUPED_GEMM_HANDLERS_H_
+#define JAXOPS_XLA_FFI_GROUPED_GEMM_HANDLERS_H_
+
+#include "xla/ffi/api/ffi.h"
+
+// extern "C" symbols, so they live in the global namespace.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmWgradCpu);
+
+#endif  // JAXOPS_XLA_FFI_GROUPED_GEMM_HANDLERS_H_
