@@ -15,6 +15,7 @@
 // contraction are added in order.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -62,8 +63,14 @@ JAXOPS_CPU_CLONES void MicroPortable(int64_t kc, const float* ap, const float* b
 }
 
 #if defined(JAXOPS_GROUPED_GEMM_AVX512)
+// Whether the AVX-512 micro-kernel runs: the CPU has it, and JAXOPS_CPU_PORTABLE_GEMM is not set
+// to 1 (which picks the portable kernel, for its tests on machines with AVX-512).
 bool HasAvx512() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  static const bool has = [] {
+    const char* portable = std::getenv("JAXOPS_CPU_PORTABLE_GEMM");
+    if (portable != nullptr && std::strcmp(portable, "1") == 0) return false;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  }();
   return has;
 }
 
