@@ -5,7 +5,8 @@
 //   * GroupedGemmWgrad: dw[g] = x[rows of g]^T @ dy[rows of g], fp32; a group without rows
 //     gets zeros.
 //
-// Blocked the way BLIS blocks a GEMM: a task owns up to kMb rows of one group's output; per
+// Blocked the way BLIS blocks a GEMM: a task owns up to kMb rows of one group's output (fewer
+// when that leaves a core without work: TaskRows); per
 // block of kKc along the contraction it packs its rows of A into panels of kMr rows and, per
 // kNr = 32 output columns, a panel of B, both as fp32 (so every dtype and every layout, x^T for
 // the weight gradient and w^T for the input gradient included, reaches one micro-kernel), and
@@ -269,8 +270,8 @@ void WgradTask(const WgradArgs<X>& a, const GroupRows& groups, const Task& t, Mi
 }
 
 // Bytes of memory traffic of a task of `rows` rows (ParallelFor's unit of work).
-int64_t TaskBytes(const Problem& p, int64_t contraction) {
-  return (kMb * contraction + contraction * p.n + kMb * p.n) * int64_t{4};
+int64_t TaskBytes(const Problem& p, int64_t rows, int64_t contraction) {
+  return (rows * contraction + contraction * p.n + rows * p.n) * int64_t{4};
 }
 
 // Runs task(t, micro, scratch) for every task over the pool, with the micro-kernel this machine
@@ -293,28 +294,32 @@ ffi::Future ForwardImpl(ffi::ThreadPool& pool, const ForwardArgs<X>& a, const in
   // Rows past the last group: zeros.
   const int64_t used = p.groups > 0 ? groups.ends.back() : 0;
   std::fill(a.y + used * p.n, a.y + p.rows * p.n, 0.0f);
-  std::vector<Task> tasks =
-      MakeTasks(p.groups, [&](int64_t g) { return std::pair(groups.begins[g], groups.ends[g]); });
+  const int64_t task_rows = TaskRows(used, pool.num_threads());
+  std::vector<Task> tasks = MakeTasks(
+      p.groups, task_rows, [&](int64_t g) { return std::pair(groups.begins[g], groups.ends[g]); });
 #if defined(JAXOPS_GROUPED_GEMM_AVX512)
   if (HasAvx512()) {
-    return RunTasks(pool, std::move(tasks), TaskBytes(p, p.k), [a](const Task& t, Scratch& s) {
-      ForwardTask<kMrAvx512>(a, t, MicroAvx512, s);
-    });
+    return RunTasks(
+        pool, std::move(tasks), TaskBytes(p, task_rows, p.k),
+        [a](const Task& t, Scratch& s) { ForwardTask<kMrAvx512>(a, t, MicroAvx512, s); });
   }
 #endif
-  return RunTasks(pool, std::move(tasks), TaskBytes(p, p.k), [a](const Task& t, Scratch& s) {
-    ForwardTask<kMrPortable>(a, t, MicroPortable<kMrPortable>, s);
-  });
+  return RunTasks(pool, std::move(tasks), TaskBytes(p, task_rows, p.k),
+                  [a](const Task& t, Scratch& s) {
+                    ForwardTask<kMrPortable>(a, t, MicroPortable<kMrPortable>, s);
+                  });
 }
 
 template <typename X>
 ffi::Future WgradImpl(ffi::ThreadPool& pool, const WgradArgs<X>& a, const int32_t* sizes) {
   const Problem& p = a.p;
   GroupRows groups = ClipGroups(sizes, p.groups, p.rows);
+  const int64_t task_rows = TaskRows(p.groups * p.k, pool.num_threads());
   std::vector<Task> tasks =
-      MakeTasks(p.groups, [&](int64_t) { return std::pair(int64_t{0}, p.k); });
-  // A group's contraction is its rows (kMb of them taken as a typical group for the split).
-  const int64_t bytes = TaskBytes(p, kMb);
+      MakeTasks(p.groups, task_rows, [&](int64_t) { return std::pair(int64_t{0}, p.k); });
+  // A group's contraction is its rows (the average group's for the split).
+  const int64_t bytes =
+      TaskBytes(p, task_rows, std::max<int64_t>(1, p.rows / std::max<int64_t>(1, p.groups)));
 #if defined(JAXOPS_GROUPED_GEMM_AVX512)
   if (HasAvx512()) {
     return RunTasks(pool, std::move(tasks), bytes, [a, groups](const Task& t, Scratch& s) {

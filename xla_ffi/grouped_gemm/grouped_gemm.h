@@ -18,8 +18,22 @@ namespace jaxops::grouped_gemm {
 inline constexpr int64_t kNr = 32;
 // Depth of one packed block (a kNr-column B panel of kKc rows is 32 KiB of fp32, an L1's worth).
 inline constexpr int64_t kKc = 256;
-// Output rows one task computes (a multiple of every micro-kernel's row count).
-inline constexpr int64_t kMb = 96;
+// Output rows one task computes at most (a multiple of every micro-kernel's row count): large
+// tasks pack each B panel for more rows (measured on 2 Zen 4 cores, the expert FFN's fwd + bwd:
+// 96-row tasks 0.93-1.64x the loop of XLA dots, 384-row tasks 1.13-1.75x).
+inline constexpr int64_t kMb = 384;
+// Tasks per pool thread the split aims at (smaller tasks when the groups are few or small, so
+// that every core gets work), and the fewest rows a task takes.
+inline constexpr int64_t kTasksPerThread = 4;
+inline constexpr int64_t kMinTaskRows = 48;
+
+// Rows per task for `rows` output rows over `threads` threads: a multiple of 12 in
+// [kMinTaskRows, kMb].
+inline int64_t TaskRows(int64_t rows, int64_t threads) {
+  const int64_t tasks = kTasksPerThread * std::max<int64_t>(1, threads);
+  const int64_t per = (rows + tasks - 1) / tasks;
+  return std::clamp<int64_t>((per + 11) / 12 * 12, kMinTaskRows, kMb);
+}
 
 // The [begin, end) rows of each group, clipped to [0, rows): ends[g] - begins[g] >= 0.
 struct GroupRows {
@@ -49,13 +63,15 @@ struct Task {
   int64_t rows;
 };
 
-// Cuts each group's `extent(g)` output rows into tasks of at most kMb rows.
+// Cuts each group's `extent(g)` output rows into tasks of at most `task_rows` rows.
 template <typename Extent>
-std::vector<Task> MakeTasks(int64_t groups, Extent extent) {
+std::vector<Task> MakeTasks(int64_t groups, int64_t task_rows, Extent extent) {
   std::vector<Task> tasks;
   for (int64_t g = 0; g < groups; ++g) {
     const auto [first, last] = extent(g);
-    for (int64_t r = first; r < last; r += kMb) tasks.push_back({g, r, std::min(kMb, last - r)});
+    for (int64_t r = first; r < last; r += task_rows) {
+      tasks.push_back({g, r, std::min(task_rows, last - r)});
+    }
   }
   return tasks;
 }
