@@ -292,7 +292,7 @@ def test_remat_policies_through_the_pipeline(hf):
 def test_scan_unroll_gives_the_same_gradients(hf, mesh_name):
     """Unrolled layer scans (no stacked residuals) compute what the rolled scan does, also
     through the pipeline's stages (one layer each here: the setting passes through). On one
-    device it takes effect: the compiled program repeats the MoE layer's loops per layer."""
+    device it takes effect: the compiled program has no loop over the layers left."""
     options = {"num_microbatches": 2} if mesh_name == "p2e4" else {}
     base, params = _load(hf, "qwen3_moe", mesh_name, **options)
     tokens, _, targets = _sft_batch(base.config.vocab_size, 8, 8, seed=5)
@@ -308,7 +308,7 @@ def test_scan_unroll_gives_the_same_gradients(hf, mesh_name):
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
     if mesh_name == "1dev":
-        assert whiles["True"] > whiles["1"], whiles
+        assert whiles["True"] < whiles["1"], whiles
     for bad in (0, -1, 1.5, "all"):
         with pytest.raises(jaxops.ConfigError, match=r"MoEDecoder: scan_unroll must be True or"):
             dataclasses.replace(base, scan_unroll=bad)
