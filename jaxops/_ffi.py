@@ -149,8 +149,19 @@ def _register(target: _Target) -> None:
     _registered.add((target.name, target.platform))
 
 
+def _check_cpu_threads() -> None:
+    """JAXOPS_CPU_THREADS, read by the CPU kernels: unset, or a positive integer."""
+    value = os.environ.get("JAXOPS_CPU_THREADS")
+    if value is not None and not (value.isascii() and value.isdigit() and int(value) > 0):
+        raise ValueError(
+            "JAXOPS_CPU_THREADS must be a positive integer (the threads a jaxops CPU call splits "
+            f"its work over) or unset, got {value!r}"
+        )
+
+
 def _initialize() -> None:
     """Loads the compiled modules, checks their FFI API, registers their stateless targets."""
+    _check_cpu_threads()
     runtime = _runtime_ffi_api_version()
     for name, platform in _PLATFORM_OF_MODULE.items():
         module = _load(name)

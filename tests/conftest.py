@@ -14,6 +14,9 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 # preallocation of 75% of its memory would leave the second worker none.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# With 8 simulated devices on fewer cores, jaxops' CPU calls would run on their calling thread
+# (XLA's pool then has a thread per device); 2 threads keep the split over the pool under test.
+os.environ.setdefault("JAXOPS_CPU_THREADS", "2")
 # On a machine without an NVIDIA GPU, XLA:CPU compiles the suite's programs with LLVM's
 # optimizations off: compiling is most of the suite's time on CPU, and -O0 took a third off the
 # longest model tests (111 -> 75 s for five of them, 2 cores). Only the code XLA generates is

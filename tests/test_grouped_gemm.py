@@ -202,12 +202,16 @@ np.savez(__import__("sys").argv[1], y=gg.grouped_gemm(x, w, sizes),
 """
 
 
-def test_portable_kernel_matches_float64(tmp_path):
-    """The micro-kernel of machines without AVX-512 (JAXOPS_CPU_PORTABLE_GEMM=1 picks it)."""
-    out = tmp_path / "portable.npz"
-    env = {**os.environ, "JAXOPS_CPU_PORTABLE_GEMM": "1", "JAX_PLATFORMS": "cpu"}
-    run = subprocess.run(
-        [sys.executable, "-c", _PORTABLE, str(out)],
+def _run_in_subprocess(tmp_path, **env_changes: str | None) -> subprocess.CompletedProcess:
+    """_PORTABLE in a fresh process, with environment variables set (None: removed)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    for key, value in env_changes.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return subprocess.run(
+        [sys.executable, "-c", _PORTABLE, str(tmp_path / "out.npz")],
         capture_output=True,
         text=True,
         env=env,
@@ -215,8 +219,34 @@ def test_portable_kernel_matches_float64(tmp_path):
         timeout=120,
         check=False,
     )
+
+
+# The suite sets JAXOPS_CPU_THREADS=2 (tests/conftest.py), so _PORTABLE's 4 tasks split over 2
+# threads there; these runs take the calls' own choice: on the calling thread where the pool has a
+# thread per simulated device beyond the cores (8 devices), over the pool with one device.
+@pytest.mark.parametrize(
+    "env",
+    [
+        pytest.param({"JAXOPS_CPU_PORTABLE_GEMM": "1"}, id="portable-kernel"),
+        pytest.param({"JAXOPS_CPU_THREADS": None, "JAX_NUM_CPU_DEVICES": "8"}, id="8dev-default"),
+        pytest.param({"JAXOPS_CPU_THREADS": None, "JAX_NUM_CPU_DEVICES": "1"}, id="1dev-default"),
+        pytest.param({"JAXOPS_CPU_THREADS": "1"}, id="one-thread"),
+    ],
+)
+def test_subprocess_settings_match_float64(tmp_path, env):
+    """The micro-kernel of machines without AVX-512 (JAXOPS_CPU_PORTABLE_GEMM=1 picks it), and
+    the threads a call splits its work over (JAXOPS_CPU_THREADS, or the call's own choice)."""
+    run = _run_in_subprocess(tmp_path, **env)
     assert run.returncode == 0, run.stderr[-3000:]
-    r = np.load(out)
+    r = np.load(tmp_path / "out.npz")
     y_ref, dw_ref = _oracle(r["x"], r["w"], r["dy"], r["sizes"])
     for got, want in ((r["y"], y_ref), (r["yt"], y_ref), (r["dw"], dw_ref)):
         _close(jnp.asarray(got), want)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+def test_bad_cpu_threads_setting_is_refused_at_import(tmp_path, value):
+    run = _run_in_subprocess(tmp_path, JAXOPS_CPU_THREADS=value)
+    assert run.returncode != 0
+    assert "JAXOPS_CPU_THREADS must be a positive integer" in run.stderr, run.stderr[-3000:]
+    assert repr(value) in run.stderr, run.stderr[-3000:]

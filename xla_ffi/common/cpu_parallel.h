@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <utility>
 
@@ -64,15 +65,31 @@ inline int64_t ProcessCores() {
   return cores;
 }
 
-// Threads a call splits its work over: the pool's, unless the pool has more threads than the
-// process has cores. XLA:CPU gives its pool a thread per device when a process has more
-// (simulated) devices than cores, since each device's program runs on it at once; a call that
-// split its work there would queue chunks behind the other devices' work and wait for them. It
-// runs on the calling thread instead. (8 simulated devices on 2 cores, the MoE decoder's train
-// step: 720-750 -> 620 ms with every jaxops CPU call on its calling thread, 715 ms on 2 threads.)
+// JAXOPS_CPU_THREADS: a positive integer, else 0 (unset; jaxops' Python side refuses any other
+// value when it loads the module). Read once.
+inline int64_t ThreadsFromEnvironment() {
+  static const int64_t threads = [] {
+    const char* text = std::getenv("JAXOPS_CPU_THREADS");
+    if (text == nullptr || *text == '\0') return int64_t{0};
+    char* end = nullptr;
+    const long long value = std::strtoll(text, &end, 10);
+    return (*end == '\0' && value > 0) ? static_cast<int64_t>(value) : int64_t{0};
+  }();
+  return threads;
+}
+
+// Threads a call splits its work over: JAXOPS_CPU_THREADS if set (at most the pool's), else the
+// pool's, unless the pool has more threads than the process has cores. XLA:CPU gives its pool a
+// thread per device when a process has more (simulated) devices than cores, since each device's
+// program runs on it at once; a call that split its work there would queue chunks behind the
+// other devices' work and wait for them. It runs on the calling thread instead. (8 simulated
+// devices on 2 cores, the MoE decoder's train step: 720-750 -> 620 ms with every jaxops CPU call
+// on its calling thread, 715 ms on 2 threads.)
 inline int64_t Workers(const ffi::ThreadPool& pool) {
-  const int64_t threads = pool.num_threads();
-  return threads > ProcessCores() ? 1 : std::max<int64_t>(1, threads);
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t chosen = ThreadsFromEnvironment();
+  if (chosen > 0) return std::min(chosen, threads);
+  return threads > ProcessCores() ? 1 : threads;
 }
 
 // How ParallelFor cuts n items of `item_bytes` bytes of traffic each, with a pool of `threads`
