@@ -22,15 +22,15 @@ inline constexpr int64_t kKc = 256;
 // tasks pack each B panel for more rows (measured on 2 Zen 4 cores, the expert FFN's fwd + bwd:
 // 96-row tasks 0.93-1.64x the loop of XLA dots, 384-row tasks 1.13-1.75x).
 inline constexpr int64_t kMb = 384;
-// Tasks per pool thread the split aims at (smaller tasks when the groups are few or small, so
-// that every core gets work), and the fewest rows a task takes.
-inline constexpr int64_t kTasksPerThread = 4;
+// Tasks per worker the split aims at (smaller tasks when the groups are few or small, so that
+// every core gets work), and the fewest rows a task takes.
+inline constexpr int64_t kTasksPerWorker = 4;
 inline constexpr int64_t kMinTaskRows = 48;
 
-// Rows per task for `rows` output rows over `threads` threads: a multiple of 12 in
-// [kMinTaskRows, kMb].
-inline int64_t TaskRows(int64_t rows, int64_t threads) {
-  const int64_t tasks = kTasksPerThread * std::max<int64_t>(1, threads);
+// Rows per task for `rows` output rows over `workers` threads (Workers() of cpu_parallel.h): a
+// multiple of 12 in [kMinTaskRows, kMb].
+inline int64_t TaskRows(int64_t rows, int64_t workers) {
+  const int64_t tasks = kTasksPerWorker * std::max<int64_t>(1, workers);
   const int64_t per = (rows + tasks - 1) / tasks;
   return std::clamp<int64_t>((per + 11) / 12 * 12, kMinTaskRows, kMb);
 }
