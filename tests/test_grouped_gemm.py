@@ -188,7 +188,7 @@ def test_fuzz_against_float64(rows, k, n, sizes, dtype, transpose_w, seed):
     _close(gg.grouped_gemm_wgrad(x, dy, gs), dw_ref)
 
 
-_PORTABLE = r"""
+_SCRIPT = r"""
 import numpy as np, jax.numpy as jnp
 from jaxops import _grouped_gemm as gg
 rng = np.random.default_rng(1)
@@ -203,7 +203,7 @@ np.savez(__import__("sys").argv[1], y=gg.grouped_gemm(x, w, sizes),
 
 
 def _run_in_subprocess(tmp_path, **env_changes: str | None) -> subprocess.CompletedProcess:
-    """_PORTABLE in a fresh process, with environment variables set (None: removed)."""
+    """_SCRIPT in a fresh process, with environment variables set (None: removed)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     for key, value in env_changes.items():
         if value is None:
@@ -211,7 +211,7 @@ def _run_in_subprocess(tmp_path, **env_changes: str | None) -> subprocess.Comple
         else:
             env[key] = value
     return subprocess.run(
-        [sys.executable, "-c", _PORTABLE, str(tmp_path / "out.npz")],
+        [sys.executable, "-c", _SCRIPT, str(tmp_path / "out.npz")],
         capture_output=True,
         text=True,
         env=env,
@@ -221,7 +221,7 @@ def _run_in_subprocess(tmp_path, **env_changes: str | None) -> subprocess.Comple
     )
 
 
-# The suite sets JAXOPS_CPU_THREADS=2 (tests/conftest.py), so _PORTABLE's 4 tasks split over 2
+# The suite sets JAXOPS_CPU_THREADS=2 (tests/conftest.py), so _SCRIPT's 4 tasks split over 2
 # threads there; these runs take the calls' own choice: on the calling thread where the pool has a
 # thread per simulated device beyond the cores (8 devices), over the pool with one device.
 @pytest.mark.parametrize(
