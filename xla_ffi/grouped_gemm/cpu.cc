@@ -10,7 +10,10 @@
 // block of kKc along the contraction it packs its rows of A into panels of kMr rows and, per
 // kNr = 32 output columns, a panel of B, both as fp32 (so every dtype and every layout, x^T for
 // the weight gradient and w^T for the input gradient included, reaches one micro-kernel), and
-// the micro-kernel keeps a kMr x 32 tile of fp32 sums in registers over the block. Tasks run on
+// the micro-kernel keeps a kMr x 32 tile of fp32 sums in registers over the block. A float32 B
+// in row-major order (w of the forward, dy of the weight gradient) is read in place instead of
+// packed, 32 columns at a time: a copy of every weight per call and task otherwise (8-9% of the
+// 8-simulated-device decoder's loss and gradients, 2-3% of the one-device one). Tasks run on
 // the FFI thread pool, taken from a shared counter, so the groups' GEMMs spread over the cores
 // with no loop of small XLA ops around them. fp32 accumulation throughout; the blocks of the
 // contraction are added in order.
@@ -19,6 +22,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -44,18 +49,19 @@ constexpr int64_t kMrPortable = 4;
 static_assert(kMb % kMrAvx512 == 0 && kMb % kMrPortable == 0, "kMb: whole register tiles");
 
 // ---------------------------------------------------------------------------------------------
-// Micro-kernels: c[mr, nr] (+)= A (kc x kMr, packed [kc][kMr]) times B (kc x kNr, packed
-// [kc][kNr]); c has leading dimension ldc. accumulate: add to c (a later block of the
-// contraction); else overwrite it.
+// Micro-kernels: c[mr, nr] (+)= A (kc x kMr, packed [kc][kMr]) times B (kc x kNr: row k at
+// bp + k ldb, a packed panel's ldb being kNr); c has leading dimension ldc. accumulate: add to c
+// (a later block of the contraction); else overwrite it.
 
 template <int64_t kMr>
-JAXOPS_CPU_CLONES void MicroPortable(int64_t kc, const float* ap, const float* bp, float* c,
-                                     int64_t ldc, int64_t mr, int64_t nr, bool accumulate) {
+JAXOPS_CPU_CLONES void MicroPortable(int64_t kc, const float* ap, const float* bp, int64_t ldb,
+                                     float* c, int64_t ldc, int64_t mr, int64_t nr,
+                                     bool accumulate) {
   float acc[kMr][kNr] = {};
   for (int64_t k = 0; k < kc; ++k) {
     for (int64_t i = 0; i < kMr; ++i) {
       const float a = ap[k * kMr + i];
-      for (int64_t j = 0; j < kNr; ++j) acc[i][j] += a * bp[k * kNr + j];
+      for (int64_t j = 0; j < kNr; ++j) acc[i][j] += a * bp[k * ldb + j];
     }
   }
   for (int64_t i = 0; i < mr; ++i) {
@@ -77,8 +83,9 @@ bool HasAvx512() {
 }
 
 __attribute__((target("avx512f,fma"))) void MicroAvx512(int64_t kc, const float* ap,
-                                                        const float* bp, float* c, int64_t ldc,
-                                                        int64_t mr, int64_t nr, bool accumulate) {
+                                                        const float* bp, int64_t ldb, float* c,
+                                                        int64_t ldc, int64_t mr, int64_t nr,
+                                                        bool accumulate) {
   __m512 lo[kMrAvx512];
   __m512 hi[kMrAvx512];
   for (int64_t i = 0; i < kMrAvx512; ++i) {
@@ -86,8 +93,8 @@ __attribute__((target("avx512f,fma"))) void MicroAvx512(int64_t kc, const float*
     hi[i] = _mm512_setzero_ps();
   }
   for (int64_t k = 0; k < kc; ++k) {
-    const __m512 b0 = _mm512_loadu_ps(bp + k * kNr);
-    const __m512 b1 = _mm512_loadu_ps(bp + k * kNr + 16);
+    const __m512 b0 = _mm512_loadu_ps(bp + k * ldb);
+    const __m512 b1 = _mm512_loadu_ps(bp + k * ldb + 16);
     const float* a = ap + k * kMrAvx512;
 #pragma GCC unroll 12
     for (int64_t i = 0; i < kMrAvx512; ++i) {
@@ -222,8 +229,22 @@ Scratch& ThreadScratch() {
   return scratch;
 }
 
-using Micro = void (*)(int64_t, const float*, const float*, float*, int64_t, int64_t, int64_t,
-                       bool);
+using Micro = void (*)(int64_t, const float*, const float*, int64_t, float*, int64_t, int64_t,
+                       int64_t, bool);
+
+// The B operand of a block: rows [k0, k0 + kc) and columns [n0, n0 + nr) of a row-major
+// matrix `src` (leading dimension ld). A float32 source with all kNr columns is read in place
+// (no copy: the block's rows are ld apart); any other dtype, or a narrower edge panel, is packed
+// into `panel` (fp32, zero-padded to kNr columns). Returns {rows, their stride}.
+template <typename X>
+std::pair<const float*, int64_t> BlockB(const X* src, int64_t ld, int64_t k0, int64_t kc,
+                                        int64_t n0, int64_t nr, float* panel) {
+  if constexpr (std::is_same_v<X, float>) {
+    if (nr == kNr) return {src + k0 * ld + n0, ld};
+  }
+  PackB(src, ld, k0, kc, n0, nr, panel);
+  return {panel, kNr};
+}
 
 // y rows [t.first, t.first + t.rows) of group t.group.
 template <int64_t kMr, typename X>
@@ -240,13 +261,14 @@ void ForwardTask(const ForwardArgs<X>& a, const Task& t, Micro micro, Scratch& s
     PackRows<kMr>(a.x + t.first * p.k, p.k, t.rows, k0, kc, s.a.get());
     for (int64_t n0 = 0; n0 < p.n; n0 += kNr) {
       const int64_t nr = std::min(kNr, p.n - n0);
+      std::pair<const float*, int64_t> b{s.b.get(), kNr};
       if (a.transpose_w) {
         PackBTransposed(w, p.k, k0, kc, n0, nr, s.b.get());
       } else {
-        PackB(w, p.n, k0, kc, n0, nr, s.b.get());
+        b = BlockB(w, p.n, k0, kc, n0, nr, s.b.get());
       }
       for (int64_t r = 0; r < t.rows; r += kMr) {
-        micro(kc, s.a.get() + (r / kMr) * kc * kMr, s.b.get(), y + r * p.n + n0, p.n,
+        micro(kc, s.a.get() + (r / kMr) * kc * kMr, b.first, b.second, y + r * p.n + n0, p.n,
               std::min(kMr, t.rows - r), nr, k0 > 0);
       }
     }
@@ -270,9 +292,9 @@ void WgradTask(const WgradArgs<X>& a, const GroupRows& groups, const Task& t, Mi
     PackColumns<kMr>(a.x, p.k, t.first, t.rows, r0, kc, s.a.get());
     for (int64_t n0 = 0; n0 < p.n; n0 += kNr) {
       const int64_t nr = std::min(kNr, p.n - n0);
-      PackB(a.dy, p.n, r0, kc, n0, nr, s.b.get());
+      const auto [b, ldb] = BlockB(a.dy, p.n, r0, kc, n0, nr, s.b.get());
       for (int64_t r = 0; r < t.rows; r += kMr) {
-        micro(kc, s.a.get() + (r / kMr) * kc * kMr, s.b.get(), dw + r * p.n + n0, p.n,
+        micro(kc, s.a.get() + (r / kMr) * kc * kMr, b, ldb, dw + r * p.n + n0, p.n,
               std::min(kMr, t.rows - r), nr, r0 > begin);
       }
     }
