@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _numerics import rel_error
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from jaxops.parallel.expert import _ffn
 
@@ -53,9 +53,16 @@ def _check(sizes, spare_tiles, k, n, seed, impl):
     want_calls = {"jaxops_grouped_gemm", "jaxops_grouped_gemm_wgrad"} if impl == "ffi" else set()
     assert calls == want_calls, calls
     want = _oracle(x, w, dy, sizes)
-    for name, got, ref in zip(("y", "dx", "dw"), run(x, w, dy, groups), want, strict=True):
+    # Each element's error against the sum of its products' magnitudes (the float64 GEMMs of
+    # |x|, |w|, |dy|): a sum that cancels (dw of one column over hundreds of rows, say) keeps
+    # float32's absolute error while its value, and so a relative error, can be near zero.
+    scale = _oracle(np.abs(x), np.abs(w), np.abs(dy), sizes)
+    results = run(x, w, dy, groups)
+    for name, got, ref, mag in zip(("y", "dx", "dw"), results, want, scale, strict=True):
         assert got.shape == ref.shape, name
-        assert rel_error(np.asarray(got), ref) < 1e-5, name
+        assert rel_error(np.asarray(got), ref) < 1e-5 or np.all(
+            np.abs(np.asarray(got, np.float64) - ref) <= 1e-5 * mag
+        ), name
     # Rows past the groups and the weight gradients of empty groups are exactly zero.
     y, dx, dw = (np.asarray(a) for a in run(x, w, dy, groups))
     used = int(sizes.sum())
@@ -87,6 +94,7 @@ def test_grouped_linear(sizes, spare_tiles, impl):
     seed=st.integers(0, 2**16),
     impl=st.sampled_from(["ffi", "xla"]),
 )
+@example(sizes=[0, 12], spare_tiles=0, k=1, n=1, seed=1, impl="ffi")  # dw's sum cancels
 def test_fuzz_grouped_linear(sizes, spare_tiles, k, n, seed, impl):
     if sum(sizes) + spare_tiles == 0:
         spare_tiles = 1  # the loops' buffers hold at least one tile
