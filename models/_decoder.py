@@ -118,6 +118,9 @@ class MoEDecoder(Runner, Layout):
         quantizes its own tokens.
       dispatch: the MoE layer's dispatch ("dtype", or "fp8" with fp8="block": tokens cross the
         expert exchange as FP8 with their 1 x 128 scales; see ``MoEConfig.dispatch``).
+      exchange: the MoE layer's exchange (``MoEConfig.exchange``: "auto" is
+        ``ragged_all_to_all`` on GPU and the all-gather form on CPU; "ragged", "dense" or
+        "gather").
       router_aux_loss_coef: weight of each layer's load-balancing loss (None: the config's
         ``router_aux_loss_coef``). Formerly ``aux_loss_coef``.
       router_z_loss_coef: weight of each layer's router z-loss. Formerly ``z_loss_coef``.
@@ -169,6 +172,7 @@ class MoEDecoder(Runner, Layout):
     capacity_factor: float | None = None
     fp8: str | None = None
     dispatch: str = "dtype"
+    exchange: str = "auto"
     router_aux_loss_coef: float | None = None
     router_z_loss_coef: float = 0.0
     align: int = 8

@@ -143,6 +143,7 @@ class Layout:
             dtype=self.dtype,
             fp8=self.fp8,
             dispatch=self.dispatch,
+            exchange=self.exchange,
             shared_ffn=c.shared_ffn,
             shared_gate=c.shared_ffn > 0 and c.shared_gate,
             router=c.router,

@@ -15,8 +15,9 @@ the compile time::
 What the plan predicts of a GPU compile: the parameters, optimizer state and gradients are the
 same arrays on any backend. The temporaries are XLA:CPU's buffer assignment of the same
 program; on a GPU they depend on XLA:GPU's fusion and scheduling, cuDNN's attention (which keeps
-no score matrix) and the expert exchange (``ragged_all_to_all`` on GPU, its padded dense twin
-here), so they are an estimate. The MoE layer's receive buffers are the static bounds of
+no score matrix) and the expert exchange (``ragged_all_to_all`` on GPU; the plan compiles its
+padded dense twin, ``exchange="dense"``, not the all-gather form a CPU run would pick), so they
+are an estimate. The MoE layer's receive buffers are the static bounds of
 :func:`jaxops.parallel.expert.exchange_bounds` either way (dropless layers size them for the
 worst routing, which at these sizes is why ``--capacity-factor`` matters); XLA:CPU's dense
 exchange also pads each device's send and receive blocks to ``expert x chunk`` rows, which the
@@ -182,6 +183,7 @@ def plan(
         fp8=fp8,
         capacity_factor=capacity_factor,
         zero=zero,
+        exchange="dense",  # the GPU's ragged_all_to_all's receive buffers, plus its padding
     )
     optimizer = optax.adamw(1e-4)
     params = model.abstract_params(jnp.dtype(param_dtype))

@@ -412,6 +412,40 @@ def test_layer_matches_dense_reference(mesh_name, routing):
         assert int(got[0][1].dropped) > 0, "the capacity case must drop slots"
 
 
+@pytest.mark.parametrize("routing", ROUTINGS, ids=[f"top{k}-{r}-cf{cf}" for k, r, cf in ROUTINGS])
+@pytest.mark.parametrize("exchange", ["dense", "gather"])
+def test_each_exchange_matches_dense_reference(exchange, routing):
+    """Both CPU exchanges pinned (auto picks one per config), on a mesh with a data axis."""
+    k, router, cf = routing
+    cfg = _config("d2e4", top_k=k, router=router, capacity_factor=cf, exchange=exchange)
+    assert _plan(cfg, "d2e4", 80).kind == exchange
+    params = init_moe_params(jax.random.key(0), cfg)
+    x = jax.random.normal(jax.random.key(1), (16, 5, 32))
+    got = _run(cfg, _mesh("d2e4"), params, x)
+    _compare(got, _reference(cfg, params, x))
+    if cf is not None:
+        assert int(got[0][1].dropped) > 0, "the capacity case must drop slots"
+
+
+def _plan(cfg, mesh_name, num_tokens):
+    shape, names, _ = MESHES[mesh_name]
+    mesh = _mesh(mesh_name)
+    n = dict(zip(names, shape, strict=True))[cfg.expert_axis]
+    return expert._exchange.make_plan(cfg, mesh, n, int(np.prod(shape)), num_tokens)
+
+
+def test_auto_exchange_off_gpu_moves_the_fewer_rows():
+    """auto: the gather (N * Tl rows) unless the dense form's capacity-bound blocks are smaller."""
+    plan = _plan(_config("d2e4", top_k=2), "d2e4", 8 * 64)
+    # 4 peers' 64 tokens, 2 slots each, 4 local groups padded to 32 rows, rounded up to 32 rows
+    assert (plan.kind, plan.chunk, plan.recv_rows) == ("gather", 128, 640)
+    assert plan.recv_rows == -(-(4 * 64 * 2 + 4 * 31) // 32) * 32
+    plan = _plan(_config("d2e4", top_k=2, capacity_factor=1.0), "d2e4", 8 * 64)
+    assert plan.kind == "gather"  # C = 64: blocks of min(128, 4 * 64) rows
+    tiny = _config("d2e4", top_k=2, capacity_factor=0.05)  # C = 4: blocks of 4 * 4 < 64 rows
+    assert _plan(tiny, "d2e4", 8 * 64).kind == "dense"
+
+
 @pytest.mark.parametrize("activation", ["swiglu", "gelu", "silu"])
 @pytest.mark.parametrize("align", [1, 16])
 def test_activations_and_alignment(activation, align):
@@ -539,10 +573,12 @@ def _check_fp8_dispatch(cfg, mesh, case, batch=8):
             assert rel_error(grads8[0][name], grads32[0][name]) < 0.1, name
 
 
+@pytest.mark.parametrize("exchange", ["gather", "dense"])
 @pytest.mark.parametrize("case", list(DISPATCH_CASES))
-def test_fp8_dispatch_equals_quantizing_after_the_exchange(case):
+def test_fp8_dispatch_equals_quantizing_after_the_exchange(case, exchange):
     kw = {"hidden_size": 256, "expert_ffn": 128, "fp8": "block", "dtype": jnp.bfloat16}
-    _check_fp8_dispatch(_config("d2e4", **{**kw, **DISPATCH_CASES[case]}), _mesh("d2e4"), case)
+    cfg = _config("d2e4", **{**kw, **DISPATCH_CASES[case]}, exchange=exchange)
+    _check_fp8_dispatch(cfg, _mesh("d2e4"), case)
 
 
 @pytest.mark.gpu
@@ -567,23 +603,31 @@ def _token_exchanges(hlo: str, hidden: int) -> list[tuple[str, int]]:
     return out
 
 
-def test_fp8_dispatch_exchanges_fp8_tokens_and_scales():
-    cfg = _config("d2e4", hidden_size=256, expert_ffn=128, fp8="block", dtype=jnp.bfloat16)
-    cfg8 = dataclasses.replace(cfg, dispatch="fp8")
+def _fp8_dispatch_programs(exchange):
+    """(bf16 dispatch, FP8 dispatch): each (forward, gradient step) compiled HLO text."""
+    cfg = _config(
+        "d2e4", hidden_size=256, expert_ffn=128, fp8="block", dtype=jnp.bfloat16, exchange=exchange
+    )
     params = init_moe_params(jax.random.key(43), cfg)
     x = jax.random.normal(jax.random.key(44), (8, 10, 256), jnp.bfloat16)
     mesh = _mesh("d2e4")
 
-    def exchanges(c):
+    def programs(c):
         fwd = jax.jit(lambda p, x: moe_layer(p, x, c, mesh=mesh))
         step = jax.jit(jax.grad(_loss(lambda p, x: moe_layer(p, x, c, mesh=mesh)), (0, 1)))
-        return (
-            _token_exchanges(fwd.lower(params, x).compile().as_text(), 256),
-            _token_exchanges(step.lower(params, x).compile().as_text(), 256),
-        )
+        return fwd.lower(params, x).compile().as_text(), step.lower(params, x).compile().as_text()
 
-    fwd, step = exchanges(cfg)
-    fwd8, step8 = exchanges(cfg8)
+    return programs(cfg), programs(dataclasses.replace(cfg, dispatch="fp8"))
+
+
+def test_fp8_dispatch_exchanges_fp8_tokens_and_scales():
+    def exchanges(c):
+        return tuple(_token_exchanges(text, 256) for text in c)
+
+    plain, fp8_ = _fp8_dispatch_programs("dense")
+
+    fwd, step = exchanges(plain)
+    fwd8, step8 = exchanges(fp8_)
     # bf16 dispatch forward: tokens out and back in the activation dtype (XLA:CPU widens bf16
     # collectives to f32).
     assert [k for k, _ in fwd] == ["f32x256", "f32x256"], fwd
@@ -599,6 +643,45 @@ def test_fp8_dispatch_exchanges_fp8_tokens_and_scales():
     # activation dtype; the FP8 step has no bf16 token dispatch in its forward.
     assert sorted(k for k, _ in step) == ["f32x256"] * 4, step
     assert sorted(k for k, _ in step8) == ["f32x2", "f32x256", "f32x256", "f32x256", "u8x256"]
+
+
+def _gathers(hlo: str, hidden: int) -> dict[str, list[str]]:
+    """Element type x columns of the all-gathers and reduce-scatters of `hidden` (or hidden / 128)
+    columns, per collective: the tokens, their FP8 scales and the outputs."""
+    out = {}
+    for kind in ("all-gather", "reduce-scatter"):
+        found = []
+        for shape in collective_shapes(hlo, kind):
+            m = re.fullmatch(r"([a-z0-9]+)\[\d+,(\d+)\]\S*", shape)
+            if m and int(m.group(2)) in (hidden, hidden // 128):
+                found.append(f"{m.group(1)}x{m.group(2)}")
+        out[kind] = sorted(found)
+    return out
+
+
+def test_fp8_dispatch_of_the_gather_exchange_gathers_fp8_tokens_and_scales():
+    (fwd, step), (fwd8, step8) = _fp8_dispatch_programs("gather")
+    for text in (fwd, step, fwd8, step8):
+        assert not collective_shapes(text, "all-to-all")
+    # bf16 dispatch: the tokens gathered in the activation dtype (widened to f32 on XLA:CPU),
+    # the outputs reduce-scattered in f32.
+    assert _gathers(fwd, 256) == {"all-gather": ["f32x256"], "reduce-scatter": ["f32x256"]}
+    # FP8 dispatch: FP8 bytes (1 byte per element instead of f32's 4 here, bf16's 2 on GPU)
+    # and their f32 scales gathered.
+    assert _gathers(fwd8, 256) == {
+        "all-gather": ["f32x2", "u8x256"],
+        "reduce-scatter": ["f32x256"],
+    }
+    # The gradient step: the outputs' gradient gathered, the tokens' reduce-scattered, both in
+    # the activation dtype; the FP8 step gathers no activation-dtype tokens.
+    assert _gathers(step, 256) == {
+        "all-gather": ["f32x256", "f32x256"],
+        "reduce-scatter": ["f32x256"],
+    }
+    assert _gathers(step8, 256) == {
+        "all-gather": ["f32x2", "f32x256", "u8x256"],
+        "reduce-scatter": ["f32x256"],
+    }
 
 
 def test_fp8_dispatch_in_a_pipeline_stage():
@@ -736,8 +819,8 @@ def test_gpu_ragged_exchange_matches_reference(routing):
 # Compiled program: collectives, retracing.
 
 
-def test_compiled_collectives_move_no_tokens_but_by_all_to_all():
-    cfg = _config("d2e4", top_k=2)
+def test_compiled_dense_exchange_moves_no_tokens_but_by_all_to_all():
+    cfg = _config("d2e4", top_k=2, exchange="dense")
     params = init_moe_params(jax.random.key(18), cfg)
     x = jax.random.normal(jax.random.key(19), (8, 5, 32))
     mesh = _mesh("d2e4")
@@ -754,6 +837,28 @@ def test_compiled_collectives_move_no_tokens_but_by_all_to_all():
     assert len(data) == 4 and not ints, counts
     # Only the [N, 2, E] int32 counts are gathered: no token all-gather.
     assert all(re.fullmatch(r"s32\[4,2,16\]\S*", s) for s in collective_shapes(hlo, "all-gather"))
+    for shape in collective_shapes(hlo, "all-reduce"):
+        assert not re.search(r"\[\d+,32\]", shape), f"tokens all-reduced: {shape}"
+
+
+def test_compiled_gather_exchange_moves_tokens_once_each_way():
+    """auto on CPU: no all-to-all, no worst-case block; the tokens and routing gathered, the
+    outputs reduce-scattered, and their transposes in the backward."""
+    cfg = _config("d2e4", top_k=2)
+    params = init_moe_params(jax.random.key(18), cfg)
+    x = jax.random.normal(jax.random.key(19), (8, 5, 32))  # 5 tokens per device, 20 per group
+    mesh = _mesh("d2e4")
+    step = jax.jit(
+        jax.value_and_grad(_loss(lambda p, x: moe_layer(p, x, cfg, mesh=mesh)), argnums=(0, 1))
+    )
+    hlo = step.lower(params, x).compile().as_text()
+    assert not collective_shapes(hlo, "all-to-all")
+    gathered = sorted(s.split("{")[0] for s in collective_shapes(hlo, "all-gather"))
+    # tokens (forward), probs + ids (forward), the outputs' gradient (backward)
+    assert gathered == ["f32[20,32]", "f32[20,32]", "f32[20,4]"], gathered
+    scattered = sorted(s.split("{")[0] for s in collective_shapes(hlo, "reduce-scatter"))
+    # the outputs (forward), the tokens' and the probs' gradients (backward)
+    assert scattered == ["f32[5,32]", "f32[5,32]", "f32[5,4]"], scattered
     for shape in collective_shapes(hlo, "all-reduce"):
         assert not re.search(r"\[\d+,32\]", shape), f"tokens all-reduced: {shape}"
 

@@ -41,7 +41,7 @@ GATED_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 #: Router scores (MoEConfig.router).
 ROUTERS = ("softmax", "sigmoid")
 #: Exchange implementations (MoEConfig.exchange).
-EXCHANGES = ("auto", "ragged", "dense")
+EXCHANGES = ("auto", "ragged", "dense", "gather")
 #: What crosses the dispatch exchange (MoEConfig.dispatch).
 DISPATCHES = ("dtype", "fp8")
 FP8_RECIPES = (None, "block")
@@ -153,20 +153,27 @@ class MoEConfig:
       fp8: None or "block": expert GEMMs with DeepSeek-V3 block-scaled FP8 numerics (tokens and
         gradients in 1 x 128 groups, weights in 128 x 128 tiles, wgrad operands in 128-token
         groups per expert, float8_e4m3fn, fp32 accumulation).
-      exchange: "auto" (ragged_all_to_all on GPU, the dense all_to_all form elsewhere),
-        "ragged" or "dense".
+      exchange: how tokens reach their experts' devices. "ragged": ``ragged_all_to_all``
+        (GPU; XLA:CPU cannot compile it). "dense": its exact twin from a dense all_to_all of
+        worst-case blocks (``exchange_bounds``) and a scatter. "gather": every device
+        all-gathers the expert axis's tokens, runs its experts on the slots routed to them and
+        one float32 reduce-scatter sums each token's outputs back (no worst-case blocks; the
+        collectives move ``N * Tl`` token rows). "auto": "ragged" on GPU, elsewhere "gather"
+        unless a capacity makes the dense form's blocks smaller than ``Tl`` rows.
       dispatch: what crosses the dispatch exchange. "dtype": the tokens in cfg.dtype (with
         fp8="block" the receiver quantizes them). "fp8" (needs fp8="block"), as DeepEP does:
         the sender quantizes its tokens once (1 x 128 groups, float8_e4m3fn, float32 scales),
-        permutes the FP8 rows with their scales and sends both (half the bytes of bf16, a
-        quarter of float32, plus 1/128 of the elements in scales); the receiver feeds them to
-        the grouped GEMM as they are. The forward is the same arithmetic as "dtype" (a row's
-        1 x 128 groups are the same before and after the exchange). The combine stays in
-        cfg.dtype. Backward: the dispatch's gradient crosses back in cfg.dtype -- gradients
-        need the range and precision FP8 would cut, and they are quantized only where the
-        recipe quantizes them (the grouped GEMMs' dgrad and wgrad); the weight gradient of the
-        first expert GEMM requantizes the received FP8 tokens in 128-token groups (the
-        sender's original tokens never cross), so it differs from "dtype"'s by FP8 rounding.
+        permutes the FP8 rows with their scales and sends both (the gather exchange
+        all-gathers the FP8 tokens and their scales; half the bytes of bf16, a quarter of
+        float32, plus 1/128 of the elements in scales); the receiver feeds them to the grouped
+        GEMM as they are. The forward is the same arithmetic as "dtype" (a row's 1 x 128
+        groups are the same before and after the exchange). The combine stays in cfg.dtype
+        (float32 in the gather exchange's reduce-scatter). Backward: the dispatch's gradient
+        crosses back in cfg.dtype -- gradients need the range and precision FP8 would cut, and
+        they are quantized only where the recipe quantizes them (the grouped GEMMs' dgrad and
+        wgrad); the weight gradient of the first expert GEMM requantizes the received FP8
+        tokens in 128-token groups (the sender's original tokens never cross), so it differs
+        from "dtype"'s by FP8 rounding.
       expert_bias: each routed expert's two projections have biases (gpt-oss's
         ``gate_up_proj_bias`` and ``down_proj_bias``): params ``b_in [E, F']`` and
         ``b_out [E, H]``, sharded over the expert axis like w_in and w_out, and

@@ -1,6 +1,7 @@
 """The exchange along the expert axis: static bounds, the plan, offsets, ragged / dense / FP8.
 
-:func:`exchange_bounds` and :func:`make_plan` fix the static buffer sizes and kernel choices;
+:func:`exchange_bounds` and :func:`make_plan` fix the static buffer sizes, the exchange (these
+all-to-all forms, or :mod:`._gather`'s all-gather) and the kernel choices;
 :func:`offsets` turns the all-gathered ``[N, E]`` counts into every device's send and receive
 offsets; :func:`exchange` runs one exchange (``jax.lax.ragged_all_to_all`` on GPU, its exact
 dense twin :func:`ragged_all_to_all_dense` elsewhere); :func:`fp8_dispatch` moves FP8 rows and
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxops import fp8
 from jaxops._moe import unpermute_rows
+from jaxops._moe.layout import permuted_rows
 from jaxops._rows import round_up, take_rows
 from jaxops._sharding import cotangent_like
 
@@ -140,9 +142,9 @@ class Plan:
     local: int  # experts per device
     num_tokens: int  # global T
     capacity: int | None
-    chunk: int
-    recv_rows: int
-    ragged: bool  # ragged_all_to_all, else its dense form
+    chunk: int  # dense form: rows one device sends another (bound)
+    recv_rows: int  # rows of the grouped FFN's buffer
+    kind: str  # "ragged" (ragged_all_to_all), "dense" (its dense form) or "gather"
     align: int  # receiver's group alignment
     tile: int  # row tile of the grouped GEMM loop; 0: jax.lax.ragged_dot
 
@@ -160,32 +162,39 @@ def make_plan(cfg: MoEConfig, mesh: Any, n: int, shards: int, num_tokens: int) -
     `n`: the expert axis size; `shards`: the devices on the token axes.
     """
     gpu = _platform(mesh) == "gpu"
-    ragged = cfg.exchange == "ragged" or (cfg.exchange == "auto" and gpu)
     tile = 0 if gpu else CPU_TILE
     align = cfg.align if gpu else math.lcm(cfg.align, tile)
-    chunk, recv_rows = exchange_bounds(cfg, num_tokens // shards, n, num_tokens, align=align)
+    tl, local, capacity = num_tokens // shards, cfg.num_experts // n, cfg.capacity(num_tokens)
+    chunk, recv_rows = exchange_bounds(cfg, tl, n, num_tokens, align=align)
+    kind = cfg.exchange
+    if kind == "auto":
+        # Off GPU (no ragged all-to-all) the gather moves N * Tl rows, the dense form's
+        # worst-case blocks N * chunk: the gather unless a small capacity makes chunk < Tl.
+        kind = "ragged" if gpu else "gather" if chunk >= tl else "dense"
+    if kind == "gather":
+        recv_rows = permuted_rows(n * tl, cfg.top_k, local, align, capacity)
     return Plan(
         n=n,
-        local=cfg.num_experts // n,
+        local=local,
         num_tokens=num_tokens,
-        capacity=cfg.capacity(num_tokens),
+        capacity=capacity,
         chunk=chunk,
-        recv_rows=round_up(recv_rows, max(tile, 1)),
-        ragged=ragged,
+        recv_rows=round_up(max(recv_rows, 1), max(tile, 1)),
+        kind=kind,
         align=align,
         tile=tile,
     )
 
 
 def exchange(plan: Plan, axis: str, operand, output, offsets):
-    """One exchange: ragged_all_to_all on GPU, its dense form elsewhere.
+    """One exchange of plan.kind "ragged" (ragged_all_to_all) or "dense" (its dense form).
 
     `offsets`: :func:`offsets`' forward or backward tuple (ragged_all_to_all's four arguments,
     then the receiver's view of the senders' output offsets, which the dense form uses instead
     of exchanging them).
     """
     *ragged, recv_offsets = offsets
-    if plan.ragged:
+    if plan.kind == "ragged":
         return jax.lax.ragged_all_to_all(operand, output, *ragged, axis_name=axis)
     return ragged_all_to_all_dense(
         operand, output, *ragged, axis_name=axis, chunk=plan.chunk, recv_offsets=recv_offsets

@@ -29,6 +29,13 @@ from ._config import (
 )
 from ._exchange import Plan, exchange, fp8_dispatch, make_plan, offsets
 from ._ffn import grouped_ffn, shared_expert
+from ._gather import (
+    drop_beyond_capacity,
+    fp8_gather,
+    gather_routing,
+    local_ids,
+    round_cotangent,
+)
 from ._routing import (
     aux_from_sums,
     check_token_mask,
@@ -89,16 +96,41 @@ def local_layer(
     h = x.shape[-1]
     valid = None if token_mask is None else token_mask.reshape(-1)
     tokens = mask_tokens(x.reshape(-1, h), valid)
-    e, axis = cfg.num_experts, cfg.expert_axis
     ids, probs, counts, kept, aux = _route_and_count(cfg, plan, params, tokens, valid)
     if upto == "router":
         return _probe(probs, aux.loss, kept)
 
     compute = tokens.astype(cfg.dtype)
-    # One device on the expert axis, no capacity: permuted with the receiver's alignment, the
-    # buffer is already the layout the exchange would make (each expert's group padded to
-    # plan.align, in slot order), so neither exchange runs.
-    direct = plan.n == 1 and plan.capacity is None and cfg.dispatch != "fp8"
+    if plan.kind == "gather" and not _direct(cfg, plan):
+        y = _gathered(cfg, plan, impl, params, compute, ids, probs, kept, upto)
+    else:
+        y = _exchanged(cfg, plan, impl, params, compute, ids, probs, counts, kept, upto)
+    if upto != "combine":  # the stage's values
+        return _probe(probs, aux.loss, *y)
+    shared = shared_expert(cfg, params, tokens, impl)
+    if shared is not None:
+        y = y.astype(jnp.float32) + shared
+    if valid is not None:  # the shared expert's output too
+        y = jnp.where(valid[:, None], y, 0)
+    return y.astype(x.dtype).reshape(x.shape), aux
+
+
+def _direct(cfg: MoEConfig, plan: Plan) -> bool:
+    """One device on the expert axis, no capacity: nothing to exchange.
+
+    Permuted with the receiver's alignment, the buffer is already the layout the exchange would
+    make (each expert's group padded to plan.align, in slot order), so no exchange runs.
+    """
+    return plan.n == 1 and plan.capacity is None and cfg.dispatch != "fp8"
+
+
+def _exchanged(cfg: MoEConfig, plan: Plan, impl, params, compute, ids, probs, counts, kept, upto):
+    """Permute, the all-to-all exchange (ragged or dense), the FFN, back, unpermute: ``[T, H]``.
+
+    Before the last stage (`upto`) it returns that stage's values, for :func:`_probe`.
+    """
+    h, e, axis = compute.shape[1], cfg.num_experts, cfg.expert_axis
+    direct = _direct(cfg, plan)
     if cfg.dispatch == "fp8":
         # The sender quantizes once; the FP8 rows move with their scales (no gradient here:
         # fp8_dispatch passes it straight through to the tokens).
@@ -115,7 +147,7 @@ def local_layer(
     if cfg.weight_inputs:
         sent = (sent.astype(jnp.float32) * permuted.probs[:, None]).astype(cfg.dtype)
     if upto == "permute":
-        return _probe(probs, aux.loss, kept, sent)
+        return (kept, sent)
     if direct:
         rows = jnp.pad(sent, ((0, plan.recv_rows - sent.shape[0]), (0, 0)))
         group_sizes, used = permuted.group_sizes, counts
@@ -138,8 +170,59 @@ def local_layer(
             recv = jnp.zeros((plan.recv_rows, h), cfg.dtype)
             rows = exchange(plan, axis, sent, recv, forward)
     if upto == "exchange":
-        return _probe(probs, aux.loss, rows)
-    out = grouped_ffn(
+        return (rows,)
+    out = _ffn(cfg, plan, impl, params, rows, group_sizes, used)
+    if upto == "ffn":
+        return (out,)
+    if direct:
+        returned = out[: sent.shape[0]]
+    else:
+        back = jnp.zeros((permuted.tokens.shape[0], h), cfg.dtype)
+        returned = exchange(plan, axis, out, back, backward)
+    # weight_inputs: the weights went in with the rows; the outputs are summed unweighted.
+    return _moe.unpermute(returned, permuted, probs=None if cfg.weight_inputs else probs, impl=impl)
+
+
+def _gathered(cfg: MoEConfig, plan: Plan, impl, params, compute, ids, probs, kept, upto):
+    """The gather exchange (:mod:`._gather`): ``[T, H]`` float32, or a stage's values."""
+    axis, local = cfg.expert_axis, plan.local
+    if plan.capacity is not None:  # the sender's slots beyond the capacity cross unused
+        ids = drop_beyond_capacity(ids, kept)
+    all_ids, all_probs = gather_routing(axis, ids, probs)
+    mine = local_ids(all_ids, jax.lax.axis_index(axis), local)
+    if upto == "permute":
+        return (kept, all_probs)
+    if cfg.dispatch == "fp8":
+        everyone = fp8_gather(axis, impl, compute)  # dequantized float32
+    else:
+        everyone = jax.lax.all_gather(compute, axis, tiled=True)
+    weights = all_probs if cfg.weight_inputs else None
+    # The capacity bounds the buffer only: the senders kept at most C slots per expert in all.
+    permuted = _moe.permute(
+        everyone, mine, local, probs=weights, align=plan.align, capacity=plan.capacity, impl=impl
+    )
+    rows = permuted.tokens
+    if cfg.dispatch == "fp8":  # float32 rows: their gradient rounded as cfg.dtype rows' is
+        rows = round_cotangent(rows, cfg.dtype)
+    if cfg.weight_inputs:  # as the all-to-all forms scale a row before it is sent
+        rows = (rows.astype(jnp.float32) * permuted.probs[:, None]).astype(cfg.dtype)
+    rows = jnp.pad(rows, ((0, plan.recv_rows - rows.shape[0]), (0, 0)))
+    if upto == "exchange":
+        return (rows,)
+    used = slot_counts(mine, local, masked=True)
+    out = _ffn(cfg, plan, impl, params, rows, permuted.group_sizes, used)
+    if upto == "ffn":
+        return (out,)
+    # Each token's outputs from this device's experts (rounded to cfg.dtype, as the rows the
+    # other exchanges send back), weighted and summed in float32; the reduce-scatter adds the
+    # other devices' parts and returns this device's tokens.
+    out = out[: permuted.tokens.shape[0]].astype(cfg.dtype).astype(jnp.float32)
+    part = _moe.unpermute(out, permuted, probs=None if cfg.weight_inputs else all_probs, impl=impl)
+    return jax.lax.psum_scatter(part, axis, scatter_dimension=0, tiled=True)
+
+
+def _ffn(cfg: MoEConfig, plan: Plan, impl, params, rows, group_sizes, used):
+    return grouped_ffn(
         cfg,
         plan.tile,
         impl,
@@ -151,21 +234,6 @@ def local_layer(
         params.get("b_out"),
         used,
     )
-    if upto == "ffn":
-        return _probe(probs, aux.loss, out)
-    if direct:
-        returned = out[: sent.shape[0]]
-    else:
-        back = jnp.zeros((permuted.tokens.shape[0], h), cfg.dtype)
-        returned = exchange(plan, axis, out, back, backward)
-    # weight_inputs: the weights went in with the rows; the outputs are summed unweighted.
-    y = _moe.unpermute(returned, permuted, probs=None if cfg.weight_inputs else probs, impl=impl)
-    shared = shared_expert(cfg, params, tokens, impl)
-    if shared is not None:
-        y = y.astype(jnp.float32) + shared
-    if valid is not None:  # the shared expert's output too
-        y = jnp.where(valid[:, None], y, 0)
-    return y.astype(x.dtype).reshape(x.shape), aux
 
 
 def _check_mesh(op: str, mesh: Any, cfg: MoEConfig) -> tuple[int, int]:
