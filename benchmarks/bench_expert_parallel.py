@@ -10,12 +10,17 @@ checked to agree before anything is timed. Timed per case:
   step time, tokens/s, and dense/ep ratio;
 - the layer's forward split into stages (router, permute, exchange, ffn, combine = exchange back
   + unpermute), from the layer cut after each stage, timed one after another: each stage's time
-  is the difference of consecutive cuts;
+  is the difference of consecutive cuts (with the all-gather exchange, the default off GPU:
+  permute = the routing gathered, exchange = the tokens gathered and permuted, combine =
+  unpermute + reduce-scatter);
 - the dispatch with ``fp8="block"``: tokens crossing the exchange in the activation dtype
   (quantized by the receiver) against ``dispatch="fp8"`` (quantized once by the sender, FP8 +
   1 x 128 scales crossing): all-to-all bytes per device of the forward and of the fwd+bwd step,
   read off the HLO shapes (the program's, i.e. what a GPU moves, and XLA:CPU's compiled ones,
-  where bf16 collectives are widened to f32), and the fwd+bwd step time of each.
+  where bf16 collectives are widened to f32), and the fwd+bwd step time of each. Off GPU this
+  section pins ``exchange="dense"`` (the all-to-all twin of the GPU's ragged exchange; the
+  layer's default there is the all-gather form, whose FP8 gather tests/test_expert_parallel.py
+  checks).
 
 On CPU the mesh is 8 simulated devices ``data x expert`` (default 2 x 4); on a GPU, all local
 GPUs on the expert axis. The goal line: the EP layer's fwd+bwd is faster than the dense one
@@ -165,7 +170,9 @@ def _a2a_bytes(text: str, hidden: int) -> tuple[int, int, int]:
 
 def _dispatch_case(args, mesh, case: str) -> dict[str, Any]:
     """fp8="block": the dispatch in the activation dtype vs dispatch="fp8"."""
-    cfg, _, params, x = _setup(args, mesh, case, jnp.bfloat16, fp8="block")
+    # The all-to-all forms carry the dispatch this section counts: off GPU the dense twin.
+    exchange = "auto" if jax.default_backend() == "gpu" else "dense"
+    cfg, _, params, x = _setup(args, mesh, case, jnp.bfloat16, fp8="block", exchange=exchange)
     h = cfg.hidden_size
     row: dict[str, Any] = {"case": case}
     steps, outs = {}, {}
