@@ -434,6 +434,30 @@ def _plan(cfg, mesh_name, num_tokens):
     return expert._exchange.make_plan(cfg, mesh, n, int(np.prod(shape)), num_tokens)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    t=st.integers(0, 12),
+    k=st.integers(1, 4),
+    e=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_drop_beyond_capacity_keeps_each_experts_first_slots(t, k, e, seed):
+    """The gather exchange's sender-side capacity: expert e keeps its first kept[e] slots in slot
+    order t * K + k (a numpy loop), -1 (masked) slots stay -1."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(-1, e, (t, k)).astype(np.int32)
+    kept = rng.integers(0, t * k + 1, e).astype(np.int32)
+    want = ids.reshape(-1).copy()
+    seen = np.zeros(e, np.int64)
+    for s, ex in enumerate(want):
+        if ex >= 0:
+            if seen[ex] >= kept[ex]:
+                want[s] = -1
+            seen[ex] += 1
+    got = expert._gather.drop_beyond_capacity(jnp.asarray(ids), jnp.asarray(kept))
+    np.testing.assert_array_equal(np.asarray(got).reshape(-1), want)
+
+
 def test_auto_exchange_off_gpu_moves_the_fewer_rows():
     """auto: the gather (N * Tl rows) unless the dense form's capacity-bound blocks are smaller."""
     plan = _plan(_config("d2e4", top_k=2), "d2e4", 8 * 64)
