@@ -3,9 +3,9 @@
 :func:`exchange_bounds` and :func:`make_plan` fix the static buffer sizes, the exchange (these
 all-to-all forms, or :mod:`._gather`'s all-gather) and the kernel choices;
 :func:`offsets` turns the all-gathered ``[N, E]`` counts into every device's send and receive
-offsets; :func:`exchange` runs one exchange (``jax.lax.ragged_all_to_all`` on GPU, its exact
-dense twin :func:`ragged_all_to_all_dense` elsewhere); :func:`fp8_dispatch` moves FP8 rows and
-their scales (the gradient crossing back in the compute dtype).
+offsets; :func:`exchange` runs one all-to-all exchange (``jax.lax.ragged_all_to_all``, or its
+exact dense twin :func:`ragged_all_to_all_dense`, the plan's kind); :func:`fp8_dispatch` moves
+FP8 rows and their scales (the gradient crossing back in the compute dtype).
 """
 
 from __future__ import annotations
