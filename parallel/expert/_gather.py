@@ -66,8 +66,8 @@ def gather_routing(axis: str, ids: jax.Array, probs: jax.Array) -> tuple[jax.Arr
 
 def local_ids(ids: jax.Array, me, local: int) -> jax.Array:
     """Global expert ids ``[..., K]`` as this device's local ones: ``[0, L)``, else -1."""
-    lid = ids - me * local
-    return jnp.where((ids >= 0) & (lid >= 0) & (lid < local), lid, -1).astype(jnp.int32)
+    lid = ids - me * local  # an unused slot (-1) lands below 0 too
+    return jnp.where((lid >= 0) & (lid < local), lid, -1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
