@@ -40,7 +40,9 @@ have made, and neither exchange runs (nor the all-gather of the counts).
 The grouped GEMM is ``jax.lax.ragged_dot`` on GPU; XLA:CPU's ragged_dot computes every group for
 every row (L times the work), so there groups are padded to 32-row tiles (``align`` becomes
 ``lcm(align, 32)``) and go through jaxops' grouped GEMM custom calls (one call per GEMM and one
-per weight gradient, the groups' tiles spread over the FFI thread pool). ``impl="xla"`` runs
+per weight gradient, the groups' tiles spread over the FFI thread pool). The buffer holds the
+bound's rows exactly (not rounded to the tile: the calls take any row count, and padding the
+buffer would copy it before the FFN and again after). ``impl="xla"`` runs
 their twin: each group cut into chunks (as many of 256 rows as fit, then at most 3 of 64 or 32),
 a loop over the non-empty groups slicing a group's weights once and running one XLA GEMM per
 chunk; its backward computes a chunk's input and weight gradients in the same trip.

@@ -179,7 +179,7 @@ def make_plan(cfg: MoEConfig, mesh: Any, n: int, shards: int, num_tokens: int) -
         num_tokens=num_tokens,
         capacity=capacity,
         chunk=chunk,
-        recv_rows=round_up(max(recv_rows, 1), max(tile, 1)),
+        recv_rows=max(recv_rows, 1),
         kind=kind,
         align=align,
         tile=tile,
