@@ -822,6 +822,81 @@ def test_gpu_quantize_matches_float64(shape, block):
             assert_scale_equal(q_t.scale, cpu[1].scale)
 
 
+def encoding_sweep(dtype, x_dtype):
+    """Rows of 128 whose first element is the format's largest finite value (so with pow2 scales
+    every group's scale is exactly 1 and the codes are the plain conversion of x) followed by a
+    sweep of the conversion's cases: for float32, every exponent from below half the smallest
+    subnormal to the largest finite one, all 4096 combinations of the top 12 mantissa bits
+    (rounding bits and midpoints included) and six patterns of the sticky bits; for bfloat16 every
+    bit pattern up to the largest finite value. Both signs, NaN and +-Inf (not counted in amax,
+    saturating) among them."""
+    fmax = float(ml_dtypes.finfo(dtype).max)
+    if x_dtype == jnp.bfloat16:
+        bits = np.arange(1 << 15, dtype=np.uint16)
+        mags = bits.view(ml_dtypes.bfloat16).astype(np.float32)
+    else:
+        exps = np.arange(-30, int(np.log2(fmax)) + 1, dtype=np.int64)
+        top = np.arange(1 << 12, dtype=np.int64) << 11
+        low = np.array([0, 1, 0x3FF, 0x400, 0x401, 0x7FF], np.int64)
+        words = ((exps[:, None, None] + 127) << 23) | top[None, :, None] | low[None, None, :]
+        mags = words.reshape(-1).astype(np.uint32).view(np.float32)
+    mags = mags[(mags <= fmax) | np.isnan(mags)]
+    specials = np.array([np.inf, -np.inf, np.nan], np.float32)
+    vals = np.concatenate([mags, -mags, specials])
+    vals = np.concatenate([vals, np.zeros(-len(vals) % 127, np.float32)]).reshape(-1, 127)
+    return np.concatenate([np.full((len(vals), 1), fmax, np.float32), vals], axis=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16], ids=_id)
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=_id)
+def test_gpu_encoding_sweep(dtype, x_dtype):
+    """The GPU's codes (the hardware conversion on sm_89+) equal the float64 reference for every
+    rounding, saturation, subnormal and NaN case, with x * (1 / scale) (pow2 scales) and with the
+    division (the same values times factors that make the scale a non-power of two, from about
+    1e-25 to 1e15)."""
+    gpu = jax.devices("gpu")[0]
+    x = encoding_sweep(dtype, x_dtype)
+    cases = [(True, 1.0), (False, 3.0), (False, 0.7071), (False, 1e-12), (False, 1e15)]
+    for pow2, factor in [*cases, (False, 1e-25)]:
+        with np.errstate(invalid="ignore"):  # signalling NaNs among the bfloat16 patterns
+            xs = np.asarray(jnp.asarray(x * np.float32(factor), x_dtype), np.float32)
+        q = fp8.quantize(
+            jax.device_put(jnp.asarray(xs, x_dtype), gpu),
+            dtype=dtype,
+            block=(1, 128),
+            pow2_scale=pow2,
+            amax_floor=1e-30,
+            impl="ffi",
+        )
+        data, scale = np_quantize(xs, dtype, (1, 128), pow2, floor=1e-30)
+        assert_fp8_equal(q.data, data, f"pow2={pow2} factor={factor}")
+        assert_scale_equal(q.scale, scale, f"pow2={pow2} factor={factor}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=_id)
+@pytest.mark.parametrize("block", BLOCKS, ids=_id)
+def test_gpu_special_values(dtype, block):
+    """NaN, +-Inf, float32 subnormals, zero and subnormal-only groups on the GPU's kernels (rows,
+    tiles, per-tensor) against the float64 reference."""
+    gpu = jax.devices("gpu")[0]
+    x = np.array(rand((160, 300), np.float32, seed=5))
+    x[0, :7] = [np.nan, -np.nan, np.inf, -np.inf, 1e-40, -1e-40, 0.0]
+    x[1:3] = 0.0
+    x[5, :128] = 1e-42
+    x[7, :16] = np.float32(ml_dtypes.finfo(dtype).max) * np.array([1, -1, 1.03, 0.97] * 4)
+    x[8, :128] = np.float32(np.nan)
+    for transpose in (False, True):
+        out = fp8.quantize(
+            jax.device_put(jnp.asarray(x), gpu), dtype=dtype, block=block, transpose=transpose
+        )
+        q = out[0] if transpose else out
+        data, scale = np_quantize(x, dtype, block)
+        assert_fp8_equal(q.data, data, f"transpose={transpose}")
+        assert_scale_equal(q.scale, scale, f"transpose={transpose}")
+
+
 @pytest.mark.gpu
 def test_gpu_split_transpose_matches_reference():
     gpu = jax.devices("gpu")[0]

@@ -13,14 +13,21 @@
 //     else the scale) with its sign; since the sign of a NaN reaches the fp8 code, the quotient
 //     of a NaN operand is replaced by that operand (QuantizeValue), and float16 NaNs keep their
 //     sign through the conversion to fp32 (LoadFloat).
+//   * On sm_89 and later the quotients are encoded by the hardware conversion, two at a time
+//     (cvt.rn.satfinite: round to nearest even, +-Inf and out-of-range values saturate to the
+//     largest finite code), which is EncodeFp8's rounding and saturation; only NaN differs (the
+//     hardware's NaN code drops the sign), so a NaN quotient takes EncodeFp8's code (EncodeNaN).
+//     Older architectures run EncodeFp8 itself.
 // amaxes are unsigned maxima over fp32 bits (non-negative floats order like their bits), so
 // every reduction - shuffles, shared and global atomicMax - is exact and order-independent.
 #ifndef JAXOPS_XLA_FFI_FP8_KERNEL_UTIL_CUH_
 #define JAXOPS_XLA_FFI_FP8_KERNEL_UTIL_CUH_
 
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "xla_ffi/common/cuda_util.cuh"
 #include "xla_ffi/common/cuda_vec.cuh"
@@ -102,12 +109,35 @@ __device__ __forceinline__ Quant MakeQuant(float scale) {
   return Quant{scale, pow2 ? FromBits((254u - exponent) << 23) : 0.0f};
 }
 
-// fp8 code of x given y = x / scale: a NaN quotient takes the sign of the NaN operand the CPU
-// division returns (x first, then the scale); only the sign of a NaN reaches the code.
+// The quotient the CPU division returns for x / scale given the device's y: a NaN quotient takes
+// the sign of the NaN operand the CPU returns (x first, then the scale); only the sign of a NaN
+// reaches the code.
+__device__ __forceinline__ float CpuQuotient(float x, float y, float scale) {
+  return isnan(y) ? (isnan(x) ? x : (isnan(scale) ? scale : y)) : y;
+}
+
+// EncodeFp8's code of a NaN y (the format's NaN code with y's sign), else `code`.
+template <typename F>
+__device__ __forceinline__ uint32_t EncodeNaN(float y, uint32_t code) {
+  return isnan(y) ? (F::kNanCode | ((Bits(y) >> 24) & 0x80u)) : code;
+}
+
+// EncodeFp8<F>(y0) | EncodeFp8<F>(y1) << 8, by the hardware conversion where there is one.
+template <typename F>
+__device__ __forceinline__ uint32_t EncodePair(float y0, float y1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  constexpr __nv_fp8_interpretation_t kKind = std::is_same_v<F, E4M3> ? __NV_E4M3 : __NV_E5M2;
+  const uint32_t both = __nv_cvt_float2_to_fp8x2(make_float2(y0, y1), __NV_SATFINITE, kKind);
+  return EncodeNaN<F>(y0, both & 0xffu) | (EncodeNaN<F>(y1, both >> 8) << 8);
+#else
+  return EncodeFp8<F>(y0) | (static_cast<uint32_t>(EncodeFp8<F>(y1)) << 8);
+#endif
+}
+
+// fp8 code of x given y = x / scale computed on the device.
 template <typename F>
 __device__ __forceinline__ uint8_t EncodeQuotient(float x, float y, float scale) {
-  if (isnan(y)) y = isnan(x) ? x : (isnan(scale) ? scale : y);
-  return EncodeFp8<F>(y);
+  return static_cast<uint8_t>(EncodePair<F>(CpuQuotient(x, y, scale), 0.0f));
 }
 
 template <typename F>
@@ -116,22 +146,30 @@ __device__ __forceinline__ uint8_t QuantizeValue(float x, const Quant& q) {
   return EncodeQuotient<F>(x, y, q.scale);
 }
 
-// Codes of a pack of kVec elements (one branch on the quantizer for the whole pack).
+// Codes of a pack of kVec elements (one branch on the quantizer for the whole pack), encoded in
+// pairs.
 template <typename F, int kVec, typename T>
 __device__ __forceinline__ void QuantizePack(const Pack<T, kVec>& in, const Quant& q,
                                              uint8_t (&codes)[kVec]) {
+  float y[kVec];
   if (q.inv != 0.0f) {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       const float x = LoadFloat(in.v[j]);
-      codes[j] = EncodeQuotient<F>(x, __fmul_rn(x, q.inv), q.scale);
+      y[j] = CpuQuotient(x, __fmul_rn(x, q.inv), q.scale);
     }
   } else {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       const float x = LoadFloat(in.v[j]);
-      codes[j] = EncodeQuotient<F>(x, DivRn(x, q.scale), q.scale);
+      y[j] = CpuQuotient(x, DivRn(x, q.scale), q.scale);
     }
+  }
+#pragma unroll
+  for (int j = 0; j < kVec; j += 2) {
+    const uint32_t pair = EncodePair<F>(y[j], j + 1 < kVec ? y[j + 1] : 0.0f);
+    codes[j] = static_cast<uint8_t>(pair);
+    if (j + 1 < kVec) codes[j + 1] = static_cast<uint8_t>(pair >> 8);
   }
 }
 
