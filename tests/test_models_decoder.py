@@ -72,20 +72,24 @@ def test_impl_reaches_every_op_of_the_loss_gradient(fp8):
     assert want <= found["ffi"], found["ffi"]
 
 
-def _kernels_vs_twins(devices, fp8, bound):
-    """The decoder's loss and gradients with the custom calls against the pure-JAX twins."""
+def _loss_and_grads(devices, fp8, impl):
+    """The decoder's float32 loss and gradients on `devices`, compiled with `impl`'s ops."""
     mesh = jax.make_mesh((len(devices),), ("expert",), devices=devices)
     tokens, targets = _batch()
-    out = {}
-    for impl in ("xla", "ffi"):
-        model = models.MoEDecoder(CFG, mesh, impl=impl, fp8=fp8, dtype=jnp.float32)
-        params = model.init(jax.random.key(0))
-        step = jax.jit(model.loss_and_grads).lower(params, tokens, targets).compile()
-        if impl == "ffi":
-            calls = set(_CALL.findall(step.as_text()))
-            assert {"jaxops_rms_norm_bwd", "jaxops_moe_permute"} <= calls, calls
-        out[impl] = step(params, tokens, targets)
-    (loss, grads), (loss_ref, grads_ref) = out["ffi"], out["xla"]
+    model = models.MoEDecoder(CFG, mesh, impl=impl, fp8=fp8, dtype=jnp.float32)
+    params = model.init(jax.random.key(0))
+    step = jax.jit(model.loss_and_grads).lower(params, tokens, targets).compile()
+    if impl == "ffi":
+        calls = set(_CALL.findall(step.as_text()))
+        assert {"jaxops_rms_norm_bwd", "jaxops_moe_permute"} <= calls, calls
+    return step(params, tokens, targets)
+
+
+def _kernels_vs_twins(devices, fp8, bound):
+    """The decoder's loss and gradients with the custom calls against the pure-JAX twins."""
+    (loss, grads), (loss_ref, grads_ref) = (
+        _loss_and_grads(devices, fp8, impl) for impl in ("ffi", "xla")
+    )
     assert abs(float(loss) - float(loss_ref)) <= bound * abs(float(loss_ref)), (loss, loss_ref)
     flat, _ = jax.tree_util.tree_flatten_with_path(grads)
     for (path, g), g_ref in zip(flat, jax.tree.leaves(grads_ref), strict=True):
@@ -96,12 +100,40 @@ def test_kernels_match_twins_in_the_train_step():
     _kernels_vs_twins(jax.devices("cpu")[:1], None, 1e-5)
 
 
+def test_fp8_kernels_match_twins_in_the_train_step():
+    # On the CPU both quantize with the correctly rounded division: the same codes (the sums
+    # differ in order).
+    _kernels_vs_twins(jax.devices("cpu")[:1], "block", 1e-4)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [None, "block"], ids=["f32", "fp8"])
-def test_gpu_kernels_match_twins_in_the_train_step(fp8):
-    # XLA:GPU runs float32 dots in TF32 in both paths; its division is approximate in the twins'
-    # FP8 quantization (codes one step off in a few places).
-    _kernels_vs_twins(jax.devices("gpu")[:1], fp8, 1e-3 if fp8 is None else 5e-2)
+def test_gpu_kernels_match_twins_in_the_train_step():
+    # XLA:GPU runs float32 dots in TF32 in both paths.
+    _kernels_vs_twins(jax.devices("gpu")[:1], None, 1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_kernels_as_accurate_as_twins_in_the_train_step():
+    """FP8 on the GPU: XLA:GPU's float32 division is not correctly rounded, so the twins'
+    quantization puts some codes one step off the kernels' (which divide exactly, like the CPU),
+    and the two FP8 steps differ by about as much as FP8 differs from float32. Each is therefore
+    compared with the float32 step (the kernels'): the kernels' FP8 loss and gradients must be no
+    further from it than the twins', within 25%."""
+    gpu = jax.devices("gpu")[:1]
+    loss32, grads32 = _loss_and_grads(gpu, None, "ffi")
+    (loss, grads), (loss_twin, grads_twin) = (
+        _loss_and_grads(gpu, "block", impl) for impl in ("ffi", "xla")
+    )
+    errors = {}
+    leaves = zip(
+        jax.tree.leaves(grads), jax.tree.leaves(grads_twin), jax.tree.leaves(grads32), strict=True
+    )
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
+    for path, (g, g_twin, g32) in zip(paths, leaves, strict=True):
+        errors[path] = (rel_error(g, g32), rel_error(g_twin, g32))
+    errors["loss"] = (rel_error(loss, loss32), rel_error(loss_twin, loss32))
+    worse = {k: v for k, v in errors.items() if v[0] > 1.25 * v[1] + 1e-3}
+    assert not worse, (worse, errors)
 
 
 def test_impl_xla_dense_twin_runs_no_custom_call():

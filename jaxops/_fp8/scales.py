@@ -289,8 +289,14 @@ def _no_reciprocal(divisor: jax.Array, finite_like: jax.Array) -> jax.Array:
 
 
 def _encode(x32: jax.Array, scale: jax.Array, dtype: np.dtype) -> jax.Array:
+    """FP8 codes of ``x32 / scale``.
+
+    The optimization barrier keeps them FP8 inside a larger program: with excess precision
+    allowed (XLA's default), XLA:GPU removes a float32 -> FP8 -> float32 convert pair, so a
+    dequantization fused after the encoding would see the unrounded quotient.
+    """
     limit = np.float32(max_finite(dtype))
-    return jnp.clip(x32 / scale, -limit, limit).astype(dtype)
+    return jax.lax.optimization_barrier(jnp.clip(x32 / scale, -limit, limit).astype(dtype))
 
 
 def _block_amax_rows(a: jax.Array, g: int) -> jax.Array:
