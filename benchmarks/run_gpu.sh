@@ -32,8 +32,9 @@
 #     choosing the GPU tests run under each tool; default: all of them), SANITIZE_TIMEOUT (300),
 #   PROFILE_BENCHES ("fp8"), PROFILE_ARGS (e.g. "--shapes 4096x7168 --dtypes bfloat16": arguments
 #     of each profiled benchmark), PROFILE_LAUNCHES (24: kernels profiled per benchmark, jaxops'
-#     only), PROFILE_TIMEOUT (240): `ncu` with the speed-of-light, memory, launch and occupancy
-#     sections, its report as text in ncu_<name>.log,
+#     only), PROFILE_TIMEOUT (240), PROFILE_SECTIONS ("SpeedOfLight MemoryWorkloadAnalysis
+#     LaunchStats Occupancy"; e.g. add InstructionStats WarpStateStats SourceCounters): `ncu` with
+#     those sections, its report as text in ncu_<name>.log,
 #   BUILD (1): 0 skips the build and tests the jaxops already installed for $PYTHON,
 #   DEADLINE (0: none): seconds after the start past which no further step starts, and each step's
 #     limit is cut to the time left (a lent GPU machine's call has a hard limit).
@@ -237,8 +238,11 @@ run_sanitize() {
 # Nsight Compute over benchmarks: the first PROFILE_LAUNCHES jaxops kernels each one launches
 # (matched in the mangled name, which holds the namespace: the plain function name does not).
 run_profile() {
-  local name extra
+  local name extra sections=() section
   read -r -a extra <<< "${PROFILE_ARGS:-}"
+  for section in ${PROFILE_SECTIONS:-SpeedOfLight MemoryWorkloadAnalysis LaunchStats Occupancy}; do
+    sections+=(--section "$section")
+  done
   if ! command -v ncu >/dev/null 2>&1; then
     section "profile"
     echo "!! ncu not on PATH" | tee "$OUT/ncu.log"
@@ -250,8 +254,7 @@ run_profile() {
     # kernel, and XLA's default 75% of the GPU made the second kernel's replay fail.
     XLA_PYTHON_CLIENT_PREALLOCATE=false step "ncu_$name" "$OUT/ncu_$name.log" "${PROFILE_TIMEOUT:-240}" \
       ncu --kernel-name-base mangled --kernel-name regex:jaxops --launch-count "${PROFILE_LAUNCHES:-24}" \
-      --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats \
-      --section Occupancy "$PYTHON" "$REPO/benchmarks/bench_$name.py" --repeats 1 \
+      "${sections[@]}" "$PYTHON" "$REPO/benchmarks/bench_$name.py" --repeats 1 \
       ${extra[@]+"${extra[@]}"}
     # A profiled program that outlived ncu's time limit still holds the GPU's memory.
     pkill -KILL -f "benchmarks/bench_$name.py" 2>/dev/null || true
