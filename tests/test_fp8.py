@@ -841,7 +841,7 @@ def encoding_sweep(dtype, x_dtype):
         words = ((exps[:, None, None] + 127) << 23) | top[None, :, None] | low[None, None, :]
         mags = words.reshape(-1).astype(np.uint32).view(np.float32)
     mags = mags[(mags <= fmax) | np.isnan(mags)]
-    specials = np.array([np.inf, -np.inf, np.nan], np.float32)
+    specials = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0], np.float32)
     vals = np.concatenate([mags, -mags, specials])
     vals = np.concatenate([vals, np.zeros(-len(vals) % 127, np.float32)]).reshape(-1, 127)
     return np.concatenate([np.full((len(vals), 1), fmax, np.float32), vals], axis=1)
@@ -872,6 +872,29 @@ def test_gpu_encoding_sweep(dtype, x_dtype):
         data, scale = np_quantize(xs, dtype, (1, 128), pow2, floor=1e-30)
         assert_fp8_equal(q.data, data, f"pow2={pow2} factor={factor}")
         assert_scale_equal(q.scale, scale, f"pow2={pow2} factor={factor}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=_id)
+@pytest.mark.parametrize(
+    "stale", [0.01, 3.0, 0.5, 2.0**-50, 1e-30, 2.0**-70, 1e20, 2.0**64], ids="{:g}".format
+)
+def test_gpu_delayed_scaling_with_stale_scales(dtype, stale):
+    """Per-tensor quantization with a given (stale) scale, on the GPU against the float64
+    reference: scales far from x's range (quotients that overflow float32, or all round to 0),
+    power-of-two and other scales, x with NaN, +-Inf, zeros of both signs and values up to
+    float32's largest."""
+    gpu = jax.devices("gpu")[0]
+    x = np.array(rand((64, 256), np.float32, seed=41))
+    x[0, :6] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 3e38]
+    x[1, :128] *= np.float32(1e30)  # a pack of values above 2^60
+    x[2, :8] = np.float32(2.0**60) * np.array([1, -1, 0.5, 1.5, 1, 1, 1, 1], np.float32)
+    recipe = fp8.DelayedScaling(history_len=2, dtype=dtype)
+    meta = fp8.init_fp8_meta(recipe)._replace(scale=jnp.float32(stale))
+    q, _ = fp8.quantize_delayed(jax.device_put(jnp.asarray(x), gpu), meta, recipe, impl="ffi")
+    with np.errstate(over="ignore"):
+        expected = np_encode(x, np.float32(stale), dtype)
+    assert_fp8_equal(q.data, expected)
 
 
 @pytest.mark.gpu

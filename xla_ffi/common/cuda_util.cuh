@@ -151,6 +151,27 @@ ffi::Error ReserveDynamicShared(const char* op, Kernel kernel, size_t bytes) {
                   " bytes of shared memory: " + cudaGetErrorString(status));
 }
 
+// CTAs of `kernel` (`threads` per CTA, no dynamic shared memory) that are resident on the current
+// device at once: the grid of a grid-stride kernel that runs in one wave.
+template <typename Kernel>
+ffi::ErrorOr<int64_t> ResidentCtas(const char* op, Kernel kernel, int threads) {
+  int device = 0;
+  int sms = 0;
+  int per_sm = 0;
+  cudaError_t status = cudaGetDevice(&device);
+  if (status == cudaSuccess) {
+    status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  }
+  if (status == cudaSuccess) {
+    status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0);
+  }
+  if (status != cudaSuccess) {
+    return ffi::Unexpected(Internal(
+        std::string(op) + ": cannot query the device's occupancy: " + cudaGetErrorString(status)));
+  }
+  return int64_t{std::max(sms, 1)} * std::max(per_sm, 1);
+}
+
 // Checks the launch that was just issued on this thread (launch configuration errors surface here;
 // the kernel itself runs asynchronously and is never waited for).
 inline ffi::Error LastLaunchError(const char* what) {

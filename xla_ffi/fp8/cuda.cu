@@ -59,7 +59,10 @@ ffi::Error LaunchRows(cudaStream_t stream, RowsArgs<T> a) {
   a.lanes = std::min(kWarpSize, a.group / kVec);
   a.lanes_log2 = Log2(a.lanes);
   const int64_t slots = a.rows * a.kgroups * a.lanes;
-  Fp8RowsKernel<F, kVec, T><<<GridCtas(slots, kThreads), kThreads, 0, stream>>>(a);
+  auto kernel = Fp8RowsKernel<F, kVec, T>;
+  const ffi::ErrorOr<int64_t> resident = ResidentCtas("fp8 quantize", kernel, kThreads);
+  if (resident.has_error()) return resident.error();
+  kernel<<<GridCtas(slots, kThreads, resident.value()), kThreads, 0, stream>>>(a);
   return LastLaunchError("fp8 quantize rows kernel");
 }
 

@@ -9,6 +9,15 @@
 //   * x / scale for a power-of-two scale (always the case with pow2_scale) is computed as
 //     x * (1 / scale) when that reciprocal is an exact normal float: both are the correctly
 //     rounded value of the same real number, and the multiply saves the division.
+//   * For other scales in [2^-60, 2^60] and a pack of finite x with |x| <= 2^60 (the common case),
+//     x / scale is computed from r = RN(1 / scale) (one correctly rounded reciprocal per block)
+//     as q0 = RN(x r) and two corrections q' = RN(q + r RN(x - scale q)) (fused multiply-adds),
+//     without branches. q0 is within 1.5 ulp of x / scale, the first correction makes it
+//     faithful, and the second is then the correctly rounded quotient (Markstein's theorem: r is
+//     RN(1 / scale) and the residual is exact). That needs an exact residual and no overflow:
+//     quotients of at least 2^-20 in magnitude come from |x| >= 2^-80, whose residuals are
+//     normal; below 2^-20 every faithful quotient has the fp8 code +-0, and the sign is x's
+//     (copysign, which also keeps -0). Other packs take the division (QuantizePack).
 //   * GPU arithmetic returns a canonical NaN, while a CPU division returns its NaN operand (x,
 //     else the scale) with its sign; since the sign of a NaN reaches the fp8 code, the quotient
 //     of a NaN operand is replaced by that operand (QuantizeValue), and float16 NaNs keep their
@@ -94,19 +103,38 @@ __device__ __forceinline__ float LoadFloat(__half v) {
   return isnan(f) ? __uint_as_float(__float_as_uint(f) | sign) : f;
 }
 
-// A block's quantizer: the scale, and 1 / scale when x * (1 / scale) == x / scale for every x
-// (scale a positive power of two whose reciprocal is a normal float), else 0. Plain data, so it
-// can live in shared memory.
+// A block's quantizer: the scale; inv = 1 / scale when x * (1 / scale) == x / scale for every x
+// (scale a positive power of two whose reciprocal is a normal float), else 0; rcp = RN(1 / scale)
+// for the corrected quotient when inv is 0 and scale is in [2^-60, 2^60], else 0. Plain data, so
+// it can live in shared memory.
 struct Quant {
   float scale;
   float inv;
+  float rcp;
 };
+
+// Bounds of the corrected quotient (see the file comment), and the bits of +Inf: |x| bits at or
+// above it are Inf or NaN.
+constexpr float kRcpMinScale = 0x1p-60f;
+constexpr float kRcpMaxScale = 0x1p60f;
+constexpr uint32_t kRcpMaxAbsBits = 0x5d800000u;  // 2^60
+constexpr uint32_t kInfBits = 0x7f800000u;
 
 __device__ __forceinline__ Quant MakeQuant(float scale) {
   const uint32_t u = Bits(scale);
   const uint32_t exponent = u >> 23;  // with the sign bit: negative scales fail the range test
   const bool pow2 = (u & 0x007fffffu) == 0 && exponent >= 1 && exponent <= 253;
-  return Quant{scale, pow2 ? FromBits((254u - exponent) << 23) : 0.0f};
+  const bool rcp = !pow2 && scale >= kRcpMinScale && scale <= kRcpMaxScale;
+  return Quant{scale, pow2 ? FromBits((254u - exponent) << 23) : 0.0f,
+               rcp ? __frcp_rn(scale) : 0.0f};
+}
+
+// RN(x / q.scale) for finite x with |x| <= 2^60, given q.rcp != 0 (see the file comment).
+__device__ __forceinline__ float CorrectedQuotient(float x, const Quant& q) {
+  float y = __fmul_rn(x, q.rcp);
+  y = __fmaf_rn(q.rcp, __fmaf_rn(-q.scale, y, x), y);
+  y = __fmaf_rn(q.rcp, __fmaf_rn(-q.scale, y, x), y);
+  return copysignf(y, x);
 }
 
 // The quotient the CPU division returns for x / scale given the device's y: a NaN quotient takes
@@ -122,16 +150,23 @@ __device__ __forceinline__ uint32_t EncodeNaN(float y, uint32_t code) {
   return isnan(y) ? (F::kNanCode | ((Bits(y) >> 24) & 0x80u)) : code;
 }
 
-// EncodeFp8<F>(y0) | EncodeFp8<F>(y1) << 8, by the hardware conversion where there is one.
+// EncodeFp8<F>(y0) | EncodeFp8<F>(y1) << 8 for y0, y1 that are not NaN, by the hardware
+// conversion where there is one.
 template <typename F>
-__device__ __forceinline__ uint32_t EncodePair(float y0, float y1) {
+__device__ __forceinline__ uint32_t EncodePairNotNaN(float y0, float y1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   constexpr __nv_fp8_interpretation_t kKind = std::is_same_v<F, E4M3> ? __NV_E4M3 : __NV_E5M2;
-  const uint32_t both = __nv_cvt_float2_to_fp8x2(make_float2(y0, y1), __NV_SATFINITE, kKind);
-  return EncodeNaN<F>(y0, both & 0xffu) | (EncodeNaN<F>(y1, both >> 8) << 8);
+  return __nv_cvt_float2_to_fp8x2(make_float2(y0, y1), __NV_SATFINITE, kKind);
 #else
   return EncodeFp8<F>(y0) | (static_cast<uint32_t>(EncodeFp8<F>(y1)) << 8);
 #endif
+}
+
+// EncodeFp8<F>(y0) | EncodeFp8<F>(y1) << 8.
+template <typename F>
+__device__ __forceinline__ uint32_t EncodePair(float y0, float y1) {
+  const uint32_t both = EncodePairNotNaN<F>(y0, y1);
+  return EncodeNaN<F>(y0, both & 0xffu) | (EncodeNaN<F>(y1, (both >> 8) & 0xffu) << 8);
 }
 
 // fp8 code of x given y = x / scale computed on the device.
@@ -146,43 +181,79 @@ __device__ __forceinline__ uint8_t QuantizeValue(float x, const Quant& q) {
   return EncodeQuotient<F>(x, y, q.scale);
 }
 
-// Codes of a pack of kVec elements (one branch on the quantizer for the whole pack), encoded in
-// pairs.
-template <typename F, int kVec, typename T>
-__device__ __forceinline__ void QuantizePack(const Pack<T, kVec>& in, const Quant& q,
-                                             uint8_t (&codes)[kVec]) {
-  float y[kVec];
-  if (q.inv != 0.0f) {
+// The largest |x| bits of a pack, NaN and Inf included (their bits are above every finite value's).
+template <typename T, int kVec>
+__device__ __forceinline__ uint32_t PackAbsBits(const Pack<T, kVec>& p) {
+  uint32_t m = 0;
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      const float x = LoadFloat(in.v[j]);
-      y[j] = CpuQuotient(x, __fmul_rn(x, q.inv), q.scale);
+  for (int j = 0; j < kVec; ++j) m = MaxBits(m, Bits(LoadFloat(p.v[j])) & 0x7fffffffu);
+  return m;
+}
+
+// kVec fp8 codes as they are stored: 32-bit words of four codes (the first in the low byte), or
+// one code in w[0]'s low byte for kVec = 1.
+template <int kVec>
+struct CodePack {
+  static_assert(kVec == 1 || kVec == 4 || kVec == 8 || kVec == 16, "kVec: 1, 4, 8 or 16");
+  uint32_t w[kVec >= 4 ? kVec / 4 : 1];
+};
+
+// Codes of kVec quotients, encoded in pairs; kChecked: some may be NaN.
+template <typename F, bool kChecked, int kVec>
+__device__ __forceinline__ void EncodeQuotients(const float (&y)[kVec], CodePack<kVec>& out) {
+  if constexpr (kVec == 1) {
+    out.w[0] = (kChecked ? EncodePair<F>(y[0], 0.0f) : EncodePairNotNaN<F>(y[0], 0.0f)) & 0xffu;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec; j += 4) {
+      const uint32_t lo =
+          kChecked ? EncodePair<F>(y[j], y[j + 1]) : EncodePairNotNaN<F>(y[j], y[j + 1]);
+      const uint32_t hi =
+          kChecked ? EncodePair<F>(y[j + 2], y[j + 3]) : EncodePairNotNaN<F>(y[j + 2], y[j + 3]);
+      out.w[j / 4] = (lo & 0xffffu) | (hi << 16);
     }
+  }
+}
+
+// Codes of a pack of kVec elements. One branch for the whole pack: finite x times a power-of-two
+// reciprocal, or finite x up to 2^60 over a scale with rcp (the corrected quotient), are encoded
+// without per-element branches; other packs (NaN, Inf, a scale without inv or rcp) take the
+// division and the NaN rules.
+// abs_bits: PackAbsBits(in).
+template <typename F, int kVec, typename T>
+__device__ __forceinline__ void QuantizePack(const Pack<T, kVec>& in, uint32_t abs_bits,
+                                             const Quant& q, CodePack<kVec>& codes) {
+  float y[kVec];
+  if (q.inv != 0.0f && abs_bits < kInfBits) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) y[j] = __fmul_rn(LoadFloat(in.v[j]), q.inv);
+    EncodeQuotients<F, false>(y, codes);
+  } else if (q.rcp != 0.0f && abs_bits <= kRcpMaxAbsBits) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) y[j] = CorrectedQuotient(LoadFloat(in.v[j]), q);
+    EncodeQuotients<F, false>(y, codes);
   } else {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       const float x = LoadFloat(in.v[j]);
-      y[j] = CpuQuotient(x, DivRn(x, q.scale), q.scale);
+      const float quotient = q.inv != 0.0f ? __fmul_rn(x, q.inv) : DivRn(x, q.scale);
+      y[j] = CpuQuotient(x, quotient, q.scale);
     }
-  }
-#pragma unroll
-  for (int j = 0; j < kVec; j += 2) {
-    const uint32_t pair = EncodePair<F>(y[j], j + 1 < kVec ? y[j + 1] : 0.0f);
-    codes[j] = static_cast<uint8_t>(pair);
-    if (j + 1 < kVec) codes[j + 1] = static_cast<uint8_t>(pair >> 8);
+    EncodeQuotients<F, true>(y, codes);
   }
 }
 
 // Stores kVec codes at p (aligned to kVec bytes): one access.
 template <int kVec>
-__device__ __forceinline__ void StoreCodes(uint8_t* p, const uint8_t (&codes)[kVec]) {
+__device__ __forceinline__ void StoreCodes(uint8_t* p, const CodePack<kVec>& codes) {
   if constexpr (kVec == 1) {
-    *p = codes[0];
+    *p = static_cast<uint8_t>(codes.w[0]);
+  } else if constexpr (kVec == 4) {
+    *reinterpret_cast<uint32_t*>(p) = codes.w[0];
+  } else if constexpr (kVec == 8) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(codes.w[0], codes.w[1]);
   } else {
-    Pack<uint8_t, kVec> pack;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) pack.v[j] = codes[j];
-    StorePack(p, pack);
+    *reinterpret_cast<uint4*>(p) = make_uint4(codes.w[0], codes.w[1], codes.w[2], codes.w[3]);
   }
 }
 

@@ -13,7 +13,10 @@
 //     G / 32 scalar loads each, coalesced); the group's amax is a shuffle max within those lanes,
 //     then every lane quantizes its elements from registers and stores its codes (one 4- or
 //     8-byte store on the vector path). Lane 0 of the group writes the scale. Warps walk the flat
-//     list of (row, group) units grid-stride, whole warps at a time (so shuffles are uniform).
+//     list of (row, group) units grid-stride, whole warps at a time (so shuffles are uniform),
+//     over a grid of one wave of resident CTAs; a lane's (row, group) advances by a constant step
+//     (no division per unit). Each pack's largest |x| bits decide the quantizer's path
+//     (QuantizePack) and, below Inf, are its finite amax.
 //
 //   * Fp8TileKernel - everything that needs a G x G tile: block_mode tiles (with or without
 //     transpose), rows with transpose, and per-tensor with transpose (64 x 64 tiles). A CTA loads
@@ -116,26 +119,34 @@ __global__ void __launch_bounds__(kThreads) Fp8RowsKernel(RowsArgs<T> a) {
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int accesses = a.group / (a.lanes * kVec);  // per lane: 1, or G / 32 on the scalar path
   const int64_t slots = (a.rows * a.kgroups) << a.lanes_log2;
+  // The grid is at most one wave of resident CTAs, so threads loop; each lane's unit (row, kg)
+  // advances by a constant step, computed once (stride is a multiple of 32, so of the lanes).
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + (threadIdx.x - lane);
-       base < slots; base += stride) {
+  const int64_t unit_step = stride >> a.lanes_log2;
+  const int64_t row_step = DivNonNegative(unit_step, a.kgroups);
+  const int64_t kg_step = unit_step - row_step * a.kgroups;
+  int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x + (threadIdx.x - lane);
+  int64_t row = DivNonNegative((base + lane) >> a.lanes_log2, a.kgroups);
+  int64_t kg = ((base + lane) >> a.lanes_log2) - row * a.kgroups;
+  for (; base < slots; base += stride) {
     const int64_t slot = base + lane;
     const bool active = slot < slots;
-    const int64_t unit = active ? slot >> a.lanes_log2 : 0;
+    const int64_t unit = slot >> a.lanes_log2;
     const int rank = static_cast<int>(slot & (a.lanes - 1));
-    const int64_t row = DivNonNegative(unit, a.kgroups);
-    const int64_t kg = unit - row * a.kgroups;
     const int64_t group_begin = kg * a.group;
     const int64_t row_offset = row * a.k;
 
     Pack<T, kVec> v[kMaxAccesses];
+    uint32_t abs_bits[kMaxAccesses] = {};
     uint32_t amax = 0;
 #pragma unroll
     for (int i = 0; i < kMaxAccesses; ++i) {
       const int64_t col = group_begin + static_cast<int64_t>(rank + i * a.lanes) * kVec;
       if (i < accesses && active && col < a.k) {
         LoadPack(a.x + row_offset + col, v[i]);
-        amax = MaxBits(amax, PackAmax(v[i]));
+        abs_bits[i] = PackAbsBits(v[i]);
+        // Inf and NaN do not count: the finite maximum, measured again for such a pack only.
+        amax = MaxBits(amax, abs_bits[i] < kInfBits ? abs_bits[i] : PackAmax(v[i]));
       }
     }
     amax = GroupMax(amax, a.lanes);
@@ -145,8 +156,8 @@ __global__ void __launch_bounds__(kThreads) Fp8RowsKernel(RowsArgs<T> a) {
     for (int i = 0; i < kMaxAccesses; ++i) {
       const int64_t col = group_begin + static_cast<int64_t>(rank + i * a.lanes) * kVec;
       if (i < accesses && active && col < a.k) {
-        uint8_t codes[kVec];
-        QuantizePack<F>(v[i], q, codes);
+        CodePack<kVec> codes;
+        QuantizePack<F>(v[i], abs_bits[i], q, codes);
         StoreCodes(a.data + row_offset + col, codes);
       }
     }
@@ -157,6 +168,12 @@ __global__ void __launch_bounds__(kThreads) Fp8RowsKernel(RowsArgs<T> a) {
         const int64_t b = DivNonNegative(row, a.m);
         WriteScale(a.scale, a.grid, b, row - b * a.m, kg, scale);
       }
+    }
+    row += row_step;
+    kg += kg_step;
+    if (kg >= a.kgroups) {
+      kg -= a.kgroups;
+      ++row;
     }
   }
 }
@@ -169,7 +186,7 @@ template <typename F, int kVec, typename T>
 __global__ void __launch_bounds__(kThreads) Fp8PerTensorKernel(FlatArgs<T> a) {
   constexpr bool kQuantize = !std::is_void_v<F>;
   __shared__ uint32_t warp_max[kThreads / kWarpSize];
-  Quant q{0.0f, 0.0f};
+  Quant q{0.0f, 0.0f, 0.0f};
   if constexpr (kQuantize) {
     const float scale = *a.scale_in;
     if (blockIdx.x == 0 && threadIdx.x == 0) *a.scale = scale;
@@ -184,8 +201,8 @@ __global__ void __launch_bounds__(kThreads) Fp8PerTensorKernel(FlatArgs<T> a) {
     LoadPack(a.x + i * kVec, p);
     m = MaxBits(m, PackAmax(p));
     if constexpr (kQuantize) {
-      uint8_t codes[kVec];
-      QuantizePack<F>(p, q, codes);
+      CodePack<kVec> codes;
+      QuantizePack<F>(p, PackAbsBits(p), q, codes);
       StoreCodes(a.data + i * kVec, codes);
     }
   }
