@@ -243,6 +243,23 @@ __device__ __forceinline__ void QuantizePack(const Pack<T, kVec>& in, uint32_t a
   }
 }
 
+// Four consecutive elements of a shared tile; p is 4-byte aligned for 16-bit T (two 32-bit loads,
+// so a warp reading consecutive quads is at most 2-way bank conflicted).
+template <typename T>
+__device__ __forceinline__ Pack<T, 4> LoadSharedQuad(const T* p) {
+  Pack<T, 4> q;
+  if constexpr (sizeof(T) == 2) {
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(p);
+    uint32_t* dst = reinterpret_cast<uint32_t*>(&q);
+    dst[0] = src[0];
+    dst[1] = src[1];
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) q.v[j] = p[j];
+  }
+  return q;
+}
+
 // Stores kVec codes at p (aligned to kVec bytes): one access.
 template <int kVec>
 __device__ __forceinline__ void StoreCodes(uint8_t* p, const CodePack<kVec>& codes) {

@@ -25,7 +25,8 @@
 //     atomicMax), per column (per-thread maxima, shuffles, shared atomicMax) or per tile (warp
 //     reduce, shared atomicMax). One thread per row / column / tile then computes the scale,
 //     writes it (and the col_tma padding) and leaves the quantizer in shared memory. data is
-//     written row by row from the tile; data_t column by column (consecutive threads take
+//     written row by row from the tile, four codes per thread (QuantizePack, one 32-bit store)
+//     when K % 4 == 0; data_t column by column (consecutive threads take
 //     consecutive m, so the stores are coalesced along M and the shared reads are conflict-free
 //     thanks to a row pitch of an odd number of 32-bit words). Where data_t repeats data's bytes
 //     (tiles, per-tensor) the codes go through a second shared tile instead of being computed
@@ -107,6 +108,7 @@ struct TileArgs {
   ScaleGrid grid_t;  // rows / tiles with transpose
   float amax_floor = 0.0f;
   bool pow2_scale = false;
+  bool data_words = false;  // data's rows in 32-bit words: K % 4 == 0, data 4-byte aligned
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -241,7 +243,7 @@ __global__ void __launch_bounds__(kThreads) Fp8TileKernel(TileArgs<T> a) {
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int t = static_cast<int>(threadIdx.x);
 
-  Quant tensor_q{0.0f, 0.0f};
+  Quant tensor_q{0.0f, 0.0f, 0.0f};
   uint32_t tensor_amax = 0;  // per-tensor: the thread's max over all its tiles
   if (per_tensor) {
     const float scale = *a.scale_in;
@@ -306,16 +308,34 @@ __global__ void __launch_bounds__(kThreads) Fp8TileKernel(TileArgs<T> a) {
     }
     if (t == 0) tile_amax = 0;
 
-    // 3. data, row by row (consecutive threads: consecutive k).
+    // 3. data, row by row (consecutive threads: consecutive k), four codes (one 32-bit word) per
+    //    thread when K % 4 == 0 (then cols % 4 == 0 too), else one.
     uint8_t* out = a.data + (b * a.m + m0) * a.k + k0;
-    for (int e = t; e < g * g; e += blockDim.x) {
-      const int r = e >> a.tile_log2;
-      const int c = e & (g - 1);
-      if (r < rows && c < cols) {
-        const Quant q = rows_mode ? row_q[r] : (per_tensor ? tensor_q : tile_q);
-        const uint8_t code = QuantizeValue<F>(LoadFloat(tile[r * pitch + c]), q);
-        out[r * a.k + c] = code;
-        if (shared_codes) code_tile[r * code_pitch + c] = code;
+    if (a.data_words) {
+      for (int e = 4 * t; e < g * g; e += 4 * static_cast<int>(blockDim.x)) {
+        const int r = e >> a.tile_log2;
+        const int c = e & (g - 1);
+        if (r < rows && c < cols) {
+          const Quant q = rows_mode ? row_q[r] : (per_tensor ? tensor_q : tile_q);
+          const Pack<T, 4> p = LoadSharedQuad(tile + r * pitch + c);
+          CodePack<4> codes;
+          QuantizePack<F>(p, PackAbsBits(p), q, codes);
+          *reinterpret_cast<uint32_t*>(out + r * a.k + c) = codes.w[0];
+          if (shared_codes) {
+            *reinterpret_cast<uint32_t*>(code_tile + r * code_pitch + c) = codes.w[0];
+          }
+        }
+      }
+    } else {
+      for (int e = t; e < g * g; e += blockDim.x) {
+        const int r = e >> a.tile_log2;
+        const int c = e & (g - 1);
+        if (r < rows && c < cols) {
+          const Quant q = rows_mode ? row_q[r] : (per_tensor ? tensor_q : tile_q);
+          const uint8_t code = QuantizeValue<F>(LoadFloat(tile[r * pitch + c]), q);
+          out[r * a.k + c] = code;
+          if (shared_codes) code_tile[r * code_pitch + c] = code;
+        }
       }
     }
 
