@@ -891,10 +891,14 @@ def test_gpu_delayed_scaling_with_stale_scales(dtype, stale):
     x[2, :8] = np.float32(2.0**60) * np.array([1, -1, 0.5, 1.5, 1, 1, 1, 1], np.float32)
     recipe = fp8.DelayedScaling(history_len=2, dtype=dtype)
     meta = fp8.init_fp8_meta(recipe)._replace(scale=jnp.float32(stale))
-    q, _ = fp8.quantize_delayed(jax.device_put(jnp.asarray(x), gpu), meta, recipe, impl="ffi")
     with np.errstate(over="ignore"):
         expected = np_encode(x, np.float32(stale), dtype)
+    xg = jax.device_put(jnp.asarray(x), gpu)
+    q, _ = fp8.quantize_delayed(xg, meta, recipe, impl="ffi")
     assert_fp8_equal(q.data, expected)
+    (q, q_t), _ = fp8.quantize_delayed(xg, meta, recipe, transpose=True, impl="ffi")
+    assert_fp8_equal(q.data, expected, "transpose")
+    assert_fp8_equal(q_t.data, expected.T, "transpose")
 
 
 @pytest.mark.gpu

@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -152,13 +153,21 @@ ffi::Error ReserveDynamicShared(const char* op, Kernel kernel, size_t bytes) {
 }
 
 // CTAs of `kernel` (`threads` per CTA, no dynamic shared memory) that are resident on the current
-// device at once: the grid of a grid-stride kernel that runs in one wave.
+// device at once: the grid of a grid-stride kernel that runs in one wave. Cached per device (the
+// first 64 ordinals) for each kernel, so the runtime is queried once.
 template <typename Kernel>
 ffi::ErrorOr<int64_t> ResidentCtas(const char* op, Kernel kernel, int threads) {
+  static std::atomic<int64_t> cache[64] = {};
   int device = 0;
+  cudaError_t status = cudaGetDevice(&device);
+  const bool cached = status == cudaSuccess && device >= 0 && device < 64;
+  if (cached) {
+    if (const int64_t known = cache[device].load(std::memory_order_relaxed); known > 0) {
+      return known;
+    }
+  }
   int sms = 0;
   int per_sm = 0;
-  cudaError_t status = cudaGetDevice(&device);
   if (status == cudaSuccess) {
     status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   }
@@ -169,7 +178,9 @@ ffi::ErrorOr<int64_t> ResidentCtas(const char* op, Kernel kernel, int threads) {
     return ffi::Unexpected(Internal(
         std::string(op) + ": cannot query the device's occupancy: " + cudaGetErrorString(status)));
   }
-  return int64_t{std::max(sms, 1)} * std::max(per_sm, 1);
+  const int64_t ctas = int64_t{std::max(sms, 1)} * std::max(per_sm, 1);
+  if (cached) cache[device].store(ctas, std::memory_order_relaxed);
+  return ctas;
 }
 
 // Checks the launch that was just issued on this thread (launch configuration errors surface here;
