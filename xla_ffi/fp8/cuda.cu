@@ -83,6 +83,7 @@ ffi::Error LaunchTiles(cudaStream_t stream, const TileArgs<T>& a) {
 template <typename F, typename T>
 ffi::Error LaunchTilesVectorized(cudaStream_t stream, TileArgs<T> a) {
   a.data_words = a.k % 4 == 0 && IsAligned(a.data, 4);
+  a.data_t_words = a.data_t != nullptr && a.m % 4 == 0 && IsAligned(a.data_t, 4);
   if (Vectorizable<T>(a.k, {a.x})) return LaunchTiles<F, kVecElems<T>>(stream, a);
   return LaunchTiles<F, 1>(stream, a);
 }

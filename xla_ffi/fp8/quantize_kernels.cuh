@@ -26,12 +26,13 @@
 //     reduce, shared atomicMax). One thread per row / column / tile then computes the scale,
 //     writes it (and the col_tma padding) and leaves the quantizer in shared memory. data is
 //     written row by row from the tile, four codes per thread (QuantizePack, one 32-bit store)
-//     when K % 4 == 0; data_t column by column (consecutive threads take
-//     consecutive m, so the stores are coalesced along M and the shared reads are conflict-free
-//     thanks to a row pitch of an odd number of 32-bit words). Where data_t repeats data's bytes
-//     (tiles, per-tensor) the codes go through a second shared tile instead of being computed
-//     twice. Tiles are visited grid-stride; shared memory above 48 KiB (float32 with G = 128) is
-//     opted into at launch.
+//     when K % 4 == 0; data_t column by column (consecutive threads take consecutive m, so the
+//     stores are coalesced along M and the shared reads are conflict-free thanks to a row pitch
+//     of an odd number of 32-bit words), or, from the shared code tile when M and K are multiples
+//     of 4, four codes per thread through a 4 x 4 shuffle transpose per quad of lanes. Where data_t
+//     repeats data's bytes (tiles, per-tensor) the codes go through a second shared tile instead of
+//     being computed twice. Tiles are visited grid-stride; shared memory above 48 KiB (float32 with
+//     G = 128) is opted into at launch.
 //
 //   * Per-tensor (the scale is given: scale_in): cudaMemsetAsync zeroes the amax output, then one
 //     pass - Fp8PerTensorKernel (grid-stride, 16-byte loads) or, with transpose, the tile kernel
@@ -108,7 +109,8 @@ struct TileArgs {
   ScaleGrid grid_t;  // rows / tiles with transpose
   float amax_floor = 0.0f;
   bool pow2_scale = false;
-  bool data_words = false;  // data's rows in 32-bit words: K % 4 == 0, data 4-byte aligned
+  bool data_words = false;    // data's rows in 32-bit words: K % 4 == 0, data 4-byte aligned
+  bool data_t_words = false;  // data_t's rows in 32-bit words: M % 4 == 0, data_t aligned
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -339,17 +341,49 @@ __global__ void __launch_bounds__(kThreads) Fp8TileKernel(TileArgs<T> a) {
       }
     }
 
-    // 4. data_t, column by column (consecutive threads: consecutive m).
+    // 4. data_t, column by column. With the codes in the shared code tile and M, K multiples of 4
+    //    (so rows and cols are too), a warp takes 32 rows x 4 columns at a time: lane (p, q) =
+    //    (lane / 4, lane % 4) loads the four codes of row r0 + 4p + q (one 32-bit word; rows are
+    //    g + 4 bytes apart, so the warp's 32 rows hit distinct banks), each quad transposes its
+    //    4 x 4 codes with shuffles, and lane (p, q) stores column c + q's codes of rows
+    //    r0 + 4p .. r0 + 4p + 3 (one 32-bit store: a warp writes four whole 32-byte sectors).
+    //    Otherwise one code per thread (consecutive threads: consecutive m).
     if (transpose) {
       if (shared_codes) __syncthreads();
       uint8_t* out_t = a.data_t + (b * a.k + k0) * a.m + m0;
-      for (int e = t; e < g * g; e += blockDim.x) {
-        const int c = e >> a.tile_log2;
-        const int r = e & (g - 1);
-        if (r < rows && c < cols) {
-          out_t[c * a.m + r] = shared_codes
-                                   ? code_tile[r * code_pitch + c]
-                                   : QuantizeValue<F>(LoadFloat(tile[r * pitch + c]), col_q[c]);
+      if (shared_codes && a.data_words && a.data_t_words) {
+        const int warp = t / kWarpSize;
+        const int warps = static_cast<int>(blockDim.x) / kWarpSize;
+        const int p = lane >> 2;
+        const int q = lane & 3;
+        const int row_blocks = g / kWarpSize;
+        for (int block = warp; block < row_blocks * (g / 4); block += warps) {
+          const int r0 = (block % row_blocks) * kWarpSize;
+          const int c = (block / row_blocks) * 4;
+          const int r = r0 + 4 * p + q;  // the row whose codes this lane loads
+          const uint32_t word =
+              r < rows && c < cols
+                  ? *reinterpret_cast<const uint32_t*>(code_tile + r * code_pitch + c)
+                  : 0u;
+          uint32_t column = 0;  // codes of column c + q, rows r0 + 4p .. r0 + 4p + 3
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const uint32_t row_word = __shfl_sync(kFullWarpMask, word, (lane & ~3) | j);
+            column |= ((row_word >> (8 * q)) & 0xffu) << (8 * j);
+          }
+          if (r0 + 4 * p < rows && c < cols) {
+            *reinterpret_cast<uint32_t*>(out_t + (c + q) * a.m + r0 + 4 * p) = column;
+          }
+        }
+      } else {
+        for (int e = t; e < g * g; e += blockDim.x) {
+          const int c = e >> a.tile_log2;
+          const int r = e & (g - 1);
+          if (r < rows && c < cols) {
+            out_t[c * a.m + r] = shared_codes
+                                     ? code_tile[r * code_pitch + c]
+                                     : QuantizeValue<F>(LoadFloat(tile[r * pitch + c]), col_q[c]);
+          }
         }
       }
     }
