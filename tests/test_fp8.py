@@ -795,7 +795,7 @@ def test_fuzz_against_float64(m, k, block, dtype, x_dtype, pow2, transpose, data
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "shape", [(1, 1), (7, 300), (130, 257), (2, 3, 64, 100), (4096, 7168)], ids=_id
+    "shape", [(1, 1), (7, 300), (130, 257), (2, 3, 64, 100), (100, 260), (4096, 7168)], ids=_id
 )
 @pytest.mark.parametrize("block", BLOCKS, ids=_id)
 def test_gpu_quantize_matches_float64(shape, block):

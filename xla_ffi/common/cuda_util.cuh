@@ -152,11 +152,11 @@ ffi::Error ReserveDynamicShared(const char* op, Kernel kernel, size_t bytes) {
                   " bytes of shared memory: " + cudaGetErrorString(status));
 }
 
-// CTAs of `kernel` (`threads` per CTA, no dynamic shared memory) that are resident on the current
-// device at once: the grid of a grid-stride kernel that runs in one wave. Cached per device (the
-// first 64 ordinals) for each kernel, so the runtime is queried once.
-template <typename Kernel>
-ffi::ErrorOr<int64_t> ResidentCtas(const char* op, Kernel kernel, int threads) {
+// CTAs of kKernel (kCtaThreads threads per CTA, no dynamic shared memory) that are resident on the
+// current device at once: the grid of a grid-stride kernel that runs in one wave. Cached per
+// kernel and device (the first 64 ordinals), so the runtime is queried once for each.
+template <auto kKernel, int kCtaThreads>
+ffi::ErrorOr<int64_t> ResidentCtas(const char* op) {
   static std::atomic<int64_t> cache[64] = {};
   int device = 0;
   cudaError_t status = cudaGetDevice(&device);
@@ -172,7 +172,7 @@ ffi::ErrorOr<int64_t> ResidentCtas(const char* op, Kernel kernel, int threads) {
     status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   }
   if (status == cudaSuccess) {
-    status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0);
+    status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kCtaThreads, 0);
   }
   if (status != cudaSuccess) {
     return ffi::Unexpected(Internal(

@@ -59,10 +59,11 @@ ffi::Error LaunchRows(cudaStream_t stream, RowsArgs<T> a) {
   a.lanes = std::min(kWarpSize, a.group / kVec);
   a.lanes_log2 = Log2(a.lanes);
   const int64_t slots = a.rows * a.kgroups * a.lanes;
-  auto kernel = Fp8RowsKernel<F, kVec, T>;
-  const ffi::ErrorOr<int64_t> resident = ResidentCtas("fp8 quantize", kernel, kThreads);
+  const ffi::ErrorOr<int64_t> resident =
+      ResidentCtas<Fp8RowsKernel<F, kVec, T>, kThreads>("fp8 quantize");
   if (resident.has_error()) return resident.error();
-  kernel<<<GridCtas(slots, kThreads, resident.value()), kThreads, 0, stream>>>(a);
+  Fp8RowsKernel<F, kVec, T>
+      <<<GridCtas(slots, kThreads, resident.value()), kThreads, 0, stream>>>(a);
   return LastLaunchError("fp8 quantize rows kernel");
 }
 

@@ -346,7 +346,8 @@ __global__ void __launch_bounds__(kThreads) Fp8TileKernel(TileArgs<T> a) {
     //    (lane / 4, lane % 4) loads the four codes of row r0 + 4p + q (one 32-bit word; rows are
     //    g + 4 bytes apart, so the warp's 32 rows hit distinct banks), each quad transposes its
     //    4 x 4 codes with shuffles, and lane (p, q) stores column c + q's codes of rows
-    //    r0 + 4p .. r0 + 4p + 3 (one 32-bit store: a warp writes four whole 32-byte sectors).
+    //    r0 + 4p .. r0 + 4p + 3 (one 32-bit store: a warp writes 32 contiguous bytes of each of
+    //    four columns).
     //    Otherwise one code per thread (consecutive threads: consecutive m).
     if (transpose) {
       if (shared_codes) __syncthreads();
