@@ -424,6 +424,21 @@ def test_delayed_scaling_kernel_matches_twin_with_transpose():
     assert float(m1.amax_history[0]) == float(jnp.abs(x.astype(jnp.float32)).max())
 
 
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_delayed_scaling_raises_a_subnormal_scale_to_the_smallest_normal(impl):
+    """XLA:CPU flushes subnormal operands: a hand-set subnormal scale used to give NaN codes."""
+    tiny = np.finfo(np.float32).tiny
+    recipe = fp8.DelayedScaling(history_len=2)
+    x = np.zeros((8, 32), np.float32)
+    x[0, :4] = [1e-30, -3e-37, 448 * tiny, 0.0]
+    for stale in (2.0**-130, 1e-38):
+        meta = fp8.init_fp8_meta(recipe)._replace(scale=jnp.float32(stale))
+        q, _ = fp8.quantize_delayed(jnp.asarray(x), meta, recipe, impl=impl)
+        assert_scale_equal(q.scale, np.float32(tiny))
+        assert_fp8_equal(q.data, np_encode(x, np.float32(tiny), jnp.float8_e4m3fn))
+        assert not np.isnan(np.asarray(q.data, np.float32)).any()
+
+
 def test_delayed_scaling_recipe_keyword_is_deprecated():
     """``recipe=`` is the old name of ``fp8=`` in the delayed-scaling functions: warns, works."""
     recipe = fp8.DelayedScaling(history_len=2, margin=1)

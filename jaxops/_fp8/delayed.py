@@ -117,7 +117,9 @@ def quantize_delayed(
 
     The kernel measures x's amax while it quantizes; the returned state has it pushed into the
     history and the scale for the next step recomputed (TransformerEngine's delayed scaling).
-    Values beyond the stale scale's range saturate.
+    Values beyond the stale scale's range saturate. A positive scale below float32's smallest
+    normal number (only a hand-set ``meta.scale`` can be one) is raised to it: XLA:CPU flushes
+    subnormal operands to zero, which would make every code NaN there.
 
     Args:
       x: float32, bfloat16 or float16 array, rank >= 1 (>= 2 with `transpose`).
@@ -144,6 +146,10 @@ def quantize_delayed(
     scale = jnp.asarray(meta.scale, jnp.float32)
     if scale.shape != ():
         raise ValueError(f"{op}: meta.scale must have shape (), got {scale.shape}")
+    # Compared as bits: XLA:CPU would also flush the comparison's operand.
+    bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
+    subnormal = (bits > 0) & (bits < np.uint32(0x00800000))
+    scale = jnp.where(subnormal, np.float32(np.finfo(np.float32).tiny), scale)
     use_kernel = _ffi.use_kernel(check_impl(op, impl), op)
     data, scale, data_t, scale_t, amax = _quantize_apply(cfg, x, scale, use_kernel)
     return _wrap(cfg, data, scale, data_t, scale_t), update_fp8_meta(meta, amax, fp8)
