@@ -5,7 +5,7 @@
 // (elements per load: 16 bytes of T, or 1 for the scalar fallback).
 //
 // Every value goes through fp8.h (FiniteAbsBits, ScaleFromAmax, EncodeFp8, DivRn), so the bits
-// equal the CPU handlers'. Two device-only details keep them equal:
+// equal the CPU handlers'. These device-only details keep them equal:
 //   * x / scale for a power-of-two scale (always the case with pow2_scale) is computed as
 //     x * (1 / scale) when that reciprocal is an exact normal float: both are the correctly
 //     rounded value of the same real number, and the multiply saves the division.
