@@ -187,11 +187,9 @@ def test_kernel_is_used_and_xla_twin_is_not():
         assert TARGET_QUANTIZE not in lowered_text(lambda a: fp8.quantize(a).data, x)
 
 
-@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=_id)
-@pytest.mark.parametrize("block", BLOCKS, ids=_id)
-def test_special_values(dtype, block):
-    """NaN stays NaN, +-Inf saturate and do not count in amax, zero blocks are exact zeros,
-    float32 subnormals, values on the rounding midpoints of the format."""
+def special_values(dtype):
+    """[160, 300] float32: NaN, +-Inf, float32 subnormals, zero groups and tiles, a
+    subnormal-only group, values around the format's largest finite one, an all-NaN group."""
     x = np.array(rand((160, 300), np.float32, seed=5))
     x[0, :7] = [np.nan, -np.nan, np.inf, -np.inf, 1e-40, -1e-40, 0.0]
     x[1:3] = 0.0  # whole zero groups / parts of tiles
@@ -200,6 +198,15 @@ def test_special_values(dtype, block):
     fmax = float(ml_dtypes.finfo(dtype).max)
     x[7, :16] = np.float32(fmax) * np.array([1, -1, 1.03, 0.97] * 4, np.float32)
     x[8, :128] = np.float32(np.nan)  # an all-NaN group: amax 0 -> the floor
+    return x
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=_id)
+@pytest.mark.parametrize("block", BLOCKS, ids=_id)
+def test_special_values(dtype, block):
+    """NaN stays NaN, +-Inf saturate and do not count in amax, zero blocks are exact zeros,
+    float32 subnormals, values on the rounding midpoints of the format."""
+    x = special_values(dtype)
     for impl in ("ffi", "xla"):
         q = fp8.quantize(jnp.asarray(x), dtype=dtype, block=block, impl=impl)
         data, scale = np_quantize(x, dtype, block)
@@ -923,12 +930,7 @@ def test_gpu_special_values(dtype, block):
     """NaN, +-Inf, float32 subnormals, zero and subnormal-only groups on the GPU's kernels (rows,
     tiles, per-tensor) against the float64 reference."""
     gpu = jax.devices("gpu")[0]
-    x = np.array(rand((160, 300), np.float32, seed=5))
-    x[0, :7] = [np.nan, -np.nan, np.inf, -np.inf, 1e-40, -1e-40, 0.0]
-    x[1:3] = 0.0
-    x[5, :128] = 1e-42
-    x[7, :16] = np.float32(ml_dtypes.finfo(dtype).max) * np.array([1, -1, 1.03, 0.97] * 4)
-    x[8, :128] = np.float32(np.nan)
+    x = special_values(dtype)
     for transpose in (False, True):
         out = fp8.quantize(
             jax.device_put(jnp.asarray(x), gpu), dtype=dtype, block=block, transpose=transpose

@@ -282,6 +282,13 @@ __device__ __forceinline__ uint32_t PackAmax(const Pack<T, kVec>& p) {
   return m;
 }
 
+// The finite amax of a pack given abs_bits = PackAbsBits(p): abs_bits itself unless the pack holds
+// Inf or NaN (then measured again without them).
+template <typename T, int kVec>
+__device__ __forceinline__ uint32_t PackFiniteAmax(const Pack<T, kVec>& p, uint32_t abs_bits) {
+  return abs_bits < kInfBits ? abs_bits : PackAmax(p);
+}
+
 // Max over aligned groups of `width` lanes (a power of two <= 32); all lanes of the warp call it
 // and every lane of a group gets the group's max.
 __device__ __forceinline__ uint32_t GroupMax(uint32_t v, int width) {

@@ -149,8 +149,7 @@ __global__ void __launch_bounds__(kThreads) Fp8RowsKernel(RowsArgs<T> a) {
       if (i < accesses && active && col < a.k) {
         LoadPack(a.x + row_offset + col, v[i]);
         abs_bits[i] = PackAbsBits(v[i]);
-        // Inf and NaN do not count: the finite maximum, measured again for such a pack only.
-        amax = MaxBits(amax, abs_bits[i] < kInfBits ? abs_bits[i] : PackAmax(v[i]));
+        amax = MaxBits(amax, PackFiniteAmax(v[i], abs_bits[i]));
       }
     }
     amax = GroupMax(amax, a.lanes);
@@ -203,10 +202,11 @@ __global__ void __launch_bounds__(kThreads) Fp8PerTensorKernel(FlatArgs<T> a) {
   for (int64_t i = first; i < vecs; i += stride) {
     Pack<T, kVec> p;
     LoadPack(a.x + i * kVec, p);
-    m = MaxBits(m, PackAmax(p));
+    const uint32_t abs_bits = PackAbsBits(p);
+    m = MaxBits(m, PackFiniteAmax(p, abs_bits));
     if constexpr (kQuantize) {
       CodePack<kVec> codes;
-      QuantizePack<F>(p, PackAbsBits(p), q, codes);
+      QuantizePack<F>(p, abs_bits, q, codes);
       StoreCodes(a.data + i * kVec, codes);
     }
   }
