@@ -159,9 +159,25 @@ def _check_cpu_threads() -> None:
         )
 
 
+#: JAXOPS_CPU_GEMM_KERNEL's values: the widest grouped GEMM micro-kernel the CPU calls may use.
+CPU_GEMM_KERNELS = ("avx512", "avx2", "portable")
+
+
+def _check_cpu_gemm_kernel() -> None:
+    """JAXOPS_CPU_GEMM_KERNEL, read by the grouped GEMM: unset, or one of CPU_GEMM_KERNELS."""
+    value = os.environ.get("JAXOPS_CPU_GEMM_KERNEL")
+    if value is not None and value not in CPU_GEMM_KERNELS:
+        raise ValueError(
+            "JAXOPS_CPU_GEMM_KERNEL must be one of "
+            f"{', '.join(repr(k) for k in CPU_GEMM_KERNELS)} (the widest grouped GEMM "
+            f"micro-kernel of the CPU calls) or unset, got {value!r}"
+        )
+
+
 def _initialize() -> None:
     """Loads the compiled modules, checks their FFI API, registers their stateless targets."""
     _check_cpu_threads()
+    _check_cpu_gemm_kernel()
     runtime = _runtime_ffi_api_version()
     for name, platform in _PLATFORM_OF_MODULE.items():
         module = _load(name)
@@ -393,7 +409,10 @@ def build_info() -> dict[str, dict[str, Any]]:
     Returns:
       One entry per loaded module, keyed by platform ("cpu", "CUDA"): jaxlib version and XLA FFI
       API it was built against; for CUDA also the CUDA version, the architectures and where
-      cuBLASLt comes from (``cublaslt``: "wheel", "toolkit" or None). And ``"paths"``: per op
+      cuBLASLt comes from (``cublaslt``: "wheel", "toolkit" or None); for the CPU also
+      ``grouped_gemm_kernel``, the micro-kernel of the grouped GEMM calls on this machine
+      ("avx512", "avx2" or "portable": the widest the CPU has, at most
+      ``JAXOPS_CPU_GEMM_KERNEL``'s). And ``"paths"``: per op
       family (rms_norm, fp8, moe, gemm), the implementation it takes on jax's default backend
       (see :func:`op_paths`; computing it starts jax's backends).
 
@@ -407,6 +426,8 @@ def build_info() -> dict[str, dict[str, Any]]:
     info: dict[str, dict[str, Any]] = {
         platform: dict(module.build_info()) for platform, module in _modules.items()
     }
+    if "cpu" in _modules:
+        info["cpu"]["grouped_gemm_kernel"] = _modules["cpu"].grouped_gemm_kernel()
     info["paths"] = op_paths()
     return info
 

@@ -15,9 +15,11 @@ bfloat16 or float16).
 - :func:`grouped_gemm_wgrad`: ``dw[g] = x[rows of g].T @ dy[rows of g]``; a group without rows
   gets zeros. ``GroupedGemmWgrad`` <-> ``"jaxops_grouped_gemm_wgrad"`` <-> :data:`TARGET_WGRAD`.
 
-The micro-kernel is AVX-512's where the CPU has it (12 x 32 fp32 sums in registers), else a
-portable one the compiler vectorizes for AVX2 or the baseline; ``JAXOPS_CPU_PORTABLE_GEMM=1`` in
-the environment picks the portable one (its tests use it on AVX-512 machines).
+The micro-kernel is the widest the CPU has: AVX-512's (12 x 32 fp32 sums in registers), AVX2's
+(6 x 16, with FMA), else a portable one the compiler vectorizes for the baseline.
+``JAXOPS_CPU_GEMM_KERNEL`` (``avx512``, ``avx2`` or ``portable``) in the environment caps it (the
+tests run each kernel the machine has so); ``jaxops.build_info()["cpu"]["grouped_gemm_kernel"]``
+says which one runs.
 
 Both are plain custom calls (the expert layer's ``custom_vjp`` pairs them); their pure-JAX twin
 is ``jax.lax.ragged_dot`` and its VJP (:func:`grouped_gemm_reference`,

@@ -1,7 +1,8 @@
 """The grouped GEMM CPU custom calls (``jaxops._grouped_gemm``) against float64 numpy.
 
 Shapes cross the kernels' blocks (K, and a group's rows for the weight gradient, past one
-256-deep block, N past a 32-column panel, rows past a 12-row register tile and a 96-row task),
+256-deep block, N past a 32-column panel and its 16-column AVX2 halves, rows past the register
+tiles of 12, 6 and 4 rows and a 96-row task; each micro-kernel in a subprocess of its own),
 with empty groups, negative and oversized group sizes (clipped), zero-size operands and one
 element; dtypes float32, bfloat16 and float16 (outputs float32). Also the pure-JAX twins,
 trace-time errors, vmap, shard_map on 8 devices and a hypothesis fuzz.
@@ -32,6 +33,8 @@ SHAPES = {
     "blocks-300x257x130": (300, 257, 130, [100, 0, 150, 20]),
     "deep-97x600x33": (97, 600, 33, [40, 57]),
     "tasks-250x64x96": (250, 64, 96, [250]),
+    # float32 rows 4 KiB apart: w and dy packed, not read in place (their rows alias in L1)
+    "aliasing-70x40x1024": (70, 40, 1024, [30, 0, 40]),
     "long-group-600x40x50": (600, 40, 50, [520, 80]),
     "clipped-60x17x40": (60, 17, 40, [25, -4, 50, 9]),
     "tiny-7x1x33": (7, 1, 33, [3, 4]),
@@ -221,21 +224,99 @@ def _run_in_subprocess(tmp_path, **env_changes: str | None) -> subprocess.Comple
     )
 
 
+# Every shape and dtype of SHAPES, each kernel's outputs written to an npz (y, y with w
+# transposed, dw per case) with the kernel build_info reports.
+_SWEEP_SCRIPT = r"""
+import sys, numpy as np, jax.numpy as jnp, jaxops
+from jaxops import _grouped_gemm as gg
+cases = {}
+for name, (rows, k, n, sizes) in eval(sys.argv[2]).items():
+    for dtype in ("float32", "bfloat16", "float16"):
+        rng = np.random.default_rng(rows + k + n)
+        x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+        w = jnp.asarray(rng.standard_normal((len(sizes), k, n)), dtype)
+        dy = jnp.asarray(rng.standard_normal((rows, n)), dtype)
+        gs = jnp.asarray(sizes, jnp.int32)
+        key = f"{name}-{dtype}"
+        cases[key + "-x"], cases[key + "-w"], cases[key + "-dy"] = (
+            np.asarray(a, np.float32) for a in (x, w, dy))
+        cases[key + "-y"] = np.asarray(gg.grouped_gemm(x, w, gs))
+        cases[key + "-yt"] = np.asarray(
+            gg.grouped_gemm(x, jnp.swapaxes(w, 1, 2), gs, transpose_w=True))
+        cases[key + "-dw"] = np.asarray(gg.grouped_gemm_wgrad(x, dy, gs))
+np.savez(sys.argv[1], kernel=jaxops.build_info()["cpu"]["grouped_gemm_kernel"], **cases)
+"""
+
+
+def _cpu_flags() -> set[str]:
+    """The x86 feature flags of this machine's CPU (/proc/cpuinfo), empty where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _widest_kernel(cap: str) -> str:
+    """The micro-kernel the calls should pick under JAXOPS_CPU_GEMM_KERNEL=`cap` here."""
+    flags = _cpu_flags()
+    has = {"avx512": {"avx512f", "fma"} <= flags, "avx2": {"avx2", "fma"} <= flags}
+    order = ["avx512", "avx2", "portable"]
+    return next(k for k in order[order.index(cap) :] if k == "portable" or has[k])
+
+
+@pytest.mark.parametrize("kernel", ["avx512", "avx2", "portable"])
+def test_each_micro_kernel_matches_float64(tmp_path, kernel):
+    """Every shape of SHAPES and every dtype with JAXOPS_CPU_GEMM_KERNEL=`kernel`: build_info
+    names the widest kernel this CPU has at or below it (AVX-512's 12 x 32 tiles, AVX2's 6 x 16,
+    the portable 4 x 32), and y, y from w transposed and dw match float64 numpy."""
+    out = tmp_path / "sweep.npz"
+    run = subprocess.run(
+        [sys.executable, "-c", _SWEEP_SCRIPT, str(out), repr(SHAPES)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "JAXOPS_CPU_GEMM_KERNEL": kernel},
+        cwd=tmp_path,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = np.load(out)
+    assert str(r["kernel"]) == _widest_kernel(kernel), (str(r["kernel"]), _cpu_flags() & {
+        "avx512f", "avx2", "fma"})  # fmt: skip
+    for name, (_, _, _, sizes) in SHAPES.items():
+        for dtype in ("float32", "bfloat16", "float16"):
+            key = f"{name}-{dtype}"
+            y_ref, dw_ref = _oracle(r[key + "-x"], r[key + "-w"], r[key + "-dy"], sizes)
+            for got, want in ((r[key + "-y"], y_ref), (r[key + "-yt"], y_ref)):
+                _close(jnp.asarray(got), want)
+            _close(jnp.asarray(r[key + "-dw"]), dw_ref)
+
+
+@pytest.mark.parametrize("value", ["AVX2", "sse", "1", ""])
+def test_bad_cpu_gemm_kernel_setting_is_refused_at_import(tmp_path, value):
+    run = _run_in_subprocess(tmp_path, JAXOPS_CPU_GEMM_KERNEL=value)
+    assert run.returncode != 0
+    assert "JAXOPS_CPU_GEMM_KERNEL must be one of" in run.stderr, run.stderr[-3000:]
+    assert repr(value) in run.stderr, run.stderr[-3000:]
+
+
 # The suite sets JAXOPS_CPU_THREADS=2 (tests/conftest.py), so _SCRIPT's 4 tasks split over 2
 # threads there; these runs take the calls' own choice: on the calling thread where the pool has a
 # thread per simulated device beyond the cores (8 devices), over the pool with one device.
 @pytest.mark.parametrize(
     "env",
     [
-        pytest.param({"JAXOPS_CPU_PORTABLE_GEMM": "1"}, id="portable-kernel"),
         pytest.param({"JAXOPS_CPU_THREADS": None, "JAX_NUM_CPU_DEVICES": "8"}, id="8dev-default"),
         pytest.param({"JAXOPS_CPU_THREADS": None, "JAX_NUM_CPU_DEVICES": "1"}, id="1dev-default"),
         pytest.param({"JAXOPS_CPU_THREADS": "1"}, id="one-thread"),
     ],
 )
 def test_subprocess_settings_match_float64(tmp_path, env):
-    """The micro-kernel of machines without AVX-512 (JAXOPS_CPU_PORTABLE_GEMM=1 picks it), and
-    the threads a call splits its work over (JAXOPS_CPU_THREADS, or the call's own choice)."""
+    """The threads a call splits its work over (JAXOPS_CPU_THREADS, or the call's own choice)."""
     run = _run_in_subprocess(tmp_path, **env)
     assert run.returncode == 0, run.stderr[-3000:]
     r = np.load(tmp_path / "out.npz")

@@ -1,6 +1,7 @@
 // The CPU nanobind module: exports every CPU FFI handler of jaxops, and the chunked CRC-32C that
-// jaxops.parallel.checkpoint uses.
+// jaxops.parallel.checkpoint uses, and which grouped GEMM micro-kernel this machine runs.
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "xla_ffi/checkpoint/crc32c.h"
@@ -56,4 +57,8 @@ NB_MODULE(_jaxops_cpu, m) {
       "may be shorter), as a list of ints. Releases the GIL.");
   m.def("crc32c_hardware", &jaxops::Crc32cHardware,
         "Whether crc32c_chunks uses the SSE4.2 crc32 instruction on this machine.");
+  m.def(
+      "grouped_gemm_kernel", [] { return std::string(jaxops::grouped_gemm::CpuKernelName()); },
+      "The micro-kernel of the grouped GEMM calls on this machine: 'avx512', 'avx2' or "
+      "'portable' (the widest the CPU has, at most JAXOPS_CPU_GEMM_KERNEL's).");
 }

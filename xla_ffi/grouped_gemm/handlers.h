@@ -11,4 +11,10 @@
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmWgradCpu);
 
+namespace jaxops::grouped_gemm {
+// The micro-kernel the CPU calls run on this machine: "avx512", "avx2" or "portable" (the widest
+// the CPU has, at most JAXOPS_CPU_GEMM_KERNEL's).
+const char* CpuKernelName();
+}  // namespace jaxops::grouped_gemm
+
 #endif  // JAXOPS_XLA_FFI_GROUPED_GEMM_HANDLERS_H_
