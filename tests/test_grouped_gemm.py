@@ -205,8 +205,11 @@ np.savez(__import__("sys").argv[1], y=gg.grouped_gemm(x, w, sizes),
 """
 
 
-def _run_in_subprocess(tmp_path, **env_changes: str | None) -> subprocess.CompletedProcess:
-    """_SCRIPT in a fresh process, with environment variables set (None: removed)."""
+def _run_in_subprocess(
+    tmp_path, script: str = _SCRIPT, args: tuple[str, ...] = (), **env_changes: str | None
+) -> subprocess.CompletedProcess:
+    """`script` (out.npz in tmp_path, then `args` on its command line) in a fresh process, with
+    environment variables set (None: removed)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     for key, value in env_changes.items():
         if value is None:
@@ -214,12 +217,12 @@ def _run_in_subprocess(tmp_path, **env_changes: str | None) -> subprocess.Comple
         else:
             env[key] = value
     return subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(tmp_path / "out.npz")],
+        [sys.executable, "-c", script, str(tmp_path / "out.npz"), *args],
         capture_output=True,
         text=True,
         env=env,
         cwd=tmp_path,
-        timeout=120,
+        timeout=300,
         check=False,
     )
 
@@ -273,18 +276,11 @@ def test_each_micro_kernel_matches_float64(tmp_path, kernel):
     """Every shape of SHAPES and every dtype with JAXOPS_CPU_GEMM_KERNEL=`kernel`: build_info
     names the widest kernel this CPU has at or below it (AVX-512's 12 x 32 tiles, AVX2's 6 x 16,
     the portable 4 x 32), and y, y from w transposed and dw match float64 numpy."""
-    out = tmp_path / "sweep.npz"
-    run = subprocess.run(
-        [sys.executable, "-c", _SWEEP_SCRIPT, str(out), repr(SHAPES)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "JAXOPS_CPU_GEMM_KERNEL": kernel},
-        cwd=tmp_path,
-        timeout=300,
-        check=False,
+    run = _run_in_subprocess(
+        tmp_path, _SWEEP_SCRIPT, (repr(SHAPES),), JAXOPS_CPU_GEMM_KERNEL=kernel
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    r = np.load(out)
+    r = np.load(tmp_path / "out.npz")
     assert str(r["kernel"]) == _widest_kernel(kernel), (str(r["kernel"]), _cpu_flags() & {
         "avx512f", "avx2", "fma"})  # fmt: skip
     for name, (_, _, _, sizes) in SHAPES.items():
@@ -294,14 +290,6 @@ def test_each_micro_kernel_matches_float64(tmp_path, kernel):
             for got, want in ((r[key + "-y"], y_ref), (r[key + "-yt"], y_ref)):
                 _close(jnp.asarray(got), want)
             _close(jnp.asarray(r[key + "-dw"]), dw_ref)
-
-
-@pytest.mark.parametrize("value", ["AVX2", "sse", "1", ""])
-def test_bad_cpu_gemm_kernel_setting_is_refused_at_import(tmp_path, value):
-    run = _run_in_subprocess(tmp_path, JAXOPS_CPU_GEMM_KERNEL=value)
-    assert run.returncode != 0
-    assert "JAXOPS_CPU_GEMM_KERNEL must be one of" in run.stderr, run.stderr[-3000:]
-    assert repr(value) in run.stderr, run.stderr[-3000:]
 
 
 # The suite sets JAXOPS_CPU_THREADS=2 (tests/conftest.py), so _SCRIPT's 4 tasks split over 2
@@ -325,9 +313,13 @@ def test_subprocess_settings_match_float64(tmp_path, env):
         _close(jnp.asarray(got), want)
 
 
-@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
-def test_bad_cpu_threads_setting_is_refused_at_import(tmp_path, value):
-    run = _run_in_subprocess(tmp_path, JAXOPS_CPU_THREADS=value)
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [("JAXOPS_CPU_THREADS", v, "must be a positive integer") for v in ("0", "-2", "two", "1.5")]
+    + [("JAXOPS_CPU_GEMM_KERNEL", v, "must be one of") for v in ("AVX2", "sse", "1", "")],
+)
+def test_bad_cpu_setting_is_refused_at_import(tmp_path, variable, value, message):
+    run = _run_in_subprocess(tmp_path, **{variable: value})
     assert run.returncode != 0
-    assert "JAXOPS_CPU_THREADS must be a positive integer" in run.stderr, run.stderr[-3000:]
+    assert f"{variable} {message}" in run.stderr, run.stderr[-3000:]
     assert repr(value) in run.stderr, run.stderr[-3000:]
