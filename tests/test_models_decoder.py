@@ -101,9 +101,29 @@ def test_kernels_match_twins_in_the_train_step():
 
 
 def test_fp8_kernels_match_twins_in_the_train_step():
-    # On the CPU both quantize with the correctly rounded division: the same codes (the sums
-    # differ in order).
-    _kernels_vs_twins(jax.devices("cpu")[:1], "block", 1e-4)
+    """On the CPU both paths quantize with the correctly rounded division, but their sums differ
+    in order (the grouped GEMM, RMSNorm and permute kernels against XLA's), so a value within a
+    rounding of an FP8 midpoint can take the next code in one path: a few such codes per step
+    move a gradient by up to 0.6% of its FP8 error (measured on an AVX2 machine; 1e-4 relative
+    on an AVX-512 one). A kernel's wiring bug (a scale, a transpose, a block) moves it by the
+    FP8 error's own size. So the kernels and the twins agree within 3% of the FP8 error against
+    the float32 step, the loss within 1e-4."""
+    cpu = jax.devices("cpu")[:1]
+    _, grads32 = _loss_and_grads(cpu, None, "xla")
+    (loss, grads), (loss_twin, grads_twin) = (
+        _loss_and_grads(cpu, "block", impl) for impl in ("ffi", "xla")
+    )
+    assert abs(float(loss) - float(loss_twin)) <= 1e-4 * abs(float(loss_twin)), (loss, loss_twin)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
+    leaves = zip(
+        jax.tree.leaves(grads), jax.tree.leaves(grads_twin), jax.tree.leaves(grads32), strict=True
+    )
+    errors = {
+        path: (rel_error(g, g_twin), rel_error(g_twin, g32))
+        for path, (g, g_twin, g32) in zip(paths, leaves, strict=True)
+    }
+    apart = {k: v for k, v in errors.items() if v[0] > 0.03 * v[1]}
+    assert not apart, (apart, errors)
 
 
 @pytest.mark.gpu
