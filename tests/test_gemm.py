@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -110,6 +111,22 @@ def test_gemm_grads(activation, transpose_w):
         want = jax.vjp(plain, x, w, b)[1](ct)
     for g, r in zip(got, want, strict=True):
         assert_allclose(g, r, scale=8)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's dot layouts")
+@pytest.mark.parametrize("transpose_w", [False, True], ids=["w_kn", "w_nk"])
+def test_cpu_weight_grad_is_a_plain_gemm(transpose_w):
+    # XLA:CPU sends a dot contracting its LHS's rows to Eigen (a per-call allocation and
+    # packing); the twin's weight gradient multiplies a transposed copy instead.
+    x, w, b = _inputs((40,), 24, 16, jnp.float32, seed=2, transpose_w=transpose_w)
+    dw = jax.jit(jax.grad(lambda w: jnp.sum(jaxops.gemm(x, w, b, transpose_w=transpose_w) ** 2)))
+    text = dw.lower(w).compile().as_text()
+    dots = re.findall(r"lhs_contracting_dims=\{(\d+)\}", text)
+    assert dots and "0" not in dots, dots
+    want = jax.grad(
+        lambda w: jnp.sum((jnp.dot(x, w.T if transpose_w else w, precision="highest") + b) ** 2)
+    )(w)
+    assert_allclose(dw(w), want, scale=4)
 
 
 def test_gemm_vmap_and_jit():

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxops import _checks
+from jaxops._gemm import gemm
 
 from ._config import MoEAux, MoEConfig
 
@@ -100,10 +101,10 @@ def route(
       logit_bias: None or ``[E]``, the learned logit bias (MoEConfig.router_logit_bias), added
         to the float32 logits (with a gradient).
     """
-    logits = jnp.dot(
-        tokens.astype(jnp.float32),
-        w_router.astype(jnp.float32),
-        precision=jax.lax.Precision.HIGHEST,
+    # Full float32 products on every platform (never TF32); jaxops.gemm's twin, whose weight
+    # gradient XLA:CPU runs as a plain GEMM.
+    logits = gemm(
+        tokens.astype(jnp.float32), w_router.astype(jnp.float32), precision="fp32", impl="xla"
     )
     if logit_bias is not None:
         logits = logits + logit_bias.astype(jnp.float32)
