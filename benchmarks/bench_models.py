@@ -1,6 +1,7 @@
 """Qwen3-MoE decoder train step: expert-parallel jaxops.models.MoEDecoder vs the dense MoE twin.
 
-One jitted train step (``loss_and_grads`` + adamw) of a Qwen3-MoE-shaped decoder
+One train step (``MoEDecoder.train_step``: ``loss_and_grads`` + adamw, the parameters and the
+optimizer state donated) of a Qwen3-MoE-shaped decoder
 (``jaxops.models.MoEDecoder``: GQA attention with q/k norms, RMSNorm kernels, SwiGLU experts)
 on the same mesh, parameters and batch, in one run:
 
@@ -19,7 +20,7 @@ A table per ``--remat-cases`` case (default: the small one; see its help): the e
 under each ``remat`` policy
 (:data:`jaxops.models.REMAT_POLICIES`) and with gradient accumulation over 2 microbatches:
 the compiled step's temporary bytes (``memory_analysis()``: the activations it keeps) and its
-time, each checked to give the same loss.
+time (a jitted step without donation, compiled once), each checked to give the same loss.
 
 Both jax models are checked to give the same loss before anything is timed (and transformers
 too with ``--torch``). Ours and the dense twin are timed interleaved, a sample of each in turn,
@@ -122,7 +123,27 @@ def _config(case: str) -> tuple[DecoderConfig, int, int]:
     return cfg, b, s
 
 
+class _Training:
+    """Steps of ``model.train_step(opt)`` (what a user runs: parameters and state donated).
+
+    Each call runs one step from the state the last one left and returns its loss; it starts
+    from a copy of `params`, which stay usable.
+    """
+
+    def __init__(self, model: MoEDecoder, opt, params, batch):
+        self.step = model.train_step(opt)
+        self.params = jax.tree.map(lambda x: x.copy(), params)
+        self.state = model.init_optimizer(opt, self.params)
+        self.batch = batch
+
+    def __call__(self) -> jax.Array:
+        self.params, self.state, loss = self.step(self.params, self.state, *self.batch)
+        return loss
+
+
 def _step(model: MoEDecoder, opt: optax.GradientTransformation):
+    """A jitted step without donation, for compiling once and calling on the same arguments."""
+
     @jax.jit
     def step(params, state, tokens, targets):
         loss, grads = model.loss_and_grads(params, tokens, targets)
@@ -282,17 +303,13 @@ def _case(
     targets = np.roll(tokens, -1, axis=1)
     batch = ep_model.place_batch(tokens, targets)
     opt = optax.adamw(1e-4, weight_decay=0.0)
-    with jax.set_mesh(mesh):
-        state_ep = jax.jit(opt.init)(params_ep)
-        state_dense = jax.jit(opt.init)(params_dense)
-    step_ep, step_dense = _step(ep_model, opt), _step(dense_model, opt)
     loss_ep = float(jax.jit(ep_model.loss)(params_ep, *batch))
     loss_dense = float(jax.jit(dense_model.loss)(params_dense, *batch))
     if not np.isclose(loss_ep, loss_dense, rtol=1e-4):
         raise AssertionError(f"{case}: ep loss {loss_ep} != dense loss {loss_dense}")
     cases = {
-        "ep": (step_ep, (params_ep, state_ep, *batch)),
-        "dense": (step_dense, (params_dense, state_dense, *batch)),
+        "ep": (_Training(ep_model, opt, params_ep, batch), ()),
+        "dense": (_Training(dense_model, opt, params_dense, batch), ()),
     }
     if args.torch:
         with tempfile.TemporaryDirectory() as tmp:
