@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxops import _ffi
 from jaxops import _grouped_gemm as gg
 from jaxops.testing import count_collectives
 
@@ -267,11 +268,11 @@ def _widest_kernel(cap: str) -> str:
     """The micro-kernel the calls should pick under JAXOPS_CPU_GEMM_KERNEL=`cap` here."""
     flags = _cpu_flags()
     has = {"avx512": {"avx512f", "fma"} <= flags, "avx2": {"avx2", "fma"} <= flags}
-    order = ["avx512", "avx2", "portable"]
+    order = list(_ffi.CPU_GEMM_KERNELS)  # widest first
     return next(k for k in order[order.index(cap) :] if k == "portable" or has[k])
 
 
-@pytest.mark.parametrize("kernel", ["avx512", "avx2", "portable"])
+@pytest.mark.parametrize("kernel", _ffi.CPU_GEMM_KERNELS)
 def test_each_micro_kernel_matches_float64(tmp_path, kernel):
     """Every shape of SHAPES and every dtype with JAXOPS_CPU_GEMM_KERNEL=`kernel`: build_info
     names the widest kernel this CPU has at or below it (AVX-512's 12 x 32 tiles, AVX2's 6 x 16,
