@@ -31,10 +31,12 @@
 #   SANITIZE_TOOLS ("memcheck racecheck initcheck synccheck"), SANITIZE_K (a pytest -k expression
 #     choosing the GPU tests run under each tool; default: all of them), SANITIZE_TIMEOUT (300),
 #   PROFILE_BENCHES ("fp8"), PROFILE_ARGS (e.g. "--shapes 4096x7168 --dtypes bfloat16": arguments
-#     of each profiled benchmark), PROFILE_LAUNCHES (24: kernels profiled per benchmark, jaxops'
-#     only), PROFILE_TIMEOUT (240), PROFILE_SECTIONS ("SpeedOfLight MemoryWorkloadAnalysis
+#     of each profiled benchmark; several sets separated by ";" profile it once per set, e.g.
+#     "--modes 1x128;--modes tensor+T"), PROFILE_LAUNCHES (24: kernels profiled per run, jaxops'
+#     only), PROFILE_TIMEOUT (240: per run), PROFILE_SECTIONS ("SpeedOfLight MemoryWorkloadAnalysis
 #     LaunchStats Occupancy"; e.g. add InstructionStats WarpStateStats SourceCounters): `ncu` with
-#     those sections, its report as text in ncu_<name>.log,
+#     those sections, its report as text in ncu_<name>.log (ncu_<name>_<i>.log for the i-th of
+#     several argument sets, from 1),
 #   BUILD (1): 0 skips the build and tests the jaxops already installed for $PYTHON,
 #   DEADLINE (0: none): seconds after the start past which no further step starts, and each step's
 #     limit is cut to the time left (a lent GPU machine's call has a hard limit).
@@ -238,8 +240,9 @@ run_sanitize() {
 # Nsight Compute over benchmarks: the first PROFILE_LAUNCHES jaxops kernels each one launches
 # (matched in the mangled name, which holds the namespace: the plain function name does not).
 run_profile() {
-  local name extra sections=() section
-  read -r -a extra <<< "${PROFILE_ARGS:-}"
+  local name extra sets=() set_args i log sections=() section
+  IFS=';' read -r -a sets <<< "${PROFILE_ARGS:-}"
+  if [[ ${#sets[@]} -eq 0 ]]; then sets=(""); fi
   for section in ${PROFILE_SECTIONS:-SpeedOfLight MemoryWorkloadAnalysis LaunchStats Occupancy}; do
     sections+=(--section "$section")
   done
@@ -250,14 +253,21 @@ run_profile() {
     return
   fi
   for name in ${PROFILE_BENCHES:-fp8}; do
-    # No preallocation: ncu saves and restores the device memory in use around each replayed
-    # kernel, and XLA's default 75% of the GPU made the second kernel's replay fail.
-    XLA_PYTHON_CLIENT_PREALLOCATE=false step "ncu_$name" "$OUT/ncu_$name.log" "${PROFILE_TIMEOUT:-240}" \
-      ncu --kernel-name-base mangled --kernel-name regex:jaxops --launch-count "${PROFILE_LAUNCHES:-24}" \
-      "${sections[@]}" "$PYTHON" "$REPO/benchmarks/bench_$name.py" --repeats 1 \
-      ${extra[@]+"${extra[@]}"}
-    # A profiled program that outlived ncu's time limit still holds the GPU's memory.
-    pkill -KILL -f "benchmarks/bench_$name.py" 2>/dev/null || true
+    i=0
+    for set_args in "${sets[@]}"; do
+      i=$((i + 1))
+      log="ncu_$name"
+      if [[ ${#sets[@]} -gt 1 ]]; then log="ncu_${name}_$i"; fi
+      read -r -a extra <<< "$set_args"
+      # No preallocation: ncu saves and restores the device memory in use around each replayed
+      # kernel, and XLA's default 75% of the GPU made the second kernel's replay fail.
+      XLA_PYTHON_CLIENT_PREALLOCATE=false step "$log" "$OUT/$log.log" "${PROFILE_TIMEOUT:-240}" \
+        ncu --kernel-name-base mangled --kernel-name regex:jaxops \
+        --launch-count "${PROFILE_LAUNCHES:-24}" "${sections[@]}" \
+        "$PYTHON" "$REPO/benchmarks/bench_$name.py" --repeats 1 ${extra[@]+"${extra[@]}"}
+      # A profiled program that outlived ncu's time limit still holds the GPU's memory.
+      pkill -KILL -f "benchmarks/bench_$name.py" 2>/dev/null || true
+    done
   done
 }
 
