@@ -56,7 +56,8 @@ struct QuantizeBuffers {
 
 template <typename F, int kVec, typename T>
 ffi::Error LaunchRows(cudaStream_t stream, RowsArgs<T> a) {
-  a.lanes = std::min(kWarpSize, a.group / kVec);
+  // G / kVec is 4 to 32 on the vector path (G in {32, 64, 128}, kVec 4 or 8), so 2 to 16 lanes.
+  a.lanes = kVec > 1 ? a.group / (kRowsPacks * kVec) : std::min(kWarpSize, a.group);
   a.lanes_log2 = Log2(a.lanes);
   const int64_t slots = a.rows * a.kgroups * a.lanes;
   const ffi::ErrorOr<int64_t> resident =
@@ -101,9 +102,11 @@ ffi::Error LaunchPerTensor(cudaStream_t stream, const FlatArgs<T>& a, const char
   constexpr int kVec = kVecElems<T>;
   if (IsAligned(a.x, 16) && IsAligned(a.data, 16)) {
     Fp8PerTensorKernel<F, kVec, T>
-        <<<GridCtas(CeilDiv(a.n, kVec), kThreads, kAmaxMaxCtas), kThreads, 0, stream>>>(a);
+        <<<GridCtas(CeilDiv(a.n, kVec * kFlatPacks), kThreads, kAmaxMaxCtas), kThreads, 0,
+           stream>>>(a);
   } else {
-    Fp8PerTensorKernel<F, 1, T><<<GridCtas(a.n, kThreads, kAmaxMaxCtas), kThreads, 0, stream>>>(a);
+    Fp8PerTensorKernel<F, 1, T>
+        <<<GridCtas(CeilDiv(a.n, kFlatPacks), kThreads, kAmaxMaxCtas), kThreads, 0, stream>>>(a);
   }
   return LastLaunchError(what);
 }

@@ -8,15 +8,17 @@
 // the kernels loop, so any size works):
 //
 //   * Fp8RowsKernel - block_mode rows without transpose (the hot path). A group of G elements of
-//     one row is owned by `lanes` = min(32, G / kVec) consecutive lanes of a warp (one 16-byte load
-//     each when K is a multiple of 16 bytes and the pointers are aligned; otherwise 32 lanes with
-//     G / 32 scalar loads each, coalesced); the group's amax is a shuffle max within those lanes,
-//     then every lane quantizes its elements from registers and stores its codes (one 4- or
-//     8-byte store on the vector path). Lane 0 of the group writes the scale. Warps walk the flat
-//     list of (row, group) units grid-stride, whole warps at a time (so shuffles are uniform),
-//     over a grid of one wave of resident CTAs; a lane's (row, group) advances by a constant step
-//     (no division per unit). Each pack's largest |x| bits decide the quantizer's path
-//     (QuantizePack) and, below Inf, are its finite amax.
+//     one row is owned by `lanes` consecutive lanes of a warp: G / (kRowsPacks * kVec) lanes with
+//     kRowsPacks 16-byte loads each, issued before any is used, when K is a multiple of 16 bytes
+//     and the pointers are aligned (lane r loads packs r and r + lanes of the group, so each load
+//     instruction reads whole 32-byte sectors); otherwise 32 lanes with G / 32 scalar loads each,
+//     coalesced. The group's amax is a shuffle max within those lanes, then every lane quantizes
+//     its elements from registers and stores its codes (one 4- or 8-byte store per pack on the
+//     vector path). Lane 0 of the group writes the scale. Warps walk the flat list of (row, group)
+//     units grid-stride, whole warps at a time (so shuffles are uniform), over a grid of one wave
+//     of resident CTAs; a lane's (row, group) advances by a constant step (no division per unit).
+//     Each pack's largest |x| bits decide the quantizer's path (QuantizePack) and, below Inf, are
+//     its finite amax.
 //
 //   * Fp8TileKernel - everything that needs a G x G tile: block_mode tiles (with or without
 //     transpose), rows with transpose, and per-tensor with transpose (64 x 64 tiles). A CTA loads
@@ -35,11 +37,12 @@
 //     G = 128) is opted into at launch.
 //
 //   * Per-tensor (the scale is given: scale_in): cudaMemsetAsync zeroes the amax output, then one
-//     pass - Fp8PerTensorKernel (grid-stride, 16-byte loads) or, with transpose, the tile kernel
-//     (64 x 64 tiles) - quantizes with scale_in[0] and measures amax on the way: each CTA reduces
-//     its threads' maxima (warp __reduce_max_sync, shared memory) and does one global atomicMax on
-//     the amax output's bits. Thread 0 of CTA 0 alone writes scale[0]; no kernel reads scale[].
-//     An empty x still launches one CTA of Fp8PerTensorKernel, which writes scale[0].
+//     pass - Fp8PerTensorKernel (grid-stride, kFlatPacks 16-byte loads in flight per thread) or,
+//     with transpose, the tile kernel (64 x 64 tiles) - quantizes with scale_in[0] and measures
+//     amax on the way: each CTA reduces its threads' maxima (warp __reduce_max_sync, shared
+//     memory) and does one global atomicMax on the amax output's bits. Thread 0 of CTA 0 alone
+//     writes scale[0]; no kernel reads scale[]. An empty x still launches one CTA of
+//     Fp8PerTensorKernel, which writes scale[0].
 //
 //   * amax handler: the same memset and Fp8PerTensorKernel<void> (the reduction above without
 //     quantizing). No host synchronization anywhere.
@@ -71,7 +74,7 @@ struct RowsArgs {
   int64_t k = 0;
   int64_t kgroups = 0;  // ceil(K / G)
   int group = 0;
-  int lanes = 0;  // lanes per group: min(32, G / kVec)
+  int lanes = 0;  // lanes per group: G / (kRowsPacks * kVec), or 32 when kVec == 1
   int lanes_log2 = 0;
   ScaleGrid grid;
   float amax_floor = 0.0f;
@@ -119,9 +122,10 @@ struct TileArgs {
 // Rows without transpose: see the file comment.
 template <typename F, int kVec, typename T>
 __global__ void __launch_bounds__(kThreads) Fp8RowsKernel(RowsArgs<T> a) {
-  constexpr int kMaxAccesses = kVec > 1 ? 1 : kMaxTile / kWarpSize;
+  constexpr int kMaxAccesses = kVec > 1 ? kRowsPacks : kMaxTile / kWarpSize;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const int accesses = a.group / (a.lanes * kVec);  // per lane: 1, or G / 32 on the scalar path
+  // Per lane: kRowsPacks on the vector path, G / 32 on the scalar path.
+  const int accesses = a.group / (a.lanes * kVec);
   const int64_t slots = (a.rows * a.kgroups) << a.lanes_log2;
   // The grid is at most one wave of resident CTAs, so threads loop; each lane's unit (row, kg)
   // advances by a constant step, computed once (stride is a multiple of 32, so of the lanes).
@@ -140,14 +144,20 @@ __global__ void __launch_bounds__(kThreads) Fp8RowsKernel(RowsArgs<T> a) {
     const int64_t group_begin = kg * a.group;
     const int64_t row_offset = row * a.k;
 
+    // Every load first (the lane's loads in flight together), then the amax.
     Pack<T, kVec> v[kMaxAccesses];
+    bool present[kMaxAccesses];
+#pragma unroll
+    for (int i = 0; i < kMaxAccesses; ++i) {
+      const int64_t col = group_begin + static_cast<int64_t>(rank + i * a.lanes) * kVec;
+      present[i] = i < accesses && active && col < a.k;
+      if (present[i]) LoadPack(a.x + row_offset + col, v[i]);
+    }
     uint32_t abs_bits[kMaxAccesses] = {};
     uint32_t amax = 0;
 #pragma unroll
     for (int i = 0; i < kMaxAccesses; ++i) {
-      const int64_t col = group_begin + static_cast<int64_t>(rank + i * a.lanes) * kVec;
-      if (i < accesses && active && col < a.k) {
-        LoadPack(a.x + row_offset + col, v[i]);
+      if (present[i]) {
         abs_bits[i] = PackAbsBits(v[i]);
         amax = MaxBits(amax, PackFiniteAmax(v[i], abs_bits[i]));
       }
@@ -158,7 +168,7 @@ __global__ void __launch_bounds__(kThreads) Fp8RowsKernel(RowsArgs<T> a) {
 #pragma unroll
     for (int i = 0; i < kMaxAccesses; ++i) {
       const int64_t col = group_begin + static_cast<int64_t>(rank + i * a.lanes) * kVec;
-      if (i < accesses && active && col < a.k) {
+      if (present[i]) {
         CodePack<kVec> codes;
         QuantizePack<F>(v[i], abs_bits[i], q, codes);
         StoreCodes(a.data + row_offset + col, codes);
@@ -199,15 +209,25 @@ __global__ void __launch_bounds__(kThreads) Fp8PerTensorKernel(FlatArgs<T> a) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t vecs = a.n / kVec;
   uint32_t m = 0;
-  for (int64_t i = first; i < vecs; i += stride) {
-    Pack<T, kVec> p;
-    LoadPack(a.x + i * kVec, p);
-    const uint32_t abs_bits = PackAbsBits(p);
-    m = MaxBits(m, PackFiniteAmax(p, abs_bits));
-    if constexpr (kQuantize) {
-      CodePack<kVec> codes;
-      QuantizePack<F>(p, abs_bits, q, codes);
-      StoreCodes(a.data + i * kVec, codes);
+  // kFlatPacks packs per thread and iteration, stride apart, every load issued before any is used.
+  for (int64_t i = first; i < vecs; i += kFlatPacks * stride) {
+    Pack<T, kVec> p[kFlatPacks];
+    bool present[kFlatPacks];
+#pragma unroll
+    for (int u = 0; u < kFlatPacks; ++u) {
+      present[u] = i + u * stride < vecs;
+      if (present[u]) LoadPack(a.x + (i + u * stride) * kVec, p[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kFlatPacks; ++u) {
+      if (!present[u]) continue;
+      const uint32_t abs_bits = PackAbsBits(p[u]);
+      m = MaxBits(m, PackFiniteAmax(p[u], abs_bits));
+      if constexpr (kQuantize) {
+        CodePack<kVec> codes;
+        QuantizePack<F>(p[u], abs_bits, q, codes);
+        StoreCodes(a.data + (i + u * stride) * kVec, codes);
+      }
     }
   }
   for (int64_t i = vecs * kVec + first; i < a.n; i += stride) {
