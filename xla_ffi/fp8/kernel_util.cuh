@@ -55,6 +55,9 @@ constexpr int kScanThreads = 1024;  // CTA size of Fp8SplitOffsetsKernel.
 constexpr int kMaxTile = 128;       // Largest G (rows and columns of a tile).
 constexpr int kRowsPacks = 2;       // 16-byte packs per lane and group in Fp8RowsKernel.
 constexpr int kFlatPacks = 2;       // Packs per thread and iteration in Fp8PerTensorKernel.
+// Resident CTAs per SM Fp8TileKernel is compiled for (its register cap: 40). Left to itself,
+// ptxas gave the bf16 instance 76 registers (loop invariants kept live), 3 CTAs per SM.
+constexpr int kTileMinCtas = 6;
 constexpr int kPerTensorTile = 64;  // Tile of the per-tensor transpose.
 constexpr int kPerTensorTileLog2 = Log2(kPerTensorTile);
 constexpr int kSplitTileCols = 64;  // K columns per panel tile of the split transpose.
@@ -262,6 +265,33 @@ __device__ __forceinline__ Pack<T, 4> LoadSharedQuad(const T* p) {
   return q;
 }
 
+// The bits of element e (0..3, a runtime index: selects, no local memory) of a quad, zero-extended.
+template <typename T>
+__device__ __forceinline__ uint32_t QuadElementBits(const Pack<T, 4>& quad, int e) {
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(&quad);
+  if constexpr (sizeof(T) == 2) {
+    const uint32_t word = e < 2 ? w[0] : w[1];
+    return (e & 1) != 0 ? word >> 16 : word & 0xffffu;
+  } else {
+    return e < 2 ? ((e & 1) != 0 ? w[1] : w[0]) : ((e & 1) != 0 ? w[3] : w[2]);
+  }
+}
+
+// The quad whose element j has the bits QuadElementBits returned in bits[j].
+template <typename T>
+__device__ __forceinline__ Pack<T, 4> QuadFromBits(const uint32_t (&bits)[4]) {
+  Pack<T, 4> quad;
+  uint32_t* w = reinterpret_cast<uint32_t*>(&quad);
+  if constexpr (sizeof(T) == 2) {
+    w[0] = bits[0] | (bits[1] << 16);
+    w[1] = bits[2] | (bits[3] << 16);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[j] = bits[j];
+  }
+  return quad;
+}
+
 // Stores kVec codes at p (aligned to kVec bytes): one access.
 template <int kVec>
 __device__ __forceinline__ void StoreCodes(uint8_t* p, const CodePack<kVec>& codes) {
@@ -334,13 +364,28 @@ __device__ __forceinline__ void BlockMaxToGlobal(uint32_t v, uint32_t* warp_max,
   }
 }
 
+// Stores a pack at tile + offset (shared): as 32-bit words for 16-bit T (offset even, so they are
+// aligned), else element by element.
+template <typename T, int kVec>
+__device__ __forceinline__ void StoreSharedPack(T* dst, const Pack<T, kVec>& p) {
+  if constexpr (sizeof(T) == 2 && kVec % 2 == 0) {
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(&p);
+    uint32_t* words = reinterpret_cast<uint32_t*>(dst);
+#pragma unroll
+    for (int j = 0; j < kVec / 2; ++j) words[j] = src[j];
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) dst[j] = p.v[j];
+  }
+}
+
 // Loads the rows x cols block at src (row stride ld) into tile[r * pitch + c] (r < rows,
 // c < cols; the rest of the tile_rows x 2^cols_log2 tile is not written) and reduces amaxes from
 // the loaded registers: row_amax[r] and col_amax[c] (shared, zero before the call; each skipped
 // when nullptr) get atomicMax'ed, and the thread's max over everything it loaded is returned
 // (for a tile amax). A tile row is 2^cols_log2 / kVec consecutive threads (`lanes`); with
-// kVec > 1, cols and every offset are multiples of kVec and src is 16-byte aligned. Every thread
-// of the CTA must call it (shuffles).
+// kVec > 1, cols and every offset are multiples of kVec, src is 16-byte aligned and pitch is
+// even. Every thread of the CTA must call it (shuffles).
 template <int kVec, typename T>
 __device__ __forceinline__ uint32_t LoadTile(const T* src, int64_t ld, int rows, int cols,
                                              int tile_rows, int cols_log2, T* tile, int pitch,
@@ -363,9 +408,9 @@ __device__ __forceinline__ uint32_t LoadTile(const T* src, int64_t ld, int rows,
     if (r < rows && col < cols) {
       Pack<T, kVec> p;
       LoadPack(src + r * ld + col, p);
+      StoreSharedPack(tile + r * pitch + col, p);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        tile[r * pitch + col + j] = p.v[j];
         const uint32_t bits = FiniteAbsBits(LoadFloat(p.v[j]));
         vmax = MaxBits(vmax, bits);
         col_max[j] = MaxBits(col_max[j], bits);

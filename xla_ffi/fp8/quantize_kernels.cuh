@@ -30,11 +30,13 @@
 //     written row by row from the tile, four codes per thread (QuantizePack, one 32-bit store)
 //     when K % 4 == 0; data_t column by column (consecutive threads take consecutive m, so the
 //     stores are coalesced along M and the shared reads are conflict-free thanks to a row pitch
-//     of an odd number of 32-bit words), or, from the shared code tile when M and K are multiples
-//     of 4, four codes per thread through a 4 x 4 shuffle transpose per quad of lanes. Where data_t
-//     repeats data's bytes (tiles, per-tensor) the codes go through a second shared tile instead of
-//     being computed twice. Tiles are visited grid-stride; shared memory above 48 KiB (float32 with
-//     G = 128) is opted into at launch.
+//     of an odd number of 32-bit words), or four codes per thread through a 4 x 4 shuffle
+//     transpose per quad of lanes: of the shared code tile's codes when M and K are multiples of 4
+//     (tiles, per-tensor), of the T tile's elements, quantized with the column scales, when M is
+//     (rows). Where data_t repeats data's bytes (tiles, per-tensor) the codes go through a second
+//     shared tile instead of being computed twice. Tiles are visited grid-stride; shared memory
+//     above 48 KiB (float32 with G = 128) is opted into at launch. The tile is stored as 32-bit
+//     words for 16-bit T. Compiled for kTileMinCtas resident CTAs per SM (40 registers).
 //
 //   * Per-tensor (the scale is given: scale_in): cudaMemsetAsync zeroes the amax output, then one
 //     pass - Fp8PerTensorKernel (grid-stride, kFlatPacks 16-byte loads in flight per thread) or,
@@ -242,7 +244,7 @@ __global__ void __launch_bounds__(kThreads) Fp8PerTensorKernel(FlatArgs<T> a) {
 // file comment. Dynamic shared memory: the T tile (TileBytes), then, when data_t repeats data's
 // bytes, a tile of codes with rows of tile + kCodePad bytes.
 template <typename F, int kVec, typename T>
-__global__ void __launch_bounds__(kThreads) Fp8TileKernel(TileArgs<T> a) {
+__global__ void __launch_bounds__(kThreads, kTileMinCtas) Fp8TileKernel(TileArgs<T> a) {
   extern __shared__ float4 dynamic_shared[];
   __shared__ uint32_t row_amax[kMaxTile];
   __shared__ uint32_t col_amax[kMaxTile];
@@ -367,8 +369,9 @@ __global__ void __launch_bounds__(kThreads) Fp8TileKernel(TileArgs<T> a) {
     //    g + 4 bytes apart, so the warp's 32 rows hit distinct banks), each quad transposes its
     //    4 x 4 codes with shuffles, and lane (p, q) stores column c + q's codes of rows
     //    r0 + 4p .. r0 + 4p + 3 (one 32-bit store: a warp writes 32 contiguous bytes of each of
-    //    four columns).
-    //    Otherwise one code per thread (consecutive threads: consecutive m).
+    //    four columns). Rows with transpose and M a multiple of 4: the same lane mapping over
+    //    the T tile, quantized with the column scales (below). Otherwise one code per thread
+    //    (consecutive threads: consecutive m).
     if (transpose) {
       if (shared_codes) __syncthreads();
       uint8_t* out_t = a.data_t + (b * a.k + k0) * a.m + m0;
@@ -394,6 +397,41 @@ __global__ void __launch_bounds__(kThreads) Fp8TileKernel(TileArgs<T> a) {
           }
           if (r0 + 4 * p < rows && c < cols) {
             *reinterpret_cast<uint32_t*>(out_t + (c + q) * a.m + r0 + 4 * p) = column;
+          }
+        }
+      } else if (rows_mode && a.data_t_words) {
+        // Rows with transpose, M a multiple of 4: data_t's codes use the column scales. A warp
+        // takes 32 rows x 4 columns of the tile at a time: lane (p, q) = (lane / 4, lane % 4)
+        // loads row r0 + 4p + q's elements in columns c .. c + 3 (conflict-free: rows are an odd
+        // number of words apart). In step j each lane sends its element (q - j) % 4 and receives
+        // from lane (p, (q + j) % 4), so it ends with column c + q's elements of rows
+        // r0 + 4p + (q + j) % 4 in slot j. It quantizes them as one pack with col_q[c + q],
+        // rotates the code bytes into row order and stores them as one 32-bit word (a warp
+        // writes 32 contiguous bytes of each of four columns).
+        const int warp = t / kWarpSize;
+        const int warps = static_cast<int>(blockDim.x) / kWarpSize;
+        const int p = lane >> 2;
+        const int q = lane & 3;
+        const int row_blocks = g / kWarpSize;
+        for (int block = warp; block < row_blocks * (g / 4); block += warps) {
+          const int r0 = (block % row_blocks) * kWarpSize;
+          const int c = (block / row_blocks) * 4;
+          const int r = r0 + 4 * p + q;  // the row whose elements this lane loads
+          Pack<T, 4> mine = {};
+          if (r < rows && c < cols) mine = LoadSharedQuad(tile + r * pitch + c);
+          uint32_t got[4];  // slot j: column c + q, row r0 + 4p + (q + j) % 4
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const uint32_t sent = QuadElementBits(mine, (q - j) & 3);
+            got[j] = __shfl_sync(kFullWarpMask, sent, (lane & ~3) | ((q + j) & 3));
+          }
+          const Pack<T, 4> column = QuadFromBits<T>(got);
+          if (r0 + 4 * p < rows && c + q < cols) {
+            CodePack<4> codes;
+            QuantizePack<F>(column, PackAbsBits(column), col_q[c + q], codes);
+            // Byte j holds row (q + j) % 4: rotating left by q bytes puts row i in byte i.
+            const uint32_t word = __funnelshift_l(codes.w[0], codes.w[0], 8 * q);
+            *reinterpret_cast<uint32_t*>(out_t + (c + q) * a.m + r0 + 4 * p) = word;
           }
         }
       } else {

@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kScanThreads)
 template <typename F, int kVec, typename T>
 __global__ void __launch_bounds__(kThreads) Fp8SplitPanelKernel(SplitArgs<T> a) {
   constexpr int kPitch = kSplitTileCols + kTilePad<T>;
-  __shared__ T tile[kMaxTile * kPitch];
+  __shared__ alignas(16) T tile[kMaxTile * kPitch];  // aligned: LoadTile stores 32-bit words
   __shared__ uint32_t col_amax[kSplitTileCols];
   __shared__ Quant col_q[kSplitTileCols];
   __shared__ long long partial[kThreads / kWarpSize];
