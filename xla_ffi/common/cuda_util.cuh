@@ -152,17 +152,24 @@ ffi::Error ReserveDynamicShared(const char* op, Kernel kernel, size_t bytes) {
                   " bytes of shared memory: " + cudaGetErrorString(status));
 }
 
-// CTAs of kKernel (kCtaThreads threads per CTA, no dynamic shared memory) that are resident on the
-// current device at once: the grid of a grid-stride kernel that runs in one wave. Cached per
-// kernel and device (the first 64 ordinals), so the runtime is queried once for each.
+// Launch shapes ResidentCtas caches per kernel and device (keys 0 .. kResidentKeys - 1).
+inline constexpr int kResidentKeys = 8;
+
+// CTAs of kKernel (kCtaThreads threads per CTA, shared_bytes of dynamic shared memory) that are
+// resident on the current device at once: the grid of a grid-stride kernel that runs in one wave.
+// Cached per kernel, device (the first 64 ordinals) and key, so the runtime is queried once for
+// each; a caller whose launches differ in shared_bytes gives each size its own key (a key outside
+// [0, kResidentKeys) is not cached). A kernel above the default dynamic shared memory must have
+// been granted it (ReserveDynamicShared) first.
 template <auto kKernel, int kCtaThreads>
-ffi::ErrorOr<int64_t> ResidentCtas(const char* op) {
-  static std::atomic<int64_t> cache[64] = {};
+ffi::ErrorOr<int64_t> ResidentCtas(const char* op, size_t shared_bytes = 0, int key = 0) {
+  static std::atomic<int64_t> cache[64][kResidentKeys] = {};
   int device = 0;
   cudaError_t status = cudaGetDevice(&device);
-  const bool cached = status == cudaSuccess && device >= 0 && device < 64;
+  const bool cached =
+      status == cudaSuccess && device >= 0 && device < 64 && key >= 0 && key < kResidentKeys;
   if (cached) {
-    if (const int64_t known = cache[device].load(std::memory_order_relaxed); known > 0) {
+    if (const int64_t known = cache[device][key].load(std::memory_order_relaxed); known > 0) {
       return known;
     }
   }
@@ -172,14 +179,15 @@ ffi::ErrorOr<int64_t> ResidentCtas(const char* op) {
     status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   }
   if (status == cudaSuccess) {
-    status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kCtaThreads, 0);
+    status =
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kCtaThreads, shared_bytes);
   }
   if (status != cudaSuccess) {
     return ffi::Unexpected(Internal(
         std::string(op) + ": cannot query the device's occupancy: " + cudaGetErrorString(status)));
   }
   const int64_t ctas = int64_t{std::max(sms, 1)} * std::max(per_sm, 1);
-  if (cached) cache[device].store(ctas, std::memory_order_relaxed);
+  if (cached) cache[device][key].store(ctas, std::memory_order_relaxed);
   return ctas;
 }
 

@@ -76,8 +76,16 @@ ffi::Error LaunchTiles(cudaStream_t stream, const TileArgs<T>& a) {
       static_cast<size_t>(TileBytes<T>(g, g) + (shared_codes ? g * (g + kCodePad) : 0));
   auto kernel = Fp8TileKernel<F, kVec, T>;
   if (auto e = ReserveDynamicShared("fp8 quantize", kernel, shared_bytes); e.failure()) return e;
+  // One wave of resident CTAs walks the tiles (a partial last wave of CTAs that each take a fixed
+  // share would leave SMs idle); the shared memory, so the occupancy, depends on G and the code
+  // tile: one cache key per (G, code tile).
+  const int key = 2 * (Log2(a.tile) - Log2(kMinTile)) + (shared_codes ? 1 : 0);
+  const ffi::ErrorOr<int64_t> resident =
+      ResidentCtas<Fp8TileKernel<F, kVec, T>, kThreads>("fp8 quantize", shared_bytes, key);
+  if (resident.has_error()) return resident.error();
   const int64_t tiles = a.batch * a.mtiles * a.ktiles;
-  const int64_t max_ctas = a.mode == kPerTensor ? kAmaxMaxCtas : kMaxGridCtas;
+  const int64_t max_ctas =
+      std::min(resident.value(), a.mode == kPerTensor ? kAmaxMaxCtas : kMaxGridCtas);
   kernel<<<GridCtas(tiles, 1, max_ctas), kThreads, shared_bytes, stream>>>(a);
   return LastLaunchError("fp8 quantize tile kernel");
 }
@@ -96,18 +104,25 @@ ffi::Error ZeroAmax(const char* op, uint32_t* amax, cudaStream_t stream) {
 }
 
 // Fp8PerTensorKernel<F> over the a.n elements of a.x: 16-byte loads when x (and data) are
-// 16-byte aligned (the kernel takes the tail after the last whole pack one element at a time).
+// 16-byte aligned (the kernel takes the tail after the last whole pack one element at a time), on
+// at most one wave of resident CTAs.
+template <typename F, int kVec, typename T>
+ffi::Error LaunchPerTensorWith(cudaStream_t stream, const FlatArgs<T>& a) {
+  const ffi::ErrorOr<int64_t> resident =
+      ResidentCtas<Fp8PerTensorKernel<F, kVec, T>, kThreads>("fp8 quantize");
+  if (resident.has_error()) return resident.error();
+  const int64_t cap = std::min(resident.value(), kAmaxMaxCtas);
+  Fp8PerTensorKernel<F, kVec, T>
+      <<<GridCtas(CeilDiv(a.n, kVec * kFlatPacks), kThreads, cap), kThreads, 0, stream>>>(a);
+  return ffi::Error::Success();
+}
+
 template <typename F, typename T>
 ffi::Error LaunchPerTensor(cudaStream_t stream, const FlatArgs<T>& a, const char* what) {
-  constexpr int kVec = kVecElems<T>;
-  if (IsAligned(a.x, 16) && IsAligned(a.data, 16)) {
-    Fp8PerTensorKernel<F, kVec, T>
-        <<<GridCtas(CeilDiv(a.n, kVec * kFlatPacks), kThreads, kAmaxMaxCtas), kThreads, 0,
-           stream>>>(a);
-  } else {
-    Fp8PerTensorKernel<F, 1, T>
-        <<<GridCtas(CeilDiv(a.n, kFlatPacks), kThreads, kAmaxMaxCtas), kThreads, 0, stream>>>(a);
-  }
+  const bool vector = IsAligned(a.x, 16) && IsAligned(a.data, 16);
+  ffi::Error launched = vector ? LaunchPerTensorWith<F, kVecElems<T>>(stream, a)
+                               : LaunchPerTensorWith<F, 1>(stream, a);
+  if (launched.failure()) return launched;
   return LastLaunchError(what);
 }
 

@@ -52,6 +52,7 @@ __host__ __device__ constexpr int Log2(int n) { return n <= 1 ? 0 : 1 + Log2(n /
 
 constexpr int kThreads = 256;       // CTA size of every kernel but the offsets scan.
 constexpr int kScanThreads = 1024;  // CTA size of Fp8SplitOffsetsKernel.
+constexpr int kMinTile = 32;        // Smallest G.
 constexpr int kMaxTile = 128;       // Largest G (rows and columns of a tile).
 constexpr int kRowsPacks = 2;       // 16-byte packs per lane and group in Fp8RowsKernel.
 constexpr int kFlatPacks = 2;       // Packs per thread and iteration in Fp8PerTensorKernel.
