@@ -32,7 +32,8 @@
 #     choosing the GPU tests run under each tool; default: all of them), SANITIZE_TIMEOUT (300),
 #   PROFILE_BENCHES ("fp8"), PROFILE_ARGS (e.g. "--shapes 4096x7168 --dtypes bfloat16": arguments
 #     of each profiled benchmark; several sets separated by ";" profile it once per set, e.g.
-#     "--modes 1x128;--modes tensor+T"), PROFILE_LAUNCHES (24: kernels profiled per run, jaxops'
+#     "--modes 1x128;--modes tensor+T"; PROFILE_ARGS_<name>, e.g. PROFILE_ARGS_rms_norm, replaces
+#     it for one benchmark), PROFILE_LAUNCHES (24: kernels profiled per run, jaxops'
 #     only), PROFILE_TIMEOUT (240: per run), PROFILE_SECTIONS ("SpeedOfLight MemoryWorkloadAnalysis
 #     LaunchStats Occupancy"; e.g. add InstructionStats WarpStateStats SourceCounters): `ncu` with
 #     those sections, its report as text in ncu_<name>.log (ncu_<name>_<i>.log for the i-th of
@@ -240,9 +241,7 @@ run_sanitize() {
 # Nsight Compute over benchmarks: the first PROFILE_LAUNCHES jaxops kernels each one launches
 # (matched in the mangled name, which holds the namespace: the plain function name does not).
 run_profile() {
-  local name extra sets=() set_args i log sections=() section
-  IFS=';' read -r -a sets <<< "${PROFILE_ARGS:-}"
-  if [[ ${#sets[@]} -eq 0 ]]; then sets=(""); fi
+  local name extra sets=() set_args i log sections=() section own
   for section in ${PROFILE_SECTIONS:-SpeedOfLight MemoryWorkloadAnalysis LaunchStats Occupancy}; do
     sections+=(--section "$section")
   done
@@ -253,6 +252,10 @@ run_profile() {
     return
   fi
   for name in ${PROFILE_BENCHES:-fp8}; do
+    own="PROFILE_ARGS_$name"
+    sets=()
+    IFS=';' read -r -a sets <<< "${!own:-${PROFILE_ARGS:-}}"
+    if [[ ${#sets[@]} -eq 0 ]]; then sets=(""); fi
     i=0
     for set_args in "${sets[@]}"; do
       i=$((i + 1))
