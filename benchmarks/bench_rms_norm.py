@@ -12,6 +12,11 @@ Usage (from the repository root)::
     python benchmarks/bench_rms_norm.py --quick          # smoke test, < 1 minute on 2 CPU cores
     python benchmarks/bench_rms_norm.py --shapes 4096x4096 --dtypes bfloat16 --out results/
     python benchmarks/bench_rms_norm.py --busy --name rms_norm_busy --out results/  # 1 core busy
+    python benchmarks/bench_rms_norm.py --dw-parts 512,1024   # the backward's dweight parts A/B
+
+``--dw-parts`` also times each backward op with dweight reduced over exactly that many row ranges
+(on a GPU, the backward kernel's grid: 256 CTAs by default), in the same samples as the default
+count; those rows are not judged against the goals.
 
 The custom call is requested with ``impl="ffi"`` (the strict form of the default ``impl=None``),
 so a jaxops built without the platform's kernel fails loudly instead of timing XLA twice.
@@ -20,11 +25,12 @@ so a jaxops built without the platform's kernel fails loudly instead of timing X
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -32,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxops
+from jaxops._rms_norm import partition as _partition
 
 # The harness next to this script (also under ``python -m benchmarks.<script>``).
 H = importlib.import_module(f"{__package__}._harness" if __package__ else "_harness")
@@ -376,6 +383,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=",".join(DEFAULT_OPS),
         help=f"comma-separated ops or 'all' (choices: {', '.join(OPS)})",
     )
+    p.add_argument(
+        "--dw-parts",
+        default="",
+        help="comma-separated part counts: the backward ops are also timed with dweight reduced "
+        "over exactly min(P, rows) row ranges (the kernel's grid on a GPU), in the same samples "
+        "as the default count, each as its own row",
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed calls after compilation")
     p.add_argument("--eps", type=float, default=1e-6)
     p.add_argument("--seed", type=int, default=0)
@@ -406,6 +420,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for op in args.op_list:
         if op not in OPS:
             p.error(f"unknown op {op!r}; choices: {', '.join(OPS)}")
+    try:
+        args.dw_parts_list = [int(v) for v in _csv(args.dw_parts)]
+    except ValueError:
+        p.error(f"--dw-parts: expected comma-separated integers, got {args.dw_parts!r}")
+    if any(v < 1 for v in args.dw_parts_list):
+        p.error(f"--dw-parts: part counts must be >= 1, got {args.dw_parts!r}")
     args.dtype_list = []
     for d in _csv(args.dtypes):
         if d not in DTYPES:
@@ -418,6 +438,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _dw_parts(parts: int) -> Iterator[None]:
+    """While open, rms_norm's backward reduces dweight over exactly min(parts, rows) row ranges
+    (a trace-time constant of jaxops' private partition module; programs traced inside keep it)."""
+    saved = (_partition._MAX_PARTS, _partition._ROWS_PER_PART, _partition._MAX_PARTIAL_ELEMENTS)
+    _partition._MAX_PARTS, _partition._ROWS_PER_PART = parts, 1
+    _partition._MAX_PARTIAL_ELEMENTS = 1 << 62
+    try:
+        yield
+    finally:
+        (_partition._MAX_PARTS, _partition._ROWS_PER_PART, _partition._MAX_PARTIAL_ELEMENTS) = saved
 
 
 def run(args: argparse.Namespace) -> H.Result:
@@ -437,6 +470,7 @@ def run(args: argparse.Namespace) -> H.Result:
 
     rows: list[dict[str, Any]] = []
     total = len(args.dtype_list) * len(args.shape_list) * len(args.op_list)
+    done = 0
     for dtype_name in args.dtype_list:
         wname = (
             dtype_name if args.weight_dtype == "same" else jnp.dtype(DTYPES[args.weight_dtype]).name
@@ -452,9 +486,33 @@ def run(args: argparse.Namespace) -> H.Result:
                 built = {impl: op.build(impl, inputs, args.eps) for impl in IMPLS}
                 outs = {impl: jax.block_until_ready(fn(*a)) for impl, (fn, a) in built.items()}
                 check_agreement(op, dtype_name, shape, outs["ffi"], outs["xla"])
+                variants = args.dw_parts_list if op.bwd else []
+                for parts in variants:
+                    with _dw_parts(parts):  # traced and compiled (first call) with these parts
+                        fn, a = built[f"ffi@{parts}"] = op.build("ffi", inputs, args.eps)
+                        out = jax.block_until_ready(fn(*a))
+                    check_agreement(op, dtype_name, shape, out, outs["xla"])
+                    del out
                 del outs
                 timings = H.time_interleaved(built, repeats=args.repeats, warmup=args.warmup)
                 nbytes = op.bytes_moved(rows_n, hidden, dtype.itemsize, wdtype.itemsize)
+                variant_rows = []
+                for parts in variants:
+                    variant = {"ffi": timings[f"ffi@{parts}"], "xla": timings["xla"]}
+                    variant_rows.append(
+                        {
+                            "op": f"{op.label}, dw parts {min(parts, rows_n)}",
+                            "op_name": f"{op.name}@dw_parts",
+                            "dtype": dtype_name,
+                            "weight_dtype": wname,
+                            "dtype_label": label,
+                            "shape": shape_text,
+                            "shape_tuple": list(shape),
+                            **H.ffi_xla_fields(variant, nbytes, copy),
+                            "copy_gbps": copy.gbps,
+                            "xla_copy_frac": H.gbps(nbytes, variant["xla"].median) / copy.gbps,
+                        }
+                    )
                 ffi, xla = timings["ffi"], timings["xla"]
                 row = {
                     "op": op.label,
@@ -471,14 +529,17 @@ def run(args: argparse.Namespace) -> H.Result:
                 }
                 row["xla_copy_frac"] = row["xla_gbps"] / copy.gbps
                 rows.append(row)
+                rows.extend(variant_rows)
+                done += 1
                 _log(
-                    f"[{len(rows)}/{total}] {op.label} {label} {shape_text}: "
+                    f"[{done}/{total}] {op.label} {label} {shape_text}: "
                     f"ffi {row['ffi_ms']:.3f} ms, xla {row['xla_ms']:.3f} ms, "
                     f"xla/ffi {row['speedup']:.2f}x"
                 )
                 del built, timings
             del inputs
-    goals = evaluate_goals(rows, gpu, args.op_list, args.weight_dtype == "same", args.busy)
+    judged = [r for r in rows if not r["op_name"].endswith("@dw_parts")]
+    goals = evaluate_goals(judged, gpu, args.op_list, args.weight_dtype == "same", args.busy)
     copy_line = (
         f"copy bandwidth: {copy.gbps:.1f} GB/s (median of x + 0 on {copy.nbytes / 2**20:.0f} MiB); "
         f"times are medians of {args.repeats} samples; GB/s counts the bytes each op must move"
