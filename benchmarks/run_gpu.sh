@@ -20,7 +20,8 @@
 #   JAXOPS_BUILD_DIR (<repo>/build/gpu: kept between runs for incremental rebuilds),
 #   TESTS_GPU_TIMEOUT (180), TESTS_ALL_TIMEOUT (300), BENCH_TIMEOUT (240): seconds per step,
 #   TESTS_GPU_PER_TEST (90): seconds per GPU test (with pytest-timeout; the test ids are printed),
-#   BENCH_ARGS: extra arguments for every benchmark (e.g. "--quick"),
+#   BENCH_ARGS: extra arguments for every benchmark (e.g. "--quick"); BENCH_ARGS_<name> (e.g.
+#     BENCH_ARGS_fp8) replaces them for one benchmark,
 #   STEPS ("tests_gpu tests_all bench"): which steps run after the build, in this order; "sanitize"
 #     runs compute-sanitizer over the GPU tests (below), "profile" Nsight Compute over benchmarks,
 #   BENCHES (every bench_*.py): benchmark names without the bench_ prefix, e.g. "rms_norm fp8",
@@ -190,22 +191,23 @@ run_tests_all() {
 }
 
 run_bench() {
-  local bench name
+  local bench name names=() extra own
   shopt -s nullglob
   if [[ -n "${BENCHES:-}" ]]; then
-    local names
     read -r -a names <<< "$BENCHES"
-    for name in "${names[@]}"; do
-      bench="$REPO/benchmarks/bench_$name.py"
-      step "bench_$name" "$OUT/bench_$name.log" "$BENCH_TIMEOUT" \
-        "$PYTHON" "$bench" --out "$OUT" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"}
+  else
+    for bench in "$REPO"/benchmarks/bench_*.py; do
+      name="$(basename "$bench" .py)"
+      names+=("${name#bench_}")
     done
-    return
   fi
-  for bench in "$REPO"/benchmarks/bench_*.py; do
-    name="$(basename "$bench" .py)"
-    step "$name" "$OUT/$name.log" "$BENCH_TIMEOUT" \
-      "$PYTHON" "$bench" --out "$OUT" ${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"}
+  for name in "${names[@]}"; do
+    bench="$REPO/benchmarks/bench_$name.py"
+    own="BENCH_ARGS_$name"
+    extra=("${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"}")
+    if [[ -n "${!own:-}" ]]; then read -r -a extra <<< "${!own}"; fi
+    step "bench_$name" "$OUT/bench_$name.log" "$BENCH_TIMEOUT" \
+      "$PYTHON" "$bench" --out "$OUT" ${extra[@]+"${extra[@]}"}
   done
 }
 
