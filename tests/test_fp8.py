@@ -844,6 +844,58 @@ def test_gpu_quantize_matches_float64(shape, block):
             assert_scale_equal(q_t.scale, cpu[1].scale)
 
 
+def many_tiles_input(shape, x_dtype, seed):
+    """Random x of `shape` with NaN, +-Inf, signed zeros and the dtype's largest finite values near
+    the first and last rows and columns (so in partial groups, tiles and quads)."""
+    x = np.array(rand(shape, np.float32, seed=seed))
+    big = float(jnp.finfo(x_dtype).max)
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, big, -big, 1.5], np.float32)
+    m, k = shape
+    x[0, : len(specials)] = specials
+    x[m - 1, k - len(specials) :] = specials
+    x[m - len(specials) :, k - 1] = specials
+    x[m // 2, k // 2 : k // 2 + 4] = [np.nan, 2.0, -np.inf, 0.5]
+    return np.asarray(jnp.asarray(x, x_dtype), np.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_dtype", X_DTYPES, ids=_id)
+@pytest.mark.parametrize(
+    ("shape", "block"),
+    [
+        ((4096, 4100), (1, 128)),
+        ((4096, 4099), (1, 32)),
+        ((4100, 4096), (1, 128)),
+        ((4096, 4096), (32, 32)),
+        ((4096, 4096), None),
+    ],
+    ids=lambda v: _id(v) if isinstance(v, tuple) or v is None else str(v),
+)
+def test_gpu_transposes_and_grids_that_loop(shape, block, x_dtype):
+    """Bit-exact against the float64 reference, with special values, at sizes where the kernels'
+    resident grids make a CTA (or thread) take many tiles (packs): 1 x G with the transpose (the
+    four-codes-per-thread path when M % 4 == 0, with K % 4 == 0 and K % 4 != 0), 32 x 32 tiles
+    with the transpose, and per-tensor over 16M elements; pow2 and other scales."""
+    gpu = jax.devices("gpu")[0]
+    x = many_tiles_input(shape, x_dtype, seed=sum(shape))
+    xg = jax.device_put(jnp.asarray(x, x_dtype), gpu)
+    for dtype, pow2 in [(jnp.float8_e4m3fn, False), (jnp.float8_e5m2, True)]:
+        what = f"{np.dtype(dtype).name} pow2={pow2}"
+        q, q_t = fp8.quantize(
+            xg, dtype=dtype, block=block, pow2_scale=pow2, transpose=True, impl="ffi"
+        )
+        data, scale = np_quantize(x, dtype, block, pow2)
+        assert_fp8_equal(q.data, data, what)
+        assert_scale_equal(q.scale, scale, what)
+        data_t, scale_t = np_quantize(x.T, dtype, block, pow2)
+        assert_fp8_equal(q_t.data, data_t, what + " transposed")
+        assert_scale_equal(q_t.scale, scale_t, what + " transposed")
+        if block is None or block[0] == 1:
+            plain = fp8.quantize(xg, dtype=dtype, block=block, pow2_scale=pow2, impl="ffi")
+            assert_fp8_equal(plain.data, data, what + " without transpose")
+            assert_scale_equal(plain.scale, scale, what + " without transpose")
+
+
 def encoding_sweep(dtype, x_dtype):
     """Rows of 128 whose first element is the format's largest finite value (so with pow2 scales
     every group's scale is exactly 1 and the codes are the plain conversion of x) followed by a

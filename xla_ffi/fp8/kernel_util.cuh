@@ -56,8 +56,9 @@ constexpr int kMinTile = 32;        // Smallest G.
 constexpr int kMaxTile = 128;       // Largest G (rows and columns of a tile).
 constexpr int kRowsPacks = 2;       // 16-byte packs per lane and group in Fp8RowsKernel.
 constexpr int kFlatPacks = 2;       // Packs per thread and iteration in Fp8PerTensorKernel.
-// Resident CTAs per SM Fp8TileKernel is compiled for (its register cap: 40). Left to itself,
-// ptxas gave the bf16 instance 76 registers (loop invariants kept live), 3 CTAs per SM.
+// Resident CTAs per SM Fp8TileKernel is compiled for (its register cap: 40, no spills). Left to
+// itself, ptxas (nvcc 13.0, sm_90a) gave its instances 60 to 114 registers (loop invariants kept
+// live), 2 to 4 CTAs per SM.
 constexpr int kTileMinCtas = 6;
 constexpr int kPerTensorTile = 64;  // Tile of the per-tensor transpose.
 constexpr int kPerTensorTileLog2 = Log2(kPerTensorTile);
@@ -385,8 +386,9 @@ __device__ __forceinline__ void StoreSharedPack(T* dst, const Pack<T, kVec>& p) 
 // the loaded registers: row_amax[r] and col_amax[c] (shared, zero before the call; each skipped
 // when nullptr) get atomicMax'ed, and the thread's max over everything it loaded is returned
 // (for a tile amax). A tile row is 2^cols_log2 / kVec consecutive threads (`lanes`); with
-// kVec > 1, cols and every offset are multiples of kVec, src is 16-byte aligned and pitch is
-// even. Every thread of the CTA must call it (shuffles).
+// kVec > 1, cols and every offset are multiples of kVec and src is 16-byte aligned; for 16-bit T
+// (StoreSharedPack writes 32-bit words) the tile is 4-byte aligned and pitch is even. Every
+// thread of the CTA must call it (shuffles).
 template <int kVec, typename T>
 __device__ __forceinline__ uint32_t LoadTile(const T* src, int64_t ld, int rows, int cols,
                                              int tile_rows, int cols_log2, T* tile, int pitch,

@@ -10,8 +10,9 @@
 //   * Fp8RowsKernel - block_mode rows without transpose (the hot path). A group of G elements of
 //     one row is owned by `lanes` consecutive lanes of a warp: G / (kRowsPacks * kVec) lanes with
 //     kRowsPacks 16-byte loads each, issued before any is used, when K is a multiple of 16 bytes
-//     and the pointers are aligned (lane r loads packs r and r + lanes of the group, so each load
-//     instruction reads whole 32-byte sectors); otherwise 32 lanes with G / 32 scalar loads each,
+//     and the pointers are aligned (lane r loads packs r and r + lanes of the group, so a load
+//     instruction reads whole 32-byte sectors when rows start 32-byte aligned, i.e. K times the
+//     element size is a multiple of 32); otherwise 32 lanes with G / 32 scalar loads each,
 //     coalesced. The group's amax is a shuffle max within those lanes, then every lane quantizes
 //     its elements from registers and stores its codes (one 4- or 8-byte store per pack on the
 //     vector path). Lane 0 of the group writes the scale. Warps walk the flat list of (row, group)
