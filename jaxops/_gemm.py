@@ -121,9 +121,10 @@ def _weight_grad(mode: str, a, b, like) -> jax.Array:
     the dot, makes it a plain ``[K, M] @ [M, N]`` that YNNPACK runs. Measured on one core of a
     2-core AMD EPYC (AVX2), K = 256 and M = 256 rows: 1.1-2.2x faster per weight gradient
     (float32 and bfloat16, N = 16 to 1024); with M = 2048 on both cores 0.87-1.17x. The MoE
-    decoder's train step of benchmarks/bench_models.py took 0.96x the time on 8 simulated
-    devices (256 rows each) and 0.99x on one device (same-process A/Bs). Elsewhere (GPU) the
-    dot reads a transposed without a copy.
+    decoder's train step of benchmarks/bench_models.py, with the router's logits through this
+    too, took 0.935x the time on 8 simulated devices (256 rows each) and 0.99x on one device
+    (same-process A/Bs). Elsewhere (GPU) the
+    dot reads the transposed `a` without a copy.
     """
     if jax.default_backend() == "cpu":
         a = jax.lax.optimization_barrier(jnp.transpose(a))
