@@ -342,6 +342,19 @@ __device__ __forceinline__ uint32_t StridedMax(uint32_t v, int stride) {
   return v;
 }
 
+// Calls f(r0, c) for this warp's blocks of 32 rows x 4 columns of a g x g tile (g a multiple of
+// 32): blocks warp, warp + warps, ... of the CTA's warps, rows fastest. Warp-uniform, so f may
+// shuffle.
+template <typename Fn>
+__device__ __forceinline__ void ForEachQuadBlock(int g, Fn&& f) {
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int warps = static_cast<int>(blockDim.x) / kWarpSize;
+  const int row_blocks = g / kWarpSize;
+  for (int block = warp; block < row_blocks * (g / 4); block += warps) {
+    f((block % row_blocks) * kWarpSize, (block / row_blocks) * 4);
+  }
+}
+
 // Writes the scale of block (b, r, c) of `grid`, and the col_tma padding after the last row.
 __device__ __forceinline__ void WriteScale(float* scale, const ScaleGrid& grid, int64_t b,
                                            int64_t r, int64_t c, float value) {

@@ -376,15 +376,10 @@ __global__ void __launch_bounds__(kThreads, kTileMinCtas) Fp8TileKernel(TileArgs
     if (transpose) {
       if (shared_codes) __syncthreads();
       uint8_t* out_t = a.data_t + (b * a.k + k0) * a.m + m0;
+      const int p = lane >> 2;  // the lane's quad and place in it, for the 4 x 4 transposes
+      const int q = lane & 3;
       if (shared_codes && a.data_words && a.data_t_words) {
-        const int warp = t / kWarpSize;
-        const int warps = static_cast<int>(blockDim.x) / kWarpSize;
-        const int p = lane >> 2;
-        const int q = lane & 3;
-        const int row_blocks = g / kWarpSize;
-        for (int block = warp; block < row_blocks * (g / 4); block += warps) {
-          const int r0 = (block % row_blocks) * kWarpSize;
-          const int c = (block / row_blocks) * 4;
+        ForEachQuadBlock(g, [&](int r0, int c) {
           const int r = r0 + 4 * p + q;  // the row whose codes this lane loads
           const uint32_t word =
               r < rows && c < cols
@@ -399,7 +394,7 @@ __global__ void __launch_bounds__(kThreads, kTileMinCtas) Fp8TileKernel(TileArgs
           if (r0 + 4 * p < rows && c < cols) {
             *reinterpret_cast<uint32_t*>(out_t + (c + q) * a.m + r0 + 4 * p) = column;
           }
-        }
+        });
       } else if (rows_mode && a.data_t_words) {
         // Rows with transpose, M a multiple of 4: data_t's codes use the column scales. A warp
         // takes 32 rows x 4 columns of the tile at a time: lane (p, q) = (lane / 4, lane % 4)
@@ -409,14 +404,7 @@ __global__ void __launch_bounds__(kThreads, kTileMinCtas) Fp8TileKernel(TileArgs
         // r0 + 4p + (q + j) % 4 in slot j. It quantizes them as one pack with col_q[c + q],
         // rotates the code bytes into row order and stores them as one 32-bit word (a warp
         // writes 32 contiguous bytes of each of four columns).
-        const int warp = t / kWarpSize;
-        const int warps = static_cast<int>(blockDim.x) / kWarpSize;
-        const int p = lane >> 2;
-        const int q = lane & 3;
-        const int row_blocks = g / kWarpSize;
-        for (int block = warp; block < row_blocks * (g / 4); block += warps) {
-          const int r0 = (block % row_blocks) * kWarpSize;
-          const int c = (block / row_blocks) * 4;
+        ForEachQuadBlock(g, [&](int r0, int c) {
           const int r = r0 + 4 * p + q;  // the row whose elements this lane loads
           Pack<T, 4> mine = {};
           if (r < rows && c < cols) mine = LoadSharedQuad(tile + r * pitch + c);
@@ -434,7 +422,7 @@ __global__ void __launch_bounds__(kThreads, kTileMinCtas) Fp8TileKernel(TileArgs
             const uint32_t word = __funnelshift_l(codes.w[0], codes.w[0], 8 * q);
             *reinterpret_cast<uint32_t*>(out_t + (c + q) * a.m + r0 + 4 * p) = word;
           }
-        }
+        });
       } else {
         for (int e = t; e < g * g; e += blockDim.x) {
           const int c = e >> a.tile_log2;
