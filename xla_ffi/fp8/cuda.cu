@@ -68,20 +68,20 @@ ffi::Error LaunchRows(cudaStream_t stream, RowsArgs<T> a) {
   return LastLaunchError("fp8 quantize rows kernel");
 }
 
-template <typename F, int kVec, typename T>
+template <typename F, int kVec, typename T, int kBatch>
 ffi::Error LaunchTiles(cudaStream_t stream, const TileArgs<T>& a) {
   const bool shared_codes = a.data_t != nullptr && a.mode != kRows;
   const int64_t g = a.tile;
   const size_t shared_bytes =
       static_cast<size_t>(TileBytes<T>(g, g) + (shared_codes ? g * (g + kCodePad) : 0));
-  auto kernel = Fp8TileKernel<F, kVec, T>;
+  auto kernel = Fp8TileKernel<F, kVec, T, kBatch>;
   if (auto e = ReserveDynamicShared("fp8 quantize", kernel, shared_bytes); e.failure()) return e;
   // One wave of resident CTAs walks the tiles (a partial last wave of CTAs that each take a fixed
   // share would leave SMs idle); the shared memory, so the occupancy, depends on G and the code
   // tile: one cache key per (G, code tile).
   const int key = 2 * (Log2(a.tile) - Log2(kMinTile)) + (shared_codes ? 1 : 0);
   const ffi::ErrorOr<int64_t> resident =
-      ResidentCtas<Fp8TileKernel<F, kVec, T>, kThreads>("fp8 quantize", shared_bytes, key);
+      ResidentCtas<Fp8TileKernel<F, kVec, T, kBatch>, kThreads>("fp8 quantize", shared_bytes, key);
   if (resident.has_error()) return resident.error();
   const int64_t tiles = a.batch * a.mtiles * a.ktiles;
   const int64_t max_ctas =
@@ -90,12 +90,20 @@ ffi::Error LaunchTiles(cudaStream_t stream, const TileArgs<T>& a) {
   return LastLaunchError("fp8 quantize tile kernel");
 }
 
+// G = 128 tiles take the batched-load instance (kBigTileLoadBatch), smaller ones one load at a
+// time.
+template <typename F, int kVec, typename T>
+ffi::Error LaunchTilesSized(cudaStream_t stream, const TileArgs<T>& a) {
+  if (a.tile == kMaxTile) return LaunchTiles<F, kVec, T, kBigTileLoadBatch>(stream, a);
+  return LaunchTiles<F, kVec, T, 1>(stream, a);
+}
+
 template <typename F, typename T>
 ffi::Error LaunchTilesVectorized(cudaStream_t stream, TileArgs<T> a) {
   a.data_words = a.k % 4 == 0 && IsAligned(a.data, 4);
   a.data_t_words = a.data_t != nullptr && a.m % 4 == 0 && IsAligned(a.data_t, 4);
-  if (Vectorizable<T>(a.k, {a.x})) return LaunchTiles<F, kVecElems<T>>(stream, a);
-  return LaunchTiles<F, 1>(stream, a);
+  if (Vectorizable<T>(a.k, {a.x})) return LaunchTilesSized<F, kVecElems<T>>(stream, a);
+  return LaunchTilesSized<F, 1>(stream, a);
 }
 
 // Zeroes the amax output, whose bits the kernels then atomicMax in place.

@@ -60,6 +60,12 @@ constexpr int kFlatPacks = 2;       // Packs per thread and iteration in Fp8PerT
 // itself, ptxas (nvcc 13.0, sm_90a) gave its instances 60 to 114 registers (loop invariants kept
 // live), 2 to 4 CTAs per SM.
 constexpr int kTileMinCtas = 6;
+// G = 128 tiles (at least 33 KiB of shared memory each, so at most 6 CTAs per SM, 4 with a code
+// tile): Fp8TileKernel issues kBigTileLoadBatch loads at once in LoadTile (each thread loads 8 to
+// 16 packs of such a tile, one at a time before) and is compiled for kBigTileMinCtas CTAs per SM
+// (at most 64 registers; ptxas used 55 to 63, no spills; a batch of 4 spilled for float16).
+constexpr int kBigTileLoadBatch = 2;
+constexpr int kBigTileMinCtas = 4;
 constexpr int kPerTensorTile = 64;  // Tile of the per-tensor transpose.
 constexpr int kPerTensorTileLog2 = Log2(kPerTensorTile);
 constexpr int kSplitTileCols = 64;  // K columns per panel tile of the split transpose.
@@ -400,9 +406,9 @@ __device__ __forceinline__ void StoreSharedPack(T* dst, const Pack<T, kVec>& p) 
 // when nullptr) get atomicMax'ed, and the thread's max over everything it loaded is returned
 // (for a tile amax). A tile row is 2^cols_log2 / kVec consecutive threads (`lanes`); with
 // kVec > 1, cols and every offset are multiples of kVec and src is 16-byte aligned; for 16-bit T
-// (StoreSharedPack writes 32-bit words) the tile is 4-byte aligned and pitch is even. Every
-// thread of the CTA must call it (shuffles).
-template <int kVec, typename T>
+// (StoreSharedPack writes 32-bit words) the tile is 4-byte aligned and pitch is even. A thread
+// has kBatch loads in flight at once. Every thread of the CTA must call it (shuffles).
+template <int kVec, int kBatch = 1, typename T>
 __device__ __forceinline__ uint32_t LoadTile(const T* src, int64_t ld, int rows, int cols,
                                              int tile_rows, int cols_log2, T* tile, int pitch,
                                              uint32_t* row_amax, uint32_t* col_amax) {
@@ -410,6 +416,7 @@ __device__ __forceinline__ uint32_t LoadTile(const T* src, int64_t ld, int rows,
   const int lanes = 1 << lanes_log2;
   const int row_lanes = lanes < kWarpSize ? lanes : kWarpSize;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int threads = static_cast<int>(blockDim.x);
   // tile_rows * lanes is a multiple of 32, so every warp runs the same number of iterations.
   const int slots = tile_rows << lanes_log2;
   // blockDim.x is a multiple of lanes: a thread always loads the same columns.
@@ -418,12 +425,10 @@ __device__ __forceinline__ uint32_t LoadTile(const T* src, int64_t ld, int rows,
 #pragma unroll
   for (int j = 0; j < kVec; ++j) col_max[j] = 0;
   uint32_t total = 0;
-  for (int s = threadIdx.x; s < slots; s += blockDim.x) {
-    const int r = s >> lanes_log2;
+  // The pack of slot row r (when present): into the tile, and into the amaxes.
+  auto consume = [&](const Pack<T, kVec>& p, bool present, int r) {
     uint32_t vmax = 0;
-    if (r < rows && col < cols) {
-      Pack<T, kVec> p;
-      LoadPack(src + r * ld + col, p);
+    if (present) {
       StoreSharedPack(tile + r * pitch + col, p);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
@@ -436,6 +441,33 @@ __device__ __forceinline__ uint32_t LoadTile(const T* src, int64_t ld, int rows,
     if (row_amax != nullptr) {
       const uint32_t rmax = GroupMax(vmax, row_lanes);
       if (lane % row_lanes == 0 && rmax != 0) atomicMax(&row_amax[r], rmax);
+    }
+  };
+  if constexpr (kBatch == 1) {
+    for (int s = threadIdx.x; s < slots; s += threads) {
+      const int r = s >> lanes_log2;
+      const bool present = r < rows && col < cols;
+      Pack<T, kVec> p;
+      if (present) LoadPack(src + r * ld + col, p);
+      consume(p, present, r);
+    }
+  } else {
+    for (int s0 = threadIdx.x; s0 < slots; s0 += kBatch * threads) {
+      // kBatch loads in flight before any is used (`s < slots` is the same for a whole warp).
+      Pack<T, kVec> p[kBatch];
+      bool present[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int s = s0 + u * threads;
+        const int r = s >> lanes_log2;
+        present[u] = s < slots && r < rows && col < cols;
+        if (present[u]) LoadPack(src + r * ld + col, p[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int s = s0 + u * threads;
+        if (s < slots) consume(p[u], present[u], s >> lanes_log2);
+      }
     }
   }
   if (col_amax != nullptr) {

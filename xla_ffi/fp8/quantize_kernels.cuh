@@ -37,7 +37,8 @@
 //     (rows). Where data_t repeats data's bytes (tiles, per-tensor) the codes go through a second
 //     shared tile instead of being computed twice. Tiles are visited grid-stride; shared memory
 //     above 48 KiB (float32 with G = 128) is opted into at launch. The tile is stored as 32-bit
-//     words for 16-bit T. Compiled for kTileMinCtas resident CTAs per SM (40 registers).
+//     words for 16-bit T. Compiled for kTileMinCtas resident CTAs per SM (40 registers); for
+//     G = 128 (kBatch > 1) for kBigTileMinCtas, with kBatch tile loads per thread in flight.
 //
 //   * Per-tensor (the scale is given: scale_in): cudaMemsetAsync zeroes the amax output, then one
 //     pass - Fp8PerTensorKernel (grid-stride, kFlatPacks 16-byte loads in flight per thread) or,
@@ -244,8 +245,9 @@ __global__ void __launch_bounds__(kThreads) Fp8PerTensorKernel(FlatArgs<T> a) {
 // Tiles (with or without transpose), rows with transpose and per-tensor with transpose: see the
 // file comment. Dynamic shared memory: the T tile (TileBytes), then, when data_t repeats data's
 // bytes, a tile of codes with rows of tile + kCodePad bytes.
-template <typename F, int kVec, typename T>
-__global__ void __launch_bounds__(kThreads, kTileMinCtas) Fp8TileKernel(TileArgs<T> a) {
+template <typename F, int kVec, typename T, int kBatch>
+__global__ void __launch_bounds__(kThreads, kBatch > 1 ? kBigTileMinCtas : kTileMinCtas)
+    Fp8TileKernel(TileArgs<T> a) {
   extern __shared__ float4 dynamic_shared[];
   __shared__ uint32_t row_amax[kMaxTile];
   __shared__ uint32_t col_amax[kMaxTile];
@@ -294,9 +296,9 @@ __global__ void __launch_bounds__(kThreads, kTileMinCtas) Fp8TileKernel(TileArgs
     const int cols = static_cast<int>(MinOf<int64_t>(g, a.k - k0));
 
     // 1. Load the tile and reduce the amaxes the mode needs.
-    const uint32_t local = LoadTile<kVec>(a.x + (b * a.m + m0) * a.k + k0, a.k, rows, cols, g,
-                                          a.tile_log2, tile, pitch, rows_mode ? row_amax : nullptr,
-                                          rows_mode && transpose ? col_amax : nullptr);
+    const uint32_t local = LoadTile<kVec, kBatch>(
+        a.x + (b * a.m + m0) * a.k + k0, a.k, rows, cols, g, a.tile_log2, tile, pitch,
+        rows_mode ? row_amax : nullptr, rows_mode && transpose ? col_amax : nullptr);
     if (tiles_mode) {
       const uint32_t w = __reduce_max_sync(kFullWarpMask, local);
       if (lane == 0 && w != 0) atomicMax(&tile_amax, w);
