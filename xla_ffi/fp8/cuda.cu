@@ -90,11 +90,16 @@ ffi::Error LaunchTiles(cudaStream_t stream, const TileArgs<T>& a) {
   return LastLaunchError("fp8 quantize tile kernel");
 }
 
-// G = 128 tiles take the batched-load instance (kBigTileLoadBatch), smaller ones one load at a
-// time.
+// G = 128 tiles whose shared memory already holds residency to kBigTileMinCtas CTAs per SM or
+// fewer (with the code tile, or float32) take the batched-load instance (kBigTileLoadBatch), which
+// costs nothing in occupancy there; the rest load one pack at a time (40 registers: 16-bit G = 128
+// tiles without the code tile fit 6 CTAs per SM).
 template <typename F, int kVec, typename T>
 ffi::Error LaunchTilesSized(cudaStream_t stream, const TileArgs<T>& a) {
-  if (a.tile == kMaxTile) return LaunchTiles<F, kVec, T, kBigTileLoadBatch>(stream, a);
+  const bool shared_codes = a.data_t != nullptr && a.mode != kRows;
+  if (a.tile == kMaxTile && (shared_codes || sizeof(T) == 4)) {
+    return LaunchTiles<F, kVec, T, kBigTileLoadBatch>(stream, a);
+  }
   return LaunchTiles<F, kVec, T, 1>(stream, a);
 }
 

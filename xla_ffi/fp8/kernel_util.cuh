@@ -60,10 +60,12 @@ constexpr int kFlatPacks = 2;       // Packs per thread and iteration in Fp8PerT
 // itself, ptxas (nvcc 13.0, sm_90a) gave its instances 60 to 114 registers (loop invariants kept
 // live), 2 to 4 CTAs per SM.
 constexpr int kTileMinCtas = 6;
-// G = 128 tiles (at least 33 KiB of shared memory each, so at most 6 CTAs per SM, 4 with a code
-// tile): Fp8TileKernel issues kBigTileLoadBatch loads at once in LoadTile (each thread loads 8 to
-// 16 packs of such a tile, one at a time before) and is compiled for kBigTileMinCtas CTAs per SM
-// (at most 64 registers; ptxas used 55 to 63, no spills; a batch of 4 spilled for float16).
+// G = 128 tiles whose shared memory allows at most 4 CTAs per SM (16-bit x with the code tile,
+// about 50 KiB; float32, 65-81 KiB): Fp8TileKernel issues kBigTileLoadBatch loads at once in
+// LoadTile (a thread loads 8 or 16 packs of such a tile, 64 elements on the scalar fallback) and
+// is compiled for kBigTileMinCtas CTAs per SM (at most 64 registers; ptxas used 55 to 63, no
+// spills; a batch of 4 spilled for float16). Without the code tile a 16-bit G = 128 tile takes
+// 33 KiB, and 6 CTAs of the 40-register instance fit: those keep one load at a time.
 constexpr int kBigTileLoadBatch = 2;
 constexpr int kBigTileMinCtas = 4;
 constexpr int kPerTensorTile = 64;  // Tile of the per-tensor transpose.

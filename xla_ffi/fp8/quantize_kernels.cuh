@@ -37,8 +37,9 @@
 //     (rows). Where data_t repeats data's bytes (tiles, per-tensor) the codes go through a second
 //     shared tile instead of being computed twice. Tiles are visited grid-stride; shared memory
 //     above 48 KiB (float32 with G = 128) is opted into at launch. The tile is stored as 32-bit
-//     words for 16-bit T. Compiled for kTileMinCtas resident CTAs per SM (40 registers); for
-//     G = 128 (kBatch > 1) for kBigTileMinCtas, with kBatch tile loads per thread in flight.
+//     words for 16-bit T. Compiled for kTileMinCtas resident CTAs per SM (40 registers); the
+//     kBatch > 1 instance (G = 128 tiles that shared memory holds to 4 CTAs per SM) for
+//     kBigTileMinCtas, with kBatch tile loads per thread in flight.
 //
 //   * Per-tensor (the scale is given: scale_in): cudaMemsetAsync zeroes the amax output, then one
 //     pass - Fp8PerTensorKernel (grid-stride, kFlatPacks 16-byte loads in flight per thread) or,
