@@ -70,7 +70,7 @@ ffi::Error LaunchRows(cudaStream_t stream, RowsArgs<T> a) {
 
 template <typename F, int kVec, typename T, int kBatch>
 ffi::Error LaunchTiles(cudaStream_t stream, const TileArgs<T>& a) {
-  const bool shared_codes = a.data_t != nullptr && a.mode != kRows;
+  const bool shared_codes = SharesCodes(a);
   const int64_t g = a.tile;
   const size_t shared_bytes =
       static_cast<size_t>(TileBytes<T>(g, g) + (shared_codes ? g * (g + kCodePad) : 0));
@@ -96,7 +96,7 @@ ffi::Error LaunchTiles(cudaStream_t stream, const TileArgs<T>& a) {
 // tiles without the code tile fit 6 CTAs per SM).
 template <typename F, int kVec, typename T>
 ffi::Error LaunchTilesSized(cudaStream_t stream, const TileArgs<T>& a) {
-  const bool shared_codes = a.data_t != nullptr && a.mode != kRows;
+  const bool shared_codes = SharesCodes(a);
   if (a.tile == kMaxTile && (shared_codes || sizeof(T) == 4)) {
     return LaunchTiles<F, kVec, T, kBigTileLoadBatch>(stream, a);
   }

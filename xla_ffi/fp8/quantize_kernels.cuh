@@ -121,6 +121,14 @@ struct TileArgs {
   bool data_t_words = false;  // data_t's rows in 32-bit words: M % 4 == 0, data_t aligned
 };
 
+// Whether the tile kernel's data_t repeats data's codes (tiles, per-tensor with the transpose), so
+// that they go through the shared code tile: the kernel's shared memory and its launch depend on
+// it.
+template <typename T>
+__host__ __device__ __forceinline__ bool SharesCodes(const TileArgs<T>& a) {
+  return a.data_t != nullptr && a.mode != kRows;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Kernels.
 
@@ -267,7 +275,7 @@ __global__ void __launch_bounds__(kThreads, kBatch > 1 ? kBigTileMinCtas : kTile
   const bool rows_mode = a.mode == kRows;
   const bool tiles_mode = a.mode == kTiles;
   const bool transpose = a.data_t != nullptr;
-  const bool shared_codes = transpose && !rows_mode;  // data_t[b, k, m] == data[b, m, k]
+  const bool shared_codes = SharesCodes(a);  // data_t[b, k, m] == data[b, m, k]
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int t = static_cast<int>(threadIdx.x);
 
