@@ -22,6 +22,12 @@ checked to agree before anything is timed. Timed per case:
   layer's default there is the all-gather form, whose FP8 gather tests/test_expert_parallel.py
   checks).
 
+- on GPU, the grouped GEMMs (``--gemm-ab``, default on there): the ``fwd+bwd`` step with them as
+  ``jax.lax.ragged_dot`` (which XLA:GPU lowers to a dense dot over every local expert, a float32
+  ``[L, R, K]`` operand) against the loop over groups, each forced through the plan's budget
+  ``GPU_RAGGED_DOT_MAX_BYTES``, with the plan's own pick; ragged_dot is not run where its operand
+  would pass ``--ragged-dot-max-gib``.
+
 On CPU the mesh is 8 simulated devices ``data x expert`` (default 2 x 4); on a GPU, all local
 GPUs on the expert axis. The goal line: the EP layer's fwd+bwd is faster than the dense one
 (ratio >= 1) on every case with E / K >= 4, where the dense layer does >= 4x the FLOPs.
@@ -32,11 +38,14 @@ for one small case or ``--out benchmarks/results/cpu`` to save the tables.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import dataclasses
 import importlib
+import math
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -71,6 +80,15 @@ DISPATCH_COLUMNS = [
     H.Column("step_ms", "step ms bf16", "{:.2f}"),
     H.Column("step_ms8", "step ms fp8", "{:.2f}"),
     H.Column("time_ratio", "bf16/fp8 time", "{:.2f}x"),
+]
+GEMM_COLUMNS = [
+    H.Column("case", "T x H x F x E x K", align="<"),
+    H.Column("local", "local experts", "{:d}"),
+    H.Column("dense_gib", "ragged_dot operand GiB", "{:.2f}"),
+    H.Column("ragged_ms", "ragged_dot ms", "{:.2f}"),
+    H.Column("loop_ms", "loop ms", "{:.2f}"),
+    H.Column("ratio", "ragged_dot/loop", "{:.2f}x"),
+    H.Column("pick", "plan's pick", align="<"),
 ]
 STAGE_COLUMNS = [
     H.Column("case", "T x H x F x E x K", align="<"),
@@ -152,6 +170,59 @@ def _case(args, mesh, case: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return rows, stage_row
 
 
+@contextlib.contextmanager
+def _ragged_dot_budget(nbytes: int) -> Iterator[None]:
+    """While open, the plan's GPU budget for ragged_dot's dense operand is `nbytes` (0: the loop
+    whenever L > 1); programs traced inside keep the choice."""
+    saved = expert._exchange.GPU_RAGGED_DOT_MAX_BYTES
+    expert._exchange.GPU_RAGGED_DOT_MAX_BYTES = nbytes
+    try:
+        yield
+    finally:
+        expert._exchange.GPU_RAGGED_DOT_MAX_BYTES = saved
+
+
+def _gemm_case(args, mesh, case: str) -> dict[str, Any]:
+    """The EP fwd+bwd step with the grouped GEMMs as ragged_dot and as the loop (on GPU)."""
+    cfg, _, params, x = _setup(args, mesh, case, DTYPES[args.dtype])
+    n = mesh.shape[cfg.expert_axis]
+    shards = math.prod(mesh.shape[a] for a in cfg.token_axes)
+    plan = expert._exchange.make_plan(cfg, mesh, n, shards, x.shape[0])
+    local = cfg.num_experts // n
+    with _ragged_dot_budget(1 << 62):  # the buffer ragged_dot would get (no tile padding)
+        rows = expert._exchange.make_plan(cfg, mesh, n, shards, x.shape[0]).recv_rows
+    dense = expert._exchange.ragged_dot_bytes(cfg, local, rows)
+    row: dict[str, Any] = {
+        "case": case,
+        "local": local,
+        "dense_gib": dense / 2**30,
+        "pick": "ragged_dot" if plan.tile == 0 else "loop" if H.is_gpu() else "CPU kernel",
+    }
+    variants = {"loop": 0}
+    if dense <= args.ragged_dot_max_gib * 2**30:
+        variants["ragged_dot"] = 1 << 62
+    steps, losses = {}, {}
+    for name, budget in variants.items():
+        step = jax.jit(
+            jax.value_and_grad(
+                _loss(lambda p, x, c=cfg: expert.moe_layer(p, x, c, mesh=mesh)), argnums=(0, 1)
+            )
+        )
+        with _ragged_dot_budget(budget):
+            losses[name] = float(step(params, x)[0])  # traced and compiled with this choice
+        steps[name] = (step, (params, x))
+    if len(losses) == 2 and not np.isclose(losses["loop"], losses["ragged_dot"], rtol=1e-3):
+        raise AssertionError(f"{case}: loop loss {losses['loop']} != ragged_dot {losses}")
+    timings = H.time_interleaved(steps, repeats=args.repeats)
+    row["loop_ms"] = timings["loop"].median_ms
+    if "ragged_dot" in timings:
+        row["ragged_ms"] = timings["ragged_dot"].median_ms
+        row["ratio"] = timings["ragged_dot"].median / timings["loop"].median
+    row["timings"] = {k: t.to_json() for k, t in timings.items()}
+    H.log_row(row, GEMM_COLUMNS)
+    return row
+
+
 def _a2a_bytes(text: str, hidden: int) -> tuple[int, int, int]:
     """All-to-all bytes per device in HLO text: (all, token payloads, scale payloads).
 
@@ -229,6 +300,8 @@ def run(args) -> H.Result:
         rows += case_rows
         stages.append(stage_row)
     dispatch_rows = [_dispatch_case(args, mesh, case) for case in args.case_list]
+    gemm_ab = H.is_gpu() if args.gemm_ab is None else args.gemm_ab
+    gemm_rows = [_gemm_case(args, mesh, case) for case in args.case_list] if gemm_ab else []
     goal_rows = [r for r in rows if r["op"] == "fwd+bwd" and r["experts_per_top_k"] >= 4]
     if not goal_rows:
         goals = [H.Goal("ep faster than dense (E/K >= 4)", "no case with E/K >= 4", None)]
@@ -253,6 +326,17 @@ def run(args) -> H.Result:
             " f32 there); fwd+bwd step time:",
         ),
     ]
+    if gemm_rows:
+        tables.append(
+            H.Table(
+                "grouped_gemm",
+                gemm_rows,
+                GEMM_COLUMNS,
+                "grouped GEMMs: ragged_dot vs the loop over groups (fwd+bwd step):",
+                "Grouped GEMMs: the fwd+bwd step with `jax.lax.ragged_dot` (dense over the local"
+                " experts on XLA:GPU) against the loop over groups; the plan's pick for the case:",
+            )
+        )
     return H.Result(rows, COLUMNS, goals, tables=tables)
 
 
@@ -263,6 +347,18 @@ def parse_args(argv: Sequence[str] | None = None):
     p.add_argument("--mesh", default="2x4", help="data x expert on CPU (8 devices)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--align", type=int, default=8)
+    p.add_argument(
+        "--gemm-ab",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time the grouped GEMMs as ragged_dot and as the loop (default: on a GPU only)",
+    )
+    p.add_argument(
+        "--ragged-dot-max-gib",
+        type=float,
+        default=16.0,
+        help="--gemm-ab runs ragged_dot only where its dense operand is at most this many GiB",
+    )
     return p.parse_args(argv)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -471,6 +472,36 @@ def test_auto_exchange_off_gpu_moves_the_fewer_rows():
     assert _plan(tiny, "d2e4", 8 * 64).kind == "dense"
 
 
+class _GpuMesh:
+    """Stands in for a mesh of `n` GPUs: make_plan reads only ``devices.flat[0].platform``."""
+
+    def __init__(self, n):
+        self.devices = np.array([types.SimpleNamespace(platform="gpu")] * n)
+
+
+@pytest.mark.parametrize(
+    ("experts", "n", "tokens", "want_loop"),
+    [(128, 1, 4 * 2048, True), (16, 1, 128, False), (1, 1, 1 << 20, False), (128, 8, 8, False)],
+    ids=["qwen3-128e-8k-tokens", "16e-128-tokens", "one-expert", "16-local-few-tokens"],
+)
+def test_gpu_plan_loops_where_ragged_dots_dense_form_is_large(experts, n, tokens, want_loop):
+    """On GPU the plan keeps ragged_dot while its dense form's [L, R, K] float32 operand fits
+    GPU_RAGGED_DOT_MAX_BYTES (or L = 1), else runs the loop over groups, padded to GPU_TILE."""
+    cfg = MoEConfig(
+        num_experts=experts, top_k=min(8, experts), hidden_size=2048, expert_ffn=768,
+        data_axes=(), exchange="ragged",
+    )  # fmt: skip
+    plan = expert._exchange.make_plan(cfg, _GpuMesh(n), n, 1, tokens)
+    local = experts // n
+    rows = expert._exchange.exchange_bounds(cfg, tokens, n, tokens, align=cfg.align)[1]
+    big = expert._exchange.ragged_dot_bytes(cfg, local, rows)
+    assert big == 4 * local * rows * 2048
+    assert want_loop == (local > 1 and big > expert._exchange.GPU_RAGGED_DOT_MAX_BYTES)
+    assert plan.tile == (expert._ffn.GPU_TILE if want_loop else 0)
+    assert plan.align == (64 if want_loop else cfg.align)
+    assert plan.kind == "ragged"
+
+
 @pytest.mark.parametrize("activation", ["swiglu", "gelu", "silu"])
 @pytest.mark.parametrize("align", [1, 16])
 def test_activations_and_alignment(activation, align):
@@ -826,8 +857,13 @@ def test_ragged_exchange_lowers_on_cpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gemm", ["ragged_dot", "loop"])
 @pytest.mark.parametrize("routing", ROUTINGS, ids=[f"top{k}-{r}-cf{cf}" for k, r, cf in ROUTINGS])
-def test_gpu_ragged_exchange_matches_reference(routing):
+def test_gpu_ragged_exchange_matches_reference(routing, gemm, monkeypatch):
+    # "loop": the plan's budget for ragged_dot's dense form set to 0, so the grouped GEMMs and
+    # their gradients run the loop over groups (the plan's choice for many experts on GPU).
+    if gemm == "loop":
+        monkeypatch.setattr(expert._exchange, "GPU_RAGGED_DOT_MAX_BYTES", 0)
     k, router, cf = routing
     n = len(jax.devices())
     mesh = jax.make_mesh((n,), ("expert",))
@@ -835,6 +871,8 @@ def test_gpu_ragged_exchange_matches_reference(routing):
         num_experts=8 * n, top_k=k, hidden_size=32, expert_ffn=24, router=router,
         capacity_factor=cf, data_axes=(), dtype=jnp.float32, exchange="ragged",
     )  # fmt: skip
+    plan = expert._exchange.make_plan(cfg, mesh, n, 1, 4 * n * 5)
+    assert plan.tile == (0 if gemm == "ragged_dot" else expert._ffn.GPU_TILE)
     params = init_moe_params(jax.random.key(16), cfg)
     x = jax.random.normal(jax.random.key(17), (4 * n, 5, 32))
     _compare(_run(cfg, mesh, params, x), _reference(cfg, params, x), scale=4)

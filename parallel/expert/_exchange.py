@@ -25,7 +25,7 @@ from jaxops._rows import round_up, take_rows
 from jaxops._sharding import cotangent_like
 
 from ._config import FP8_BLOCK, MoEConfig
-from ._ffn import CPU_TILE
+from ._ffn import CPU_TILE, GPU_TILE
 
 __all__ = [
     "Plan",
@@ -35,6 +35,7 @@ __all__ = [
     "make_plan",
     "offsets",
     "ragged_all_to_all_dense",
+    "ragged_dot_bytes",
 ]
 
 
@@ -156,15 +157,38 @@ def _platform(mesh: Any) -> str:
     return jax.default_backend()
 
 
+#: On GPU, the bytes of the float32 ``[L, R, K]`` operand up to which the grouped GEMMs are
+#: ``jax.lax.ragged_dot``. XLA:GPU lowers a ragged_dot with L groups to a dense dot over all of
+#: them (that masked operand, L times the FLOPs): Qwen3-MoE's 128 experts over 4 x 2048 tokens
+#: asked for 129 GiB on an H200 and failed to compile. Past this size (with L > 1; one group
+#: is a plain dot) the groups run the loop of :mod:`._ffn` instead: one GEMM per chunk of a
+#: group's rows, groups padded to ``GPU_TILE`` rows.
+GPU_RAGGED_DOT_MAX_BYTES = 256 << 20
+
+
+def ragged_dot_bytes(cfg: MoEConfig, local: int, rows: int) -> int:
+    """Bytes of the widest masked operand of XLA:GPU's dense form of ragged_dot.
+
+    That operand is float32 ``[local, rows, K]``, K the widest contracting size of the expert
+    FFN's GEMMs and their gradients (the hidden size, or the first projection's output width).
+    """
+    width = max(cfg.hidden_size, cfg.w_in_width)
+    return 4 * local * rows * width
+
+
 def make_plan(cfg: MoEConfig, mesh: Any, n: int, shards: int, num_tokens: int) -> Plan:
     """Static buffer sizes and kernel choices for `num_tokens` tokens in all.
 
     `n`: the expert axis size; `shards`: the devices on the token axes.
     """
     gpu = _platform(mesh) == "gpu"
-    tile = 0 if gpu else CPU_TILE
-    align = cfg.align if gpu else math.lcm(cfg.align, tile)
     tl, local, capacity = num_tokens // shards, cfg.num_experts // n, cfg.capacity(num_tokens)
+    tile = CPU_TILE
+    if gpu:
+        _, rows = exchange_bounds(cfg, tl, n, num_tokens, align=cfg.align)
+        small = local == 1 or ragged_dot_bytes(cfg, local, rows) <= GPU_RAGGED_DOT_MAX_BYTES
+        tile = 0 if small else GPU_TILE
+    align = math.lcm(cfg.align, tile) if tile else cfg.align
     chunk, recv_rows = exchange_bounds(cfg, tl, n, num_tokens, align=align)
     kind = cfg.exchange
     if kind == "auto":

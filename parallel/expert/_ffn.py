@@ -1,17 +1,19 @@
 """The expert FFNs: activations, the grouped GEMMs (bf16 / FP8, with their VJP), the shared expert.
 
 Rows arrive grouped by local expert, each group padded to a multiple of the plan's alignment.
-On GPU the grouped GEMM is ``jax.lax.ragged_dot``. XLA:CPU lowers ragged_dot to one dense dot
-over every group for every row (masked), L times the work; there the groups are padded to
-multiples of a 32-row tile and run jaxops' grouped GEMM custom calls
+XLA lowers ``jax.lax.ragged_dot`` to one dense dot over every group for every row (masked), L
+times the work and a float32 ``[L, R, K]`` operand. On GPU the grouped GEMM is ragged_dot while
+that operand is small (the plan's tile is then 0: ``GPU_RAGGED_DOT_MAX_BYTES`` in
+:mod:`._exchange`), else the loop below over groups padded to 64-row tiles. On XLA:CPU the groups
+are padded to multiples of a 32-row tile and run jaxops' grouped GEMM custom calls
 (:mod:`jaxops._grouped_gemm`: the forward, the input gradient with the weights read transposed,
-the weight gradient). With ``impl="xla"`` their twin runs instead: each group cut into chunks,
-as many of 256 rows as fit, then at most 3 of 64 or 32; a loop over the non-empty groups slices
-each group's weights once and runs one GEMM per chunk (dynamic trip counts: the work follows the
-rows actually received, not the buffer's worst-case size), and the backward computes a chunk's
-input and weight gradients in the same trip, each group's weight gradient summed in a ``[K, N]``
-carry and written once. With ``fp8="block"`` the GEMMs
-use DeepSeek-V3's block-scaled FP8 numerics. Expert biases (``MoEConfig.expert_bias``) are
+the weight gradient). With ``impl="xla"``, and on GPU, their twin runs instead: each group cut
+into chunks, as many of 8 tiles as fit, then at most 3 of 2 tiles or 1; a loop over the
+non-empty groups slices each group's weights once and runs one GEMM per chunk (dynamic trip
+counts: the work follows the rows actually received, not the buffer's worst-case size), and the
+backward computes a chunk's input and weight gradients in the same trip, each group's weight
+gradient summed in a ``[K, N]`` carry and written once. With ``fp8="block"`` the GEMMs use
+DeepSeek-V3's block-scaled FP8 numerics. Expert biases (``MoEConfig.expert_bias``) are
 added in float32 to the GEMMs' float32 outputs, each row taking its group's bias; padding rows
 take none, so they stay zero as without biases.
 """
@@ -30,11 +32,13 @@ from jaxops._sharding import cotangent_like, vary_like
 
 from ._config import FP8_BLOCK, MoEConfig
 
-__all__ = ["CPU_TILE", "activate", "expert_ffn", "grouped_ffn", "shared_expert"]
+__all__ = ["CPU_TILE", "GPU_TILE", "activate", "expert_ffn", "grouped_ffn", "shared_expert"]
 
 #: Row alignment of the groups off GPU, the smallest chunk of the grouped GEMM loops (0 in a
 #: plan: jax.lax.ragged_dot).
 CPU_TILE = 32
+#: The same on GPU where the plan runs the loop rather than ragged_dot (chunks of 512, 128, 64).
+GPU_TILE = 64
 
 
 def activate(cfg: MoEConfig, h: jax.Array) -> jax.Array:
@@ -109,8 +113,11 @@ def _group_loop(tile: int, rows: int, groups, group_body, carry):
 
 
 def _kernel(tile: int, impl) -> bool:
-    """Whether the grouped GEMMs run jaxops' CPU custom calls (off GPU, unless impl is "xla")."""
-    if tile == 0:
+    """Whether the grouped GEMMs run jaxops' CPU custom calls (off GPU, unless impl is "xla").
+
+    On GPU (no CUDA grouped GEMM) the loop runs whatever impl asks for.
+    """
+    if tile == 0 or jax.default_backend() == "gpu":
         return False
     available = _grouped_gemm.kernel_available()
     return resolve_impl(impl, kernel_available=available, op="moe_layer") == "ffi"
