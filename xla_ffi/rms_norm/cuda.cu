@@ -167,7 +167,7 @@ ffi::Error RmsNormBwdTyped(cudaStream_t stream, const BwdArgs<T, W>& a, float* d
   const ffi::Error main =
       vectorizable ? LaunchBwd<kVecElems<T>>(stream, a) : LaunchBwd<1>(stream, a);
   if (main.failure() || !has_dw) return main;
-  RmsNormSumPartsKernel<<<GridCtas(a.hidden, kSumPartsThreads), kSumPartsThreads, 0, stream>>>(
+  RmsNormSumPartsKernel<<<GridCtas(a.hidden, kSumPartsCols), kSumPartsThreads, 0, stream>>>(
       a.dw_partial, dw, a.parts, a.hidden);
   return LastLaunchError("rms_norm backward dw reduction kernel");
 }

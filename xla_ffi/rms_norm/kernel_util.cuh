@@ -56,9 +56,10 @@ constexpr int kMaxGroupThreads = 512;     // Largest row group of the block-per-
 constexpr int kFwdLongRowThreads = 1024;  // CTA (= row group) size of the long-row kernels; the
 constexpr int kBwdLongRowThreads = 512;   //   backward keeps five tensors in flight per access.
 constexpr int kLongRowUnroll = 2;         // Accesses in flight per thread per long-row chunk.
-constexpr int kSumPartsThreads = 64;      // CTA size of the dw part reduction (small CTAs spread
-                                          //   its few threads, one per column, over more SMs).
-constexpr int kSumPartsUnroll = 32;       // Parts loaded ahead per column in that reduction.
+constexpr int kSumPartsCols = 32;   // Columns per CTA of the dw part reduction (one warp wide).
+constexpr int kSumPartsSlices = 8;  // Part ranges it sums at once per column, then in order.
+constexpr int kSumPartsThreads = kSumPartsCols * kSumPartsSlices;
+constexpr int kSumPartsUnroll = 32;  // Parts loaded ahead per thread in that reduction.
 constexpr int kMaxWarpsPerCta = 1024 / kWarpSize;
 
 // Largest hidden (elements) of the warp- and block-per-row designs for an access width.

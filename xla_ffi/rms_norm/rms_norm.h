@@ -9,8 +9,9 @@
 //   dw[j]    = sum_r dy[r, j] * x[r, j] * rstd[r]
 // dw is reduced deterministically, without atomics: rows are cut into `parts` contiguous ranges
 // that depend only on (rows, parts); each range is summed in an order fixed by the kernel design
-// into dw_partial[p, :], and the parts are then summed in order p = 0, 1, ... Same inputs give
-// the same bits on one platform (CPU and CUDA may differ in the last bits).
+// into dw_partial[p, :], and the parts are then summed in a fixed order (CPU: p = 0, 1, ...;
+// CUDA: 8 ranges of parts each in order, then the ranges in order). Same inputs give the same
+// bits on one platform (CPU and CUDA may differ in the last bits).
 #ifndef JAXOPS_XLA_FFI_RMS_NORM_RMS_NORM_H_
 #define JAXOPS_XLA_FFI_RMS_NORM_RMS_NORM_H_
 
