@@ -13,15 +13,14 @@ checked to agree before anything is timed. Timed per case:
   is the difference of consecutive cuts (with the all-gather exchange, the default off GPU:
   permute = the routing gathered, exchange = the tokens gathered and permuted, combine =
   unpermute + reduce-scatter);
-- the dispatch with ``fp8="block"``: tokens crossing the exchange in the activation dtype
-  (quantized by the receiver) against ``dispatch="fp8"`` (quantized once by the sender, FP8 +
-  1 x 128 scales crossing): all-to-all bytes per device of the forward and of the fwd+bwd step,
-  read off the HLO shapes (the program's, i.e. what a GPU moves, and XLA:CPU's compiled ones,
-  where bf16 collectives are widened to f32), and the fwd+bwd step time of each. Off GPU this
-  section pins ``exchange="dense"`` (the all-to-all twin of the GPU's ragged exchange; the
-  layer's default there is the all-gather form, whose FP8 gather tests/test_expert_parallel.py
-  checks).
-
+- with more than one device on the expert axis, the dispatch with ``fp8="block"``: tokens
+  crossing the exchange in the activation dtype (quantized by the receiver) against
+  ``dispatch="fp8"`` (quantized once by the sender, FP8 + 1 x 128 scales crossing): all-to-all
+  bytes per device of the forward and of the fwd+bwd step, read off the HLO shapes (the
+  program's, i.e. what a GPU moves, and XLA:CPU's compiled ones, where bf16 collectives are
+  widened to f32), and the fwd+bwd step time of each. Off GPU this section pins
+  ``exchange="dense"`` (the all-to-all twin of the GPU's ragged exchange; the layer's default
+  there is the all-gather form, whose FP8 gather tests/test_expert_parallel.py checks);
 - on GPU, the grouped GEMMs (``--gemm-ab``, default on there): the ``fwd+bwd`` step with them as
   ``jax.lax.ragged_dot`` (which XLA:GPU lowers to a dense dot over every local expert, a float32
   ``[L, R, K]`` operand) against the loop over groups, each forced through the plan's budget
@@ -299,7 +298,11 @@ def run(args) -> H.Result:
         case_rows, stage_row = _case(args, mesh, case)
         rows += case_rows
         stages.append(stage_row)
-    dispatch_rows = [_dispatch_case(args, mesh, case) for case in args.case_list]
+    # One device on the expert axis (one GPU) exchanges nothing: no dispatch section.
+    exchanging = mesh.shape["expert"] > 1
+    dispatch_rows = (
+        [_dispatch_case(args, mesh, case) for case in args.case_list] if exchanging else []
+    )
     gemm_ab = H.is_gpu() if args.gemm_ab is None else args.gemm_ab
     gemm_rows = [_gemm_case(args, mesh, case) for case in args.case_list] if gemm_ab else []
     goal_rows = [r for r in rows if r["op"] == "fwd+bwd" and r["experts_per_top_k"] >= 4]
@@ -316,16 +319,19 @@ def run(args) -> H.Result:
             "forward time split (differences of the layer cut after each stage):",
             "Forward time split, ms (differences of the layer cut after each stage):",
         ),
-        H.Table(
-            "dispatch",
-            dispatch_rows,
-            DISPATCH_COLUMNS,
-            'fp8="block": dispatch in bf16 vs dispatch="fp8" (bytes per device, from the HLO):',
-            'fp8="block": dispatch in bf16 vs dispatch="fp8". All-to-all bytes per device from the'
-            " program's HLO (what a GPU moves) and from XLA:CPU's compiled HLO (bf16 widened to"
-            " f32 there); fwd+bwd step time:",
-        ),
     ]
+    if dispatch_rows:
+        tables.append(
+            H.Table(
+                "dispatch",
+                dispatch_rows,
+                DISPATCH_COLUMNS,
+                'fp8="block": dispatch in bf16 vs dispatch="fp8" (bytes per device, from the HLO):',
+                'fp8="block": dispatch in bf16 vs dispatch="fp8". All-to-all bytes per device from'
+                " the program's HLO (what a GPU moves) and from XLA:CPU's compiled HLO (bf16"
+                " widened to f32 there); fwd+bwd step time:",
+            )
+        )
     if gemm_rows:
         tables.append(
             H.Table(
