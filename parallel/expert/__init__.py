@@ -37,13 +37,16 @@ of benchmarks/bench_models.py went 557 -> 493 ms with it (median, A/B of the two
 With one device on the expert axis and no capacity (dropless) there is nothing to exchange:
 permute pads each expert's group to ``align`` itself, which is the buffer the exchange would
 have made, and neither exchange runs (nor the all-gather of the counts).
-The grouped GEMM is ``jax.lax.ragged_dot`` on GPU; XLA:CPU's ragged_dot computes every group for
-every row (L times the work), so there groups are padded to 32-row tiles (``align`` becomes
-``lcm(align, 32)``) and go through jaxops' grouped GEMM custom calls (one call per GEMM and one
-per weight gradient, the groups' tiles spread over the FFI thread pool). The buffer holds the
+XLA's ragged_dot computes every group for every row (L times the work, a float32 ``[L, R, K]``
+operand). On GPU the grouped GEMM is ragged_dot while that operand stays under 4 GiB, else the
+loop over groups described below (groups padded to 64 rows). On CPU the groups are padded to
+32-row tiles (``align`` becomes ``lcm(align, 32)``) and go through jaxops' grouped GEMM custom
+calls (one call per GEMM and one per weight gradient, the groups' tiles spread over the FFI
+thread pool). The buffer holds the
 bound's rows exactly (not rounded to the tile: the calls take any row count, and padding the
-buffer would copy it before the FFN and again after). ``impl="xla"`` runs
-their twin: each group cut into chunks (as many of 256 rows as fit, then at most 3 of 64 or 32),
+buffer would copy it before the FFN and again after). ``impl="xla"`` (and the GPU's plan past
+ragged_dot's budget) runs their twin: each group cut into chunks (as many of 8 tiles as fit,
+then at most 3 of 2 tiles or 1),
 a loop over the non-empty groups slicing a group's weights once and running one XLA GEMM per
 chunk; its backward computes a chunk's input and weight gradients in the same trip.
 
