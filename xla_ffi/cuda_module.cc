@@ -1,6 +1,7 @@
 // The CUDA nanobind module: exports every CUDA FFI handler of jaxops. Compiled by the host
 // compiler; the handlers themselves live in the .cu files (see handlers.h of each family).
 #include "xla_ffi/fp8/handlers.h"
+#include "xla_ffi/grouped_gemm/handlers.h"
 #ifdef JAXOPS_HAVE_CUBLASLT
 #include "xla_ffi/gemm/handlers.h"
 #endif
@@ -23,6 +24,8 @@ std::vector<Registration> Registrations() {
       Register("jaxops_moe_permute", MoePermuteCuda),
       Register("jaxops_moe_unpermute", MoeUnpermuteCuda),
       Register("jaxops_moe_unpermute_bwd", MoeUnpermuteBwdCuda),
+      Register("jaxops_grouped_gemm", GroupedGemmCuda),
+      Register("jaxops_grouped_gemm_wgrad", GroupedGemmWgradCuda),
   };
 #ifdef JAXOPS_HAVE_CUBLASLT
   registrations.push_back(RegisterStateful("jaxops_gemm", GemmInstantiateCuda, GemmCuda));

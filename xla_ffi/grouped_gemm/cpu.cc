@@ -37,6 +37,7 @@
 #include "xla_ffi/common/cpu_parallel.h"
 #include "xla_ffi/common/ffi_util.h"
 #include "xla_ffi/common/host_float.h"
+#include "xla_ffi/grouped_gemm/checks.h"
 #include "xla_ffi/grouped_gemm/grouped_gemm.h"
 #include "xla_ffi/grouped_gemm/handlers.h"
 
@@ -261,13 +262,6 @@ JAXOPS_CPU_CLONES void PackBTransposed(const X* src, int64_t ld, int64_t k0, int
 // ---------------------------------------------------------------------------------------------
 // Tasks.
 
-struct Problem {
-  int64_t rows = 0;    // R
-  int64_t k = 0;       // x's columns (the contraction of the forward)
-  int64_t n = 0;       // y's columns (dy's for the weight gradient)
-  int64_t groups = 0;  // G
-};
-
 template <typename X>
 struct ForwardArgs {
   Problem p;
@@ -457,47 +451,15 @@ ffi::Future WgradImpl(ffi::ThreadPool& pool, const WgradArgs<X>& a, const int32_
 // ---------------------------------------------------------------------------------------------
 // Validation and dtype dispatch.
 
-ffi::Error CheckGroups(const char* op, const ffi::Buffer<ffi::S32>& sizes, int64_t groups) {
-  if (sizes.dimensions().size() != 1 || sizes.dimensions()[0] != groups) {
-    return InvalidArgument(std::string(op) + ": group_sizes must be int32 [" +
-                           std::to_string(groups) + "], got " + ShapeString(sizes));
-  }
-  return ffi::Error::Success();
-}
-
 ffi::Future ForwardDispatch(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                             ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::Buffer<ffi::F32>> y,
                             bool transpose_w) {
-  constexpr const char* kOp = "grouped_gemm";
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3) {
-    return ReadyFuture(InvalidArgument(std::string(kOp) + ": x must be [R, K] and w [G, K, N] " +
-                                       "(or [G, N, K]); got x " + ShapeString(x) + ", w " +
-                                       ShapeString(w)));
-  }
-  Problem p;
-  p.rows = xd[0];
-  p.k = xd[1];
-  p.groups = wd[0];
-  p.n = transpose_w ? wd[1] : wd[2];
-  const int64_t wk = transpose_w ? wd[2] : wd[1];
-  if (wk != p.k || w.element_type() != x.element_type()) {
-    return ReadyFuture(InvalidArgument(std::string(kOp) +
-                                       ": w must hold x's dtype and K = " + std::to_string(p.k) +
-                                       "; got x " + ShapeString(x) + ", w " + ShapeString(w)));
-  }
-  if (auto e = CheckGroups(kOp, sizes, p.groups); e.failure()) return ReadyFuture(std::move(e));
-  const auto yd = y->dimensions();
-  if (yd.size() != 2 || yd[0] != p.rows || yd[1] != p.n) {
-    return ReadyFuture(InvalidArgument(std::string(kOp) + ": y must be float32 [" +
-                                       std::to_string(p.rows) + ", " + std::to_string(p.n) +
-                                       "], got " + ShapeString(*y)));
-  }
-  return DispatchFloat(kOp, "x", x.element_type(), [&](auto tag) {
+  auto problem = CheckForward(x, w, sizes, *y, transpose_w);
+  if (problem.has_error()) return ReadyFuture(problem.error());
+  return DispatchFloat("grouped_gemm", "x", x.element_type(), [&](auto tag) {
     using X = typename decltype(tag)::type;
     ForwardArgs<X> a;
-    a.p = p;
+    a.p = *problem;
     a.x = static_cast<const X*>(x.untyped_data());
     a.w = static_cast<const X*>(w.untyped_data());
     a.transpose_w = transpose_w;
@@ -508,26 +470,12 @@ ffi::Future ForwardDispatch(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
 
 ffi::Future WgradDispatch(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer dy,
                           ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::Buffer<ffi::F32>> dw) {
-  constexpr const char* kOp = "grouped_gemm_wgrad";
-  const auto xd = x.dimensions();
-  const auto dyd = dy.dimensions();
-  const auto dwd = dw->dimensions();
-  if (xd.size() != 2 || dyd.size() != 2 || dwd.size() != 3 || dyd[0] != xd[0] || dwd[1] != xd[1] ||
-      dwd[2] != dyd[1] || dy.element_type() != x.element_type()) {
-    return ReadyFuture(InvalidArgument(
-        std::string(kOp) + ": x [R, K], dy [R, N] of x's dtype and dw float32 [G, K, N]; got x " +
-        ShapeString(x) + ", dy " + ShapeString(dy) + ", dw " + ShapeString(*dw)));
-  }
-  Problem p;
-  p.rows = xd[0];
-  p.k = xd[1];
-  p.n = dyd[1];
-  p.groups = dwd[0];
-  if (auto e = CheckGroups(kOp, sizes, p.groups); e.failure()) return ReadyFuture(std::move(e));
-  return DispatchFloat(kOp, "x", x.element_type(), [&](auto tag) {
+  auto problem = CheckWgrad(x, dy, sizes, *dw);
+  if (problem.has_error()) return ReadyFuture(problem.error());
+  return DispatchFloat("grouped_gemm_wgrad", "x", x.element_type(), [&](auto tag) {
     using X = typename decltype(tag)::type;
     WgradArgs<X> a;
-    a.p = p;
+    a.p = *problem;
     a.x = static_cast<const X*>(x.untyped_data());
     a.dy = static_cast<const X*>(dy.untyped_data());
     a.dw = dw->typed_data();

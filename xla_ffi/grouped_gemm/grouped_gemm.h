@@ -1,5 +1,5 @@
-// Shapes, blocking and group layout of the grouped GEMM (host code: the family has CPU kernels
-// only; on GPUs jax.lax.ragged_dot is the grouped GEMM).
+// Blocking and group layout of the grouped GEMM's CPU kernels (host code; the CUDA kernels'
+// tiling is in kernels.cuh, the shape checks both share in checks.h).
 //
 // A grouped GEMM multiplies consecutive groups of rows by their own matrix: the rows of group g
 // are rows [start_g, start_g + sizes[g]) of x, start_g the sum of the sizes before g, from row 0.

@@ -1,5 +1,6 @@
-// Handler symbols of the grouped GEMM family, defined in cpu.cc and exported to Python by the CPU
-// nanobind module. Names follow the chain C++ handler <-> FFI target <-> Python constant:
+// Handler symbols of the grouped GEMM family, defined in cpu.cc and cuda.cu and exported to
+// Python by the nanobind modules. Names follow the chain C++ handler <-> FFI target <-> Python
+// constant:
 //   GroupedGemm      <-> "jaxops_grouped_gemm"       <-> jaxops._grouped_gemm.TARGET_GROUPED_GEMM
 //   GroupedGemmWgrad <-> "jaxops_grouped_gemm_wgrad" <-> jaxops._grouped_gemm.TARGET_WGRAD
 #ifndef JAXOPS_XLA_FFI_GROUPED_GEMM_HANDLERS_H_
@@ -10,6 +11,9 @@
 // extern "C" symbols, so they live in the global namespace.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmWgradCpu);
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmWgradCuda);
 
 namespace jaxops::grouped_gemm {
 // The micro-kernel the CPU calls run on this machine: "avx512", "avx2" or "portable" (the widest

@@ -1,0 +1,144 @@
+// CUDA handlers of the grouped GEMM family: the forward (x @ w[g], or x @ w[g].T) and the weight
+// gradient, the same targets and contracts as the CPU handlers (checks.h). The kernels and their
+// design live in kernels.cuh.
+//
+// Three layers, as in jax's examples/ffi:
+//   1. Kernels: GroupedGemmFwdKernel<T, kTransW> and GroupedGemmWgradKernel<T> (kernels.cuh).
+//   2. Implementations (ForwardImpl<T>, WgradImpl<T>): the grid, the 16-byte-load eligibility
+//      of each operand, the launch on the XLA stream, launch errors turned into ffi::Error.
+//   3. One dispatch per handler: validates with checks.h, then switches once on the dtype.
+//
+// Nothing synchronizes with the host: the group sizes stay on the device, and each CTA finds its
+// group itself.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "xla_ffi/common/cuda_util.cuh"
+#include "xla_ffi/common/ffi_util.h"
+#include "xla_ffi/common/math.h"
+#include "xla_ffi/grouped_gemm/checks.h"
+#include "xla_ffi/grouped_gemm/handlers.h"
+#include "xla_ffi/grouped_gemm/kernels.cuh"
+
+namespace jaxops::grouped_gemm {
+namespace {
+
+// Largest grid.y (CUDA's limit): N up to 65535 * kBn columns.
+constexpr int64_t kMaxGridY = 65535;
+
+// Whether rows `ld` elements apart from `p` allow 16-byte loads.
+template <typename T>
+bool Vectorizable(const T* p, int64_t ld) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0 && ld % kVec<T> == 0;
+}
+
+ffi::Error CheckGrid(const char* op, int64_t x_ctas, int64_t y_ctas) {
+  if (x_ctas > int64_t{0x7fffffff} || y_ctas > kMaxGridY) {
+    return InvalidArgument(std::string(op) + ": the problem needs a grid of " +
+                           std::to_string(x_ctas) + " x " + std::to_string(y_ctas) +
+                           " CTAs, past CUDA's limits (2^31 - 1 x 65535)");
+  }
+  return ffi::Error::Success();
+}
+
+template <typename T>
+ffi::Error ForwardImpl(cudaStream_t stream, const Problem& p, const Args<T>& a, bool transpose_w) {
+  constexpr const char* kOp = "grouped_gemm";
+  if (p.rows == 0 || p.n == 0) return ffi::Error::Success();  // y is empty
+  const int64_t x_ctas = CeilDiv(p.rows, int64_t{kBm}) + p.groups + 1;
+  const int64_t y_ctas = CeilDiv(p.n, int64_t{kBn});
+  if (auto e = CheckGrid(kOp, x_ctas, y_ctas); e.failure()) return e;
+  const dim3 grid(static_cast<unsigned>(x_ctas), static_cast<unsigned>(y_ctas));
+  if (transpose_w) {
+    GroupedGemmFwdKernel<T, true><<<grid, kThreads, 0, stream>>>(a);
+  } else {
+    GroupedGemmFwdKernel<T, false><<<grid, kThreads, 0, stream>>>(a);
+  }
+  return LastLaunchError("grouped_gemm forward kernel");
+}
+
+template <typename T>
+ffi::Error WgradImpl(cudaStream_t stream, const Problem& p, const Args<T>& a) {
+  constexpr const char* kOp = "grouped_gemm_wgrad";
+  if (p.groups == 0 || p.k == 0 || p.n == 0) return ffi::Error::Success();  // dw is empty
+  const int64_t x_ctas = p.groups * CeilDiv(p.k, int64_t{kBm});
+  const int64_t y_ctas = CeilDiv(p.n, int64_t{kBn});
+  if (auto e = CheckGrid(kOp, x_ctas, y_ctas); e.failure()) return e;
+  const dim3 grid(static_cast<unsigned>(x_ctas), static_cast<unsigned>(y_ctas));
+  GroupedGemmWgradKernel<T><<<grid, kThreads, 0, stream>>>(a);
+  return LastLaunchError("grouped_gemm_wgrad kernel");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dispatch.
+
+ffi::Error ForwardDispatch(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                           ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::Buffer<ffi::F32>> y,
+                           bool transpose_w) {
+  auto problem = CheckForward(x, w, sizes, *y, transpose_w);
+  if (problem.has_error()) return problem.error();
+  const Problem& p = *problem;
+  return DispatchFloat("grouped_gemm", "x", x.element_type(), [&](auto tag) -> ffi::Error {
+    using T = typename decltype(tag)::type;
+    Args<T> a;
+    a.a = static_cast<const T*>(x.untyped_data());
+    a.b = static_cast<const T*>(w.untyped_data());
+    a.sizes = sizes.typed_data();
+    a.out = y->typed_data();
+    a.rows = p.rows;
+    a.k = p.k;
+    a.n = p.n;
+    a.groups = p.groups;
+    a.a_vec = Vectorizable(a.a, p.k);
+    a.b_vec = Vectorizable(a.b, transpose_w ? p.k : p.n);
+    return ForwardImpl<T>(stream, p, a, transpose_w);
+  });
+}
+
+ffi::Error WgradDispatch(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy,
+                         ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::Buffer<ffi::F32>> dw) {
+  auto problem = CheckWgrad(x, dy, sizes, *dw);
+  if (problem.has_error()) return problem.error();
+  const Problem& p = *problem;
+  return DispatchFloat("grouped_gemm_wgrad", "x", x.element_type(), [&](auto tag) -> ffi::Error {
+    using T = typename decltype(tag)::type;
+    Args<T> a;
+    a.a = static_cast<const T*>(x.untyped_data());
+    a.b = static_cast<const T*>(dy.untyped_data());
+    a.sizes = sizes.typed_data();
+    a.out = dw->typed_data();
+    a.rows = p.rows;
+    a.k = p.k;
+    a.n = p.n;
+    a.groups = p.groups;
+    a.a_vec = Vectorizable(a.a, p.k);
+    a.b_vec = Vectorizable(a.b, p.n);
+    return WgradImpl<T>(stream, p, a);
+  });
+}
+
+}  // namespace
+}  // namespace jaxops::grouped_gemm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    GroupedGemmCuda, jaxops::grouped_gemm::ForwardDispatch,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream: the XLA compute stream
+        .Arg<xla::ffi::AnyBuffer>()                     // x [R, K]
+        .Arg<xla::ffi::AnyBuffer>()                     // w [G, K, N] | [G, N, K]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes [G]
+        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // y [R, N]
+        .Attr<bool>("transpose_w"),                     // w is [G, N, K]
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    GroupedGemmWgradCuda, jaxops::grouped_gemm::WgradDispatch,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream: the XLA compute stream
+        .Arg<xla::ffi::AnyBuffer>()                     // x [R, K]
+        .Arg<xla::ffi::AnyBuffer>()                     // dy [R, N]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes [G]
+        .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),        // dw [G, K, N]
+    {xla::ffi::Traits::kCmdBufferCompatible});

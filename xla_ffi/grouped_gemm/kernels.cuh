@@ -1,0 +1,413 @@
+// CUDA kernels of the grouped GEMM family: one tiled kernel for the forward (x @ w[g], or
+// x @ w[g].T) and the weight gradient (x[rows of g].T @ dy[rows of g]), templated over the
+// element type and the operands' layouts; cuda.cu validates, picks and launches them.
+//
+// A CTA computes a kBm x kBn tile of one group's product, stepping kBk deep through the
+// contraction: it loads an A and a B tile into shared memory (16-byte loads where the rows allow
+// them, else element by element, zeros past the edges), then multiplies them with fp32
+// accumulation: tensor-core WMMA fragments (16 x 16 x 16) for bfloat16 and float16, FMAs of an
+// 8 x 8 register tile per thread for float32 (products and sums stay float32, as the CPU
+// kernels and XLA:CPU compute them). Group sizes are device data: every CTA reads them and
+// finds its own tile with a scan over the CTA (no host round trip, no scratch buffer).
+//   forward: grid.x = ceil(R / kBm) + G + 1 row tiles (each group's tiles in group order, then
+//            tiles that zero the rows past the groups; spare ones return), grid.y = ceil(N / kBn);
+//   wgrad:   grid.x = G * ceil(K / kBm), grid.y = ceil(N / kBn); each CTA walks its group's rows.
+// Group sizes are clipped as the CPU kernels clip them (grouped_gemm.h's ClipGroups): negative
+// counts as 0, no group past the last row.
+#ifndef JAXOPS_XLA_FFI_GROUPED_GEMM_KERNELS_CUH_
+#define JAXOPS_XLA_FFI_GROUPED_GEMM_KERNELS_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <mma.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "xla_ffi/common/cuda_util.cuh"
+
+namespace jaxops::grouped_gemm {
+
+inline constexpr int kBm = 128;  // Output rows per CTA tile.
+inline constexpr int kBn = 128;  // Output columns per CTA tile.
+inline constexpr int kBk = 32;   // Contraction depth per shared-memory step.
+inline constexpr int kThreads = 256;
+inline constexpr int kPad = 8;     // Shared rows padded by 16 bytes (16-bit) against conflicts.
+inline constexpr int kFrag = 16;   // WMMA fragment edge.
+inline constexpr int kWarpsM = 2;  // Warps along the tile's rows (64 rows each) ...
+inline constexpr int kWarpsN = 4;  // ... and columns (32 columns each).
+inline constexpr int kWarpRows = kBm / kWarpsM;
+inline constexpr int kWarpCols = kBn / kWarpsN;
+inline constexpr int kThreadTile = 8;  // float32: an 8 x 8 tile per thread, strided by 16.
+static_assert(kWarpsM * kWarpsN * kWarpSize == kThreads, "one warp per warp tile");
+static_assert(16 * kThreadTile == kBm && 16 * kThreadTile == kBn, "16 x 16 threads cover a tile");
+
+// The operands of one launch. Pointers are to whole arrays; the CTA offsets them.
+template <typename T>
+struct Args {
+  const T* a = nullptr;            // forward: x [R, K]; wgrad: x [R, K] (read as its transpose)
+  const T* b = nullptr;            // forward: w [G, K, N] or [G, N, K]; wgrad: dy [R, N]
+  const int32_t* sizes = nullptr;  // [G]
+  float* out = nullptr;            // forward: y [R, N]; wgrad: dw [G, K, N]
+  int64_t rows = 0;                // R
+  int64_t k = 0;                   // K
+  int64_t n = 0;                   // N
+  int64_t groups = 0;              // G
+  bool a_vec = false;              // a's rows allow 16-byte loads (aligned base, ld % vec == 0)
+  bool b_vec = false;
+};
+
+// Elements per 16-byte access.
+template <typename T>
+inline constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+
+// ---------------------------------------------------------------------------------------------
+// Shared-memory tiles.
+
+// A kRows x kCols tile of a row-major matrix, padded rows; element (r, c) at data[r][c].
+template <typename T, int kRows, int kCols>
+struct Tile {
+  static constexpr int kLd = kCols + kPad;
+  alignas(128) T data[kRows][kLd];
+};
+
+// Loads the tile whose (0, 0) is src[r0 * ld + c0] (r0, c0: the caller's offsets folded into
+// src) with vr valid rows and vc valid columns; the rest is zero. 16-byte loads where `vec` and
+// the whole access is inside the valid columns, else element by element.
+template <typename T, int kRows, int kCols>
+__device__ __forceinline__ void LoadTile(Tile<T, kRows, kCols>& tile, const T* src, int64_t ld,
+                                         int64_t vr, int64_t vc, bool vec) {
+  constexpr int kV = kVec<T>;
+  constexpr int kPerRow = kCols / kV;
+  static_assert(kCols % kV == 0, "tile rows hold whole accesses");
+  for (int v = static_cast<int>(threadIdx.x); v < kRows * kPerRow; v += kThreads) {
+    const int r = v / kPerRow;
+    const int c = (v % kPerRow) * kV;
+    T* dst = &tile.data[r][c];
+    if (vec && r < vr && c + kV <= vc) {
+      *reinterpret_cast<uint4*>(dst) =
+          __ldg(reinterpret_cast<const uint4*>(src + static_cast<int64_t>(r) * ld + c));
+    } else {
+#pragma unroll
+      for (int e = 0; e < kV; ++e) {
+        dst[e] =
+            (r < vr && c + e < vc) ? src[static_cast<int64_t>(r) * ld + c + e] : FromFloat<T>(0.0f);
+      }
+    }
+  }
+}
+
+// The A tile: [kBm][kBk] (A(m, k) = data[m][k]) or, kACol, [kBk][kBm] (A(m, k) = data[k][m]).
+template <typename T, bool kACol>
+using ATile = std::conditional_t<kACol, Tile<T, kBk, kBm>, Tile<T, kBm, kBk>>;
+// The B tile: [kBk][kBn] (B(k, n) = data[k][n]) or, kBCol, [kBn][kBk] (B(k, n) = data[n][k]).
+template <typename T, bool kBCol>
+using BTile = std::conditional_t<kBCol, Tile<T, kBn, kBk>, Tile<T, kBk, kBn>>;
+
+template <typename T, bool kACol>
+__device__ __forceinline__ float AAt(const ATile<T, kACol>& a, int m, int k) {
+  if constexpr (kACol) {
+    return ToFloat(a.data[k][m]);
+  } else {
+    return ToFloat(a.data[m][k]);
+  }
+}
+
+template <typename T, bool kBCol>
+__device__ __forceinline__ float BAt(const BTile<T, kBCol>& b, int k, int n) {
+  if constexpr (kBCol) {
+    return ToFloat(b.data[n][k]);
+  } else {
+    return ToFloat(b.data[k][n]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The CTA's multiply-accumulate of one kBk step, and its output.
+
+// float32: thread (ty, tx) of 16 x 16 owns rows ty + 16 i and columns tx + 16 j.
+struct SimtAcc {
+  float v[kThreadTile][kThreadTile];
+};
+
+template <typename T, bool kACol, bool kBCol>
+__device__ __forceinline__ void SimtStep(const ATile<T, kACol>& a, const BTile<T, kBCol>& b,
+                                         SimtAcc& acc) {
+  const int ty = static_cast<int>(threadIdx.x) / 16;
+  const int tx = static_cast<int>(threadIdx.x) % 16;
+#pragma unroll 4
+  for (int k = 0; k < kBk; ++k) {
+    float av[kThreadTile];
+    float bv[kThreadTile];
+#pragma unroll
+    for (int i = 0; i < kThreadTile; ++i) av[i] = AAt<T, kACol>(a, ty + 16 * i, k);
+#pragma unroll
+    for (int j = 0; j < kThreadTile; ++j) bv[j] = BAt<T, kBCol>(b, k, tx + 16 * j);
+#pragma unroll
+    for (int i = 0; i < kThreadTile; ++i) {
+#pragma unroll
+      for (int j = 0; j < kThreadTile; ++j) acc.v[i][j] = fmaf(av[i], bv[j], acc.v[i][j]);
+    }
+  }
+}
+
+// Writes out[(m, n)] = acc for the tile's rows m < vr and columns n < vc; out points at the
+// tile's (0, 0), rows ld apart.
+__device__ __forceinline__ void SimtStore(const SimtAcc& acc, float* out, int64_t ld, int64_t vr,
+                                          int64_t vc) {
+  const int ty = static_cast<int>(threadIdx.x) / 16;
+  const int tx = static_cast<int>(threadIdx.x) % 16;
+#pragma unroll
+  for (int i = 0; i < kThreadTile; ++i) {
+    const int m = ty + 16 * i;
+    if (m >= vr) continue;
+#pragma unroll
+    for (int j = 0; j < kThreadTile; ++j) {
+      const int c = tx + 16 * j;
+      if (c < vc) out[static_cast<int64_t>(m) * ld + c] = acc.v[i][j];
+    }
+  }
+}
+
+// bfloat16 / float16: warp (wm, wn) of kWarpsM x kWarpsN owns a 64 x 32 block, 4 x 2 fragments.
+template <typename T>
+using WmmaType = std::conditional_t<std::is_same_v<T, __half>, __half, __nv_bfloat16>;
+using AccFrag = nvcuda::wmma::fragment<nvcuda::wmma::accumulator, kFrag, kFrag, kFrag, float>;
+inline constexpr int kFragsM = kWarpRows / kFrag;
+inline constexpr int kFragsN = kWarpCols / kFrag;
+
+struct WmmaAcc {
+  AccFrag f[kFragsM][kFragsN];
+};
+
+template <typename T, bool kACol, bool kBCol>
+__device__ __forceinline__ void WmmaStep(const ATile<T, kACol>& a, const BTile<T, kBCol>& b,
+                                         WmmaAcc& acc) {
+  namespace wmma = nvcuda::wmma;
+  using ALayout = std::conditional_t<kACol, wmma::col_major, wmma::row_major>;
+  using BLayout = std::conditional_t<kBCol, wmma::col_major, wmma::row_major>;
+  using E = WmmaType<T>;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int m0 = (warp / kWarpsN) * kWarpRows;
+  const int n0 = (warp % kWarpsN) * kWarpCols;
+#pragma unroll
+  for (int kk = 0; kk < kBk; kk += kFrag) {
+    wmma::fragment<wmma::matrix_a, kFrag, kFrag, kFrag, E, ALayout> af[kFragsM];
+    wmma::fragment<wmma::matrix_b, kFrag, kFrag, kFrag, E, BLayout> bf[kFragsN];
+#pragma unroll
+    for (int i = 0; i < kFragsM; ++i) {
+      const int m = m0 + i * kFrag;
+      const T* p = kACol ? &a.data[kk][m] : &a.data[m][kk];
+      wmma::load_matrix_sync(af[i], reinterpret_cast<const E*>(p), ATile<T, kACol>::kLd);
+    }
+#pragma unroll
+    for (int j = 0; j < kFragsN; ++j) {
+      const int n = n0 + j * kFrag;
+      const T* p = kBCol ? &b.data[n][kk] : &b.data[kk][n];
+      wmma::load_matrix_sync(bf[j], reinterpret_cast<const E*>(p), BTile<T, kBCol>::kLd);
+    }
+#pragma unroll
+    for (int i = 0; i < kFragsM; ++i) {
+#pragma unroll
+      for (int j = 0; j < kFragsN; ++j) wmma::mma_sync(acc.f[i][j], af[i], bf[j], acc.f[i][j]);
+    }
+  }
+}
+
+// Writes the warp's fragments through its kFrag x kFrag slice of `stage` (shared), keeping rows
+// m < vr and columns n < vc of the tile; out points at the tile's (0, 0), rows ld apart.
+__device__ __forceinline__ void WmmaStore(WmmaAcc& acc, float* stage, float* out, int64_t ld,
+                                          int64_t vr, int64_t vc) {
+  namespace wmma = nvcuda::wmma;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int m0 = (warp / kWarpsN) * kWarpRows;
+  const int n0 = (warp % kWarpsN) * kWarpCols;
+  float* mine = stage + warp * kFrag * kFrag;
+#pragma unroll
+  for (int i = 0; i < kFragsM; ++i) {
+#pragma unroll
+    for (int j = 0; j < kFragsN; ++j) {
+      wmma::store_matrix_sync(mine, acc.f[i][j], kFrag, wmma::mem_row_major);
+      __syncwarp();
+      // Each lane writes 8 elements: half a row of the fragment.
+      const int r = lane / 2;
+      const int c0 = (lane % 2) * 8;
+      const int m = m0 + i * kFrag + r;
+      if (m < vr) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const int c = n0 + j * kFrag + c0 + e;
+          if (c < vc) out[static_cast<int64_t>(m) * ld + c] = mine[r * kFrag + c0 + e];
+        }
+      }
+      __syncwarp();
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Finding a CTA's group.
+
+// What a CTA learns of the groups (shared memory).
+struct GroupSpan {
+  int64_t group;       // -1: not found
+  int64_t begin;       // first row of the group (clipped)
+  int64_t end;         // one past its last row (clipped)
+  int64_t tile_first;  // forward: the first row of the CTA's tile
+  int64_t used_rows;   // rows the groups cover (the clipped sizes' sum)
+  int64_t used_tiles;  // forward: row tiles of all groups
+};
+
+// Scans the clipped group sizes over the CTA, kThreads groups at a time. With `want_tile` >= 0
+// (forward), finds the group of row tile `want_tile` (tiles of kBm rows, group by group); with
+// `want_group` >= 0 (wgrad), that group's rows. Every thread of the CTA calls it; `span` is
+// complete for all of them on return.
+__device__ inline void FindSpan(const int32_t* sizes, int64_t groups, int64_t rows,
+                                int64_t want_tile, int64_t want_group, GroupSpan& span,
+                                long long* warp_totals) {
+  if (threadIdx.x == 0) span.group = -1;
+  long long rows_before = 0;
+  long long tiles_before = 0;
+  for (int64_t base = 0; base < groups; base += kThreads) {
+    const int64_t g = base + threadIdx.x;
+    const long long size = g < groups ? (sizes[g] > 0 ? sizes[g] : 0) : 0;
+    long long chunk_rows = 0;
+    const long long rows_incl = BlockInclusiveScan(size, warp_totals, chunk_rows);
+    const long long begin_raw = rows_before + rows_incl - size;
+    const long long begin = begin_raw < rows ? begin_raw : rows;
+    const long long end_raw = rows_before + rows_incl;
+    const long long end = end_raw < rows ? end_raw : rows;
+    const long long tiles = (end - begin + kBm - 1) / kBm;
+    long long chunk_tiles = 0;
+    const long long tiles_incl = BlockInclusiveScan(tiles, warp_totals, chunk_tiles);
+    const long long tile_begin = tiles_before + tiles_incl - tiles;
+    if (g < groups) {
+      const bool hit = want_group >= 0
+                           ? g == want_group
+                           : (want_tile >= tile_begin && want_tile < tile_begin + tiles);
+      if (hit) {
+        span.group = g;
+        span.begin = begin;
+        span.end = end;
+        span.tile_first = begin + (want_tile - tile_begin) * kBm;
+      }
+    }
+    rows_before += chunk_rows;
+    tiles_before += chunk_tiles;
+  }
+  if (threadIdx.x == 0) {
+    span.used_rows = rows_before < rows ? rows_before : rows;
+    span.used_tiles = tiles_before;
+  }
+  __syncthreads();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernels.
+
+// One kBm x kBn tile of out (rows m, columns n) = sum over the contraction of A(m, k) B(k, n),
+// where load(step, a_tile, b_tile) fills the tiles of contraction step `step`. Stores rows
+// m < vr and columns n < vc.
+template <typename T, bool kACol, bool kBCol, typename Load>
+__device__ __forceinline__ void TileProduct(int64_t steps, Load&& load, float* out, int64_t ld,
+                                            int64_t vr, int64_t vc) {
+  __shared__ ATile<T, kACol> a;
+  __shared__ BTile<T, kBCol> b;
+  if constexpr (std::is_same_v<T, float>) {
+    SimtAcc acc;
+#pragma unroll
+    for (int i = 0; i < kThreadTile; ++i) {
+#pragma unroll
+      for (int j = 0; j < kThreadTile; ++j) acc.v[i][j] = 0.0f;
+    }
+    for (int64_t s = 0; s < steps; ++s) {
+      load(s, a, b);
+      __syncthreads();
+      SimtStep<T, kACol, kBCol>(a, b, acc);
+      __syncthreads();
+    }
+    SimtStore(acc, out, ld, vr, vc);
+  } else {
+    __shared__ __align__(128) float stage[kThreads / kWarpSize][kFrag * kFrag];
+    WmmaAcc acc;
+#pragma unroll
+    for (int i = 0; i < kFragsM; ++i) {
+#pragma unroll
+      for (int j = 0; j < kFragsN; ++j) nvcuda::wmma::fill_fragment(acc.f[i][j], 0.0f);
+    }
+    for (int64_t s = 0; s < steps; ++s) {
+      load(s, a, b);
+      __syncthreads();
+      WmmaStep<T, kACol, kBCol>(a, b, acc);
+      __syncthreads();
+    }
+    WmmaStore(acc, &stage[0][0], out, ld, vr, vc);
+  }
+}
+
+// Forward: y[rows of g] = x[rows of g] @ w[g] (kTransW: w[g] is [N, K], read as its transpose).
+template <typename T, bool kTransW>
+__global__ void __launch_bounds__(kThreads) GroupedGemmFwdKernel(Args<T> a) {
+  __shared__ GroupSpan span;
+  __shared__ long long warp_totals[kThreads / kWarpSize];
+  FindSpan(a.sizes, a.groups, a.rows, blockIdx.x, -1, span, warp_totals);
+  const int64_t n0 = static_cast<int64_t>(blockIdx.y) * kBn;
+  const int64_t vc = a.n - n0 < kBn ? a.n - n0 : kBn;
+  if (span.group < 0) {
+    // Past the groups' tiles: zero the rows past the groups, kBm at a time.
+    const int64_t first =
+        span.used_rows + (static_cast<int64_t>(blockIdx.x) - span.used_tiles) * kBm;
+    if (first >= a.rows) return;
+    const int64_t vr = a.rows - first < kBm ? a.rows - first : kBm;
+    for (int64_t e = threadIdx.x; e < vr * vc; e += kThreads) {
+      a.out[(first + e / vc) * a.n + n0 + e % vc] = 0.0f;
+    }
+    return;
+  }
+  const int64_t first = span.tile_first;
+  const int64_t vr = span.end - first < kBm ? span.end - first : kBm;
+  const T* x = a.a + first * a.k;
+  const T* w = a.b + span.group * a.k * a.n;
+  auto load = [&](int64_t s, ATile<T, false>& at, BTile<T, kTransW>& bt) {
+    const int64_t k0 = s * kBk;
+    const int64_t vk = a.k - k0 < kBk ? a.k - k0 : kBk;
+    LoadTile(at, x + k0, a.k, vr, vk, a.a_vec);
+    if constexpr (kTransW) {
+      LoadTile(bt, w + n0 * a.k + k0, a.k, vc, vk, a.b_vec);  // [n][k]
+    } else {
+      LoadTile(bt, w + k0 * a.n + n0, a.n, vk, vc, a.b_vec);  // [k][n]
+    }
+  };
+  TileProduct<T, false, kTransW>((a.k + kBk - 1) / kBk, load, a.out + first * a.n + n0, a.n, vr,
+                                 vc);
+}
+
+// Weight gradient: dw[g] = x[rows of g].T @ dy[rows of g]; a group without rows gets zeros.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) GroupedGemmWgradKernel(Args<T> a) {
+  __shared__ GroupSpan span;
+  __shared__ long long warp_totals[kThreads / kWarpSize];
+  const int64_t m_tiles = (a.k + kBm - 1) / kBm;
+  const int64_t g = static_cast<int64_t>(blockIdx.x) / m_tiles;
+  const int64_t m0 = (static_cast<int64_t>(blockIdx.x) % m_tiles) * kBm;
+  const int64_t n0 = static_cast<int64_t>(blockIdx.y) * kBn;
+  FindSpan(a.sizes, a.groups, a.rows, -1, g, span, warp_totals);
+  const int64_t vm = a.k - m0 < kBm ? a.k - m0 : kBm;
+  const int64_t vc = a.n - n0 < kBn ? a.n - n0 : kBn;
+  const int64_t begin = span.begin;
+  const int64_t count = span.end - span.begin;
+  auto load = [&](int64_t s, ATile<T, true>& at, BTile<T, false>& bt) {
+    const int64_t r0 = begin + s * kBk;
+    const int64_t vk = count - s * kBk < kBk ? count - s * kBk : kBk;
+    LoadTile(at, a.a + r0 * a.k + m0, a.k, vk, vm, a.a_vec);  // [row][m]: A col-major
+    LoadTile(bt, a.b + r0 * a.n + n0, a.n, vk, vc, a.b_vec);  // [row][n]
+  };
+  TileProduct<T, true, false>((count + kBk - 1) / kBk, load, a.out + (g * a.k + m0) * a.n + n0, a.n,
+                              vm, vc);
+}
+
+}  // namespace jaxops::grouped_gemm
+
+#endif  // JAXOPS_XLA_FFI_GROUPED_GEMM_KERNELS_CUH_
