@@ -22,9 +22,10 @@ checked to agree before anything is timed. Timed per case:
   ``exchange="dense"`` (the all-to-all twin of the GPU's ragged exchange; the layer's default
   there is the all-gather form, whose FP8 gather tests/test_expert_parallel.py checks);
 - on GPU, the grouped GEMMs (``--gemm-ab``, default on there): the ``fwd+bwd`` step with them as
-  ``jax.lax.ragged_dot`` (which XLA:GPU lowers to a dense dot over every local expert, a float32
-  ``[L, R, K]`` operand) against the loop over groups, each forced through the plan's budget
-  ``GPU_RAGGED_DOT_MAX_BYTES``, with the plan's own pick; ragged_dot is not run where its operand
+  jaxops' CUDA grouped GEMM (where built), as ``jax.lax.ragged_dot`` (which XLA:GPU lowers to a
+  dense dot over every local expert, a float32 ``[L, R, K]`` operand) and as the loop over
+  groups, each forced through the plan (its budget ``GPU_RAGGED_DOT_MAX_BYTES`` and whether the
+  kernel counts as available), with the plan's own pick; ragged_dot is not run where its operand
   would pass ``--ragged-dot-max-gib``.
 
 On CPU the mesh is 8 simulated devices ``data x expert`` (default 2 x 4); on a GPU, all local
@@ -84,9 +85,11 @@ GEMM_COLUMNS = [
     H.Column("case", "T x H x F x E x K", align="<"),
     H.Column("local", "local experts", "{:d}"),
     H.Column("dense_gib", "ragged_dot operand GiB", "{:.2f}"),
+    H.Column("kernel_ms", "kernel ms", "{:.2f}"),
     H.Column("ragged_ms", "ragged_dot ms", "{:.2f}"),
     H.Column("loop_ms", "loop ms", "{:.2f}"),
-    H.Column("ratio", "ragged_dot/loop", "{:.2f}x"),
+    H.Column("loop_ratio", "loop/kernel", "{:.2f}x"),
+    H.Column("ragged_ratio", "ragged_dot/kernel (or /loop)", "{:.2f}x"),
     H.Column("pick", "plan's pick", align="<"),
 ]
 STAGE_COLUMNS = [
@@ -170,53 +173,68 @@ def _case(args, mesh, case: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def _ragged_dot_budget(nbytes: int) -> Iterator[None]:
+def _gemm_choice(nbytes: int, kernel: bool) -> Iterator[None]:
     """While open, the plan's GPU budget for ragged_dot's dense operand is `nbytes` (0: the loop
-    whenever L > 1); programs traced inside keep the choice."""
-    saved = expert._exchange.GPU_RAGGED_DOT_MAX_BYTES
+    whenever L > 1) and jaxops' CUDA grouped GEMM counts as available only if `kernel` (and
+    built); programs traced inside keep the choice."""
+    module = expert._exchange._grouped_gemm
+    saved = expert._exchange.GPU_RAGGED_DOT_MAX_BYTES, module.kernel_available
     expert._exchange.GPU_RAGGED_DOT_MAX_BYTES = nbytes
+    if not kernel:
+        module.kernel_available = lambda *a: False
     try:
         yield
     finally:
-        expert._exchange.GPU_RAGGED_DOT_MAX_BYTES = saved
+        expert._exchange.GPU_RAGGED_DOT_MAX_BYTES, module.kernel_available = saved
 
 
 def _gemm_case(args, mesh, case: str) -> dict[str, Any]:
-    """The EP fwd+bwd step with the grouped GEMMs as ragged_dot and as the loop (on GPU)."""
+    """The EP fwd+bwd step with the grouped GEMMs as jaxops' CUDA kernel (where built), as
+    ragged_dot and as the loop over groups (on GPU)."""
     cfg, _, params, x = _setup(args, mesh, case, DTYPES[args.dtype])
     n = mesh.shape[cfg.expert_axis]
     shards = math.prod(mesh.shape[a] for a in cfg.token_axes)
     plan = expert._exchange.make_plan(cfg, mesh, n, shards, x.shape[0])
     local = cfg.num_experts // n
-    with _ragged_dot_budget(1 << 62):  # the buffer ragged_dot would get (no tile padding)
+    kernel = H.is_gpu() and expert._exchange._grouped_gemm.kernel_available()
+    with _gemm_choice(1 << 62, kernel=False):  # the buffer ragged_dot would get (no padding)
         rows = expert._exchange.make_plan(cfg, mesh, n, shards, x.shape[0]).recv_rows
     dense = expert._exchange.ragged_dot_bytes(cfg, local, rows)
+    pick = "ragged_dot" if plan.tile == 0 else "kernel" if kernel else "loop"
     row: dict[str, Any] = {
         "case": case,
         "local": local,
         "dense_gib": dense / 2**30,
-        "pick": "ragged_dot" if plan.tile == 0 else "loop" if H.is_gpu() else "CPU kernel",
+        "pick": pick if H.is_gpu() else "CPU kernel",
     }
-    variants = {"loop": 0}
+    variants = {"loop": (0, False)}
+    if kernel:
+        variants["kernel"] = (0, True)
     if dense <= args.ragged_dot_max_gib * 2**30:
-        variants["ragged_dot"] = 1 << 62
+        variants["ragged_dot"] = (1 << 62, False)
     steps, losses = {}, {}
-    for name, budget in variants.items():
+    for name, (budget, use_kernel) in variants.items():
         step = jax.jit(
             jax.value_and_grad(
                 _loss(lambda p, x, c=cfg: expert.moe_layer(p, x, c, mesh=mesh)), argnums=(0, 1)
             )
         )
-        with _ragged_dot_budget(budget):
+        with _gemm_choice(budget, use_kernel):
             losses[name] = float(step(params, x)[0])  # traced and compiled with this choice
         steps[name] = (step, (params, x))
-    if len(losses) == 2 and not np.isclose(losses["loop"], losses["ragged_dot"], rtol=1e-3):
-        raise AssertionError(f"{case}: loop loss {losses['loop']} != ragged_dot {losses}")
+    for name, loss in losses.items():
+        if not np.isclose(loss, losses["loop"], rtol=1e-3):
+            raise AssertionError(f"{case}: {name} loss {loss} != the loop's {losses['loop']}")
     timings = H.time_interleaved(steps, repeats=args.repeats)
-    row["loop_ms"] = timings["loop"].median_ms
-    if "ragged_dot" in timings:
-        row["ragged_ms"] = timings["ragged_dot"].median_ms
-        row["ratio"] = timings["ragged_dot"].median / timings["loop"].median
+    for name, key in (("loop", "loop_ms"), ("kernel", "kernel_ms"), ("ragged_dot", "ragged_ms")):
+        if name in timings:
+            row[key] = timings[name].median_ms
+    if "kernel" in timings:
+        row["loop_ratio"] = timings["loop"].median / timings["kernel"].median
+        if "ragged_dot" in timings:
+            row["ragged_ratio"] = timings["ragged_dot"].median / timings["kernel"].median
+    elif "ragged_dot" in timings:
+        row["ragged_ratio"] = timings["ragged_dot"].median / timings["loop"].median
     row["timings"] = {k: t.to_json() for k, t in timings.items()}
     H.log_row(row, GEMM_COLUMNS)
     return row
@@ -338,9 +356,10 @@ def run(args) -> H.Result:
                 "grouped_gemm",
                 gemm_rows,
                 GEMM_COLUMNS,
-                "grouped GEMMs: ragged_dot vs the loop over groups (fwd+bwd step):",
-                "Grouped GEMMs: the fwd+bwd step with `jax.lax.ragged_dot` (dense over the local"
-                " experts on XLA:GPU) against the loop over groups; the plan's pick for the case:",
+                "grouped GEMMs: CUDA kernel vs ragged_dot vs the loop over groups (fwd+bwd step):",
+                "Grouped GEMMs: the fwd+bwd step with jaxops' CUDA grouped GEMM, with"
+                " `jax.lax.ragged_dot` (dense over the local experts on XLA:GPU) and with the loop"
+                " over groups; the plan's pick for the case:",
             )
         )
     return H.Result(rows, COLUMNS, goals, tables=tables)

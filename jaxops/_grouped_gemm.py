@@ -1,8 +1,12 @@
-"""Grouped GEMM custom calls of the CPU: consecutive groups of rows, each times its own matrix.
+"""Grouped GEMM custom calls: consecutive groups of rows, each times its own matrix.
 
-The expert layer's grouped GEMMs (:mod:`jaxops.parallel.expert`) run here on XLA:CPU, where
-``jax.lax.ragged_dot`` is one dense dot over every group for every row. On GPUs the grouped GEMM
-is ``jax.lax.ragged_dot``; there is no CUDA kernel of this family.
+The expert layer's grouped GEMMs (:mod:`jaxops.parallel.expert`) run here, on XLA:CPU and on
+CUDA GPUs. XLA lowers ``jax.lax.ragged_dot`` to one dense dot over every group for every row (a
+masked ``[G, R, K]`` operand, G times the FLOPs); these calls compute each group's rows only.
+The CUDA kernel (``xla_ffi/grouped_gemm/kernels.cuh``) tiles each group's product 128 x 128 x 32
+through shared memory: tensor cores (WMMA, fp32 accumulation) for bfloat16 and float16, fp32
+FMAs for float32; each CTA finds its group from the device-side sizes (no host round trip). It
+has compiled in CI and has **not yet run on a GPU**.
 
 The rows of group g are rows ``[start_g, start_g + group_sizes[g])``, from row 0 in order. The
 kernels clip the sizes, which are device data: a negative size counts as 0, and no group reaches
@@ -15,7 +19,7 @@ bfloat16 or float16).
 - :func:`grouped_gemm_wgrad`: ``dw[g] = x[rows of g].T @ dy[rows of g]``; a group without rows
   gets zeros. ``GroupedGemmWgrad`` <-> ``"jaxops_grouped_gemm_wgrad"`` <-> :data:`TARGET_WGRAD`.
 
-The micro-kernel is the widest the CPU has: AVX-512's (12 x 32 fp32 sums in registers), AVX2's
+The CPU micro-kernel is the widest the CPU has: AVX-512's (12 x 32 fp32 sums in registers), AVX2's
 (6 x 16, with FMA), else a portable one the compiler vectorizes for the baseline.
 ``JAXOPS_CPU_GEMM_KERNEL`` (``avx512``, ``avx2`` or ``portable``) in the environment caps it (the
 tests run each kernel the machine has so); ``jaxops.build_info()["cpu"]["grouped_gemm_kernel"]``
@@ -50,11 +54,21 @@ TARGET_WGRAD = "jaxops_grouped_gemm_wgrad"
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def kernel_available() -> bool:
-    """Whether the custom calls run here: jax's default backend is the CPU."""
-    return jax.default_backend() == "cpu" and (TARGET_GROUPED_GEMM, "cpu") in set(
-        _ffi.registered_targets()
-    )
+def kernel_available(backend: str | None = None) -> bool:
+    """Whether the custom calls run on `backend` (default: jax's default backend).
+
+    True on the CPU, and on a CUDA GPU when jaxops' CUDA module is loaded.
+    """
+    backend = jax.default_backend() if backend is None else backend
+    platform = {"cpu": "cpu", "gpu": "CUDA", "cuda": "CUDA"}.get(backend)
+    if platform is None or (TARGET_GROUPED_GEMM, platform) not in set(_ffi.registered_targets()):
+        return False
+    if platform == "cpu":
+        return True
+    try:
+        return _ffi.kernel_available(backend)  # not on ROCm
+    except RuntimeError:  # no GPU backend in this process
+        return False
 
 
 def _check(op: str, name: str, a, ndim: int, dtype=None) -> jax.Array:

@@ -484,9 +484,13 @@ class _GpuMesh:
     [(128, 1, 4 * 2048, True), (16, 1, 128, False), (1, 1, 1 << 20, False), (128, 8, 8, False)],
     ids=["qwen3-128e-8k-tokens", "16e-128-tokens", "one-expert", "16-local-few-tokens"],
 )
-def test_gpu_plan_loops_where_ragged_dots_dense_form_is_large(experts, n, tokens, want_loop):
-    """On GPU the plan keeps ragged_dot while its dense form's [L, R, K] float32 operand fits
-    GPU_RAGGED_DOT_MAX_BYTES (or L = 1), else runs the loop over groups, padded to GPU_TILE."""
+def test_gpu_plan_loops_where_ragged_dots_dense_form_is_large(
+    experts, n, tokens, want_loop, monkeypatch
+):
+    """On GPU without jaxops' CUDA grouped GEMM the plan keeps ragged_dot while its dense form's
+    [L, R, K] float32 operand fits GPU_RAGGED_DOT_MAX_BYTES (or L = 1), else runs the loop over
+    groups, padded to GPU_TILE. With the CUDA kernel every L > 1 takes it (tile GPU_TILE)."""
+    monkeypatch.setattr(expert._exchange._grouped_gemm, "kernel_available", lambda *a: False)
     cfg = MoEConfig(
         num_experts=experts, top_k=min(8, experts), hidden_size=2048, expert_ffn=768,
         data_axes=(), exchange="ragged",
@@ -500,6 +504,9 @@ def test_gpu_plan_loops_where_ragged_dots_dense_form_is_large(experts, n, tokens
     assert plan.tile == (expert._ffn.GPU_TILE if want_loop else 0)
     assert plan.align == (64 if want_loop else cfg.align)
     assert plan.kind == "ragged"
+    monkeypatch.setattr(expert._exchange._grouped_gemm, "kernel_available", lambda *a: True)
+    plan = expert._exchange.make_plan(cfg, _GpuMesh(n), n, 1, tokens)
+    assert plan.tile == (0 if local == 1 else expert._ffn.GPU_TILE)
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu", "silu"])
@@ -857,11 +864,14 @@ def test_ragged_exchange_lowers_on_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gemm", ["ragged_dot", "loop"])
+@pytest.mark.parametrize("gemm", ["kernel", "ragged_dot", "loop"])
 @pytest.mark.parametrize("routing", ROUTINGS, ids=[f"top{k}-{r}-cf{cf}" for k, r, cf in ROUTINGS])
 def test_gpu_ragged_exchange_matches_reference(routing, gemm, monkeypatch):
-    # "loop": the plan's budget for ragged_dot's dense form set to 0, so the grouped GEMMs and
-    # their gradients run the loop over groups (the plan's choice for many experts on GPU).
+    # "kernel": jaxops' CUDA grouped GEMM (the plan's choice). Without it: "ragged_dot" (small
+    # dense form), and "loop" with the plan's budget for ragged_dot's dense form set to 0, so
+    # the grouped GEMMs and their gradients run the loop over groups.
+    if gemm != "kernel":
+        monkeypatch.setattr(expert._exchange._grouped_gemm, "kernel_available", lambda *a: False)
     if gemm == "loop":
         monkeypatch.setattr(expert._exchange, "GPU_RAGGED_DOT_MAX_BYTES", 0)
     k, router, cf = routing
@@ -873,6 +883,7 @@ def test_gpu_ragged_exchange_matches_reference(routing, gemm, monkeypatch):
     )  # fmt: skip
     plan = expert._exchange.make_plan(cfg, mesh, n, 1, 4 * n * 5)
     assert plan.tile == (0 if gemm == "ragged_dot" else expert._ffn.GPU_TILE)
+    assert expert._exchange._grouped_gemm.kernel_available() == (gemm == "kernel")
     params = init_moe_params(jax.random.key(16), cfg)
     x = jax.random.normal(jax.random.key(17), (4 * n, 5, 32))
     _compare(_run(cfg, mesh, params, x), _reference(cfg, params, x), scale=4)

@@ -105,6 +105,62 @@ def test_kernels_match_float64(shape, dtype):
     assert not np.asarray(dw)[empty].any()
 
 
+# The CUDA kernel's edges besides SHAPES': 128 x 128 output tiles and 32-deep steps crossed,
+# rows whose K or N allows 16-byte loads and rows that do not, more than 256 groups (the CTA's
+# scan over the sizes in several chunks), sizes past the last row (clipped), a tail of zero rows.
+GPU_SHAPES = {
+    **SHAPES,
+    "tiles-700x300x260": (700, 300, 260, [130, 0, 300, 200, 60]),
+    "aligned-512x256x384": (512, 256, 384, [128, 256, 100]),
+    "odd-k-333x257x129": (333, 257, 129, [1, 127, 129, 0, 70]),
+    "many-groups-1100x40x136": (1100, 40, 136, [3, 0, 5] * 110),
+    "clipped-past-rows-300x64x64": (300, 64, 64, [100, 150, 2**30, 7]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(GPU_SHAPES), ids=list(GPU_SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_gpu_kernels_match_float64(shape, dtype):
+    """The CUDA kernels (forward, transposed weights, weight gradient) against float64."""
+    gpu = jax.devices("gpu")[0]
+    rows, k, n, sizes = GPU_SHAPES[shape]
+    x, w, dy, gs = jax.device_put(_inputs(rows, k, n, sizes, dtype), gpu)
+    y_ref, dw_ref = _oracle(x, w, dy, sizes)
+    assert gg.kernel_available("gpu")
+    y = jax.jit(gg.grouped_gemm)(x, w, gs)
+    y_t = jax.jit(lambda x, w, gs: gg.grouped_gemm(x, w, gs, transpose_w=True))(
+        x, jnp.swapaxes(w, 1, 2), gs
+    )
+    dw = jax.jit(gg.grouped_gemm_wgrad)(x, dy, gs)
+    assert y.devices() == {gpu}
+    _close(y, y_ref)
+    _close(y_t, y_ref)
+    _close(dw, dw_ref)
+    spans = _rows(sizes, rows)
+    assert not np.asarray(y)[spans[-1][1] :].any()
+    assert not np.asarray(dw)[[g for g, (b, e) in enumerate(spans) if b == e]].any()
+
+
+@pytest.mark.gpu
+def test_gpu_operands_sliced_at_an_odd_offset():
+    """x's rows (K = 137) forbid 16-byte loads, and x is a slice one element into a larger buffer
+    inside jit: the element-by-element loads match float64 too."""
+    gpu = jax.devices("gpu")[0]
+    x, w, dy, gs = jax.device_put(_inputs(201, 137, 72, [50, 0, 100, 51], jnp.bfloat16), gpu)
+    big = jnp.concatenate([jnp.zeros((1,), x.dtype), x.reshape(-1)])
+
+    @jax.jit
+    def f(big, w, dy, gs):
+        xs = big[1:].reshape(x.shape)
+        return gg.grouped_gemm(xs, w, gs), gg.grouped_gemm_wgrad(xs, dy, gs)
+
+    y, dw = f(big, w, dy, gs)
+    y_ref, dw_ref = _oracle(x, w, dy, [50, 0, 100, 51])
+    _close(y, y_ref)
+    _close(dw, dw_ref)
+
+
 @pytest.mark.parametrize("shape", ["blocks-300x257x130", "clipped-60x17x40", "no-rows"])
 def test_twins_match_float64(shape):
     rows, k, n, sizes = SHAPES[shape]

@@ -38,17 +38,17 @@ With one device on the expert axis and no capacity (dropless) there is nothing t
 permute pads each expert's group to ``align`` itself, which is the buffer the exchange would
 have made, and neither exchange runs (nor the all-gather of the counts).
 XLA's ragged_dot computes every group for every row (L times the work, a float32 ``[L, R, K]``
-operand). On GPU the grouped GEMM is ragged_dot while that operand stays under 4 GiB, else the
-loop over groups described below (groups padded to 64 rows). On CPU the groups are padded to
+operand). On GPU the grouped GEMMs are jaxops' CUDA custom calls (groups padded to 64 rows;
+compiled in CI, not yet run on a GPU); without the CUDA module, ragged_dot while that operand
+stays under 4 GiB, else the loop over groups described below. On CPU the groups are padded to
 32-row tiles (``align`` becomes ``lcm(align, 32)``) and go through jaxops' grouped GEMM custom
 calls (one call per GEMM and one per weight gradient, the groups' tiles spread over the FFI
-thread pool). The buffer holds the
-bound's rows exactly (not rounded to the tile: the calls take any row count, and padding the
-buffer would copy it before the FFN and again after). ``impl="xla"`` (and the GPU's plan past
-ragged_dot's budget) runs their twin: each group cut into chunks (as many of 8 tiles as fit,
-then at most 3 of 2 tiles or 1),
-a loop over the non-empty groups slicing a group's weights once and running one XLA GEMM per
-chunk; its backward computes a chunk's input and weight gradients in the same trip.
+thread pool). The buffer holds the bound's rows exactly (not rounded to the tile: the calls take
+any row count, and padding the buffer would copy it before the FFN and again after).
+``impl="xla"`` (and a GPU without the CUDA module, past ragged_dot's budget) runs their twin:
+each group cut into chunks (as many of 8 tiles as fit, then at most 3 of 2 tiles or 1), a loop
+over the non-empty groups slicing a group's weights once and running one XLA GEMM per chunk; its
+backward computes a chunk's input and weight gradients in the same trip.
 
 Buffer sizes are static and never overflow (``Tl`` tokens per device, N devices on the expert
 axis, L local experts; top-k experts of a token are distinct, so a token sends at most

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxops import fp8
+from jaxops import _grouped_gemm, fp8
 from jaxops._moe import unpermute_rows
 from jaxops._moe.layout import permuted_rows
 from jaxops._rows import round_up, take_rows
@@ -157,16 +157,16 @@ def _platform(mesh: Any) -> str:
     return jax.default_backend()
 
 
-#: On GPU, the bytes of the float32 ``[L, R, K]`` operand up to which the grouped GEMMs are
-#: ``jax.lax.ragged_dot``. XLA:GPU lowers a ragged_dot with L groups to a dense dot over all of
-#: them (that masked operand, L times the FLOPs): Qwen3-MoE's 128 experts over 4 x 2048 tokens
-#: asked for 129 GiB on an H200 and failed to compile. Past this size (with L > 1; one group
-#: is a plain dot) the groups run the loop of :mod:`._ffn` instead: one GEMM per chunk of a
-#: group's rows, groups padded to ``GPU_TILE`` rows. Each trip of that loop costs tens of us on
-#: a GPU, so it wins only where the dense form is huge. Measured on an H200
-#: (bench_expert_parallel, fwd+bwd): 128 local experts, 8192 x top-8 tokens (a 64 GiB operand):
-#: the loop 70 ms, the dense masked layer 297 ms; 16 experts, 8192 x top-2, H 1024 (0.5 GiB): the
-#: loop's forward 5.0 ms against the dense layer's 0.64 ms.
+#: On GPU without jaxops' CUDA grouped GEMM, the bytes of the float32 ``[L, R, K]`` operand up
+#: to which the grouped GEMMs are ``jax.lax.ragged_dot``. XLA:GPU lowers a ragged_dot with L
+#: groups to a dense dot over all of them (that masked operand, L times the FLOPs): Qwen3-MoE's
+#: 128 experts over 4 x 2048 tokens asked for 129 GiB on an H200 and failed to compile. Past
+#: this size (with L > 1; one group is a plain dot) the groups run the loop of :mod:`._ffn`
+#: instead: one GEMM per chunk of a group's rows, groups padded to ``GPU_TILE`` rows. Each trip
+#: of that loop costs tens of us on a GPU, so it wins only where the dense form is huge.
+#: Measured on an H200 (bench_expert_parallel, fwd+bwd): 128 local experts, 8192 x top-8
+#: tokens (a 64 GiB operand): the loop 70 ms, the dense masked layer 297 ms; 16 experts,
+#: 8192 x top-2, H 1024 (0.5 GiB): the loop's forward 5.0 ms against the dense layer's 0.64 ms.
 GPU_RAGGED_DOT_MAX_BYTES = 4 << 30
 
 
@@ -188,10 +188,14 @@ def make_plan(cfg: MoEConfig, mesh: Any, n: int, shards: int, num_tokens: int) -
     gpu = _platform(mesh) == "gpu"
     tl, local, capacity = num_tokens // shards, cfg.num_experts // n, cfg.capacity(num_tokens)
     tile = CPU_TILE
-    if gpu:
+    if gpu and local == 1:
+        tile = 0  # one group: ragged_dot is a plain dot
+    elif gpu and not _grouped_gemm.kernel_available("gpu"):
         _, rows = exchange_bounds(cfg, tl, n, num_tokens, align=cfg.align)
-        small = local == 1 or ragged_dot_bytes(cfg, local, rows) <= GPU_RAGGED_DOT_MAX_BYTES
+        small = ragged_dot_bytes(cfg, local, rows) <= GPU_RAGGED_DOT_MAX_BYTES
         tile = 0 if small else GPU_TILE
+    elif gpu:
+        tile = GPU_TILE  # jaxops' CUDA grouped GEMM (the loop with impl="xla")
     align = math.lcm(cfg.align, tile) if tile else cfg.align
     chunk, recv_rows = exchange_bounds(cfg, tl, n, num_tokens, align=align)
     kind = cfg.exchange

@@ -2,12 +2,13 @@
 
 Rows arrive grouped by local expert, each group padded to a multiple of the plan's alignment.
 XLA lowers ``jax.lax.ragged_dot`` to one dense dot over every group for every row (masked), L
-times the work and a float32 ``[L, R, K]`` operand. On GPU the grouped GEMM is ragged_dot while
-that operand is small (the plan's tile is then 0: ``GPU_RAGGED_DOT_MAX_BYTES`` in
-:mod:`._exchange`), else the loop below over groups padded to 64-row tiles. On XLA:CPU the groups
-are padded to multiples of a 32-row tile and run jaxops' grouped GEMM custom calls
+times the work and a float32 ``[L, R, K]`` operand. jaxops' grouped GEMM custom calls
 (:mod:`jaxops._grouped_gemm`: the forward, the input gradient with the weights read transposed,
-the weight gradient). With ``impl="xla"``, and on GPU, their twin runs instead: each group cut
+the weight gradient) compute each group's rows only: on XLA:CPU over groups padded to multiples
+of a 32-row tile, on GPU (with the CUDA module; that kernel has not run on a GPU yet) over
+64-row tiles. On a GPU without it the grouped GEMM is ragged_dot while that operand is small (the
+plan's tile is then 0: ``GPU_RAGGED_DOT_MAX_BYTES`` in :mod:`._exchange`), else the loop below.
+With ``impl="xla"`` (or that GPU fallback) the calls' twin runs instead: each group cut
 into chunks, as many of 8 tiles as fit, then at most 3 of 2 tiles or 1; a loop over the
 non-empty groups slices each group's weights once and runs one GEMM per chunk (dynamic trip
 counts: the work follows the rows actually received, not the buffer's worst-case size), and the
@@ -37,7 +38,7 @@ __all__ = ["CPU_TILE", "GPU_TILE", "activate", "expert_ffn", "grouped_ffn", "sha
 #: Row alignment of the groups off GPU, the smallest chunk of the grouped GEMM loops (0 in a
 #: plan: jax.lax.ragged_dot).
 CPU_TILE = 32
-#: The same on GPU where the plan runs the loop rather than ragged_dot (chunks of 512, 128, 64).
+#: The same on GPU where the plan does not take ragged_dot (the loop's chunks: 512, 128, 64).
 GPU_TILE = 64
 
 
@@ -113,11 +114,8 @@ def _group_loop(tile: int, rows: int, groups, group_body, carry):
 
 
 def _kernel(tile: int, impl) -> bool:
-    """Whether the grouped GEMMs run jaxops' CPU custom calls (off GPU, unless impl is "xla").
-
-    On GPU (no CUDA grouped GEMM) the loop runs whatever impl asks for.
-    """
-    if tile == 0 or jax.default_backend() == "gpu":
+    """Whether the grouped GEMMs run jaxops' custom calls (CPU or CUDA; not with impl "xla")."""
+    if tile == 0:
         return False
     available = _grouped_gemm.kernel_available()
     return resolve_impl(impl, kernel_available=available, op="moe_layer") == "ffi"
