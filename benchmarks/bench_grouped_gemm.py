@@ -1,6 +1,7 @@
-"""Grouped GEMM benchmark: the expert FFN's CPU custom calls against the loop of XLA dots.
+"""Grouped GEMM benchmark: the expert FFN's custom calls against the loop of XLA dots.
 
-One MoE layer's expert FFN on one CPU device, forward + backward (``jax.value_and_grad`` of
+One MoE layer's expert FFN on one device (the CPU, or a GPU with jaxops' CUDA module), forward +
+backward (``jax.value_and_grad`` of
 ``sum(y * y)`` over x, w_in and w_out) of::
 
     h = grouped_linear(x, w_in)        # [R, 2F]
@@ -8,30 +9,38 @@ One MoE layer's expert FFN on one CPU device, forward + backward (``jax.value_an
     y = grouped_linear(a, w_out)       # [R, D]
 
 with the expert layer's grouped GEMM (``jaxops.parallel.expert._ffn._grouped_linear``, the
-``custom_vjp`` op of ``grouped_ffn``, groups padded to multiples of ``CPU_TILE`` = 32 rows from
-row 0) run three ways in one process, timed interleaved on the same inputs, float32 throughout:
+``custom_vjp`` op of ``grouped_ffn``, groups padded to multiples of the plan's tile from row 0:
+``CPU_TILE`` = 32 rows, ``GPU_TILE`` = 64 on a GPU; ``a`` cast back to ``--dtype`` as the layer
+does) run these ways in one process, timed interleaved on the same inputs (``--dtype``, float32
+by default; accumulation float32):
 
-- ``ffi``: ``impl="ffi"``, the CPU custom calls ``jaxops_grouped_gemm`` and
-  ``jaxops_grouped_gemm_wgrad`` (:mod:`jaxops._grouped_gemm`);
+- ``ffi``: ``impl="ffi"``, the custom calls ``jaxops_grouped_gemm`` and
+  ``jaxops_grouped_gemm_wgrad`` (:mod:`jaxops._grouped_gemm`; CPU or CUDA);
 - ``xla``: ``impl="xla"``, their twin: a ``fori_loop`` over the groups of XLA dots per chunk;
+- ``ragged_dot`` (on a GPU only): ``jax.lax.ragged_dot`` and its VJP, which XLA:GPU lowers to a
+  dense dot over every group (a masked ``[E, R, K]`` operand; cases where that operand passes
+  ``--ragged-dot-max-gib`` skip it);
 - ``dense``: the lower bound of XLA's own dot on the same FLOPs: one dense ``x @ w_in[0]`` and
   ``a @ w_out[0]`` over the U rows in groups (no grouping at all), with its backward.
 
 A case ``ExDxF:M`` has E experts, model width D and expert width F; each expert gets about M
 rows: group sizes drawn with a fixed numpy seed between 25/32 M and 5/4 M (200 to 320 for
 M = 256), rounded down to multiples of 32; R = U + 64 spare rows (U = the sum of the sizes; the
-grouped GEMMs skip the spare rows, as the layer's padding). ffi and xla are checked to give the
-same loss and gradients (relative error < 1e-5) before anything is timed, and the ffi program
-is checked to hold the custom calls (the xla one none). Reported per case: the median ms of
+grouped GEMMs skip the spare rows, as the layer's padding). ffi, xla and ragged_dot are checked
+to give the same loss and gradients (relative error < 1e-5 in float32, 2e-2 in the 16-bit dtypes,
+where ``a`` is rounded to them) before anything is timed, and the ffi program is checked to hold
+the custom calls (the others none). Reported per case: the median ms of
 each, GFLOP/s of each on ``3 x 2 x U x (D x 2F + F x D)`` (forward + backward), and the ratios
-xla/ffi and dense/ffi. The goal line: the custom calls are faster than the loop of XLA dots
-(xla/ffi >= 1) on every case.
+xla/ffi and dense/ffi. The goal lines: the custom calls are faster than the loop of XLA dots
+(xla/ffi >= 1) on every case; on a GPU also at least half as fast as the one dense dot
+(dense/ffi >= 0.5), and the default cases there are ``GPU_CASES`` (real models' expert shapes).
 
 Usage, from the repository root: ``python benchmarks/bench_grouped_gemm.py`` runs the three
 default cases, ``--quick`` one small case (a smoke test, seconds on 2 cores), ``--cases
 32x256x128:256 --out benchmarks/results/cpu`` picks cases and saves the tables (the common
 flags: ``_harness.parser``). The process has one CPU device (``JAX_NUM_CPU_DEVICES`` overrides
-it); the custom calls are CPU-only, so on a GPU backend run it with ``JAX_PLATFORMS=cpu``.
+it); on a GPU backend it runs on the first GPU (``JAX_PLATFORMS=cpu`` for the CPU kernels
+there).
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxops.parallel.expert import _ffn
 
+import jaxops
 from jaxops import _grouped_gemm
 
 # The harness next to this script (also under ``python -m benchmarks.<script>``).
@@ -54,23 +64,34 @@ H = importlib.import_module(f"{__package__}._harness" if __package__ else "_harn
 
 # E x D x F : rows per expert (about)
 CASES = "32x256x128:256,16x256x256:256,8x1024x512:512"
+# On a GPU when --cases is left at CASES: Qwen3-30B-A3B's experts (128 x 2048 x 768) at 512
+# rows each, Mixtral's (8 x 4096 x 14336) at 2048, and 64 of DeepSeek-V3's 256 (7168 x 2048; one
+# device's share over 4) at 128.
+GPU_CASES = "128x2048x768:512,8x4096x14336:2048,64x7168x2048:128"
 QUICK_CASES = "8x128x64:64"
-TILE = _ffn.CPU_TILE
 SPARE_ROWS = 64
-TOLERANCE = 1e-5
-IMPLS = ("ffi", "xla", "dense")
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-2}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 CALLS = {"jaxops_grouped_gemm", "jaxops_grouped_gemm_wgrad"}
+
+
+def _tile() -> int:
+    """The plan's tile on this backend: the groups' row multiple."""
+    return _ffn.GPU_TILE if H.is_gpu() else _ffn.CPU_TILE
+
 
 COLUMNS = [
     H.Column("case", "E x D x F : M", align="<"),
     H.Column("rows", "U / R", align="<"),
     H.Column("ffi_ms", "ffi ms", "{:.3f}"),
     H.Column("xla_ms", "xla ms", "{:.3f}"),
+    H.Column("ragged_dot_ms", "ragged_dot ms", "{:.3f}"),
     H.Column("dense_ms", "dense ms", "{:.3f}"),
     H.Column("ffi_gflops", "ffi GFLOP/s", "{:.1f}"),
     H.Column("xla_gflops", "xla GFLOP/s", "{:.1f}"),
     H.Column("dense_gflops", "dense GFLOP/s", "{:.1f}"),
     H.Column("speedup", "xla/ffi", "{:.2f}x"),
+    H.Column("ragged_ratio", "ragged_dot/ffi", "{:.2f}x"),
     H.Column("dense_ratio", "dense/ffi", "{:.2f}x"),
 ]
 
@@ -86,21 +107,22 @@ def parse_case(case: str) -> tuple[int, int, int, int]:
     return values  # type: ignore[return-value]
 
 
-def group_sizes(experts: int, per_expert: int, seed: int) -> np.ndarray:
-    """int32 [E]: drawn between 25/32 and 5/4 of `per_expert`, rounded down to the tile."""
+def group_sizes(experts: int, per_expert: int, seed: int, tile: int) -> np.ndarray:
+    """int32 [E]: drawn between 25/32 and 5/4 of `per_expert`, rounded down to `tile`."""
     low, high = round(per_expert * 25 / 32), round(per_expert * 5 / 4)
     sizes = np.random.default_rng(seed).integers(low, high, size=experts, endpoint=True)
-    return (sizes // TILE * TILE).astype(np.int32)
+    return (sizes // tile * tile).astype(np.int32)
 
 
-def _ffn_loss(impl: str):
-    """``sum(y * y)`` of the grouped FFN with the grouped GEMMs of `impl` ("ffi" or "xla")."""
+def _ffn_loss(impl: str, tile: int):
+    """``sum(y * y)`` of the grouped FFN with the grouped GEMMs of `impl` ("ffi" or "xla"; with
+    tile 0, ragged_dot)."""
 
     def loss(x, w_in, w_out, groups):
-        h = _ffn._grouped_linear(TILE, False, impl, x, w_in, groups)
+        h = _ffn._grouped_linear(tile, False, impl, x, w_in, groups)
         f = h.shape[1] // 2
-        a = jax.nn.silu(h[:, :f]) * h[:, f:]
-        y = _ffn._grouped_linear(TILE, False, impl, a, w_out, groups)
+        a = (jax.nn.silu(h[:, :f]) * h[:, f:]).astype(x.dtype)
+        y = _ffn._grouped_linear(tile, False, impl, a, w_out, groups)
         return jnp.sum(y * y)
 
     return loss
@@ -110,7 +132,7 @@ def _dense_loss(x, w_in, w_out):
     """The same math as one dense GEMM per projection over every row of x."""
     h = jnp.dot(x, w_in, preferred_element_type=jnp.float32)
     f = h.shape[1] // 2
-    a = jax.nn.silu(h[:, :f]) * h[:, f:]
+    a = (jax.nn.silu(h[:, :f]) * h[:, f:]).astype(x.dtype)
     y = jnp.dot(a, w_out, preferred_element_type=jnp.float32)
     return jnp.sum(y * y)
 
@@ -120,53 +142,58 @@ def _rel_error(got, want) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
-def _check(case: str, fns, operands) -> None:
-    """Raises unless ffi and xla agree and only the ffi program holds the custom calls."""
-    for impl in ("ffi", "xla"):
+def _check(case: str, fns, operands, tolerance: float) -> None:
+    """Raises unless the grouped ways agree and only the ffi program holds the custom calls."""
+    grouped = [impl for impl in fns if impl != "dense"]
+    for impl in grouped:
         text = fns[impl].lower(*operands[impl]).as_text()
         calls = set(re.findall(r"jaxops_grouped_gemm\w*", text))
         want = CALLS if impl == "ffi" else set()
         if calls != want:
             raise AssertionError(f"{case}: the {impl} program calls {sorted(calls)}, not {want}")
-    outs = {impl: jax.block_until_ready(fns[impl](*operands[impl])) for impl in ("ffi", "xla")}
-    (loss_ffi, grads_ffi), (loss_xla, grads_xla) = outs["ffi"], outs["xla"]
+    outs = {impl: jax.block_until_ready(fns[impl](*operands[impl])) for impl in grouped}
+    loss_ffi, grads_ffi = outs["ffi"]
     names = ("loss", "dx", "dw_in", "dw_out")
-    for name, got, want in zip(names, (loss_ffi, *grads_ffi), (loss_xla, *grads_xla), strict=True):
-        err = _rel_error(got, want)
-        if not err < TOLERANCE:
-            raise AssertionError(
-                f"{case}: {name} of impl='ffi' and impl='xla' differ (relative error {err:.3g})"
-            )
+    for impl in grouped[1:]:
+        loss, grads = outs[impl]
+        for name, got, want in zip(names, (loss, *grads), (loss_ffi, *grads_ffi), strict=True):
+            err = _rel_error(got, want)
+            if not err < tolerance:
+                raise AssertionError(
+                    f"{case}: {name} of impl='ffi' and {impl} differ (relative error {err:.3g})"
+                )
 
 
 def _case(args, case: str) -> dict[str, Any]:
     e, d, f, m = parse_case(case)
-    sizes = group_sizes(e, m, args.seed)
+    tile = _tile()
+    sizes = group_sizes(e, m, args.seed, tile)
     used = int(sizes.sum())
     rows = used + SPARE_ROWS
+    dtype = DTYPES[args.dtype]
     kx, ki, ko = jax.random.split(jax.random.key(args.seed), 3)
-    x = jax.random.normal(kx, (rows, d), jnp.float32)
-    w_in = jax.random.normal(ki, (e, d, 2 * f), jnp.float32) / np.sqrt(d)
-    w_out = jax.random.normal(ko, (e, f, d), jnp.float32) / np.sqrt(f)
+    x = jax.random.normal(kx, (rows, d), jnp.float32).astype(dtype)
+    w_in = (jax.random.normal(ki, (e, d, 2 * f), jnp.float32) / np.sqrt(d)).astype(dtype)
+    w_out = (jax.random.normal(ko, (e, f, d), jnp.float32) / np.sqrt(f)).astype(dtype)
     groups = _ffn._groups(jnp.asarray(sizes))
     grad = {"argnums": (0, 1, 2)}
     fns = {
-        "ffi": jax.jit(jax.value_and_grad(_ffn_loss("ffi"), **grad)),
-        "xla": jax.jit(jax.value_and_grad(_ffn_loss("xla"), **grad)),
-        "dense": jax.jit(jax.value_and_grad(_dense_loss, **grad)),
+        "ffi": jax.jit(jax.value_and_grad(_ffn_loss("ffi", tile), **grad)),
+        "xla": jax.jit(jax.value_and_grad(_ffn_loss("xla", tile), **grad)),
     }
+    # ragged_dot's dense form: a float32 [E, R, max(D, 2F)] operand.
+    if H.is_gpu() and 4 * e * rows * max(d, 2 * f) <= args.ragged_dot_max_gib * 2**30:
+        fns["ragged_dot"] = jax.jit(jax.value_and_grad(_ffn_loss("xla", 0), **grad))
+    fns["dense"] = jax.jit(jax.value_and_grad(_dense_loss, **grad))
     dense_in = (jnp.array(x[:used]), jnp.array(w_in[0]), jnp.array(w_out[0]))
-    operands = {
-        "ffi": (x, w_in, w_out, groups),
-        "xla": (x, w_in, w_out, groups),
-        "dense": jax.block_until_ready(dense_in),
-    }
-    _check(case, fns, operands)
+    operands = dict.fromkeys(fns, (x, w_in, w_out, groups))
+    operands["dense"] = jax.block_until_ready(dense_in)
+    _check(case, fns, operands, TOLERANCE[args.dtype])
     timings = H.time_interleaved(
-        {impl: (fns[impl], operands[impl]) for impl in IMPLS}, repeats=args.repeats
+        {impl: (fns[impl], operands[impl]) for impl in fns}, repeats=args.repeats
     )
     flops = 3 * 2 * used * (d * 2 * f + f * d)
-    seconds = {impl: timings[impl].median for impl in IMPLS}
+    seconds = {impl: timings[impl].median for impl in fns}
     row: dict[str, Any] = {
         "case": case,
         "rows": f"{used} / {rows}",
@@ -179,7 +206,9 @@ def _case(args, case: str) -> dict[str, Any]:
         "flops": flops,
         **{f"{impl}_ms": 1e3 * s for impl, s in seconds.items()},
         **{f"{impl}_gflops": flops / s / 1e9 for impl, s in seconds.items()},
+        "dtype": args.dtype,
         "speedup": seconds["xla"] / seconds["ffi"],
+        "ragged_ratio": seconds["ragged_dot"] / seconds["ffi"] if "ragged_dot" in seconds else None,
         "dense_ratio": seconds["dense"] / seconds["ffi"],
         "timings": {impl: t.to_json() for impl, t in timings.items()},
     }
@@ -191,12 +220,18 @@ def run(args) -> H.Result:
     """Checks and times every case; the rows and the goal."""
     if not _grouped_gemm.kernel_available():
         raise SystemExit(
-            "bench_grouped_gemm: the grouped GEMM custom calls run on the CPU only (jax's default "
-            f"backend is {jax.default_backend()}); run it with JAX_PLATFORMS=cpu"
+            "bench_grouped_gemm: no grouped GEMM custom calls on jax's default backend "
+            f"({jax.default_backend()}): they run on the CPU and on CUDA GPUs with jaxops' CUDA "
+            f"module (build_info: {jaxops.build_info()}); run it with JAX_PLATFORMS=cpu"
         )
-    rows = [_case(args, case) for case in args.case_list]
+    gpu = H.is_gpu()
+    cases = GPU_CASES.split(",") if gpu and args.case_list == CASES.split(",") else args.case_list
+    rows = [_case(args, case) for case in cases]
     text = "grouped GEMM custom calls faster than the loop of XLA dots (xla/ffi >= 1)"
     goals = [H.worst_goal(rows, "speedup", 1.0, text, lambda r: r["case"])]
+    if gpu:
+        text = "on GPU, half the speed of one dense dot of the same FLOPs (dense/ffi >= 0.5)"
+        goals.append(H.worst_goal(rows, "dense_ratio", 0.5, text, lambda r: r["case"]))
     line = (
         f"times are medians of {args.repeats} samples of fwd+bwd; GFLOP/s counts "
         "3 x 2 x U x (D x 2F + F x D) on the U rows in groups (R = U + "
@@ -210,6 +245,13 @@ def parse_args(argv: Sequence[str] | None = None):
     p = H.parser(__doc__, name="grouped_gemm", repeats=11, quick=f"case {QUICK_CASES}, 3 repeats")
     p.add_list("--cases", CASES, "comma-separated ExDxF:M (M: rows per expert)", quick=QUICK_CASES)
     p.add_argument("--seed", type=int, default=0, help="seed of the group sizes and inputs")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument(
+        "--ragged-dot-max-gib",
+        type=float,
+        default=16.0,
+        help="on a GPU, time ragged_dot only where its dense operand is at most this many GiB",
+    )
     args = p.parse_args(argv)
     for case in args.case_list:
         try:
