@@ -43,6 +43,24 @@ ffi::Error CheckGrid(const char* op, int64_t x_ctas, int64_t y_ctas) {
   return ffi::Error::Success();
 }
 
+// The kernel arguments: a and b with the row lengths that decide their 16-byte loads.
+template <typename T>
+Args<T> MakeArgs(const Problem& p, const void* a, int64_t a_ld, const void* b, int64_t b_ld,
+                 const ffi::Buffer<ffi::S32>& sizes, float* out) {
+  Args<T> args;
+  args.a = static_cast<const T*>(a);
+  args.b = static_cast<const T*>(b);
+  args.sizes = sizes.typed_data();
+  args.out = out;
+  args.rows = p.rows;
+  args.k = p.k;
+  args.n = p.n;
+  args.groups = p.groups;
+  args.a_vec = Vectorizable(args.a, a_ld);
+  args.b_vec = Vectorizable(args.b, b_ld);
+  return args;
+}
+
 template <typename T>
 ffi::Error ForwardImpl(cudaStream_t stream, const Problem& p, const Args<T>& a, bool transpose_w) {
   constexpr const char* kOp = "grouped_gemm";
@@ -82,17 +100,8 @@ ffi::Error ForwardDispatch(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   const Problem& p = *problem;
   return DispatchFloat("grouped_gemm", "x", x.element_type(), [&](auto tag) -> ffi::Error {
     using T = typename decltype(tag)::type;
-    Args<T> a;
-    a.a = static_cast<const T*>(x.untyped_data());
-    a.b = static_cast<const T*>(w.untyped_data());
-    a.sizes = sizes.typed_data();
-    a.out = y->typed_data();
-    a.rows = p.rows;
-    a.k = p.k;
-    a.n = p.n;
-    a.groups = p.groups;
-    a.a_vec = Vectorizable(a.a, p.k);
-    a.b_vec = Vectorizable(a.b, transpose_w ? p.k : p.n);
+    const Args<T> a = MakeArgs<T>(p, x.untyped_data(), p.k, w.untyped_data(),
+                                  transpose_w ? p.k : p.n, sizes, y->typed_data());
     return ForwardImpl<T>(stream, p, a, transpose_w);
   });
 }
@@ -104,17 +113,8 @@ ffi::Error WgradDispatch(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer d
   const Problem& p = *problem;
   return DispatchFloat("grouped_gemm_wgrad", "x", x.element_type(), [&](auto tag) -> ffi::Error {
     using T = typename decltype(tag)::type;
-    Args<T> a;
-    a.a = static_cast<const T*>(x.untyped_data());
-    a.b = static_cast<const T*>(dy.untyped_data());
-    a.sizes = sizes.typed_data();
-    a.out = dw->typed_data();
-    a.rows = p.rows;
-    a.k = p.k;
-    a.n = p.n;
-    a.groups = p.groups;
-    a.a_vec = Vectorizable(a.a, p.k);
-    a.b_vec = Vectorizable(a.b, p.n);
+    const Args<T> a =
+        MakeArgs<T>(p, x.untyped_data(), p.k, dy.untyped_data(), p.n, sizes, dw->typed_data());
     return WgradImpl<T>(stream, p, a);
   });
 }

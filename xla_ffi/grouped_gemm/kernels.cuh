@@ -3,12 +3,13 @@
 // element type and the operands' layouts; cuda.cu validates, picks and launches them.
 //
 // A CTA computes a kBm x kBn tile of one group's product, stepping kBk deep through the
-// contraction: it loads an A and a B tile into shared memory (16-byte loads where the rows allow
-// them, else element by element, zeros past the edges), then multiplies them with fp32
-// accumulation: tensor-core WMMA fragments (16 x 16 x 16) for bfloat16 and float16, FMAs of an
-// 8 x 8 register tile per thread for float32 (products and sums stay float32, as the CPU
-// kernels and XLA:CPU compute them). Group sizes are device data: every CTA reads them and
-// finds its own tile with a scan over the CTA (no host round trip, no scratch buffer).
+// contraction: it loads an A and a B tile (16-byte loads where the rows allow them, else element
+// by element, zeros past the edges) into registers, then shared memory, issuing the next step's
+// loads before multiplying the current tiles with fp32 accumulation: tensor-core WMMA fragments (16
+// x 16 x 16) for bfloat16 and float16, FMAs of an 8 x 8 register tile per thread for float32
+// (products and sums stay float32, as the CPU kernels and XLA:CPU compute them). Group sizes are
+// device data: every CTA reads them and finds its own tile with a scan over the CTA (no host round
+// trip, no scratch buffer).
 //   forward: grid.x = ceil(R / kBm) + G + 1 row tiles (each group's tiles in group order, then
 //            tiles that zero the rows past the groups; spare ones return), grid.y = ceil(N / kBn);
 //   wgrad:   grid.x = G * ceil(K / kBm), grid.y = ceil(N / kBn); each CTA walks its group's rows.
@@ -23,6 +24,7 @@
 #include <mma.h>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "xla_ffi/common/cuda_util.cuh"
@@ -58,6 +60,12 @@ struct Args {
   bool b_vec = false;
 };
 
+// CTAs per SM the kernels ask registers for: two for the 16-bit types (128 registers, the
+// WMMA path held without spills in the forward, 16-24 bytes in the wgrad), one for float32 (its
+// 8 x 8 tile, staged loads and addresses took up to 238 registers; 128 spilled 368-444 bytes).
+template <typename T>
+inline constexpr int kMinCtas = std::is_same_v<T, float> ? 1 : 2;
+
 // Elements per 16-byte access.
 template <typename T>
 inline constexpr int kVec = 16 / static_cast<int>(sizeof(T));
@@ -72,38 +80,68 @@ struct Tile {
   alignas(128) T data[kRows][kLd];
 };
 
-// Loads the tile whose (0, 0) is src[r0 * ld + c0] (r0, c0: the caller's offsets folded into
-// src) with vr valid rows and vc valid columns; the rest is zero. 16-byte loads where `vec` and
-// the whole access is inside the valid columns, else element by element.
+// A tile's share of one thread, staged in registers between the global loads and the shared
+// store (so the next step's loads are in flight while the CTA multiplies the current tiles):
+// kSlots 16-byte accesses, access v = threadIdx.x + i * kThreads of the tile row-major.
 template <typename T, int kRows, int kCols>
-__device__ __forceinline__ void LoadTile(Tile<T, kRows, kCols>& tile, const T* src, int64_t ld,
-                                         int64_t vr, int64_t vc, bool vec) {
-  constexpr int kV = kVec<T>;
-  constexpr int kPerRow = kCols / kV;
-  static_assert(kCols % kV == 0, "tile rows hold whole accesses");
-  for (int v = static_cast<int>(threadIdx.x); v < kRows * kPerRow; v += kThreads) {
-    const int r = v / kPerRow;
-    const int c = (v % kPerRow) * kV;
-    T* dst = &tile.data[r][c];
-    if (vec && r < vr && c + kV <= vc) {
-      *reinterpret_cast<uint4*>(dst) =
-          __ldg(reinterpret_cast<const uint4*>(src + static_cast<int64_t>(r) * ld + c));
-    } else {
+struct Staged {
+  static constexpr int kV = kVec<T>;
+  static constexpr int kPerRow = kCols / kV;
+  static constexpr int kSlots = kRows * kPerRow / kThreads;
+  static_assert(kCols % kV == 0 && (kRows * kPerRow) % kThreads == 0, "whole accesses per thread");
+  uint4 v[kSlots];
+};
+
+// Loads this thread's share of the tile whose (0, 0) is src (rows ld apart) with vr valid rows
+// and vc valid columns; the rest is zero. 16-byte loads where `vec` and the whole access is
+// inside the valid columns, else element by element.
+template <typename T, int kRows, int kCols>
+__device__ __forceinline__ void Fetch(Staged<T, kRows, kCols>& st, const T* src, int64_t ld,
+                                      int64_t vr, int64_t vc, bool vec) {
+  using S = Staged<T, kRows, kCols>;
 #pragma unroll
-      for (int e = 0; e < kV; ++e) {
-        dst[e] =
-            (r < vr && c + e < vc) ? src[static_cast<int64_t>(r) * ld + c + e] : FromFloat<T>(0.0f);
+  for (int i = 0; i < S::kSlots; ++i) {
+    const int v = static_cast<int>(threadIdx.x) + i * kThreads;
+    const int r = v / S::kPerRow;
+    const int c = (v % S::kPerRow) * S::kV;
+    // Rows past vr are never read (their address is formed, not dereferenced: computing it
+    // inside the guards kept 64-bit offsets live and spilled 104-176 bytes at 128 registers).
+    const T* row = src + static_cast<int64_t>(r) * ld;
+    if (vec && r < vr && c + S::kV <= vc) {
+      st.v[i] = __ldg(reinterpret_cast<const uint4*>(row + c));
+    } else {
+      T e[S::kV];
+#pragma unroll
+      for (int k = 0; k < S::kV; ++k) {
+        e[k] = (r < vr && c + k < vc) ? row[c + k] : FromFloat<T>(0.0f);
       }
+      memcpy(&st.v[i], e, sizeof(uint4));
     }
+  }
+}
+
+// Stores this thread's staged share into the shared tile.
+template <typename T, int kRows, int kCols>
+__device__ __forceinline__ void Store(Tile<T, kRows, kCols>& tile,
+                                      const Staged<T, kRows, kCols>& st) {
+  using S = Staged<T, kRows, kCols>;
+#pragma unroll
+  for (int i = 0; i < S::kSlots; ++i) {
+    const int v = static_cast<int>(threadIdx.x) + i * kThreads;
+    *reinterpret_cast<uint4*>(&tile.data[v / S::kPerRow][(v % S::kPerRow) * S::kV]) = st.v[i];
   }
 }
 
 // The A tile: [kBm][kBk] (A(m, k) = data[m][k]) or, kACol, [kBk][kBm] (A(m, k) = data[k][m]).
 template <typename T, bool kACol>
 using ATile = std::conditional_t<kACol, Tile<T, kBk, kBm>, Tile<T, kBm, kBk>>;
+template <typename T, bool kACol>
+using AStaged = std::conditional_t<kACol, Staged<T, kBk, kBm>, Staged<T, kBm, kBk>>;
 // The B tile: [kBk][kBn] (B(k, n) = data[k][n]) or, kBCol, [kBn][kBk] (B(k, n) = data[n][k]).
 template <typename T, bool kBCol>
 using BTile = std::conditional_t<kBCol, Tile<T, kBn, kBk>, Tile<T, kBk, kBn>>;
+template <typename T, bool kBCol>
+using BStaged = std::conditional_t<kBCol, Staged<T, kBn, kBk>, Staged<T, kBk, kBn>>;
 
 template <typename T, bool kACol>
 __device__ __forceinline__ float AAt(const ATile<T, kACol>& a, int m, int k) {
@@ -308,13 +346,34 @@ __device__ inline void FindSpan(const int32_t* sizes, int64_t groups, int64_t ro
 // The kernels.
 
 // One kBm x kBn tile of out (rows m, columns n) = sum over the contraction of A(m, k) B(k, n),
-// where load(step, a_tile, b_tile) fills the tiles of contraction step `step`. Stores rows
-// m < vr and columns n < vc.
-template <typename T, bool kACol, bool kBCol, typename Load>
-__device__ __forceinline__ void TileProduct(int64_t steps, Load&& load, float* out, int64_t ld,
-                                            int64_t vr, int64_t vc) {
+// where fetch(step, a_staged, b_staged) loads this thread's share of contraction step `step`'s
+// tiles into registers, into acc. Software-pipelined: step s + 1's loads are issued before step
+// s's multiply.
+template <typename T, bool kACol, bool kBCol, typename Acc, typename FetchStep>
+__device__ __forceinline__ void Pipeline(int64_t steps, FetchStep& fetch, Acc& acc) {
   __shared__ ATile<T, kACol> a;
   __shared__ BTile<T, kBCol> b;
+  AStaged<T, kACol> sa;
+  BStaged<T, kBCol> sb;
+  if (steps > 0) fetch(0, sa, sb);
+  for (int64_t s = 0; s < steps; ++s) {
+    Store(a, sa);
+    Store(b, sb);
+    __syncthreads();
+    if (s + 1 < steps) fetch(s + 1, sa, sb);
+    if constexpr (std::is_same_v<T, float>) {
+      SimtStep<T, kACol, kBCol>(a, b, acc);
+    } else {
+      WmmaStep<T, kACol, kBCol>(a, b, acc);
+    }
+    __syncthreads();  // the tiles are rewritten by the next step
+  }
+}
+
+// Pipeline's product, stored: rows m < vr and columns n < vc of the tile at out (rows ld apart).
+template <typename T, bool kACol, bool kBCol, typename FetchStep>
+__device__ __forceinline__ void TileProduct(int64_t steps, FetchStep&& fetch, float* out,
+                                            int64_t ld, int64_t vr, int64_t vc) {
   if constexpr (std::is_same_v<T, float>) {
     SimtAcc acc;
 #pragma unroll
@@ -322,12 +381,7 @@ __device__ __forceinline__ void TileProduct(int64_t steps, Load&& load, float* o
 #pragma unroll
       for (int j = 0; j < kThreadTile; ++j) acc.v[i][j] = 0.0f;
     }
-    for (int64_t s = 0; s < steps; ++s) {
-      load(s, a, b);
-      __syncthreads();
-      SimtStep<T, kACol, kBCol>(a, b, acc);
-      __syncthreads();
-    }
+    Pipeline<T, kACol, kBCol>(steps, fetch, acc);
     SimtStore(acc, out, ld, vr, vc);
   } else {
     __shared__ __align__(128) float stage[kThreads / kWarpSize][kFrag * kFrag];
@@ -337,19 +391,14 @@ __device__ __forceinline__ void TileProduct(int64_t steps, Load&& load, float* o
 #pragma unroll
       for (int j = 0; j < kFragsN; ++j) nvcuda::wmma::fill_fragment(acc.f[i][j], 0.0f);
     }
-    for (int64_t s = 0; s < steps; ++s) {
-      load(s, a, b);
-      __syncthreads();
-      WmmaStep<T, kACol, kBCol>(a, b, acc);
-      __syncthreads();
-    }
+    Pipeline<T, kACol, kBCol>(steps, fetch, acc);
     WmmaStore(acc, &stage[0][0], out, ld, vr, vc);
   }
 }
 
 // Forward: y[rows of g] = x[rows of g] @ w[g] (kTransW: w[g] is [N, K], read as its transpose).
 template <typename T, bool kTransW>
-__global__ void __launch_bounds__(kThreads) GroupedGemmFwdKernel(Args<T> a) {
+__global__ void __launch_bounds__(kThreads, kMinCtas<T>) GroupedGemmFwdKernel(Args<T> a) {
   __shared__ GroupSpan span;
   __shared__ long long warp_totals[kThreads / kWarpSize];
   FindSpan(a.sizes, a.groups, a.rows, blockIdx.x, -1, span, warp_totals);
@@ -370,23 +419,23 @@ __global__ void __launch_bounds__(kThreads) GroupedGemmFwdKernel(Args<T> a) {
   const int64_t vr = span.end - first < kBm ? span.end - first : kBm;
   const T* x = a.a + first * a.k;
   const T* w = a.b + span.group * a.k * a.n;
-  auto load = [&](int64_t s, ATile<T, false>& at, BTile<T, kTransW>& bt) {
+  auto fetch = [&](int64_t s, AStaged<T, false>& at, BStaged<T, kTransW>& bt) {
     const int64_t k0 = s * kBk;
     const int64_t vk = a.k - k0 < kBk ? a.k - k0 : kBk;
-    LoadTile(at, x + k0, a.k, vr, vk, a.a_vec);
+    Fetch(at, x + k0, a.k, vr, vk, a.a_vec);
     if constexpr (kTransW) {
-      LoadTile(bt, w + n0 * a.k + k0, a.k, vc, vk, a.b_vec);  // [n][k]
+      Fetch(bt, w + n0 * a.k + k0, a.k, vc, vk, a.b_vec);  // [n][k]
     } else {
-      LoadTile(bt, w + k0 * a.n + n0, a.n, vk, vc, a.b_vec);  // [k][n]
+      Fetch(bt, w + k0 * a.n + n0, a.n, vk, vc, a.b_vec);  // [k][n]
     }
   };
-  TileProduct<T, false, kTransW>((a.k + kBk - 1) / kBk, load, a.out + first * a.n + n0, a.n, vr,
+  TileProduct<T, false, kTransW>((a.k + kBk - 1) / kBk, fetch, a.out + first * a.n + n0, a.n, vr,
                                  vc);
 }
 
 // Weight gradient: dw[g] = x[rows of g].T @ dy[rows of g]; a group without rows gets zeros.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) GroupedGemmWgradKernel(Args<T> a) {
+__global__ void __launch_bounds__(kThreads, kMinCtas<T>) GroupedGemmWgradKernel(Args<T> a) {
   __shared__ GroupSpan span;
   __shared__ long long warp_totals[kThreads / kWarpSize];
   const int64_t m_tiles = (a.k + kBm - 1) / kBm;
@@ -398,14 +447,14 @@ __global__ void __launch_bounds__(kThreads) GroupedGemmWgradKernel(Args<T> a) {
   const int64_t vc = a.n - n0 < kBn ? a.n - n0 : kBn;
   const int64_t begin = span.begin;
   const int64_t count = span.end - span.begin;
-  auto load = [&](int64_t s, ATile<T, true>& at, BTile<T, false>& bt) {
+  auto fetch = [&](int64_t s, AStaged<T, true>& at, BStaged<T, false>& bt) {
     const int64_t r0 = begin + s * kBk;
     const int64_t vk = count - s * kBk < kBk ? count - s * kBk : kBk;
-    LoadTile(at, a.a + r0 * a.k + m0, a.k, vk, vm, a.a_vec);  // [row][m]: A col-major
-    LoadTile(bt, a.b + r0 * a.n + n0, a.n, vk, vc, a.b_vec);  // [row][n]
+    Fetch(at, a.a + r0 * a.k + m0, a.k, vk, vm, a.a_vec);  // [row][m]: A col-major
+    Fetch(bt, a.b + r0 * a.n + n0, a.n, vk, vc, a.b_vec);  // [row][n]
   };
-  TileProduct<T, true, false>((count + kBk - 1) / kBk, load, a.out + (g * a.k + m0) * a.n + n0, a.n,
-                              vm, vc);
+  TileProduct<T, true, false>((count + kBk - 1) / kBk, fetch, a.out + (g * a.k + m0) * a.n + n0,
+                              a.n, vm, vc);
 }
 
 }  // namespace jaxops::grouped_gemm
