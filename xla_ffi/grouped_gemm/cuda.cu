@@ -16,6 +16,7 @@
 #include <string>
 
 #include "xla_ffi/common/cuda_util.cuh"
+#include "xla_ffi/common/cuda_vec.cuh"
 #include "xla_ffi/common/ffi_util.h"
 #include "xla_ffi/common/math.h"
 #include "xla_ffi/grouped_gemm/checks.h"
@@ -27,12 +28,6 @@ namespace {
 
 // Largest grid.y (CUDA's limit): N up to 65535 * kBn columns.
 constexpr int64_t kMaxGridY = 65535;
-
-// Whether rows `ld` elements apart from `p` allow 16-byte loads.
-template <typename T>
-bool Vectorizable(const T* p, int64_t ld) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0 && ld % kVec<T> == 0;
-}
 
 ffi::Error CheckGrid(const char* op, int64_t x_ctas, int64_t y_ctas) {
   if (x_ctas > int64_t{0x7fffffff} || y_ctas > kMaxGridY) {
@@ -56,8 +51,8 @@ Args<T> MakeArgs(const Problem& p, const void* a, int64_t a_ld, const void* b, i
   args.k = p.k;
   args.n = p.n;
   args.groups = p.groups;
-  args.a_vec = Vectorizable(args.a, a_ld);
-  args.b_vec = Vectorizable(args.b, b_ld);
+  args.a_vec = Vectorizable<T>(a_ld, {a});  // cuda_vec.cuh: aligned, whole 16-byte accesses
+  args.b_vec = Vectorizable<T>(b_ld, {b});
   return args;
 }
 

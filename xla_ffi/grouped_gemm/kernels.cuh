@@ -28,6 +28,7 @@
 #include <type_traits>
 
 #include "xla_ffi/common/cuda_util.cuh"
+#include "xla_ffi/common/cuda_vec.cuh"
 
 namespace jaxops::grouped_gemm {
 
@@ -66,10 +67,6 @@ struct Args {
 template <typename T>
 inline constexpr int kMinCtas = std::is_same_v<T, float> ? 1 : 2;
 
-// Elements per 16-byte access.
-template <typename T>
-inline constexpr int kVec = 16 / static_cast<int>(sizeof(T));
-
 // ---------------------------------------------------------------------------------------------
 // Shared-memory tiles.
 
@@ -85,7 +82,7 @@ struct Tile {
 // kSlots 16-byte accesses, access v = threadIdx.x + i * kThreads of the tile row-major.
 template <typename T, int kRows, int kCols>
 struct Staged {
-  static constexpr int kV = kVec<T>;
+  static constexpr int kV = kVecElems<T>;
   static constexpr int kPerRow = kCols / kV;
   static constexpr int kSlots = kRows * kPerRow / kThreads;
   static_assert(kCols % kV == 0 && (kRows * kPerRow) % kThreads == 0, "whole accesses per thread");
