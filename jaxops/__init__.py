@@ -33,8 +33,8 @@ The three tiers, each a folder of the repository, imports running only downwards
         |
     jaxops.parallel  (parallel/)  expert and pipeline parallelism, checkpointing
         |
-    jaxops           (jaxops/)    the core: kernels (rms_norm, fp8, moe, gemm), precision,
-                                  sharding helpers, errors
+    jaxops           (jaxops/)    the core: kernels (rms_norm, fp8, moe, gemm,
+                                  grouped_gemm), precision, sharding helpers, errors
 
 No module imports from a tier above its own, and no underscore-prefixed name crosses a tier:
 what two tiers share lives in a core module under a public name (``jaxops._rows``,

@@ -343,7 +343,7 @@ def cuda_available() -> bool:
     return "CUDA" in _modules
 
 
-OP_FAMILIES = ("rms_norm", "fp8", "moe", "gemm")
+OP_FAMILIES = ("rms_norm", "fp8", "moe", "gemm", "grouped_gemm")
 CPU_CUSTOM_CALL = "custom call (CPU module)"
 CUDA_CUSTOM_CALL = "custom call (CUDA module)"
 
@@ -356,9 +356,10 @@ def op_paths(backend: str | None = None) -> dict[str, str]:
         (which starts jax's backends).
 
     Returns:
-      ``{family: path}`` for rms_norm, fp8 (quantization; FP8 GEMMs follow gemm), moe and gemm,
-      each path ``"custom call (CPU module)"``, ``"custom call (CUDA module)"`` or
-      ``"pure-JAX twin: <reason>"``.
+      ``{family: path}`` for rms_norm, fp8 (quantization; FP8 GEMMs follow gemm), moe, gemm and
+      grouped_gemm (the expert FFNs' GEMMs; on a GPU, layers with one local expert run one
+      ``jax.lax.ragged_dot`` whatever this says), each path ``"custom call (CPU module)"``,
+      ``"custom call (CUDA module)"`` or ``"pure-JAX twin: <reason>"``.
 
     Example:
       >>> import jaxops
@@ -375,7 +376,8 @@ def op_paths(backend: str | None = None) -> dict[str, str]:
 def has_kernel(family: str, backend: str) -> bool:
     """Whether jaxops has a custom call of op `family` on `backend`, whatever the default impl.
 
-    `family` is "rms_norm", "fp8" (quantization), "moe" or "gemm" (also the FP8 GEMMs);
+    `family` is "rms_norm", "fp8" (quantization), "moe", "gemm" (also the FP8 GEMMs) or
+    "grouped_gemm";
     `backend` "cpu" or "gpu". True where ``impl="ffi"`` can run the family.
 
     Example:
@@ -412,16 +414,16 @@ def build_info() -> dict[str, dict[str, Any]]:
       cuBLASLt comes from (``cublaslt``: "wheel", "toolkit" or None); for the CPU also
       ``grouped_gemm_kernel``, the micro-kernel of the grouped GEMM calls on this machine
       ("avx512", "avx2" or "portable": the widest the CPU has, at most
-      ``JAXOPS_CPU_GEMM_KERNEL``'s). And ``"paths"``: per op
-      family (rms_norm, fp8, moe, gemm), the implementation it takes on jax's default backend
-      (see :func:`op_paths`; computing it starts jax's backends).
+      ``JAXOPS_CPU_GEMM_KERNEL``'s). And ``"paths"``: per op family (rms_norm, fp8, moe,
+      gemm, grouped_gemm), the implementation it takes on jax's default backend (see
+      :func:`op_paths`; computing it starts jax's backends).
 
     Example:
       >>> import jaxops
       >>> jaxops.build_info()["cpu"]["platform"]
       'cpu'
       >>> sorted(jaxops.build_info()["paths"])
-      ['fp8', 'gemm', 'moe', 'rms_norm']
+      ['fp8', 'gemm', 'grouped_gemm', 'moe', 'rms_norm']
     """
     info: dict[str, dict[str, Any]] = {
         platform: dict(module.build_info()) for platform, module in _modules.items()

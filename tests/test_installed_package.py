@@ -18,7 +18,7 @@ import pytest
 import jaxops
 from jaxops import _ffi
 
-FAMILIES = {"rms_norm", "fp8", "moe", "gemm"}
+FAMILIES = {"rms_norm", "fp8", "moe", "gemm", "grouped_gemm"}
 
 
 class _FakeCudaModule:
@@ -126,7 +126,7 @@ def test_build_info_paths_on_cpu():
     paths = info["paths"]
     assert set(paths) == FAMILIES
     if jax.default_backend() == "cpu":
-        for family in ("rms_norm", "fp8", "moe"):
+        for family in ("rms_norm", "fp8", "moe", "grouped_gemm"):
             assert paths[family] == "custom call (CPU module)"
         assert paths["gemm"].startswith("pure-JAX twin: no CPU GEMM kernel")
     with jaxops.default_impl("xla"):
