@@ -30,14 +30,6 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "") and
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
     ).strip()
-# XLA:CPU's fusion emitters (the MLIR code generator of its fused loops) take longer to compile
-# than its older elemental emitter: without them two test files took 157 -> 89 s and two others
-# 77 -> 58 s (2 cores, -O0 both ways). Same fusions, same ops; only their generated code differs
-# (rounding). A CPU-compiler flag: set on every machine, unless XLA_FLAGS chooses already.
-if "--xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_cpu_use_fusion_emitters=false"
-    ).strip()
 
 import jax
 import pytest
