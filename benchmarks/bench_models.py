@@ -29,10 +29,16 @@ every expert on every token, outgrow a GPU's memory): ours is then timed alone a
 Both jax models are checked to give the same loss before anything is timed (and transformers
 too with ``--torch``). Ours and the dense twin are timed interleaved, a sample of each in turn,
 so a slower spell of the shared machine falls on both; ours and torch in a second interleaved
-pass of their own ("ep ms (vs torch)" is ours in it). Printed: step time, tokens/s and the
-ratios. On CPU the main table runs each case on every ``--meshes`` mesh ``data x expert``
-(default 1 x 1, one device, and 2 x 4, 8 simulated devices sharing the host's cores; torch uses
-all the cores either way); on GPUs every local GPU on the expert axis.
+pass of their own ("ep ms (vs torch)" is ours in it), each after ``--torch-warmup`` untimed
+steps (default 40): what a training run's later steps take. Under ``--reuse-host-memory`` the
+process's heap grows in bursts over the first few dozen steps of the 8-device step (glibc's free
+lists fill up with the sizes XLA:CPU's eight device programs ask for; every new 4 KiB page is a
+page fault), then stops: measured on 2 cores, the 4x256x16x2x256:16x128 step on 2 x 4 took
+440-460 ms over steps 1-20 and 385-395 ms from about step 60 on, with no page faults.
+Printed: step time, tokens/s and the ratios. On CPU the main table runs each case on every
+``--meshes`` mesh ``data x expert`` (default 1 x 1, one device, and 2 x 4, 8 simulated devices
+sharing the host's cores; torch uses all the cores either way); on GPUs every local GPU on the
+expert axis.
 
 ``--scan-unroll 1,all`` adds a row per value of ``MoEDecoder.scan_unroll`` (the layers unrolled
 in the layer scans); ``--reuse-host-memory`` calls :func:`jaxops.reuse_host_memory` before
@@ -332,7 +338,11 @@ def _case(
         # pass with the dense twin, 3x longer, our 1-device step measured 458 ms against 396-401
         # ms alone)
         versus = (
-            H.time_interleaved({"ep": cases["ep"], "torch": (torch_step, ())}, repeats=args.repeats)
+            H.time_interleaved(
+                {"ep": cases["ep"], "torch": (torch_step, ())},
+                repeats=args.repeats,
+                warmup=args.torch_warmup,
+            )
             if args.torch
             else None
         )
@@ -509,6 +519,14 @@ def parse_args(argv: Sequence[str] | None = None):
         "('all' unrolls every layer; default 1: one compiled layer body)",
     )
     p.add_argument(
+        "--torch-warmup",
+        type=int,
+        default=40,
+        help="untimed steps of ours and of transformers' before the pass that times them against "
+        "each other (default 40: a train step's heap on CPU is still growing over its first "
+        "few dozen steps, a page fault per new 4 KiB page; see the module docstring)",
+    )
+    p.add_argument(
         "--reuse-host-memory",
         action="store_true",
         help="call jaxops.reuse_host_memory() first (glibc keeps freed memory: XLA:CPU's "
@@ -516,6 +534,8 @@ def parse_args(argv: Sequence[str] | None = None):
         "same process under the same setting)",
     )
     args = p.parse_args(argv)
+    if args.torch_warmup < 0:
+        p.error(f"--torch-warmup must be >= 0, got {args.torch_warmup}")
     args.mesh_list = args.meshes.split(",")
     args.unroll_list = [True if v == "all" else int(v) for v in args.scan_unroll.split(",")]
     if args.reuse_host_memory:
