@@ -35,6 +35,16 @@ xla/ffi and dense/ffi. The goal lines: the custom calls are faster than the loop
 (xla/ffi >= 1) on every case; on a GPU also at least half as fast as the one dense dot
 (dense/ffi >= 0.5), and the default cases there are ``GPU_CASES`` (real models' expert shapes).
 
+On the CPU a second table times the activation between the GEMMs (swiglu, forward + backward:
+``a`` in ``--dtype`` and the gradient of h) per ``--act-cases`` case ``RxCxU`` (h float32
+``[R, C]``, the groups covering its first U rows): ``calls``, jaxops' grouped activation calls
+(:func:`jaxops._grouped_gemm.grouped_activation` and its backward: the U rows only), against
+``xla``, XLA's fusion of the same math on every row (what the layer ran before them). The
+default cases are the expert buffers of ``bench_models.py``'s 4x256x16x2x256:16x128 train step:
+2172 rows of which about 636 in groups on one of 8 simulated devices, and 4592 rows of which
+4096 (plus group padding) on one device. Goal: the calls at least as fast as the fusion on every
+row (xla/calls >= 1).
+
 Usage, from the repository root: ``python benchmarks/bench_grouped_gemm.py`` runs the three
 default cases, ``--quick`` one small case (a smoke test, seconds on 2 cores), ``--cases
 32x256x128:256 --out benchmarks/results/cpu`` picks cases and saves the tables (the common
@@ -73,6 +83,10 @@ SPARE_ROWS = 64
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-2}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 CALLS = {"jaxops_grouped_gemm", "jaxops_grouped_gemm_wgrad"}
+# h's rows x columns x the rows in groups: the expert buffers of bench_models' default step.
+ACT_CASES = "2172x512x636,4592x512x4096"
+QUICK_ACT_CASES = "300x64x100"
+ACT_CALLS = {"jaxops_grouped_activation_fwd", "jaxops_grouped_activation_bwd"}
 
 
 def _tile() -> int:
@@ -94,6 +108,72 @@ COLUMNS = [
     H.Column("ragged_ratio", "ragged_dot/ffi", "{:.2f}x"),
     H.Column("dense_ratio", "dense/ffi", "{:.2f}x"),
 ]
+
+
+ACT_COLUMNS = [
+    H.Column("case", "R x C x U", align="<"),
+    H.Column("calls_ms", "calls ms", "{:.3f}"),
+    H.Column("xla_ms", "xla ms", "{:.3f}"),
+    H.Column("ratio", "xla/calls", "{:.2f}x"),
+]
+
+
+def parse_act_case(case: str) -> tuple[int, int, int]:
+    """``"2172x512x636"`` -> (R, C, U)."""
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)", case.strip())
+    if match is None:
+        raise ValueError(f"bad activation case {case!r}: expected RxCxU, e.g. 2172x512x636")
+    r, c, u = (int(v) for v in match.groups())
+    if r < 1 or c < 2 or c % 2 or not 0 <= u <= r:
+        raise ValueError(f"bad activation case {case!r}: R >= 1, C even >= 2, 0 <= U <= R")
+    return r, c, u
+
+
+def _act_case(args, case: str) -> dict[str, Any]:
+    """Times the grouped activation calls against XLA's fusion on every row (swiglu)."""
+    r, c, u = parse_act_case(case)
+    dtype = DTYPES[args.dtype]
+    kh, kd = jax.random.split(jax.random.key(args.seed))
+    h = jax.random.normal(kh, (r, c), jnp.float32).at[u:].set(0)  # the GEMM's zero padding
+    da = jax.random.normal(kd, (r, c // 2), jnp.float32).astype(dtype)
+    sizes = jnp.asarray([u], jnp.int32)
+
+    @jax.jit
+    def calls(h, da, sizes):
+        a = _grouped_gemm.grouped_activation(h, sizes, "swiglu", dtype=dtype)
+        return a, _grouped_gemm.grouped_activation_bwd(h, da, sizes, "swiglu")
+
+    @jax.jit
+    def xla(h, da, sizes):
+        a, vjp = jax.vjp(lambda h: _grouped_gemm.activation_reference(h, "swiglu"), h)
+        return a.astype(dtype), vjp(da.astype(jnp.float32))[0]
+
+    for name, fn, want in (("calls", calls, ACT_CALLS), ("xla", xla, set())):
+        found = set(re.findall(r"jaxops_grouped_activation_\w+", fn.lower(h, da, sizes).as_text()))
+        if found != want:
+            raise AssertionError(f"{case}: the {name} program calls {sorted(found)}, not {want}")
+    got, ref = calls(h, da, sizes), xla(h, da, sizes)
+    for name, a, b in zip(("a", "dh"), got, ref, strict=True):
+        err = _rel_error(a, b)
+        if not err < TOLERANCE[args.dtype]:
+            raise AssertionError(f"{case}: {name} of the calls and XLA differ ({err:.3g})")
+    operands = (h, da, sizes)
+    timings = H.time_interleaved(
+        {"calls": (calls, operands), "xla": (xla, operands)}, repeats=args.repeats
+    )
+    seconds = {name: t.median for name, t in timings.items()}
+    row = {
+        "case": case,
+        "rows": r,
+        "columns": c,
+        "used_rows": u,
+        "dtype": args.dtype,
+        **{f"{name}_ms": 1e3 * s for name, s in seconds.items()},
+        "ratio": seconds["xla"] / seconds["calls"],
+        "timings": {name: t.to_json() for name, t in timings.items()},
+    }
+    H.log_row(row, ACT_COLUMNS)
+    return row
 
 
 def parse_case(case: str) -> tuple[int, int, int, int]:
@@ -232,18 +312,37 @@ def run(args) -> H.Result:
     if gpu:
         text = "on GPU, half the speed of one dense dot of the same FLOPs (dense/ffi >= 0.5)"
         goals.append(H.worst_goal(rows, "dense_ratio", 0.5, text, lambda r: r["case"]))
+    tables = []
+    if _grouped_gemm.activation_kernel_available():
+        act_rows = [_act_case(args, case) for case in args.act_case_list]
+        text = (
+            "grouped activation calls at least as fast as XLA's fusion on every row "
+            "(xla/calls >= 1)"
+        )
+        goals.append(H.worst_goal(act_rows, "ratio", 1.0, text, lambda r: r["case"]))
+        title = (
+            "the activation between the GEMMs (swiglu, fwd+bwd): the grouped activation calls on "
+            "the U rows in groups vs XLA's fusion on all R rows"
+        )
+        tables.append(H.Table("activation", act_rows, ACT_COLUMNS, title))
     line = (
         f"times are medians of {args.repeats} samples of fwd+bwd; GFLOP/s counts "
         "3 x 2 x U x (D x 2F + F x D) on the U rows in groups (R = U + "
         f"{SPARE_ROWS} spare rows); dense: one dot per projection over the U rows"
     )
-    return H.Result(rows, COLUMNS, goals, lines=[line])
+    return H.Result(rows, COLUMNS, goals, tables=tables, lines=[line])
 
 
 def parse_args(argv: Sequence[str] | None = None):
     """Command-line options: the common ones (:func:`_harness.parser`) and the cases."""
     p = H.parser(__doc__, name="grouped_gemm", repeats=11, quick=f"case {QUICK_CASES}, 3 repeats")
     p.add_list("--cases", CASES, "comma-separated ExDxF:M (M: rows per expert)", quick=QUICK_CASES)
+    p.add_list(
+        "--act-cases",
+        ACT_CASES,
+        "comma-separated RxCxU of the activation table (CPU): h [R, C], U rows in groups",
+        quick=QUICK_ACT_CASES,
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the group sizes and inputs")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument(
@@ -256,6 +355,11 @@ def parse_args(argv: Sequence[str] | None = None):
     for case in args.case_list:
         try:
             parse_case(case)
+        except ValueError as e:
+            p.error(str(e))
+    for case in args.act_case_list:
+        try:
+            parse_act_case(case)
         except ValueError as e:
             p.error(str(e))
     return args

@@ -1,7 +1,8 @@
 """The expert layer's grouped GEMMs off GPU (``jaxops.parallel.expert._ffn``), the CPU custom
 calls (impl "ffi") and their twin, the loops of XLA GEMMs (impl "xla"): forward, input gradient
 and weight gradient against float64 numpy, for random group sizes (empty groups, groups of one
-tile, groups longer than the largest chunk, trailing padding rows)."""
+tile, groups longer than the largest chunk, trailing padding rows). And the FFN with the
+activation between its GEMMs: the grouped activation calls (impl "ffi") against impl "xla"."""
 
 from __future__ import annotations
 
@@ -99,3 +100,53 @@ def test_fuzz_grouped_linear(sizes, spare_tiles, k, n, seed, impl):
     if sum(sizes) + spare_tiles == 0:
         spare_tiles = 1  # the loops' buffers hold at least one tile
     _check(sizes, spare_tiles, k, n, seed, impl)
+
+
+@pytest.mark.parametrize(
+    ("activation", "dtype"),
+    [
+        ("swiglu", jnp.float32),
+        ("clamped_swiglu", jnp.float32),
+        ("silu", jnp.bfloat16),
+        ("gelu", jnp.float32),  # no grouped activation call: XLA's fusion, either impl
+    ],
+)
+def test_grouped_ffn_activation_calls_match_xla(activation, dtype):
+    """The FFN (two grouped GEMMs and the activation between them): with impl "ffi" on CPU the
+    activation runs as the grouped activation calls on the groups' rows; values and gradients
+    match impl "xla" (the loops and XLA's activation on every row)."""
+    from jaxops.parallel.expert import MoEConfig
+
+    cfg = MoEConfig(
+        num_experts=3, top_k=1, hidden_size=24, expert_ffn=20, activation=activation, dtype=dtype
+    )
+    sizes = jnp.asarray([TILE, 0, 2 * TILE], jnp.int32)
+    rows = 3 * TILE + 2 * TILE  # two tiles of padding rows after the groups
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((rows, 24)), dtype)
+    x = x.at[3 * TILE :].set(0)  # padding rows are zero, as the permute leaves them
+    w_in = jnp.asarray(rng.standard_normal((3, 24, cfg.w_in_width)) * 0.3, dtype)
+    w_out = jnp.asarray(rng.standard_normal((3, 20, 24)) * 0.3, dtype)
+    dy = jnp.asarray(rng.standard_normal((rows, 24)), dtype)
+
+    def run(impl):
+        def f(x, w_in, w_out):
+            return _ffn.grouped_ffn(cfg, TILE, impl, x, w_in, w_out, sizes)
+
+        @jax.jit
+        def step(x, w_in, w_out):
+            y, vjp = jax.vjp(f, x, w_in, w_out)
+            return (y, *vjp(dy))
+
+        text = step.lower(x, w_in, w_out).as_text()
+        return step(x, w_in, w_out), set(re.findall(r"jaxops_grouped_activation_\w+", text))
+
+    got, calls = run("ffi")
+    want, xla_calls = run("xla")
+    gated = activation in _ffn._grouped_gemm.ACTIVATIONS
+    fwd_bwd = {"jaxops_grouped_activation_fwd", "jaxops_grouped_activation_bwd"}
+    assert calls == (fwd_bwd if gated else set()) and xla_calls == set(), (calls, xla_calls)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for name, a, b in zip(("y", "dx", "dw_in", "dw_out"), got, want, strict=True):
+        assert a.dtype == b.dtype and rel_error(a, b) < tol, (name, rel_error(a, b))
+    assert not np.asarray(got[0], np.float32)[3 * TILE :].any()  # padding rows stay zero

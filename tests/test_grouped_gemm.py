@@ -5,7 +5,10 @@ Shapes cross the kernels' blocks (K, and a group's rows for the weight gradient,
 tiles of 12, 6 and 4 rows and a 96-row task; each micro-kernel in a subprocess of its own),
 with empty groups, negative and oversized group sizes (clipped), zero-size operands and one
 element; dtypes float32, bfloat16 and float16 (outputs float32). Also the pure-JAX twins,
-trace-time errors, vmap, shard_map on 8 devices and a hypothesis fuzz.
+trace-time errors, vmap, shard_map on 8 devices and a hypothesis fuzz. The grouped activation
+calls the same way: each activation and output dtype, rows past the groups zero, a row past the
+16-bit outputs' conversion tile, clamped_swiglu's ties at its clamps (half gradients), extreme
+and NaN inputs.
 """
 
 from __future__ import annotations
@@ -380,3 +383,156 @@ def test_bad_cpu_setting_is_refused_at_import(tmp_path, variable, value, message
     assert run.returncode != 0
     assert f"{variable} {message}" in run.stderr, run.stderr[-3000:]
     assert repr(value) in run.stderr, run.stderr[-3000:]
+
+
+# -------------------------------------------------------------------------------------------------
+# The grouped activation calls (CPU): the expert FFN's activation on the groups' rows.
+
+ACTIVATIONS = list(gg.ACTIVATIONS)
+ALPHA, LIMIT = 1.702, 1.5  # a small limit: clamped_swiglu's clamps cut standard normal inputs
+# Rows, columns of h (even: the gated activations' gate and up) and the group sizes.
+ACT_SHAPES = {
+    "rows-300x130": (300, 130, [100, 0, 150, 20]),
+    "wide-37x2050": (37, 2050, [30]),  # a row past the 16-bit outputs' 1024-value tile
+    "clipped-60x34": (60, 34, [25, -4, 50, 9]),
+    "all-rows-9x2": (9, 2, [9]),
+    "one-element": (1, 2, [1]),
+    "no-rows": (0, 6, [0, 3]),
+    "no-groups-used": (8, 6, [0, 0]),
+    "no-columns": (5, 0, [3]),
+}
+
+
+def _act64(h, activation):
+    """float64 (a, vjp) of the activation on every row: vjp(da) is the gradient for h."""
+    h = np.asarray(h, np.float64)
+    with np.errstate(over="ignore"):
+        sig = lambda v: 1.0 / (1.0 + np.exp(-v))  # noqa: E731
+        if activation == "silu":
+            s = sig(h)
+            return h * s, lambda da: da * s * (1 + h * (1 - s))
+        if activation == "swiglu":
+            g, u = np.split(h, 2, axis=1)
+            s = sig(g)
+            return g * s * u, lambda da: np.concatenate(
+                [da * u * s * (1 + g * (1 - s)), da * g * s], axis=1
+            )
+        g, u = h[:, 0::2], h[:, 1::2]
+        gc, lo = np.minimum(g, LIMIT), np.maximum(u, -LIMIT)
+        uc = np.minimum(lo, LIMIT)
+        s = sig(ALPHA * gc)
+
+        def grad(v, at, below):  # jax's balanced gradient of min / max at a tie
+            return np.where(v == at, 0.5, np.where(v < at, below, 1.0 - below))
+
+        def vjp(da):
+            dh = np.empty_like(h)
+            dh[:, 0::2] = da * (uc + 1) * (s + gc * ALPHA * s * (1 - s)) * grad(g, LIMIT, 1.0)
+            dh[:, 1::2] = da * gc * s * grad(u, -LIMIT, 0.0) * grad(lo, LIMIT, 1.0)
+            return dh
+
+        return (uc + 1) * gc * s, vjp
+
+
+def _act_inputs(rows, cols, sizes, activation, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    h = rng.standard_normal((rows, cols)).astype(np.float32) * 3
+    if activation == "clamped_swiglu" and h.size:  # ties of the clamps: half gradients
+        h.flat[: min(4, h.size)] = [LIMIT, -LIMIT, LIMIT, LIMIT][: min(4, h.size)]
+    f = cols if activation == "silu" else cols // 2
+    da = jnp.asarray(rng.standard_normal((rows, f)), dtype)
+    return jnp.asarray(h), da, jnp.asarray(sizes, jnp.int32)
+
+
+def _act_tol(dtype) -> float:
+    """Relative error bound of an output rounded to `dtype` (the math is float32 either way)."""
+    return {jnp.float32: 2e-6, jnp.bfloat16: 8e-3, jnp.float16: 1e-3}[dtype]
+
+
+def _act_check(h, da, sizes, activation, dtype):
+    kw = dict(alpha=ALPHA, limit=LIMIT)
+    a = jax.jit(lambda h, s: gg.grouped_activation(h, s, activation, dtype=dtype, **kw))(h, sizes)
+    dh = jax.jit(lambda h, d, s: gg.grouped_activation_bwd(h, d, s, activation, **kw))(h, da, sizes)
+    a64, vjp = _act64(h, activation)
+    dh64 = vjp(np.asarray(da, np.float64))
+    used = _rows(np.asarray(sizes), h.shape[0])[-1][1] if sizes.size else 0
+    assert a.dtype == dtype and a.shape == a64.shape
+    assert dh.dtype == jnp.float32 and dh.shape == h.shape
+    # Rows past the groups are exactly zero; the groups' rows match float64.
+    assert not np.asarray(a, np.float32)[used:].any() and not np.asarray(dh)[used:].any()
+    if a64[:used].size:
+        assert rel_error(a[:used], a64[:used]) < _act_tol(dtype), rel_error(a[:used], a64[:used])
+        # da is exact in float32; the gradient's math is float32.
+        assert rel_error(dh[:used], dh64[:used]) < 2e-6, rel_error(dh[:used], dh64[:used])
+    return a, dh
+
+
+@pytest.mark.parametrize("shape", list(ACT_SHAPES), ids=list(ACT_SHAPES))
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_activation_kernels_match_float64(shape, activation, dtype):
+    rows, cols, sizes = ACT_SHAPES[shape]
+    h, da, gs = _act_inputs(rows, cols, sizes, activation, dtype)
+    a, dh = _act_check(h, da, gs, activation, dtype)
+    # And the pure-JAX twins (XLA's own exp: a few float32 ulps apart).
+    kw = dict(alpha=ALPHA, limit=LIMIT)
+    a_ref = gg.grouped_activation_reference(h, gs, activation, dtype=dtype, **kw)
+    dh_ref = gg.grouped_activation_bwd_reference(h, da, gs, activation, **kw)
+    if a.size:
+        assert rel_error(a, a_ref) <= _act_tol(dtype) and rel_error(dh, dh_ref) < 2e-6
+
+
+def test_activation_extreme_inputs_stay_finite_and_exact_at_zero():
+    h = jnp.asarray([[0.0, 0.0], [-100.0, 5.0], [100.0, 5.0], [-1e30, 1.0], [88.0, 1.0]])
+    gs = jnp.asarray([5], jnp.int32)
+    a = np.asarray(gg.grouped_activation(h, gs, "swiglu"))[:, 0]
+    assert a[0] == 0.0 and abs(a[1]) < 1e-30 and a[2] == 500.0 and a[3] == 0.0 and a[4] == 88.0
+    dh = np.asarray(gg.grouped_activation_bwd(h, jnp.ones((5, 1)), gs, "swiglu"))
+    assert np.isfinite(dh).all() and dh[0].tolist() == [0.0, 0.0]
+    nan = np.asarray(gg.grouped_activation(jnp.asarray([[np.nan, 1.0]]), gs[:1], "swiglu"))
+    assert np.isnan(nan).all()
+
+
+def test_activation_bad_input_is_named_at_trace_time():
+    h, da, gs = _act_inputs(8, 6, [4, 4], "swiglu", jnp.float32)
+    with pytest.raises(ValueError, match=r"grouped_activation: activation must be one of"):
+        gg.grouped_activation(h, gs, "gelu")
+    with pytest.raises(ValueError, match=r"swiglu needs an even number of columns in h"):
+        gg.grouped_activation(h[:, :5], gs, "swiglu")
+    with pytest.raises(TypeError, match=r"grouped_activation: h must have dtype float32; got"):
+        gg.grouped_activation(h.astype(jnp.bfloat16), gs, "swiglu")
+    with pytest.raises(TypeError, match=r"group_sizes must have dtype int32; got float32"):
+        gg.grouped_activation(h, gs.astype(jnp.float32), "swiglu")
+    with pytest.raises(ValueError, match=r"grouped_activation: dtype must be float32, bfloat16"):
+        gg.grouped_activation(h, gs, "swiglu", dtype=jnp.int32)
+    with pytest.raises(ValueError, match=r"limit must be finite and > 0, got nan"):
+        gg.grouped_activation(h, gs, "clamped_swiglu", limit=float("nan"))
+    with pytest.raises(ValueError, match=r"grouped_activation_bwd: da must be \[8, 3\]"):
+        gg.grouped_activation_bwd(h, da[:, :2], gs, "swiglu")
+    with pytest.raises(ValueError, match=r"grouped_activation_bwd: da must be \[8, 6\]"):
+        gg.grouped_activation_bwd(h, da, gs, "silu")
+
+
+def test_activation_vmap_runs_each_example():
+    h = _act_inputs(20, 8, [10, 5], "swiglu", jnp.float32)[0]
+    hs, sizes = jnp.stack([h, -h]), jnp.asarray([[10, 5], [3, 0]], jnp.int32)
+    out = jax.vmap(lambda h, s: gg.grouped_activation(h, s, "swiglu"))(hs, sizes)
+    for i in range(2):
+        want = gg.grouped_activation_reference(hs[i], sizes[i], "swiglu")
+        assert (
+            rel_error(out[i], want) < 2e-6 and not np.asarray(out[i])[int(sizes[i].sum()) :].any()
+        )
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    rows=st.integers(0, 90),
+    half=st.integers(0, 70),
+    sizes=st.lists(st.integers(-5, 60), min_size=1, max_size=4),
+    activation=st.sampled_from(ACTIVATIONS),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_activation_fuzz_against_float64(rows, half, sizes, activation, dtype, seed):
+    h, da, gs = _act_inputs(rows, 2 * half, sizes, activation, dtype, seed)
+    _act_check(h, da, gs, activation, dtype)

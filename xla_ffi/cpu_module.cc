@@ -28,6 +28,8 @@ std::vector<Registration> Registrations() {
       Register("jaxops_moe_unpermute_bwd", MoeUnpermuteBwdCpu),
       Register("jaxops_grouped_gemm", GroupedGemmCpu),
       Register("jaxops_grouped_gemm_wgrad", GroupedGemmWgradCpu),
+      Register("jaxops_grouped_activation_fwd", GroupedActivationFwdCpu),
+      Register("jaxops_grouped_activation_bwd", GroupedActivationBwdCpu),
   };
 }
 

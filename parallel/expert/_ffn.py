@@ -16,7 +16,11 @@ backward computes a chunk's input and weight gradients in the same trip, each gr
 gradient summed in a ``[K, N]`` carry and written once. With ``fp8="block"`` the GEMMs use
 DeepSeek-V3's block-scaled FP8 numerics. Expert biases (``MoEConfig.expert_bias``) are
 added in float32 to the GEMMs' float32 outputs, each row taking its group's bias; padding rows
-take none, so they stay zero as without biases.
+take none, so they stay zero as without biases. On XLA:CPU the activation between the GEMMs (the
+SiLU family: swiglu, clamped_swiglu, silu) runs as jaxops' grouped activation calls, on the
+groups' rows only (the buffer is sized for the routing's worst case: on 8 simulated devices the
+gather exchange's buffer held about 640 rows of groups in 2172); elsewhere, and for gelu, XLA's
+fusion computes it on every row.
 """
 
 from __future__ import annotations
@@ -46,19 +50,52 @@ def activate(cfg: MoEConfig, h: jax.Array) -> jax.Array:
     """cfg.activation on the first projection's output ``[..., F']`` -> ``[..., F]``.
 
     Every activation maps 0 to 0 (padding rows stay zero). "clamped_swiglu" is gpt-oss's
-    (transformers' ``GptOssExperts._apply_gate``): gate and up interleaved in h's columns.
+    (transformers' ``GptOssExperts._apply_gate``): gate and up interleaved in h's columns. The
+    SiLU family is :func:`jaxops._grouped_gemm.activation_reference` (the grouped activation
+    calls' twin).
     """
-    if cfg.activation == "swiglu":
-        gate, up = jnp.split(h, 2, axis=-1)
-        return jax.nn.silu(gate) * up
-    if cfg.activation == "clamped_swiglu":
-        gate, up = h[..., 0::2], h[..., 1::2]
-        gate = jnp.minimum(gate, cfg.swiglu_limit)
-        up = jnp.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
-        return (up + 1) * (gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha))
     if cfg.activation == "gelu":
         return jax.nn.gelu(h, approximate=False)
-    return jax.nn.silu(h)
+    return _grouped_gemm.activation_reference(h, cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
+
+
+def _activation_kernel(cfg: MoEConfig, tile: int, impl, h: jax.Array) -> bool:
+    """Whether the grouped activation calls run cfg's activation on h (CPU, not impl "xla")."""
+    return (
+        cfg.activation in _grouped_gemm.ACTIVATIONS
+        and h.dtype == jnp.float32
+        and _kernel(tile, impl)
+        and _grouped_gemm.activation_kernel_available()
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _grouped_activate(cfg: MoEConfig, h: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """:func:`activate` on the groups' rows of float32 h in cfg.dtype (zeros after them)."""
+    return _grouped_activate_fwd(cfg, h, group_sizes)[0]
+
+
+def _grouped_activate_fwd(cfg: MoEConfig, h, group_sizes):
+    a = _grouped_gemm.grouped_activation(
+        h,
+        group_sizes,
+        cfg.activation,
+        dtype=cfg.dtype,
+        alpha=cfg.swiglu_alpha,
+        limit=cfg.swiglu_limit,
+    )
+    return a, (h, group_sizes)
+
+
+def _grouped_activate_bwd(cfg: MoEConfig, saved, da):
+    h, group_sizes = saved
+    dh = _grouped_gemm.grouped_activation_bwd(
+        h, da, group_sizes, cfg.activation, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit
+    )
+    return cotangent_like(dh, h), None
+
+
+_grouped_activate.defvjp(_grouped_activate_fwd, _grouped_activate_bwd)
 
 
 def _chunks(tile: int, rows: int) -> tuple[int, ...]:
@@ -308,7 +345,10 @@ def grouped_ffn(
     h = _grouped_linear(tile, first, impl, rows, w_in.astype(cfg.dtype), groups)
     if bias_rows is not None:
         h = _add_bias(h, b_in, bias_rows)
-    a = activate(cfg, h).astype(cfg.dtype)
+    if _activation_kernel(cfg, tile, impl, h):  # the groups' rows only (the buffer's worst case)
+        a = _grouped_activate(cfg, h, group_sizes)
+    else:
+        a = activate(cfg, h).astype(cfg.dtype)
     out = _grouped_linear(tile, quantized, impl, a, w_out.astype(cfg.dtype), groups)
     if bias_rows is not None:
         out = _add_bias(out, b_out, bias_rows)

@@ -3,6 +3,10 @@
 // constant:
 //   GroupedGemm      <-> "jaxops_grouped_gemm"       <-> jaxops._grouped_gemm.TARGET_GROUPED_GEMM
 //   GroupedGemmWgrad <-> "jaxops_grouped_gemm_wgrad" <-> jaxops._grouped_gemm.TARGET_WGRAD
+//   GroupedActivationFwd <-> "jaxops_grouped_activation_fwd"
+//                        <-> jaxops._grouped_gemm.TARGET_ACTIVATION_FWD (CPU only)
+//   GroupedActivationBwd <-> "jaxops_grouped_activation_bwd"
+//                        <-> jaxops._grouped_gemm.TARGET_ACTIVATION_BWD (CPU only)
 #ifndef JAXOPS_XLA_FFI_GROUPED_GEMM_HANDLERS_H_
 #define JAXOPS_XLA_FFI_GROUPED_GEMM_HANDLERS_H_
 
@@ -11,6 +15,8 @@
 // extern "C" symbols, so they live in the global namespace.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmWgradCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedActivationFwdCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedActivationBwdCpu);
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmWgradCuda);
