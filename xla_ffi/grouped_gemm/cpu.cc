@@ -14,7 +14,7 @@
 // AVX-512 micro-kernel, float32 and bfloat16 operands whose panels are their transpose (A's rows,
 // w^T of the input gradient) are packed by 16 x 16 transposes in registers (the portable loops
 // stored one float at a time, 128 bytes apart: 6% of the 8-simulated-device decoder step's CPU
-// time; bench_grouped_gemm's fwd + bwd went from 128-137 to 156-162 GFLOP/s). A float32 B
+// time; bench_grouped_gemm's fwd + bwd went from 128-137 to 142-162 GFLOP/s). A float32 B
 // in row-major order (w of the forward, dy of the weight gradient) is read in place instead of
 // packed, 32 columns at a time: a copy of every weight per call and task otherwise (8-9% of the
 // 8-simulated-device decoder's loss and gradients, 2-3% of the one-device one), unless its row
