@@ -22,7 +22,12 @@ from jax.test_util import check_grads
 import jaxops
 from jaxops import _ffi
 from jaxops._fp8 import TARGET_AMAX, TARGET_QUANTIZE, TARGET_SPLIT_TRANSPOSE
-from jaxops._grouped_gemm import TARGET_GROUPED_GEMM, TARGET_WGRAD
+from jaxops._grouped_gemm import (
+    TARGET_ACTIVATION_BWD,
+    TARGET_ACTIVATION_FWD,
+    TARGET_GROUPED_GEMM,
+    TARGET_WGRAD,
+)
 from jaxops._moe import TARGET_PERMUTE, TARGET_ROUTE, TARGET_UNPERMUTE, TARGET_UNPERMUTE_BWD
 from jaxops._rms_norm import TARGET_ADD_FWD, TARGET_BWD, TARGET_FWD
 from jaxops.testing import (
@@ -34,7 +39,7 @@ from jaxops.testing import (
 
 FP8_TARGETS = (TARGET_AMAX, TARGET_QUANTIZE, TARGET_SPLIT_TRANSPOSE)
 MOE_TARGETS = (TARGET_PERMUTE, TARGET_ROUTE, TARGET_UNPERMUTE, TARGET_UNPERMUTE_BWD)
-GG_TARGETS = (TARGET_GROUPED_GEMM, TARGET_WGRAD)
+GG_TARGETS = (TARGET_GROUPED_GEMM, TARGET_WGRAD, TARGET_ACTIVATION_FWD, TARGET_ACTIVATION_BWD)
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 SHAPES = [(1,), (1, 1), (3, 1), (7, 33), (2, 3, 127), (5, 1024), (2, 4096), (1, 65536), (3, 70001)]
 
