@@ -24,9 +24,9 @@ enum class Activation : int32_t { kSwiglu = 0, kClampedSwiglu = 1, kSilu = 2 };
 // Whether the activation reads a gate and an up column per output column.
 inline bool IsGlu(Activation act) { return act != Activation::kSilu; }
 
-// e^x for x <= 0 in fp32 (Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-6
-// polynomial, about 1 ulp), 0 below ln(FLT_MIN) (no subnormals); NaN stays NaN. No branches or
-// calls, so that loops over it vectorize.
+// e^x for x <= 0 in fp32 (Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, 1 + r + r^2 p(r)
+// with p a degree-5 polynomial, about 1 ulp), 0 below ln(FLT_MIN) (no subnormals); NaN stays NaN.
+// No branches or calls, so that loops over it vectorize.
 inline float ExpNonPositive(float x) {
   const bool tiny = x < -87.33654f;
   const float fn_raw = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln2)
