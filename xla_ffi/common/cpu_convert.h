@@ -63,13 +63,19 @@ JAXOPS_AVX512BF16_TARGET inline void StoreBf16x32(__m512 a, __m512 b, BFloat16* 
   _mm512_storeu_si512(static_cast<void*>(dst), packed);
 }
 
-// 16 bfloat16 values at src as fp32. (The zero-masking forms with a full mask are the same
-// instructions; GCC 12's unmasked ones warn about an uninitialized placeholder.)
-JAXOPS_AVX512BF16_TARGET inline __m512 LoadBf16x16(const BFloat16* src) {
+// 16 bfloat16 values at src as fp32, with AVX-512F alone (its bits are fp32's top half, as
+// HostType<BFloat16>::Load). (The zero-masking forms with a full mask are the same instructions;
+// GCC 12's unmasked ones warn about an uninitialized placeholder.)
+__attribute__((target("avx512f"))) inline __m512 WidenBf16x16(const BFloat16* src) {
   const __mmask16 all = 0xffff;
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
   return _mm512_castsi512_ps(
       _mm512_maskz_slli_epi32(all, _mm512_maskz_cvtepu16_epi32(all, bits), 16));
+}
+
+// The same, for the AVX512-BF16 paths.
+JAXOPS_AVX512BF16_TARGET inline __m512 LoadBf16x16(const BFloat16* src) {
+  return WidenBf16x16(src);
 }
 
 JAXOPS_AVX512BF16_TARGET inline void StoreBf16Avx512(const float* src, BFloat16* dst, int64_t n) {

@@ -37,6 +37,7 @@
 #endif
 
 #include "xla/ffi/api/ffi.h"
+#include "xla_ffi/common/cpu_convert.h"
 #include "xla_ffi/common/cpu_dispatch.h"
 #include "xla_ffi/common/cpu_parallel.h"
 #include "xla_ffi/common/ffi_util.h"
@@ -202,24 +203,25 @@ Kernel ChosenKernel() {
 // Packing into fp32 panels, zero-padded to whole register tiles.
 
 #if defined(JAXOPS_GROUPED_GEMM_SIMD)
-// 16 values of a row as fp32: float32 as it is, bfloat16 widened (its bits are fp32's top half,
-// as HostType<BFloat16>::Load).
+// 16 values of a row as fp32: float32 as it is, bfloat16 widened (cpu_convert.h).
 __attribute__((target("avx512f"))) inline __m512 Load16(const float* src) {
   return _mm512_loadu_ps(src);
 }
 __attribute__((target("avx512f"))) inline __m512 Load16(const BFloat16* src) {
-  const __m512i wide =
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  return convert_internal::WidenBf16x16(src);
 }
 
 // r[i] lane j -> r[j] lane i: a 16 x 16 fp32 transpose in registers (pairs of rows interleaved,
-// then pairs of pairs, then the 128-bit lanes of four rows at a time).
+// then pairs of pairs, then the 128-bit lanes of four rows at a time). The unpacks take their
+// zero-masking forms with a full mask (the same instructions; GCC 12's unmasked ones warn about
+// an uninitialized placeholder).
 __attribute__((target("avx512f"))) inline void Transpose16(__m512 r[16]) {
+  const __mmask16 all16 = 0xffff;
+  const __mmask8 all8 = 0xff;
   __m512 t[16];
   for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    t[i] = _mm512_maskz_unpacklo_ps(all16, r[i], r[i + 1]);
+    t[i + 1] = _mm512_maskz_unpackhi_ps(all16, r[i], r[i + 1]);
   }
   // u[4g + c], lane L: rows [4g, 4g + 4) of column 4L + c.
   __m512 u[16];
@@ -228,21 +230,21 @@ __attribute__((target("avx512f"))) inline void Transpose16(__m512 r[16]) {
     const __m512d lo23 = _mm512_castps_pd(t[4 * g + 2]);
     const __m512d hi01 = _mm512_castps_pd(t[4 * g + 1]);
     const __m512d hi23 = _mm512_castps_pd(t[4 * g + 3]);
-    u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo01, lo23));
-    u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo01, lo23));
-    u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi01, hi23));
-    u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi01, hi23));
+    u[4 * g] = _mm512_castpd_ps(_mm512_maskz_unpacklo_pd(all8, lo01, lo23));
+    u[4 * g + 1] = _mm512_castpd_ps(_mm512_maskz_unpackhi_pd(all8, lo01, lo23));
+    u[4 * g + 2] = _mm512_castpd_ps(_mm512_maskz_unpacklo_pd(all8, hi01, hi23));
+    u[4 * g + 3] = _mm512_castpd_ps(_mm512_maskz_unpackhi_pd(all8, hi01, hi23));
   }
   // Column 4L + c takes lane L of u[c], u[4 + c], u[8 + c], u[12 + c].
   for (int c = 0; c < 4; ++c) {
-    const __m512 v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44);
-    const __m512 v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
-    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
-    const __m512 v3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
-    r[c] = _mm512_shuffle_f32x4(v0, v2, 0x88);
-    r[4 + c] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
-    r[8 + c] = _mm512_shuffle_f32x4(v1, v3, 0x88);
-    r[12 + c] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+    const __m512 v0 = _mm512_maskz_shuffle_f32x4(all16, u[c], u[4 + c], 0x44);
+    const __m512 v1 = _mm512_maskz_shuffle_f32x4(all16, u[c], u[4 + c], 0xEE);
+    const __m512 v2 = _mm512_maskz_shuffle_f32x4(all16, u[8 + c], u[12 + c], 0x44);
+    const __m512 v3 = _mm512_maskz_shuffle_f32x4(all16, u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_maskz_shuffle_f32x4(all16, v0, v2, 0x88);
+    r[4 + c] = _mm512_maskz_shuffle_f32x4(all16, v0, v2, 0xDD);
+    r[8 + c] = _mm512_maskz_shuffle_f32x4(all16, v1, v3, 0x88);
+    r[12 + c] = _mm512_maskz_shuffle_f32x4(all16, v1, v3, 0xDD);
   }
 }
 
