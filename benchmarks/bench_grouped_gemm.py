@@ -9,8 +9,9 @@ backward (``jax.value_and_grad`` of
     y = grouped_linear(a, w_out)       # [R, D]
 
 with the expert layer's grouped GEMM (``jaxops.parallel.expert._ffn._grouped_linear``, the
-``custom_vjp`` op of ``grouped_ffn``, groups padded to multiples of the plan's tile from row 0:
-``CPU_TILE`` = 32 rows, ``GPU_TILE`` = 64 on a GPU; ``a`` cast back to ``--dtype`` as the layer
+``custom_vjp`` op of ``grouped_ffn``, groups padded to multiples of the loop's tile from row 0
+as its twin needs them: ``CPU_TILE`` = 32 rows, ``GPU_TILE`` = 64 on a GPU (the layer's CPU
+plan leaves them unpadded for the custom calls); ``a`` cast back to ``--dtype`` as the layer
 does) run these ways in one process, timed interleaved on the same inputs (``--dtype``, float32
 by default; accumulation float32):
 

@@ -41,7 +41,10 @@ sharing the host's cores; torch uses all the cores either way); on GPUs every lo
 expert axis.
 
 ``--scan-unroll 1,all`` adds a row per value of ``MoEDecoder.scan_unroll`` (the layers unrolled
-in the layer scans); ``--reuse-host-memory`` calls :func:`jaxops.reuse_host_memory` before
+in the layer scans), ``--zero 0,1`` one per value of ``MoEDecoder.zero`` on meshes of several
+devices (ZeRO-1: each device updates a slice of the optimizer state, then the parameters are
+all-gathered; on 2 x 4 CPU devices that is 8 slices of the update's replicated work);
+``--reuse-host-memory`` calls :func:`jaxops.reuse_host_memory` before
 anything runs (on CPU XLA allocates each step's temporaries afresh, and glibc's defaults make
 that a page fault per 4 KiB page; torch's step is unaffected by it, measured). For the one-device
 row in a process of one device: ``JAX_NUM_CPU_DEVICES=1 ... --meshes 1x1`` (in a process of 8
@@ -89,6 +92,7 @@ COLUMNS = [
     H.Column("case", "L x D x E x K x F : B x S", align="<"),
     H.Column("mesh", "mesh", align="<"),
     H.Column("unroll", "scan_unroll", align="<"),
+    H.Column("zero", "zero", align="<"),
     *H.tokens_columns("ep", "dense", "{:.1f}"),
     H.Column("ep_vs_torch_ms", "ep ms (vs torch)", "{:.1f}"),
     H.Column("torch_ms", "torch ms", "{:.1f}"),
@@ -297,12 +301,21 @@ def _family(args, mesh, family: str, case: str) -> dict[str, Any]:
 
 
 def _case(
-    args, mesh, case: str, cfg: DecoderConfig | None = None, unroll: int | bool = 1
+    args,
+    mesh,
+    case: str,
+    cfg: DecoderConfig | None = None,
+    unroll: int | bool = 1,
+    zero: int = 0,
 ) -> dict[str, Any]:
     cfg, b, s = (cfg, *_config(case)[1:]) if cfg is not None else _config(case)
     # aux losses off: transformers' training loss is the cross-entropy (comparable losses).
     kw = dict(
-        router_aux_loss_coef=0.0, router_z_loss_coef=0.0, dtype=jnp.float32, scan_unroll=unroll
+        router_aux_loss_coef=0.0,
+        router_z_loss_coef=0.0,
+        dtype=jnp.float32,
+        scan_unroll=unroll,
+        zero=zero,
     )
     ep_model = MoEDecoder(cfg, mesh, **kw)
     params_ep = ep_model.init(jax.random.key(0))
@@ -350,6 +363,7 @@ def _case(
         "case": case,
         "mesh": "x".join(str(n) for n in mesh.devices.shape),
         "unroll": "all" if unroll is True else str(unroll),
+        "zero": str(zero),
         **(
             H.tokens_fields(timings, "ep", "dense", b * s)
             if "dense" in timings
@@ -429,9 +443,12 @@ def run(args) -> H.Result:
         H.log_row(families[-1], FAMILY_COLUMNS)
     for case in args.case_list:
         for m in meshes:
+            # ZeRO on one device is the same program: its rows on meshes of several only
+            zeros = args.zero_list if m.devices.size > 1 else [0]
             for unroll in args.unroll_list:
-                rows.append(_case(args, m, case, unroll=unroll))
-                H.log_row(rows[-1], COLUMNS)
+                for zero in zeros:
+                    rows.append(_case(args, m, case, unroll=unroll, zero=zero))
+                    H.log_row(rows[-1], COLUMNS)
     text = "EP decoder train step faster than the dense-MoE decoder (dense/ep >= 1)"
     table = H.Table(
         "remat",
@@ -455,7 +472,8 @@ def run(args) -> H.Result:
         else [H.Goal(text, "--no-dense", None)]
     )
     if args.torch:
-        best: dict[tuple[str, str], dict[str, Any]] = {}  # each case and mesh at its best unroll
+        # each case and mesh at its best scan_unroll and zero
+        best: dict[tuple[str, str], dict[str, Any]] = {}
         for r in rows:
             key = (r["case"], r["mesh"])
             if key not in best or r["torch_ratio"] > best[key]["torch_ratio"]:
@@ -466,8 +484,10 @@ def run(args) -> H.Result:
                 "torch_ratio",
                 1.0,
                 "MoEDecoder train step at least as fast as transformers + torch with the same "
-                "threads (torch/ep >= 1; each case and mesh at its best scan_unroll)",
-                lambda r: f"{r['case']} on {r['mesh']}, scan_unroll {r['unroll']}",
+                "threads (torch/ep >= 1; each case and mesh at its best scan_unroll and zero)",
+                lambda r: (
+                    f"{r['case']} on {r['mesh']}, scan_unroll {r['unroll']}, zero {r['zero']}"
+                ),
             )
         )
     return H.Result(rows, COLUMNS, goals, tables=[table, family_table])
@@ -519,6 +539,13 @@ def parse_args(argv: Sequence[str] | None = None):
         "('all' unrolls every layer; default 1: one compiled layer body)",
     )
     p.add_argument(
+        "--zero",
+        default="0",
+        help="comma-separated MoEDecoder.zero values of the main table on meshes of more than "
+        "one device, a row each (default 0; 1: ZeRO-1, each device updates its slice of the "
+        "optimizer state and the parameters are all-gathered after the update)",
+    )
+    p.add_argument(
         "--torch-warmup",
         type=int,
         default=40,
@@ -538,6 +565,9 @@ def parse_args(argv: Sequence[str] | None = None):
         p.error(f"--torch-warmup must be >= 0, got {args.torch_warmup}")
     args.mesh_list = args.meshes.split(",")
     args.unroll_list = [True if v == "all" else int(v) for v in args.scan_unroll.split(",")]
+    args.zero_list = [int(v) for v in args.zero.split(",")]
+    if any(z not in (0, 1, 3) for z in args.zero_list):
+        p.error(f"--zero takes 0, 1 or 3, got {args.zero}")
     if args.reuse_host_memory:
         import jaxops
 

@@ -288,12 +288,19 @@ class Layout:
         """PartitionSpecs of the ZeRO shards: :meth:`compute_specs` split over the batch axes.
 
         Each parameter is split over every batch axis (``data_axes`` and the expert axis, size
-        > 1) it is replicated on, one axis at a time on its largest dimension that the axis
-        divides (never the layer axis of a stack): a weight replicated on all ``N`` devices
-        of the batch axes keeps ``1 / N`` of itself per device, an expert weight ``1 / D``
-        (D: the data axes' devices). A dimension no axis divides stays whole (a norm of
-        odd width). The optimizer state is laid out so with ``zero >= 1`` and the parameters
-        with ``zero = 3``.
+        > 1) it is replicated on, one axis at a time on its first dimension that the axis
+        divides: a weight replicated on all ``N`` devices of the batch axes keeps ``1 / N`` of
+        itself per device, an expert weight ``1 / D`` (D: the data axes' devices). A dimension
+        no axis divides stays whole (a norm of odd width). The optimizer state is laid out so
+        with ``zero >= 1`` and the parameters with ``zero = 3``.
+
+        The first dimension, not the largest, keeps each device's shard in few contiguous
+        pieces: a split of a row-major array's last dimension made XLA:CPU copy every
+        parameter and optimizer state into a transposed layout for the update and back after
+        the all-gather (measured on 2 x 4 CPU devices, 4x256x16x2x256 adamw: 65 ms per update
+        with the largest dimension, 28 ms with the first, 39 ms without ZeRO). With ``zero =
+        1`` a stack's layer axis is split too (the update is elementwise); with ``zero = 3``
+        never (the layer scan slices it).
         """
         sizes = dict(self.mesh.shape)
         axes = [a for a in self.batch_axes if sizes[a] > 1]
@@ -308,7 +315,7 @@ class Layout:
                 fit = [i for i in range(first, len(shape)) if local[i] % sizes[a] == 0]
                 if not fit:
                     continue
-                i = max(fit, key=lambda i: local[i])  # the first of the largest
+                i = fit[0]
                 entries[i] = (*axes_of([entries[i]]), a)
                 local[i] //= sizes[a]
             return P(*(e[0] if isinstance(e, tuple) and len(e) == 1 else e for e in entries))
@@ -316,7 +323,7 @@ class Layout:
         shapes = self.param_shapes()
         out = {}
         for key, specs in self.compute_specs().items():
-            first = 1 if key in ("layers", "dense_layers") else 0
+            first = 1 if self.zero == 3 and key in ("layers", "dense_layers") else 0
             out[key] = jax.tree.map(
                 lambda s, shape, f=first: split(s, shape, f), specs, shapes[key], is_leaf=_is_spec
             )

@@ -54,6 +54,9 @@ def train_step(model: MoEDecoder, optimizer: Any) -> TrainStep:
         loss, grads = model.loss_and_grads(params, tokens, targets, **batch)
         if model.zero >= 1:  # each device keeps the slice of the reduced gradient it updates
             grads = constrain(grads, zero_sharding)
+            # and of the parameters (a local slice of replicated ones): the update reads and
+            # adds to them shard by shard, as laid out as the optimizer state
+            params = constrain(params, zero_sharding)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
         return constrain(params, params_sharding), constrain(opt_state, state_sharding), loss

@@ -154,7 +154,7 @@ def plan(
     from jaxops.models._config import DecoderConfig, read_config
     from jaxops.models._decoder import MoEDecoder
     from jaxops.models._hlo import collective_traffic
-    from jaxops.parallel.expert import exchange_bounds
+    from jaxops.parallel.expert._exchange import make_plan
 
     try:
         import optax
@@ -204,7 +204,9 @@ def plan(
     n = mesh_shape["expert"]
     shards = math.prod(mesh_shape[a] for a in model.batch_axes)
     per_device = batch * seq // (shards * model.num_microbatches)
-    chunk, recv_rows = exchange_bounds(model.moe, per_device, n, per_device * shards, align=32)
+    # the compiled layer's own bounds (its group alignment is the CPU kernels')
+    layer = make_plan(model.moe, mesh, n, shards, per_device * shards)
+    chunk, recv_rows = layer.chunk, layer.recv_rows
     exchange = {
         "tokens_per_device": per_device,
         "chunk": chunk,

@@ -428,11 +428,11 @@ def test_each_exchange_matches_dense_reference(exchange, routing):
         assert int(got[0][1].dropped) > 0, "the capacity case must drop slots"
 
 
-def _plan(cfg, mesh_name, num_tokens):
+def _plan(cfg, mesh_name, num_tokens, impl=None):
     shape, names, _ = MESHES[mesh_name]
     mesh = _mesh(mesh_name)
     n = dict(zip(names, shape, strict=True))[cfg.expert_axis]
-    return expert._exchange.make_plan(cfg, mesh, n, int(np.prod(shape)), num_tokens)
+    return expert._exchange.make_plan(cfg, mesh, n, int(np.prod(shape)), num_tokens, impl)
 
 
 @settings(max_examples=30, deadline=None)
@@ -461,11 +461,17 @@ def test_drop_beyond_capacity_keeps_each_experts_first_slots(t, k, e, seed):
 
 def test_auto_exchange_off_gpu_moves_the_fewer_rows():
     """auto: the gather (N * Tl rows) unless the dense form's capacity-bound blocks are smaller."""
-    plan = _plan(_config("d2e4", top_k=2), "d2e4", 8 * 64)
-    # 4 peers' 64 tokens, 2 slots each, 4 local groups padded to 32 rows (the buffer is not
-    # rounded further: the grouped GEMM takes any row count, and a pad would copy the buffer)
-    assert (plan.kind, plan.chunk, plan.recv_rows) == ("gather", 128, 636)
+    # 4 peers' 64 tokens, 2 slots each; the loop twin (impl "xla") pads the 4 local groups to
+    # 32 rows (the buffer is not rounded further: the grouped GEMM takes any row count, and a
+    # pad would copy the buffer), the CPU custom calls take them unpadded
+    plan = _plan(_config("d2e4", top_k=2), "d2e4", 8 * 64, impl="xla")
+    assert (plan.kind, plan.chunk, plan.recv_rows, plan.align) == ("gather", 128, 636, 32)
     assert plan.recv_rows == 4 * 64 * 2 + 4 * 31
+    cfg = _config("d2e4", top_k=2)
+    plan = _plan(cfg, "d2e4", 8 * 64)
+    assert cfg.align == 4
+    assert (plan.kind, plan.chunk, plan.recv_rows, plan.align) == ("gather", 128, 524, 4)
+    assert plan.recv_rows == 4 * 64 * 2 + 4 * 3
     plan = _plan(_config("d2e4", top_k=2, capacity_factor=1.0), "d2e4", 8 * 64)
     assert plan.kind == "gather"  # C = 64: blocks of min(128, 4 * 64) rows
     tiny = _config("d2e4", top_k=2, capacity_factor=0.05)  # C = 4: blocks of 4 * 4 < 64 rows

@@ -159,6 +159,21 @@ def test_zero_shards_shrink_per_device_bytes(kind):
     assert p1 == p0 and s1 < s0 / 2.5 and p3 < p0 / 2.5 and s3 == s1, sizes
 
 
+def test_zero_specs_split_the_first_dimension_an_axis_divides():
+    """Each batch axis splits the first dimension it divides (few contiguous pieces per device:
+    a split of the last dimension made XLA:CPU transpose each weight and moment for the update);
+    ZeRO-1 splits a stack's layer axis too, ZeRO-3 never (its layer scan slices it)."""
+    names = ("data", "expert")
+    zero1 = _model("qwen3", (2, 4), names, 1).zero_specs()
+    zero3 = _model("qwen3", (2, 4), names, 3).zero_specs()
+    # w_in [L=2, E=8 (split over expert), D, 2F]; w_o [L=2, H * Dh, D]; embed [96, 64]
+    assert zero1["layers"]["moe"]["w_in"] == P("data", "expert", None, None)
+    assert zero3["layers"]["moe"]["w_in"] == P(None, ("expert", "data"), None, None)
+    assert zero1["layers"]["w_o"] == P("data", "expert", None)
+    assert zero3["layers"]["w_o"] == P(None, ("data", "expert"), None)
+    assert zero1["embed"] == zero3["embed"] == P(("data", "expert"), None)
+
+
 def test_zero3_generate_equals_unsharded():
     shape, names = (2, 4), ("data", "expert")
     base = _model("qwen3", shape, names, 0)

@@ -40,11 +40,12 @@ have made, and neither exchange runs (nor the all-gather of the counts).
 XLA's ragged_dot computes every group for every row (L times the work, a float32 ``[L, R, K]``
 operand). On GPU the grouped GEMMs are jaxops' CUDA custom calls (groups padded to 64 rows;
 compiled in CI, not yet run on a GPU); without the CUDA module, ragged_dot while that operand
-stays under 4 GiB, else the loop over groups described below. On CPU the groups are padded to
-32-row tiles (``align`` becomes ``lcm(align, 32)``) and go through jaxops' grouped GEMM custom
-calls (one call per GEMM and one per weight gradient, the groups' tiles spread over the FFI
-thread pool). The buffer holds the bound's rows exactly (not rounded to the tile: the calls take
-any row count, and padding the buffer would copy it before the FFN and again after).
+stays under 4 GiB, else the loop over groups described below. On CPU the groups go through
+jaxops' grouped GEMM custom calls, which take groups of any size (``align`` stays the config's;
+one call per GEMM and one per weight gradient, the groups' tiles spread over the FFI thread
+pool); with ``impl="xla"`` their twin's loop pads them to 32-row tiles (``lcm(align, 32)``).
+The buffer holds the bound's rows exactly (not rounded to the tile: the calls take any row
+count, and padding the buffer would copy it before the FFN and again after).
 ``impl="xla"`` (and a GPU without the CUDA module, past ragged_dot's budget) runs their twin:
 each group cut into chunks (as many of 8 tiles as fit, then at most 3 of 2 tiles or 1), a loop
 over the non-empty groups slicing a group's weights once and running one XLA GEMM per chunk; its

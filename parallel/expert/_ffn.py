@@ -4,9 +4,9 @@ Rows arrive grouped by local expert, each group padded to a multiple of the plan
 XLA lowers ``jax.lax.ragged_dot`` to one dense dot over every group for every row (masked), L
 times the work and a float32 ``[L, R, K]`` operand. jaxops' grouped GEMM custom calls
 (:mod:`jaxops._grouped_gemm`: the forward, the input gradient with the weights read transposed,
-the weight gradient) compute each group's rows only: on XLA:CPU over groups padded to multiples
-of a 32-row tile, on GPU (with the CUDA module; that kernel has not run on a GPU yet) over
-64-row tiles. On a GPU without it the grouped GEMM is ragged_dot while that operand is small (the
+the weight gradient) compute each group's rows only: on XLA:CPU over groups of any size, on GPU
+(with the CUDA module; that kernel has not run on a GPU yet) over groups padded to 64-row
+tiles. On a GPU without it the grouped GEMM is ragged_dot while that operand is small (the
 plan's tile is then 0: ``GPU_RAGGED_DOT_MAX_BYTES`` in :mod:`._exchange`), else the loop below.
 With ``impl="xla"`` (or that GPU fallback) the calls' twin runs instead: each group cut
 into chunks, as many of 8 tiles as fit, then at most 3 of 2 tiles or 1; a loop over the
@@ -19,7 +19,7 @@ added in float32 to the GEMMs' float32 outputs, each row taking its group's bias
 take none, so they stay zero as without biases. On XLA:CPU the activation between the GEMMs (the
 SiLU family: swiglu, clamped_swiglu, silu) runs as jaxops' grouped activation calls, on the
 groups' rows only (the buffer is sized for the routing's worst case: on 8 simulated devices the
-gather exchange's buffer held about 640 rows of groups in 2172); elsewhere, and for gelu, XLA's
+gather exchange's buffer held about 512 rows of groups in 2048); elsewhere, and for gelu, XLA's
 fusion computes it on every row.
 """
 
@@ -39,8 +39,8 @@ from ._config import FP8_BLOCK, MoEConfig
 
 __all__ = ["CPU_TILE", "GPU_TILE", "activate", "expert_ffn", "grouped_ffn", "shared_expert"]
 
-#: Row alignment of the groups off GPU, the smallest chunk of the grouped GEMM loops (0 in a
-#: plan: jax.lax.ragged_dot).
+#: Row tile of the grouped GEMM loop off GPU (impl "xla": groups padded to it, its smallest
+#: chunk; the CPU custom calls take groups of any size). 0 in a plan: jax.lax.ragged_dot.
 CPU_TILE = 32
 #: The same on GPU where the plan does not take ragged_dot (the loop's chunks: 512, 128, 64).
 GPU_TILE = 64

@@ -267,7 +267,7 @@ def _check_x(op: str, x, cfg: MoEConfig) -> jax.Array:
     return x
 
 
-def _prepare(op: str, params, x, cfg: MoEConfig, mesh):
+def _prepare(op: str, params, x, cfg: MoEConfig, mesh, impl):
     """Validates the layer's arguments; (params, x) placed for shard_map, the plan and specs."""
     if not isinstance(cfg, MoEConfig):
         raise TypeError(f"{op}: cfg must be a MoEConfig, got {type(cfg).__name__}")
@@ -279,7 +279,7 @@ def _prepare(op: str, params, x, cfg: MoEConfig, mesh):
             f"{op}: x's leading axis ({x.shape[0]}) must be divisible by the {shards} devices "
             f"of the token axes {cfg.token_axes}"
         )
-    plan = make_plan(cfg, mesh, n, shards, math.prod(x.shape[:-1]))
+    plan = make_plan(cfg, mesh, n, shards, math.prod(x.shape[:-1]), impl)
     x_spec = P(cfg.token_axes)
     specs = moe_param_specs(cfg)
     return place(params, mesh, specs), place(x, mesh, x_spec), plan, specs, x_spec
@@ -315,7 +315,7 @@ def _local_call(op: str, params, x, cfg: MoEConfig, mesh, impl, token_mask):
             )
     x = _check_x(op, x, cfg)
     token_mask = check_token_mask(op, token_mask, x)
-    plan = make_plan(cfg, mesh, n, shards, math.prod(x.shape[:-1]) * shards)
+    plan = make_plan(cfg, mesh, n, shards, math.prod(x.shape[:-1]) * shards, impl)
     return local_layer(cfg, plan, impl, params, x, token_mask=token_mask)
 
 
@@ -383,7 +383,7 @@ def moe_layer(
     op = f"{_PREFIX}.moe_layer"
     if isinstance(cfg, MoEConfig) and _inside_shard_map(op, cfg):
         return _local_call(op, params, x, cfg, mesh, impl, token_mask)
-    params, x, plan, specs, x_spec = _prepare(op, params, x, cfg, mesh)
+    params, x, plan, specs, x_spec = _prepare(op, params, x, cfg, mesh, impl)
     token_mask = check_token_mask(op, token_mask, x)
     aux_specs = MoEAux(P(), P(), P(), P(), P())
     body = functools.partial(local_layer, cfg, plan, impl)
@@ -404,7 +404,7 @@ def stage_probe(params, x, cfg: MoEConfig, *, mesh, upto: str, impl: str | None 
     op = f"{_PREFIX}._stage_probe"
     if upto not in STAGES:
         raise ValueError(f"{op}: upto must be one of {STAGES}, got {upto!r}")
-    params, x, plan, specs, x_spec = _prepare(op, params, x, cfg, mesh)
+    params, x, plan, specs, x_spec = _prepare(op, params, x, cfg, mesh, impl)
 
     def body(p, x):
         out = local_layer(cfg, plan, impl, p, x, upto=upto)
