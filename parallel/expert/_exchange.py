@@ -203,9 +203,9 @@ def make_plan(
     align = math.lcm(cfg.align, tile) if tile else cfg.align
     if not gpu and _kernel(tile, impl):
         # The CPU custom calls take groups of any size; only their loop twin (impl "xla") cuts
-        # groups into tiles. Unpadded groups are fewer GEMM rows: on 2 x 4 CPU devices, 4 local
-        # experts of 16, about 512 rows in groups against 574 padded to 32 (a train step of
-        # bench_models' 4x256x16x2x256 decoder 2.5% faster).
+        # groups into tiles. Fewer GEMM rows: on 2 x 4 CPU devices, 4 local experts of 16, about
+        # 526 rows in groups padded to the default align of 8 against 574 padded to 32 (a train
+        # step of bench_models' 4x256x16x2x256 decoder 2.5% faster).
         align = cfg.align
     chunk, recv_rows = exchange_bounds(cfg, tl, n, num_tokens, align=align)
     kind = cfg.exchange

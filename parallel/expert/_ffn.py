@@ -19,7 +19,7 @@ added in float32 to the GEMMs' float32 outputs, each row taking its group's bias
 take none, so they stay zero as without biases. On XLA:CPU the activation between the GEMMs (the
 SiLU family: swiglu, clamped_swiglu, silu) runs as jaxops' grouped activation calls, on the
 groups' rows only (the buffer is sized for the routing's worst case: on 8 simulated devices the
-gather exchange's buffer held about 512 rows of groups in 2048); elsewhere, and for gelu, XLA's
+gather exchange's buffer held about 526 rows of groups in 2076); elsewhere, and for gelu, XLA's
 fusion computes it on every row.
 """
 
