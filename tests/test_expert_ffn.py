@@ -150,3 +150,45 @@ def test_grouped_ffn_activation_calls_match_xla(activation, dtype):
     for name, a, b in zip(("y", "dx", "dw_in", "dw_out"), got, want, strict=True):
         assert a.dtype == b.dtype and rel_error(a, b) < tol, (name, rel_error(a, b))
     assert not np.asarray(got[0], np.float32)[3 * TILE :].any()  # padding rows stay zero
+
+
+def test_grouped_ffn_intermediates_skip_zeroing_the_rows_past_the_groups():
+    """On CPU the FFN's intermediates (the first GEMM's output, the activation, and their
+    gradients) leave the rows past the groups unwritten: zero_tail false on those four calls,
+    true on the two whose results leave the FFN (its output, its input's gradient). Under
+    jax_debug_nans or jax_debug_infs (checks that read every row) all six zero them. Values and
+    gradients are the same bit for bit, and the output's padding rows are zero either way."""
+    from jaxops.parallel.expert import MoEConfig
+
+    cfg = MoEConfig(num_experts=3, top_k=1, hidden_size=24, expert_ffn=20, dtype=jnp.float32)
+    sizes = jnp.asarray([TILE + 3, 0, 2 * TILE - 5], jnp.int32)
+    rows = 3 * TILE + 2 * TILE
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((rows, 24)), jnp.float32).at[3 * TILE - 2 :].set(0)
+    w_in = jnp.asarray(rng.standard_normal((3, 24, cfg.w_in_width)) * 0.3, jnp.float32)
+    w_out = jnp.asarray(rng.standard_normal((3, 20, 24)) * 0.3, jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((rows, 24)), jnp.float32)
+
+    def run():
+        def f(x, w_in, w_out):
+            return _ffn.grouped_ffn(cfg, TILE, "ffi", x, w_in, w_out, sizes)
+
+        @jax.jit
+        def step(x, w_in, w_out):
+            y, vjp = jax.vjp(f, x, w_in, w_out)
+            return (y, *vjp(dy))
+
+        text = step.lower(x, w_in, w_out).as_text()
+        tails = sorted(re.findall(r"zero_tail = (true|false)", text))
+        return [np.asarray(a) for a in step(x, w_in, w_out)], tails
+
+    got, tails = run()
+    assert tails == ["false"] * 4 + ["true"] * 2, tails
+    for check in (jax.debug_nans, jax.debug_infs):
+        with check(True):
+            want, checked_tails = run()
+        assert checked_tails == ["true"] * 6, (check, checked_tails)
+        for name, a, b in zip(("y", "dx", "dw_in", "dw_out"), got, want, strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=name)
+    used = int(sizes.sum())
+    assert not got[0][used:].any() and not got[1][used:].any()

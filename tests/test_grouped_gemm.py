@@ -536,3 +536,68 @@ def test_activation_vmap_runs_each_example():
 def test_activation_fuzz_against_float64(rows, half, sizes, activation, dtype, seed):
     h, da, gs = _act_inputs(rows, 2 * half, sizes, activation, dtype, seed)
     _act_check(h, da, gs, activation, dtype)
+
+
+def _check_zero_tail(op, zero_tail, device):
+    """zero_tail's contract for one call on `device` (see the tests below)."""
+    rows, k, sizes = 90, 48, [30, 0, 25]
+    used = 55
+    rng = np.random.default_rng(5)
+    held = jnp.asarray(rng.standard_normal((rows, k)) + 3.0, jnp.float32)  # no zeros
+    gs = jnp.asarray(sizes, jnp.int32)
+    silu = dict(activation=np.int32(2), alpha=np.float32(1.702), limit=np.float32(7.0))
+    if op.startswith("gemm"):
+        w = jnp.asarray(rng.standard_normal((len(sizes), k, k)), jnp.float32)
+        attrs = dict(transpose_w=op == "gemm-transposed", zero_tail=zero_tail)
+        w_math = jnp.swapaxes(w, 1, 2) if attrs["transpose_w"] else w
+        target, operands = gg.TARGET_GROUPED_GEMM, (held, w, gs)
+        want = _oracle(held, w_math, np.zeros((rows, k), np.float32), sizes)[0]
+    elif op == "activation":  # silu: a [R, C] like h
+        attrs = dict(silu, zero_tail=zero_tail)
+        target, operands = gg.TARGET_ACTIVATION_FWD, (held, gs)
+        want = _act64(held, "silu")[0]
+    else:  # dh [R, C] like h
+        da = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+        attrs = dict(silu, zero_tail=zero_tail)
+        target, operands = gg.TARGET_ACTIVATION_BWD, (held, da, gs)
+        want = _act64(held, "silu")[1](np.asarray(da, np.float64))
+    operands = jax.device_put(operands, device)
+    out = jax.ShapeDtypeStruct((rows, k), jnp.float32)
+    plain = jax.jit(lambda *a: jax.ffi.ffi_call(target, out)(*a, **attrs))(*operands)
+    assert plain.devices() == {device}
+    assert rel_error(plain[:used], want[:used]) < 2e-6, rel_error(plain[:used], want[:used])
+    call = jax.ffi.ffi_call(target, out, input_output_aliases={0: 0})
+    tail = np.asarray(jax.jit(lambda *a: call(*a, **attrs))(*operands))[used:]
+    if zero_tail:
+        assert not tail.any()
+    else:
+        np.testing.assert_array_equal(tail, np.asarray(held)[used:])
+
+
+@pytest.mark.parametrize("zero_tail", [True, False], ids=["zeroed", "unwritten"])
+@pytest.mark.parametrize("op", ["gemm", "gemm-transposed", "activation", "activation-bwd"])
+def test_zero_tail_false_leaves_the_rows_past_the_groups_as_they_were(op, zero_tail):
+    """zero_tail=False: the rows past the groups keep what the output buffer held (the output is
+    aliased to an input of its shape here, so that it holds that input's rows), zero_tail=True
+    zeroes them; the groups' rows of an unaliased call match float64 either way."""
+    _check_zero_tail(op, zero_tail, jax.devices("cpu")[0])
+    # The public wrappers pass the attribute through.
+    x = jnp.ones((4, 2))
+    text = (
+        jax.jit(
+            lambda x: gg.grouped_gemm(
+                x, jnp.ones((1, 2, 2)), jnp.array([1], jnp.int32), zero_tail=zero_tail
+            )
+        )
+        .lower(x)
+        .as_text()
+    )
+    assert f"zero_tail = {str(zero_tail).lower()}" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("zero_tail", [True, False], ids=["zeroed", "unwritten"])
+@pytest.mark.parametrize("op", ["gemm", "gemm-transposed"])
+def test_gpu_zero_tail_false_leaves_the_rows_past_the_groups_as_they_were(op, zero_tail):
+    """The CUDA forward kernel's zero_tail, as the CPU test above."""
+    _check_zero_tail(op, zero_tail, jax.devices("gpu")[0])

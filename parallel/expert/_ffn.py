@@ -59,23 +59,45 @@ def activate(cfg: MoEConfig, h: jax.Array) -> jax.Array:
     return _grouped_gemm.activation_reference(h, cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
 
 
-def _activation_kernel(cfg: MoEConfig, tile: int, impl, h: jax.Array) -> bool:
-    """Whether the grouped activation calls run cfg's activation on h (CPU, not impl "xla")."""
+def _activation_kernel(cfg: MoEConfig, tile: int, impl, dtype) -> bool:
+    """Whether the grouped activation calls run cfg's activation on h of `dtype` (CPU only).
+
+    Not with impl "xla", and only for float32 h (what the grouped GEMMs return).
+    """
     return (
         cfg.activation in _grouped_gemm.ACTIVATIONS
-        and h.dtype == jnp.float32
+        and jnp.dtype(dtype) == jnp.float32
         and _kernel(tile, impl)
         and _grouped_gemm.activation_kernel_available()
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _grouped_activate(cfg: MoEConfig, h: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """:func:`activate` on the groups' rows of float32 h in cfg.dtype (zeros after them)."""
-    return _grouped_activate_fwd(cfg, h, group_sizes)[0]
+def _checking_floats() -> bool:
+    """Whether jax checks every result for NaNs or infs (``jax_debug_nans``, ``jax_debug_infs``).
+
+    Those checks read whole arrays, unwritten rows too: the FFN's intermediates are then zeroed
+    after the groups like its outputs, so that only a real NaN is reported.
+    """
+    return bool(jax.config.jax_debug_nans or jax.config.jax_debug_infs)
 
 
-def _grouped_activate_fwd(cfg: MoEConfig, h, group_sizes):
+def _grouped_activate(
+    cfg: MoEConfig, h: jax.Array, group_sizes: jax.Array, zero_tail: bool = True
+) -> jax.Array:
+    """:func:`activate` on the groups' rows of float32 h in cfg.dtype (zeros after them).
+
+    zero_tail=False: the rows after the groups, of the output and of h's gradient, are left
+    unwritten (the caller reads neither there: :func:`grouped_ffn`).
+    """
+    return _activate_vjp(cfg, zero_tail, h, group_sizes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _activate_vjp(cfg: MoEConfig, zero_tail: bool, h: jax.Array, group_sizes: jax.Array):
+    return _activate_fwd(cfg, zero_tail, h, group_sizes)[0]
+
+
+def _activate_fwd(cfg: MoEConfig, zero_tail: bool, h, group_sizes):
     a = _grouped_gemm.grouped_activation(
         h,
         group_sizes,
@@ -83,19 +105,26 @@ def _grouped_activate_fwd(cfg: MoEConfig, h, group_sizes):
         dtype=cfg.dtype,
         alpha=cfg.swiglu_alpha,
         limit=cfg.swiglu_limit,
+        zero_tail=zero_tail,
     )
     return a, (h, group_sizes)
 
 
-def _grouped_activate_bwd(cfg: MoEConfig, saved, da):
+def _activate_bwd(cfg: MoEConfig, zero_tail: bool, saved, da):
     h, group_sizes = saved
     dh = _grouped_gemm.grouped_activation_bwd(
-        h, da, group_sizes, cfg.activation, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit
+        h,
+        da,
+        group_sizes,
+        cfg.activation,
+        alpha=cfg.swiglu_alpha,
+        limit=cfg.swiglu_limit,
+        zero_tail=zero_tail,
     )
     return cotangent_like(dh, h), None
 
 
-_grouped_activate.defvjp(_grouped_activate_fwd, _grouped_activate_bwd)
+_activate_vjp.defvjp(_activate_fwd, _activate_bwd)
 
 
 def _chunks(tile: int, rows: int) -> tuple[int, ...]:
@@ -158,10 +187,13 @@ def _kernel(tile: int, impl) -> bool:
     return resolve_impl(impl, kernel_available=available, op="moe_layer") == "ffi"
 
 
-def _gmm(tile: int, x, w, groups, transpose_w: bool = False, impl=None) -> jax.Array:
+def _gmm(
+    tile: int, x, w, groups, transpose_w: bool = False, impl=None, zero_tail: bool = True
+) -> jax.Array:
     """``y[rows of group l] = x[rows] @ w[l]`` (``w[l].T`` with transpose_w), float32 ``[R, N]``.
 
-    Padding rows give zeros. On XLA:CPU the CPU custom call (:mod:`jaxops._grouped_gemm`), or
+    Padding rows give zeros (with the custom calls and zero_tail=False the rows after the groups
+    are left unwritten). On XLA:CPU the CPU custom call (:mod:`jaxops._grouped_gemm`), or
     with ``impl="xla"`` its twin: a loop over the groups that runs one GEMM per chunk of their
     rows (:func:`_group_loop`) with the group's weights (with transpose_w the GEMM reads them
     transposed: no transposed copy of w is made).
@@ -170,7 +202,11 @@ def _gmm(tile: int, x, w, groups, transpose_w: bool = False, impl=None) -> jax.A
     if _kernel(tile, impl):
         dtype = jnp.promote_types(x.dtype, w.dtype)
         return _grouped_gemm.grouped_gemm(
-            x.astype(dtype), w.astype(dtype), group_sizes, transpose_w=transpose_w
+            x.astype(dtype),
+            w.astype(dtype),
+            group_sizes,
+            transpose_w=transpose_w,
+            zero_tail=zero_tail,
         )
     if tile == 0:
         w = jnp.swapaxes(w, 1, 2) if transpose_w else w
@@ -192,11 +228,14 @@ def _gmm(tile: int, x, w, groups, transpose_w: bool = False, impl=None) -> jax.A
     return _group_loop(tile, x.shape[0], groups, group, out)
 
 
-def _gmm_bwd(tile: int, dy, w, x, dy_w, groups, impl=None) -> tuple[jax.Array, jax.Array]:
+def _gmm_bwd(
+    tile: int, dy, w, x, dy_w, groups, impl=None, dx_zero_tail: bool = True
+) -> tuple[jax.Array, jax.Array]:
     """The grouped GEMM's two gradients, float32: ``(dx [R, K], dw [L, K, N])``.
 
     ``dx[rows of l] = dy[rows] @ w[l].T`` and ``dw[l] = x[rows of l].T @ dy_w[rows of l]``
-    (dy_w: the gradient the wgrad reads; dy itself unless quantized differently). On XLA:CPU
+    (dy_w: the gradient the wgrad reads; dy itself unless quantized differently); dx_zero_tail
+    as :func:`_gmm`'s zero_tail. On XLA:CPU
     the CPU custom calls, or with ``impl="xla"`` one loop over the groups that computes both per
     chunk of rows, each group's weight gradient summed in a ``[K, N]`` accumulator and written
     once; groups without rows get zeros.
@@ -204,7 +243,7 @@ def _gmm_bwd(tile: int, dy, w, x, dy_w, groups, impl=None) -> tuple[jax.Array, j
     group_sizes = groups[0]
     if _kernel(tile, impl):
         dtype = jnp.promote_types(dy.dtype, w.dtype)
-        dx = _gmm(tile, dy.astype(dtype), w.astype(dtype), groups, True, impl)
+        dx = _gmm(tile, dy.astype(dtype), w.astype(dtype), groups, True, impl, dx_zero_tail)
         dtype = jnp.promote_types(x.dtype, dy_w.dtype)
         return dx, _grouped_gemm.grouped_gemm_wgrad(
             x.astype(dtype), dy_w.astype(dtype), group_sizes
@@ -253,13 +292,24 @@ def _fp8_split(impl, x, group_sizes, grad: bool = False) -> jax.Array:
     return q.dequantize(jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _grouped_linear(tile: int, quantized: bool | str, impl, x, w, groups):
-    return _grouped_linear_fwd(tile, quantized, impl, x, w, groups)[0]
+def _grouped_linear(
+    tile: int, quantized: bool | str, impl, x, w, groups, tails: tuple[bool, bool] = (True, True)
+) -> jax.Array:
+    """The grouped GEMM ``x @ w[group]`` (:func:`_gmm`) with its ``custom_vjp`` (:func:`_gmm_bwd`).
+
+    quantized: False, True (quantize x's rows 1 x 128) or "given" (x: dequantized FP8 rows).
+    tails: whether the output's rows after the groups, and x's gradient's, are zeroed (False:
+    left unwritten by the custom calls; the caller never reads them).
+    """
+    return _linear_vjp(tile, quantized, impl, tails, x, w, groups)
 
 
-def _grouped_linear_fwd(tile: int, quantized: bool | str, impl, x, w, groups):
-    """quantized: False, True (quantize x's rows 1 x 128) or "given" (x: dequantized FP8 rows)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _linear_vjp(tile: int, quantized: bool | str, impl, tails, x, w, groups):
+    return _linear_fwd(tile, quantized, impl, tails, x, w, groups)[0]
+
+
+def _linear_fwd(tile: int, quantized: bool | str, impl, tails, x, w, groups):
     like = x[:0]  # x's dtype and varying axes, for its cotangent
     if quantized:
         xq = x if quantized == "given" else _fp8_rows(impl, x)
@@ -267,11 +317,12 @@ def _grouped_linear_fwd(tile: int, quantized: bool | str, impl, x, w, groups):
         # so they are kept in the compute dtype (the weights'), as other inputs are.
         saved = x.astype(w.dtype) if quantized == "given" else x
         w = fp8.dequantize(fp8.quantize(w, block=(FP8_BLOCK, FP8_BLOCK), impl=impl), jnp.float32)
-        return _gmm(tile, xq, w, groups, impl=impl), ((saved, like), w, groups)
-    return _gmm(tile, x, w, groups, impl=impl), ((x, like), w, groups)
+        y = _gmm(tile, xq, w, groups, impl=impl, zero_tail=tails[0])
+        return y, ((saved, like), w, groups)
+    return _gmm(tile, x, w, groups, impl=impl, zero_tail=tails[0]), ((x, like), w, groups)
 
 
-def _grouped_linear_bwd(tile: int, quantized: bool | str, impl, saved, dy):
+def _linear_bwd(tile: int, quantized: bool | str, impl, tails, saved, dy):
     (x, x_like), w, groups = saved
     if quantized:
         # dgrad from 1 x 128 gradient groups and w's tiles read transposed; wgrad from
@@ -282,12 +333,12 @@ def _grouped_linear_bwd(tile: int, quantized: bool | str, impl, saved, dy):
     else:
         dyq = dys = dy.astype(x.dtype)
         xs = x
-    dx, dw = _gmm_bwd(tile, dyq, w, xs, dys, groups, impl=impl)
+    dx, dw = _gmm_bwd(tile, dyq, w, xs, dys, groups, impl=impl, dx_zero_tail=tails[1])
     dx = cotangent_like(dx.astype(x_like.dtype), x_like)
     return dx, cotangent_like(dw.astype(w.dtype), w), None
 
 
-_grouped_linear.defvjp(_grouped_linear_fwd, _grouped_linear_bwd)
+_linear_vjp.defvjp(_linear_fwd, _linear_bwd)
 
 
 def _groups(group_sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -342,14 +393,20 @@ def grouped_ffn(
     quantized = cfg.fp8 == "block"
     first = "given" if cfg.dispatch == "fp8" else quantized
     bias_rows = None if b_in is None else _bias_rows(group_sizes, used, rows.shape[0])
-    h = _grouped_linear(tile, first, impl, rows, w_in.astype(cfg.dtype), groups)
+    # The groups' rows only, through custom calls that read nothing else (the activation calls
+    # on the first GEMM's output; no FP8 quantization or bias over every row): the intermediates
+    # (h, the activation, and their gradients) leave the rows after the groups unwritten.
+    grouped = _activation_kernel(cfg, tile, impl, jnp.float32)
+    zero = not (grouped and first is False and bias_rows is None) or _checking_floats()
+    h = _grouped_linear(tile, first, impl, rows, w_in.astype(cfg.dtype), groups, (zero, True))
     if bias_rows is not None:
         h = _add_bias(h, b_in, bias_rows)
-    if _activation_kernel(cfg, tile, impl, h):  # the groups' rows only (the buffer's worst case)
-        a = _grouped_activate(cfg, h, group_sizes)
+    if grouped:  # the groups' rows only (the buffer's worst case)
+        a = _grouped_activate(cfg, h, group_sizes, zero)
     else:
         a = activate(cfg, h).astype(cfg.dtype)
-    out = _grouped_linear(tile, quantized, impl, a, w_out.astype(cfg.dtype), groups)
+    w_out = w_out.astype(cfg.dtype)
+    out = _grouped_linear(tile, quantized, impl, a, w_out, groups, (True, zero))
     if bias_rows is not None:
         out = _add_bias(out, b_out, bias_rows)
     return out.astype(cfg.dtype)

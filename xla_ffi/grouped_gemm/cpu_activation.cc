@@ -6,6 +6,9 @@
 //   * GroupedActivationBwd: dh[r] = the gradient of act at h[r] times da[r] for the groups'
 //     rows, zeros after them; da float32, bfloat16 or float16, dh float32.
 //
+// With zero_tail false both leave the rows after the groups unwritten (a caller that reads the
+// groups' rows only: the expert layer's intermediates).
+//
 // The expert layer's buffers are sized for the worst case of the routing: on 8 simulated
 // devices the gather exchange's 2172-row buffer held about 640 rows of groups, and XLA's fusion
 // computed the activation and its gradient on every row (an exp per element). Rows run in
@@ -31,10 +34,11 @@ namespace {
 
 // The sizes of one call.
 struct Shape {
-  int64_t rows = 0;  // R
-  int64_t in = 0;    // h's columns C
-  int64_t out = 0;   // a's columns F (C / 2 for a gated activation, else C)
-  int64_t used = 0;  // rows the groups cover, clipped as the grouped GEMMs clip them
+  int64_t rows = 0;       // R
+  int64_t in = 0;         // h's columns C
+  int64_t out = 0;        // a's columns F (C / 2 for a gated activation, else C)
+  int64_t used = 0;       // rows the groups cover, clipped as the grouped GEMMs clip them
+  bool zero_tail = true;  // write zeros to rows [used, rows) of the output
 };
 
 // Rows [0, used) the groups cover: negative sizes count as 0, none past the last row.
@@ -91,13 +95,16 @@ JAXOPS_CPU_CLONES void BackwardRow(const float* h, const X* da, int64_t f, float
 }
 
 // ---------------------------------------------------------------------------------------------
-// Typed implementations: zeros after the groups' rows, then the rows over the pool.
+// Typed implementations: zeros after the groups' rows (unless zero_tail is false), then the rows
+// over the pool.
 
 template <Activation kAct, typename X>
 ffi::Future ForwardImpl(ffi::ThreadPool& pool, const Shape& s, const float* h, X* a, float alpha,
                         float limit) {
-  std::memset(static_cast<void*>(a + s.used * s.out), 0,
-              static_cast<size_t>((s.rows - s.used) * s.out) * sizeof(X));
+  if (s.zero_tail) {
+    std::memset(static_cast<void*>(a + s.used * s.out), 0,
+                static_cast<size_t>((s.rows - s.used) * s.out) * sizeof(X));
+  }
   const int64_t row_bytes = s.in * int64_t{4} + s.out * int64_t{sizeof(X)};
   return ParallelFor(pool, s.used, row_bytes, [=](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -112,8 +119,10 @@ ffi::Future ForwardImpl(ffi::ThreadPool& pool, const Shape& s, const float* h, X
 template <Activation kAct, typename X>
 ffi::Future BackwardImpl(ffi::ThreadPool& pool, const Shape& s, const float* h, const X* da,
                          float* dh, float alpha, float limit) {
-  std::memset(static_cast<void*>(dh + s.used * s.in), 0,
-              static_cast<size_t>((s.rows - s.used) * s.in) * sizeof(float));
+  if (s.zero_tail) {
+    std::memset(static_cast<void*>(dh + s.used * s.in), 0,
+                static_cast<size_t>((s.rows - s.used) * s.in) * sizeof(float));
+  }
   const int64_t row_bytes = s.in * int64_t{8} + s.out * int64_t{sizeof(X)};
   return ParallelFor(pool, s.used, row_bytes, [=](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -172,10 +181,11 @@ ffi::ErrorOr<Shape> CheckShape(const char* op, const ffi::Buffer<ffi::F32>& h,
 
 ffi::Future ForwardDispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
                             ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::AnyBuffer> a,
-                            int32_t activation, float alpha, float limit) {
+                            int32_t activation, float alpha, float limit, bool zero_tail) {
   constexpr const char* kOp = "grouped_activation";
   auto shape = CheckShape(kOp, h, sizes, *a, "a", activation, alpha, limit);
   if (shape.has_error()) return ReadyFuture(shape.error());
+  shape->zero_tail = zero_tail;
   return DispatchFloat(kOp, "a", a->element_type(), [&](auto tag) {
     using X = typename decltype(tag)::type;
     return WithActivation(static_cast<Activation>(activation), [&](auto act) {
@@ -187,10 +197,11 @@ ffi::Future ForwardDispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
 
 ffi::Future BackwardDispatch(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::AnyBuffer da,
                              ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::Buffer<ffi::F32>> dh,
-                             int32_t activation, float alpha, float limit) {
+                             int32_t activation, float alpha, float limit, bool zero_tail) {
   constexpr const char* kOp = "grouped_activation_bwd";
   auto shape = CheckShape(kOp, h, sizes, da, "da", activation, alpha, limit);
   if (shape.has_error()) return ReadyFuture(shape.error());
+  shape->zero_tail = zero_tail;
   if (dh->dimensions().size() != 2 || dh->dimensions()[0] != shape->rows ||
       dh->dimensions()[1] != shape->in) {
     return ReadyFuture(InvalidArgument(std::string(kOp) + ": dh must be float32 like h " +
@@ -217,7 +228,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedActivationFwdCpu, jaxops::grouped_gemm::For
                                   .Ret<xla::ffi::AnyBuffer>()   // a (f32 | bf16 | f16) [R, F]
                                   .Attr<int32_t>("activation")  // 0 swiglu, 1 clamped, 2 silu
                                   .Attr<float>("alpha")         // clamped_swiglu's alpha
-                                  .Attr<float>("limit"));       // clamped_swiglu's limit
+                                  .Attr<float>("limit")         // clamped_swiglu's limit
+                                  .Attr<bool>("zero_tail"));    // zeros past the groups' rows
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedActivationBwdCpu, jaxops::grouped_gemm::BackwardDispatch,
                               xla::ffi::Ffi::Bind()
@@ -228,4 +240,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedActivationBwdCpu, jaxops::grouped_gemm::Bac
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dh [R, C]
                                   .Attr<int32_t>("activation")  // 0 swiglu, 1 clamped, 2 silu
                                   .Attr<float>("alpha")         // clamped_swiglu's alpha
-                                  .Attr<float>("limit"));       // clamped_swiglu's limit
+                                  .Attr<float>("limit")         // clamped_swiglu's limit
+                                  .Attr<bool>("zero_tail"));    // zeros past the groups' rows

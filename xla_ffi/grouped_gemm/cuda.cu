@@ -89,14 +89,15 @@ ffi::Error WgradImpl(cudaStream_t stream, const Problem& p, const Args<T>& a) {
 
 ffi::Error ForwardDispatch(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
                            ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::Buffer<ffi::F32>> y,
-                           bool transpose_w) {
+                           bool transpose_w, bool zero_tail) {
   auto problem = CheckForward(x, w, sizes, *y, transpose_w);
   if (problem.has_error()) return problem.error();
   const Problem& p = *problem;
   return DispatchFloat("grouped_gemm", "x", x.element_type(), [&](auto tag) -> ffi::Error {
     using T = typename decltype(tag)::type;
-    const Args<T> a = MakeArgs<T>(p, x.untyped_data(), p.k, w.untyped_data(),
-                                  transpose_w ? p.k : p.n, sizes, y->typed_data());
+    Args<T> a = MakeArgs<T>(p, x.untyped_data(), p.k, w.untyped_data(), transpose_w ? p.k : p.n,
+                            sizes, y->typed_data());
+    a.zero_tail = zero_tail;
     return ForwardImpl<T>(stream, p, a, transpose_w);
   });
 }
@@ -125,7 +126,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::AnyBuffer>()                     // w [G, K, N] | [G, N, K]
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes [G]
         .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // y [R, N]
-        .Attr<bool>("transpose_w"),                     // w is [G, N, K]
+        .Attr<bool>("transpose_w")                      // w is [G, N, K]
+        .Attr<bool>("zero_tail"),                       // zeros past the groups' rows
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

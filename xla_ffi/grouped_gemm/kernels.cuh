@@ -11,7 +11,8 @@
 // device data: every CTA reads them and finds its own tile with a scan over the CTA (no host round
 // trip, no scratch buffer).
 //   forward: grid.x = ceil(R / kBm) + G + 1 row tiles (each group's tiles in group order, then
-//            tiles that zero the rows past the groups; spare ones return), grid.y = ceil(N / kBn);
+//            tiles that zero the rows past the groups, unless zero_tail is false; spare ones
+//            return), grid.y = ceil(N / kBn);
 //   wgrad:   grid.x = G * ceil(K / kBm), grid.y = ceil(N / kBn); each CTA walks its group's rows.
 // Group sizes are clipped as the CPU kernels clip them (grouped_gemm.h's ClipGroups): negative
 // counts as 0, no group past the last row.
@@ -59,6 +60,7 @@ struct Args {
   int64_t groups = 0;              // G
   bool a_vec = false;              // a's rows allow 16-byte loads (aligned base, ld % vec == 0)
   bool b_vec = false;
+  bool zero_tail = true;  // forward: zero y's rows past the groups (else unwritten)
 };
 
 // CTAs per SM the kernels ask registers for: two for the 16-bit types (128 registers, the
@@ -402,7 +404,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T>) GroupedGemmFwdKernel(Ar
   const int64_t n0 = static_cast<int64_t>(blockIdx.y) * kBn;
   const int64_t vc = a.n - n0 < kBn ? a.n - n0 : kBn;
   if (span.group < 0) {
-    // Past the groups' tiles: zero the rows past the groups, kBm at a time.
+    // Past the groups' tiles: zero the rows past the groups, kBm at a time (unless the caller
+    // never reads them: zero_tail false).
+    if (!a.zero_tail) return;
     const int64_t first =
         span.used_rows + (static_cast<int64_t>(blockIdx.x) - span.used_tiles) * kBm;
     if (first >= a.rows) return;
