@@ -39,7 +39,8 @@ says which one runs.
 then hold whatever the output buffer held (not zeros, possibly not finite), and the call skips
 writing them. The expert layer's FFN passes it for its intermediates (the first GEMM's output,
 the activation, and their gradients): on 8 simulated CPU devices three quarters of its
-worst-case buffers' rows are past the groups, and zeroing them took 3% of the train step.
+worst-case buffers' rows are past the groups, and zeroing them took 2.5% of the train step
+(``bench_models.py``'s 4x256x16x2x256:16x128 on 2 x 4: 358.2 -> 349.4 ms).
 
 All are plain custom calls (the expert layer's ``custom_vjp`` pairs them); their pure-JAX twins
 are ``jax.lax.ragged_dot`` and its VJP (:func:`grouped_gemm_reference`,
