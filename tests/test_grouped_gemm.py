@@ -545,7 +545,7 @@ def _check_zero_tail(op, zero_tail, device):
     rng = np.random.default_rng(5)
     held = jnp.asarray(rng.standard_normal((rows, k)) + 3.0, jnp.float32)  # no zeros
     gs = jnp.asarray(sizes, jnp.int32)
-    silu = dict(activation=np.int32(2), alpha=np.float32(1.702), limit=np.float32(7.0))
+    silu = gg._attrs("silu", 1.702, 7.0)  # the attributes the wrappers pass
     if op.startswith("gemm"):
         w = jnp.asarray(rng.standard_normal((len(sizes), k, k)), jnp.float32)
         attrs = dict(transpose_w=op == "gemm-transposed", zero_tail=zero_tail)
