@@ -113,23 +113,24 @@ def _one_process(args: argparse.Namespace) -> dict[str, Any]:
     opt = optax.adamw(1e-4, weight_decay=0.0)
     envs = [v["env"] for v in variants.values()]
 
-    def build(v: dict[str, Any]) -> dict[str, Any]:
+    def build(v: dict[str, Any]) -> Any:
         _set_env(v["env"], envs)
         mesh = jax.make_mesh(v["mesh"], ("data", "expert"))
         kw = {"scan_unroll": True, "zero": 1, **v["kw"]}
+        # as bench_models' rows: aux losses off, float32
         model = MoEDecoder(
             cfg, mesh, router_aux_loss_coef=0.0, router_z_loss_coef=0.0, dtype=jnp.float32, **kw
         )
         with jax.set_mesh(mesh):
             params = model.init(jax.random.key(0))
-            state = model.init_optimizer(opt, params)
             batch = model.place_batch(tokens, targets)
-        step = model.train_step(opt)
+        run = bench._Training(model, opt, params, batch)
         if v["xla"]:
-            step = step.lower(params, state, *batch).compile(compiler_options=v["xla"])
-        run = {"step": step, "params": params, "state": state, "batch": batch, "loss": None}
+            run.step = run.step.lower(run.params, run.state, *batch).compile(
+                compiler_options=v["xla"]
+            )
         for _ in range(args.warmup):
-            _advance(run)
+            jax.block_until_ready(run())
         return run
 
     runs = {}
@@ -138,14 +139,15 @@ def _one_process(args: argparse.Namespace) -> dict[str, Any]:
     times: dict[str, list[float]] = {"a": [], "b": []}
     cpu = {"a": 0.0, "b": 0.0}
     idle = {"a": 0.0, "b": 0.0}
+    loss: dict[str, Any] = {}
     for r in range(args.rounds):
         for key in args.order if r % 2 == 0 else args.order[::-1]:
             _set_env(variants[key]["env"], envs)
-            _advance(runs[key])  # one untimed step after the switch
+            loss[key] = jax.block_until_ready(runs[key]())  # untimed, after the switch
             u0, s0 = resource.getrusage(resource.RUSAGE_SELF), _proc_stat()
             for _ in range(args.block):
                 t0 = time.perf_counter()
-                _advance(runs[key])
+                loss[key] = jax.block_until_ready(runs[key]())
                 times[key].append(time.perf_counter() - t0)
             u1, s1 = resource.getrusage(resource.RUSAGE_SELF), _proc_stat()
             cpu[key] += u1.ru_utime - u0.ru_utime + u1.ru_stime - u0.ru_stime
@@ -160,15 +162,10 @@ def _one_process(args: argparse.Namespace) -> dict[str, Any]:
             "min_ms": 1e3 * float(t.min()),
             "cpu_ms": 1e3 * cpu[key] / len(t),
             "idle_core_ms": 1e3 * idle[key] / len(t),
-            "loss": float(runs[key]["loss"]),
+            "loss": float(loss[key]),
         }
     out["ratio"] = out["b"]["median_ms"] / out["a"]["median_ms"]
     return out
-
-
-def _advance(run: dict[str, Any]) -> None:
-    run["params"], run["state"], loss = run["step"](run["params"], run["state"], *run["batch"])
-    run["loss"] = loss.block_until_ready()
 
 
 def _print(result: dict[str, Any], args: argparse.Namespace) -> None:
