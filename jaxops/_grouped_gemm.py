@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxops import _checks, _ffi
+from jaxops._sharding import vary_like
 
 __all__ = [
     "ACTIVATIONS",
@@ -215,9 +216,11 @@ def grouped_gemm_wgrad_reference(x, dy, group_sizes) -> jax.Array:
     """The pure-JAX twin of :func:`grouped_gemm_wgrad` (``ragged_dot``'s VJP, float32)."""
     sizes = _clipped(group_sizes, x.shape[0])
     shape = (group_sizes.shape[0], x.shape[1], dy.shape[1])
+    # Inside shard_map the zero primal varies like x and dy: invariant, its gradient would be
+    # the sum over the devices (of every device's groups).
     _, vjp = jax.vjp(
         lambda w: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32),
-        jnp.zeros(shape, x.dtype),
+        vary_like(jnp.zeros(shape, x.dtype), x, dy, group_sizes),
     )
     return vjp(dy.astype(jnp.float32))[0].astype(jnp.float32)
 

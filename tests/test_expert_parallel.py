@@ -1391,3 +1391,21 @@ def test_two_processes_fp8_dispatch():
     outputs = run_processes(_TWO_PROCESS_FP8_DISPATCH, 2, 2, timeout=240)
     for i, out in enumerate(outputs):
         assert re.search(rf"OK {i}\b", out), out
+
+
+@pytest.mark.parametrize("mesh_name,local", [("e8", 1), ("e8", 2), ("d2e4", 4)])
+@pytest.mark.parametrize("exchange", ["gather", "dense"])
+def test_ragged_dot_path_gradients_on_cpu_devices(mesh_name, local, exchange, monkeypatch):
+    """The GPU's ragged_dot grouped GEMMs (plan tile 0: one local expert, or no CUDA kernel
+    and a small dense form), run on the 8 CPU devices: the expert weights' gradients are each
+    device's own (a weight gradient of ragged_dot computed with an invariant zero primal was
+    summed over the mesh inside shard_map, mixing different experts' gradients)."""
+    monkeypatch.setattr(expert._exchange, "_platform", lambda mesh: "gpu")
+    monkeypatch.setattr(expert._exchange._grouped_gemm, "kernel_available", lambda *a: False)
+    mesh = _mesh(mesh_name)
+    n = dict(mesh.shape)["expert"]
+    cfg = _config(mesh_name, num_experts=local * n, exchange=exchange)
+    x = jax.random.normal(jax.random.key(30), (8, 5, 32))
+    assert expert._exchange.make_plan(cfg, mesh, n, 8 // n, 40).tile == 0
+    params = init_moe_params(jax.random.key(31), cfg)
+    _compare(_run(cfg, mesh, params, x), _reference(cfg, params, x))

@@ -203,34 +203,44 @@ def test_vmap_runs_each_example():
         _close(ys[i], _oracle(xs[i], w, dy, np.asarray(sizes[i]))[0])
 
 
-def test_inside_shard_map_each_device_multiplies_its_own_groups():
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_inside_shard_map_each_device_multiplies_its_own_groups(impl):
+    """y and dw of each device's own rows and groups, the kernels' and the twins' (the twins'
+    dw is ragged_dot's VJP: from an invariant zero primal it came back summed over the devices);
+    no collective."""
     devices = jax.devices("cpu")[:8]
     mesh = jax.make_mesh((len(devices),), ("expert",), devices=devices)
     n_dev, rows, k, n, groups = len(devices), 48, 20, 36, 3
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((n_dev * rows, k)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((n_dev * groups, k, n)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((n_dev * rows, n)), jnp.float32)
     sizes = jnp.asarray(rng.integers(0, 17, (n_dev * groups,)), jnp.int32)
-    host = tuple(np.asarray(a) for a in (x, w, sizes))
-    x, w, sizes = jax.device_put((x, w, sizes), NamedSharding(mesh, P("expert")))
+    host = tuple(np.asarray(a) for a in (x, w, dy, sizes))
+    x, w, dy, sizes = jax.device_put((x, w, dy, sizes), NamedSharding(mesh, P("expert")))
+    if impl == "ffi":
+        gemm, wgrad = gg.grouped_gemm, gg.grouped_gemm_wgrad
+    else:
+        gemm, wgrad = gg.grouped_gemm_reference, gg.grouped_gemm_wgrad_reference
 
     @jax.jit
-    def f(x, w, sizes):
+    def f(x, w, dy, sizes):
         return jax.shard_map(
-            gg.grouped_gemm,
+            lambda x, w, dy, sizes: (gemm(x, w, sizes), wgrad(x, dy, sizes)),
             mesh=mesh,
-            in_specs=(P("expert"), P("expert"), P("expert")),
-            out_specs=P("expert"),
-        )(x, w, sizes)
+            in_specs=(P("expert"),) * 4,
+            out_specs=(P("expert"), P("expert")),
+        )(x, w, dy, sizes)
 
-    assert count_collectives(f.lower(x, w, sizes).compile().as_text()) == {}
-    y = np.asarray(f(x, w, sizes))
-    hx, hw, hsizes = host
+    assert count_collectives(f.lower(x, w, dy, sizes).compile().as_text()) == {}
+    y, dw = (np.asarray(a) for a in f(x, w, dy, sizes))
+    hx, hw, hdy, hsizes = host
     for d in range(n_dev):
         part = slice(d * rows, (d + 1) * rows)
         g = slice(d * groups, (d + 1) * groups)
-        want = _oracle(hx[part], hw[g], np.zeros((rows, n)), hsizes[g])[0]
-        _close(jnp.asarray(y[part]), want)
+        want_y, want_dw = _oracle(hx[part], hw[g], hdy[part], hsizes[g])
+        _close(jnp.asarray(y[part]), want_y)
+        _close(jnp.asarray(dw[g]), want_dw)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -250,9 +250,11 @@ def _gmm_bwd(
         )
     if tile == 0:
         dx = _gmm(tile, dy, w, groups, transpose_w=True)
+        # The zero primal varies like the rows: invariant, its gradient would be summed over
+        # the shard_map axes the rows vary over (every device's experts' gradients mixed).
         _, vjp = jax.vjp(
             lambda w: jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32),
-            jnp.zeros(w.shape, x.dtype),
+            vary_like(jnp.zeros(w.shape, x.dtype), x, dy_w, group_sizes),
         )
         return dx, vjp(dy_w.astype(jnp.float32))[0].astype(jnp.float32)
     nt = (((1,), (1,)), ((), ()))
