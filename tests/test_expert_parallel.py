@@ -1393,19 +1393,27 @@ def test_two_processes_fp8_dispatch():
         assert re.search(rf"OK {i}\b", out), out
 
 
-@pytest.mark.parametrize("mesh_name,local", [("e8", 1), ("e8", 2), ("d2e4", 4)])
+@pytest.mark.parametrize(
+    "mesh_name,local,gemm",
+    [("e8", 1, "ragged_dot"), ("e8", 2, "ragged_dot"), ("d2e4", 4, "ragged_dot"),
+     ("e8", 2, "loop"), ("d2e4", 4, "loop")],
+)  # fmt: skip
 @pytest.mark.parametrize("exchange", ["gather", "dense"])
-def test_ragged_dot_path_gradients_on_cpu_devices(mesh_name, local, exchange, monkeypatch):
-    """The GPU's ragged_dot grouped GEMMs (plan tile 0: one local expert, or no CUDA kernel
-    and a small dense form), run on the 8 CPU devices: the expert weights' gradients are each
-    device's own (a weight gradient of ragged_dot computed with an invariant zero primal was
-    summed over the mesh inside shard_map, mixing different experts' gradients)."""
+def test_gpu_gemm_paths_on_cpu_devices(mesh_name, local, gemm, exchange, monkeypatch):
+    """The GPU plan's grouped GEMMs without jaxops' CUDA kernel, run on the 8 CPU devices:
+    jax.lax.ragged_dot (plan tile 0: one local expert, or a small dense form) and the loop over
+    GPU_TILE chunks (the dense form's budget set to 0). The expert weights' gradients are each
+    device's own: ragged_dot's weight gradient from an invariant zero primal was summed over
+    the mesh inside shard_map, mixing different experts' gradients (found 2026-11-29)."""
     monkeypatch.setattr(expert._exchange, "_platform", lambda mesh: "gpu")
     monkeypatch.setattr(expert._exchange._grouped_gemm, "kernel_available", lambda *a: False)
+    if gemm == "loop":
+        monkeypatch.setattr(expert._exchange, "GPU_RAGGED_DOT_MAX_BYTES", 0)
     mesh = _mesh(mesh_name)
     n = dict(mesh.shape)["expert"]
     cfg = _config(mesh_name, num_experts=local * n, exchange=exchange)
     x = jax.random.normal(jax.random.key(30), (8, 5, 32))
-    assert expert._exchange.make_plan(cfg, mesh, n, 8 // n, 40).tile == 0
+    tile = expert._exchange.make_plan(cfg, mesh, n, 8 // n, 40).tile
+    assert tile == (0 if gemm == "ragged_dot" else expert._ffn.GPU_TILE)
     params = init_moe_params(jax.random.key(31), cfg)
     _compare(_run(cfg, mesh, params, x), _reference(cfg, params, x))
