@@ -1417,3 +1417,76 @@ def test_gpu_gemm_paths_on_cpu_devices(mesh_name, local, gemm, exchange, monkeyp
     assert tile == (0 if gemm == "ragged_dot" else expert._ffn.GPU_TILE)
     params = init_moe_params(jax.random.key(31), cfg)
     _compare(_run(cfg, mesh, params, x), _reference(cfg, params, x))
+
+
+@pytest.fixture
+def ragged_on_cpu():
+    """ragged_all_to_all lowered on CPU as the exchange's exact dense twin, for one test: jax's
+    own typing and transpose rules of the primitive stay in force (XLA:CPU cannot compile it)."""
+    from jax._src.interpreters import mlir
+    from jax._src.lax import parallel as lax_parallel
+
+    prim = lax_parallel.ragged_all_to_all_p
+    table = mlir._platform_specific_lowerings["cpu"]
+    saved = table.get(prim)
+
+    def dense(operand, output, *offsets, axis_name, axis_index_groups):
+        assert axis_index_groups is None and len(axis_name) == 1, (axis_name, axis_index_groups)
+        return expert._exchange.ragged_all_to_all_dense(
+            operand, output, *offsets, axis_name=axis_name[0], chunk=operand.shape[0]
+        )
+
+    mlir.register_lowering(prim, mlir.lower_fun(dense, multiple_results=False), platform="cpu")
+    try:
+        yield
+    finally:
+        if saved is None:
+            table.pop(prim, None)
+        else:
+            table[prim] = saved
+
+
+@pytest.mark.parametrize(
+    "mesh_name,gpu", [("e8", False), ("d2e4", False), ("e8", True), ("d2e4", True)]
+)
+@pytest.mark.parametrize(
+    "routing", ROUTINGS[:4], ids=[f"top{k}-{r}-cf{cf}" for k, r, cf in ROUTINGS[:4]]
+)
+def test_ragged_exchange_emulated_on_cpu_matches_reference(
+    mesh_name, gpu, routing, ragged_on_cpu, monkeypatch
+):
+    """exchange="ragged" (the GPU's choice) with ragged_all_to_all run as its dense twin: y and
+    every gradient equal the reference's. The rows received into the zero buffer were typed
+    invariant, so their cotangents were summed over the mesh: every gradient wrong (2026-11-29).
+    gpu: the GPU plan's ragged_dot grouped GEMMs instead of the CPU kernels."""
+    if gpu:
+        monkeypatch.setattr(expert._exchange, "_platform", lambda mesh: "gpu")
+        monkeypatch.setattr(expert._exchange._grouped_gemm, "kernel_available", lambda *a: False)
+    k, router, cf = routing
+    cfg = _config(mesh_name, top_k=k, router=router, capacity_factor=cf, exchange="ragged")
+    mesh = _mesh(mesh_name)
+    params = init_moe_params(jax.random.key(32), cfg)
+    x = jax.random.normal(jax.random.key(33), (8, 5, 32))
+    _compare(_run(cfg, mesh, params, x), _reference(cfg, params, x))
+
+
+@pytest.mark.parametrize("case", list(DISPATCH_CASES))
+def test_fp8_dispatch_over_the_emulated_ragged_exchange(case, ragged_on_cpu):
+    """The FP8 dispatch across ragged_all_to_all (its dense twin on CPU), as the GPU test."""
+    kw = {"hidden_size": 256, "expert_ffn": 128, "fp8": "block", "dtype": jnp.bfloat16}
+    cfg = _config("d2e4", **{**kw, **DISPATCH_CASES[case]}, exchange="ragged")
+    _check_fp8_dispatch(cfg, _mesh("d2e4"), case)
+
+
+def test_ragged_exchange_gradient_reduces_no_rows(ragged_on_cpu):
+    """The ragged layer's gradient program all-reduces only weights (router, shared), never
+    exchanged rows: with the receive buffers typed invariant it also all-reduced the cotangents
+    of the received and returned rows over all 8 devices."""
+    cfg = _config("d2e4", exchange="ragged")
+    params = init_moe_params(jax.random.key(34), cfg)
+    x = jax.random.normal(jax.random.key(35), (8, 5, 32))
+    mesh = _mesh("d2e4")
+    step = jax.jit(jax.grad(_loss(lambda p, x: moe_layer(p, x, cfg, mesh=mesh)), (0, 1)))
+    hlo = step.lower(params, x).compile().as_text()
+    for shape in collective_shapes(hlo, "all-reduce"):
+        assert not re.search(r"\[\d+,32\]", shape), f"rows all-reduced: {shape}"

@@ -22,7 +22,7 @@ from jaxops import _grouped_gemm, fp8
 from jaxops._moe import unpermute_rows
 from jaxops._moe.layout import permuted_rows
 from jaxops._rows import round_up, take_rows
-from jaxops._sharding import cotangent_like
+from jaxops._sharding import cotangent_like, vary_like, varying_axes
 
 from ._config import FP8_BLOCK, MoEConfig
 from ._ffn import CPU_TILE, GPU_TILE, _kernel
@@ -237,6 +237,13 @@ def exchange(plan: Plan, axis: str, operand, output, offsets):
     """
     *ragged, recv_offsets = offsets
     if plan.kind == "ragged":
+        # ragged_all_to_all types its result like `output` alone: a zero buffer is invariant,
+        # and the rows received into it, which differ on every device, would have their
+        # cotangents summed over the mesh in the backward. It varies like the rows sent, and
+        # over the exchange's axis.
+        output = vary_like(output, operand, *ragged)
+        if axis not in varying_axes(output):
+            output = jax.lax.pcast(output, (axis,), to="varying")
         return jax.lax.ragged_all_to_all(operand, output, *ragged, axis_name=axis)
     return ragged_all_to_all_dense(
         operand, output, *ragged, axis_name=axis, chunk=plan.chunk, recv_offsets=recv_offsets
