@@ -401,6 +401,8 @@ def grouped_activation_bwd_reference(
     h, da, group_sizes, activation: str, *, alpha: float = 1.702, limit: float = 7.0
 ) -> jax.Array:
     """The pure-JAX twin of :func:`grouped_activation_bwd` (the activation's VJP, float32)."""
+    # Inside shard_map h varies like da (an invariant h with a varying da is refused by vjp).
+    h = vary_like(h, h, da, group_sizes)
     _, vjp = jax.vjp(lambda x: activation_reference(x, activation, alpha, limit), h)
     dh = vjp(da.astype(jnp.float32))[0]
     return jnp.where(_in_groups(group_sizes, h.shape[0]), dh, 0).astype(jnp.float32)

@@ -523,6 +523,34 @@ def test_activation_bad_input_is_named_at_trace_time():
         gg.grouped_activation_bwd(h, da, gs, "silu")
 
 
+@pytest.mark.parametrize("impl", ["ffi", "xla"])
+def test_activation_bwd_inside_shard_map_with_an_invariant_h(impl):
+    """A replicated h (invariant over the mesh) with each device's own da: the kernel and the
+    twin give each device's gradient (the twin's jax.vjp refused the mixed types before)."""
+    devices = jax.devices("cpu")[:8]
+    mesh = jax.make_mesh((len(devices),), ("expert",), devices=devices)
+    rows, c = 6, 8
+    rng = np.random.default_rng(5)
+    h = rng.standard_normal((rows, c)).astype(np.float32)
+    da = rng.standard_normal((8 * rows, c // 2)).astype(np.float32)
+    sizes = np.tile(np.array([3, 2], np.int32), 8)
+    bwd = gg.grouped_activation_bwd if impl == "ffi" else gg.grouped_activation_bwd_reference
+    f = jax.jit(
+        jax.shard_map(
+            lambda da, sizes: bwd(jnp.asarray(h), da, sizes, "swiglu"),
+            mesh=mesh,
+            in_specs=(P("expert"), P("expert")),
+            out_specs=P("expert"),
+        )
+    )
+    sharding = NamedSharding(mesh, P("expert"))
+    got = np.asarray(f(jax.device_put(da, sharding), jax.device_put(sizes, sharding)))
+    for d in range(8):
+        part = slice(d * rows, (d + 1) * rows)
+        want = gg.grouped_activation_bwd_reference(h, da[part], sizes[2 * d : 2 * d + 2], "swiglu")
+        np.testing.assert_allclose(got[part], np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
 def test_activation_vmap_runs_each_example():
     h = _act_inputs(20, 8, [10, 5], "swiglu", jnp.float32)[0]
     hs, sizes = jnp.stack([h, -h]), jnp.asarray([[10, 5], [3, 0]], jnp.int32)
