@@ -72,6 +72,35 @@ def _restore_default_impl():
     jax.config.update("jaxops_impl", before)
 
 
+@pytest.fixture
+def ragged_on_cpu():
+    """ragged_all_to_all lowered on CPU as the expert exchange's exact dense twin, for one test:
+    the GPU's ragged exchange runs on the CPU devices, with jax's own typing and transpose rules
+    of the primitive in force (XLA:CPU cannot compile the primitive itself)."""
+    from jax._src.interpreters import mlir
+    from jax._src.lax import parallel as lax_parallel
+    from jaxops.parallel.expert import _exchange
+
+    prim = lax_parallel.ragged_all_to_all_p
+    table = mlir._platform_specific_lowerings["cpu"]
+    saved = table.get(prim)
+
+    def dense(operand, output, *offsets, axis_name, axis_index_groups):
+        assert axis_index_groups is None and len(axis_name) == 1, (axis_name, axis_index_groups)
+        return _exchange.ragged_all_to_all_dense(
+            operand, output, *offsets, axis_name=axis_name[0], chunk=operand.shape[0]
+        )
+
+    mlir.register_lowering(prim, mlir.lower_fun(dense, multiple_results=False), platform="cpu")
+    try:
+        yield
+    finally:
+        if saved is None:
+            table.pop(prim, None)
+        else:
+            table[prim] = saved
+
+
 # Fuzzing: random in development, reproducible in CI (CI=true).
 from hypothesis import settings  # noqa: E402
 

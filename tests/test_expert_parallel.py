@@ -1419,33 +1419,6 @@ def test_gpu_gemm_paths_on_cpu_devices(mesh_name, local, gemm, exchange, monkeyp
     _compare(_run(cfg, mesh, params, x), _reference(cfg, params, x))
 
 
-@pytest.fixture
-def ragged_on_cpu():
-    """ragged_all_to_all lowered on CPU as the exchange's exact dense twin, for one test: jax's
-    own typing and transpose rules of the primitive stay in force (XLA:CPU cannot compile it)."""
-    from jax._src.interpreters import mlir
-    from jax._src.lax import parallel as lax_parallel
-
-    prim = lax_parallel.ragged_all_to_all_p
-    table = mlir._platform_specific_lowerings["cpu"]
-    saved = table.get(prim)
-
-    def dense(operand, output, *offsets, axis_name, axis_index_groups):
-        assert axis_index_groups is None and len(axis_name) == 1, (axis_name, axis_index_groups)
-        return expert._exchange.ragged_all_to_all_dense(
-            operand, output, *offsets, axis_name=axis_name[0], chunk=operand.shape[0]
-        )
-
-    mlir.register_lowering(prim, mlir.lower_fun(dense, multiple_results=False), platform="cpu")
-    try:
-        yield
-    finally:
-        if saved is None:
-            table.pop(prim, None)
-        else:
-            table[prim] = saved
-
-
 @pytest.mark.parametrize(
     "mesh_name,gpu", [("e8", False), ("d2e4", False), ("e8", True), ("d2e4", True)]
 )

@@ -165,6 +165,31 @@ def test_impl_xla_dense_twin_runs_no_custom_call():
     assert _custom_calls(jax.grad(model.loss), params, tokens, targets) == set()
 
 
+@pytest.mark.parametrize(
+    "shape,names,kw",
+    [
+        ((2, 4), ("data", "expert"), {}),
+        ((2, 2, 2), ("pipe", "data", "expert"), {"num_microbatches": 4}),
+    ],
+    ids=["d2e4", "pipe2-d2e2"],
+)
+def test_ragged_exchange_train_step_equals_the_gather_one(shape, names, kw, ragged_on_cpu):
+    """The GPU's exchange (ragged_all_to_all, here its dense twin) in the decoder and in its
+    pipeline stages: the loss and every gradient those of the CPU's all-gather exchange."""
+    mesh = _mesh(shape, names)
+    tokens, targets = _batch(batch=16)
+    out = {}
+    for exchange in ("gather", "ragged"):
+        model = models.MoEDecoder(CFG, mesh, dtype=jnp.float32, exchange=exchange, **kw)
+        params = model.init(jax.random.key(2))
+        out[exchange] = jax.jit(model.loss_and_grads)(params, tokens, targets)
+    (loss, grads), (loss_r, grads_r) = out["gather"], out["ragged"]
+    assert abs(float(loss_r) - float(loss)) <= 1e-6 * abs(float(loss)), (loss_r, loss)
+    flat, _ = jax.tree_util.tree_flatten_with_path(grads_r)
+    for (path, g), want in zip(flat, jax.tree.leaves(grads), strict=True):
+        assert rel_error(g, want) < 1e-5, (jax.tree_util.keystr(path), rel_error(g, want))
+
+
 def test_pipe_loss_is_a_forward_and_equals_the_training_loss():
     mesh = _mesh((2, 4), ("pipe", "expert"))
     model = models.MoEDecoder(CFG, mesh, num_microbatches=2, dtype=jnp.float32)
