@@ -472,11 +472,13 @@ def run(args) -> H.Result:
         else [H.Goal(text, "--no-dense", None)]
     )
     if args.torch:
-        # each case and mesh at its best scan_unroll and zero
+        # Each case and mesh at the scan_unroll and zero of our fastest step ("ep ms", timed
+        # apart from torch): chosen by our own time, not by the ratio, so that the goal does
+        # not read the largest of several noisy ratios.
         best: dict[tuple[str, str], dict[str, Any]] = {}
         for r in rows:
             key = (r["case"], r["mesh"])
-            if key not in best or r["torch_ratio"] > best[key]["torch_ratio"]:
+            if key not in best or r["ep_ms"] < best[key]["ep_ms"]:
                 best[key] = r
         goals.append(
             H.worst_goal(
@@ -484,7 +486,8 @@ def run(args) -> H.Result:
                 "torch_ratio",
                 1.0,
                 "MoEDecoder train step at least as fast as transformers + torch with the same "
-                "threads (torch/ep >= 1; each case and mesh at its best scan_unroll and zero)",
+                "threads (torch/ep >= 1; each case and mesh at the scan_unroll and zero of its "
+                "fastest ep ms)",
                 lambda r: (
                     f"{r['case']} on {r['mesh']}, scan_unroll {r['unroll']}, zero {r['zero']}"
                 ),
