@@ -724,12 +724,14 @@ def test_tolerance_helper():
 # GPU: the CUDA kernels against the twin (skipped without a GPU).
 
 
+# The last three: dweight's partial sums in 10 parts (not a multiple of the reduction's 8 slices),
+# in 32, and in 256 (the reduction's unrolled loop of 32 parts per slice; the last slice 33).
+GPU_SHAPES = [(1, 1), (7, 33), (3, 1023), (256, 1024), (64, 4096), (8, 16384), (2, 65536)]
+GPU_SHAPES += [(3, 70001), (300, 1032), (1000, 8192), (8197, 520)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "shape",
-    [(1, 1), (7, 33), (3, 1023), (256, 1024), (64, 4096), (8, 16384), (2, 65536), (3, 70001)],
-    ids=_id,
-)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=_id)
 @pytest.mark.parametrize("dtype", DTYPES, ids=_id)
 def test_gpu_kernels_match_float64(dtype, shape):
     gpu = jax.devices("gpu")[0]
