@@ -545,10 +545,12 @@ def test_activation_bwd_inside_shard_map_with_an_invariant_h(impl):
     )
     sharding = NamedSharding(mesh, P("expert"))
     got = np.asarray(f(jax.device_put(da, sharding), jax.device_put(sizes, sharding)))
+    _, vjp = _act64(h, "swiglu")
     for d in range(8):
-        part = slice(d * rows, (d + 1) * rows)
-        want = gg.grouped_activation_bwd_reference(h, da[part], sizes[2 * d : 2 * d + 2], "swiglu")
-        np.testing.assert_allclose(got[part], np.asarray(want), rtol=1e-6, atol=1e-6)
+        dh = got[d * rows : (d + 1) * rows]
+        want = vjp(da[d * rows : (d + 1) * rows].astype(np.float64))
+        assert rel_error(dh[:5], want[:5]) < 2e-6, (d, rel_error(dh[:5], want[:5]))
+        assert not dh[5:].any()  # the row past the groups [3, 2]
 
 
 def test_activation_vmap_runs_each_example():
