@@ -192,3 +192,46 @@ def test_grouped_ffn_intermediates_skip_zeroing_the_rows_past_the_groups():
             np.testing.assert_array_equal(a, b, err_msg=name)
     used = int(sizes.sum())
     assert not got[0][used:].any() and not got[1][used:].any()
+
+
+@pytest.mark.parametrize("checked", [False, True], ids=["plain", "debug_nans"])
+def test_grouped_ffn_unread_tail_leaves_the_edges_unwritten_too(checked):
+    """tail_read=False (the gather exchange, whose unpermute and permute backward read the
+    routed rows only): the FFN's output and its rows' gradient also leave the rows past the
+    groups unwritten, all six calls with zero_tail false; the groups' rows and the weight
+    gradients equal those of tail_read=True bit for bit. Under jax_debug_nans every call zeroes
+    them again."""
+    from jaxops.parallel.expert import MoEConfig
+
+    cfg = MoEConfig(num_experts=3, top_k=1, hidden_size=24, expert_ffn=20, dtype=jnp.float32)
+    sizes = jnp.asarray([TILE + 3, 0, 2 * TILE - 5], jnp.int32)
+    rows = 3 * TILE + 2 * TILE
+    used = int(sizes.sum())
+    rng = np.random.default_rng(12)
+    x = jnp.asarray(rng.standard_normal((rows, 24)), jnp.float32).at[used:].set(0)
+    w_in = jnp.asarray(rng.standard_normal((3, 24, cfg.w_in_width)) * 0.3, jnp.float32)
+    w_out = jnp.asarray(rng.standard_normal((3, 20, 24)) * 0.3, jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((rows, 24)), jnp.float32)
+
+    def run(tail_read):
+        def f(x, w_in, w_out):
+            return _ffn.grouped_ffn(cfg, TILE, "ffi", x, w_in, w_out, sizes, tail_read=tail_read)
+
+        @jax.jit
+        def step(x, w_in, w_out):
+            y, vjp = jax.vjp(f, x, w_in, w_out)
+            return (y, *vjp(dy))
+
+        text = step.lower(x, w_in, w_out).as_text()
+        tails = sorted(re.findall(r"zero_tail = (true|false)", text))
+        return [np.asarray(a) for a in step(x, w_in, w_out)], tails
+
+    with jax.debug_nans(checked):
+        got, tails = run(False)
+        want, want_tails = run(True)
+    assert tails == (["true"] * 6 if checked else ["false"] * 6), tails
+    assert want_tails == (["true"] * 6 if checked else ["false"] * 4 + ["true"] * 2), want_tails
+    for name, a, b in zip(("y", "dx", "dw_in", "dw_out"), got, want, strict=True):
+        if name in ("y", "dx"):
+            a, b = a[:used], b[:used]
+        np.testing.assert_array_equal(a, b, err_msg=name)

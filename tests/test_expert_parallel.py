@@ -943,6 +943,10 @@ def test_compiled_gather_exchange_moves_tokens_once_each_way():
     assert scattered == ["f32[5,32]", "f32[5,32]", "f32[5,4]"], scattered
     for shape in collective_shapes(hlo, "all-reduce"):
         assert not re.search(r"\[\d+,32\]", shape), f"tokens all-reduced: {shape}"
+    # jaxops' unpermute and its permute's backward read the routed rows only: no grouped GEMM
+    # of the forward or the backward writes the rows past its groups.
+    tails = re.findall(r'"jaxops_grouped_gemm".*?zero_tail = (true|false)', hlo)
+    assert len(tails) == 4 and set(tails) == {"false"}, tails
 
 
 def test_jit_does_not_retrace_per_step():

@@ -381,6 +381,7 @@ def grouped_ffn(
     b_in=None,
     b_out=None,
     used=None,
+    tail_read: bool = True,
 ) -> jax.Array:
     """Each group of rows through its expert's FFN: ``[R, H] -> [R, H]`` in cfg.dtype.
 
@@ -390,6 +391,11 @@ def grouped_ffn(
     biases and used int32 ``[L]`` the rows of each group that hold tokens: only those take their
     expert's biases (float32, after each GEMM), so padding rows stay zero and add nothing to the
     biases' gradients or to an FP8 wgrad's 128-row group scales.
+
+    tail_read=False: the caller reads the output's rows after the groups nowhere, nor what
+    becomes of the rows' gradient there (the gather exchange: jaxops' unpermute reads the
+    routed rows only, and so does its permute's backward). The output and the rows' gradient
+    then leave those rows unwritten too, wherever the intermediates do.
     """
     groups = _groups(group_sizes)
     quantized = cfg.fp8 == "block"
@@ -400,7 +406,8 @@ def grouped_ffn(
     # (h, the activation, and their gradients) leave the rows after the groups unwritten.
     grouped = _activation_kernel(cfg, tile, impl, jnp.float32)
     zero = not (grouped and first is False and bias_rows is None) or _checking_floats()
-    h = _grouped_linear(tile, first, impl, rows, w_in.astype(cfg.dtype), groups, (zero, True))
+    edge = zero or tail_read  # the output's and the rows' gradient's rows after the groups
+    h = _grouped_linear(tile, first, impl, rows, w_in.astype(cfg.dtype), groups, (zero, edge))
     if bias_rows is not None:
         h = _add_bias(h, b_in, bias_rows)
     if grouped:  # the groups' rows only (the buffer's worst case)
@@ -408,7 +415,7 @@ def grouped_ffn(
     else:
         a = activate(cfg, h).astype(cfg.dtype)
     w_out = w_out.astype(cfg.dtype)
-    out = _grouped_linear(tile, quantized, impl, a, w_out, groups, (True, zero))
+    out = _grouped_linear(tile, quantized, impl, a, w_out, groups, (edge, zero))
     if bias_rows is not None:
         out = _add_bias(out, b_out, bias_rows)
     return out.astype(cfg.dtype)

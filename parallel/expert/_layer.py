@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxops import _checks, fp8
+from jaxops import _checks, _ffi, fp8
 from jaxops import moe as _moe
 from jaxops._sharding import place
 
@@ -210,7 +210,11 @@ def _gathered(cfg: MoEConfig, plan: Plan, impl, params, compute, ids, probs, kep
     if upto == "exchange":
         return (rows,)
     used = slot_counts(mine, local, masked=True)
-    out = _ffn(cfg, plan, impl, params, rows, permuted.group_sizes, used)
+    # jaxops' unpermute reads the routed rows only, and so does its permute's backward: the FFN
+    # may leave its output's and the rows' gradient's rows after the groups unwritten (not for
+    # the stage probe, which reads every row).
+    tail_read = upto == "ffn" or not _ffi.use_kernel(impl, "moe_layer")
+    out = _ffn(cfg, plan, impl, params, rows, permuted.group_sizes, used, tail_read)
     if upto == "ffn":
         return (out,)
     # Each token's outputs from this device's experts (rounded to cfg.dtype, as the rows the
@@ -221,7 +225,7 @@ def _gathered(cfg: MoEConfig, plan: Plan, impl, params, compute, ids, probs, kep
     return jax.lax.psum_scatter(part, axis, scatter_dimension=0, tiled=True)
 
 
-def _ffn(cfg: MoEConfig, plan: Plan, impl, params, rows, group_sizes, used):
+def _ffn(cfg: MoEConfig, plan: Plan, impl, params, rows, group_sizes, used, tail_read=True):
     return grouped_ffn(
         cfg,
         plan.tile,
@@ -233,6 +237,7 @@ def _ffn(cfg: MoEConfig, plan: Plan, impl, params, rows, group_sizes, used):
         params.get("b_in"),
         params.get("b_out"),
         used,
+        tail_read,
     )
 
 

@@ -28,8 +28,14 @@ inline constexpr int64_t kTasksPerWorker = 4;
 inline constexpr int64_t kMinTaskRows = 48;
 
 // Rows per task for `rows` output rows over `workers` threads (Workers() of cpu_parallel.h): a
-// multiple of 12 in [kMinTaskRows, kMb].
+// multiple of 12 in [kMinTaskRows, kMb]. One worker runs the tasks one after another, so there
+// nothing is gained by cutting a group: its tasks take kMb rows. (Cut for four tasks, a group of
+// about 130 rows ran as a task of 132 rows and one of a few, each packing the group's transposed
+// weight for the input gradient and ending in a partial register tile: on 8 simulated devices
+// sharing 2 cores, where every jaxops call runs on its device's thread, the MoE decoder's train
+// step took 1.1% longer, with its other change of that day: ab_models, 2026-11-29.)
 inline int64_t TaskRows(int64_t rows, int64_t workers) {
+  if (workers <= 1) return kMb;
   const int64_t tasks = kTasksPerWorker * std::max<int64_t>(1, workers);
   const int64_t per = (rows + tasks - 1) / tasks;
   return std::clamp<int64_t>((per + 11) / 12 * 12, kMinTaskRows, kMb);
