@@ -17,6 +17,13 @@ Each variant is a comma-separated list of settings:
 - ``env.<NAME>=<value>``: an environment variable set while that variant is traced and timed
   (and unset for the other), for a switch read at trace time or per call.
 
+A variant of just ``torch`` is transformers' step in torch on the same model, weights and batch
+(``bench_models``' comparison: forward, backward and AdamW on the whole batch with torch's
+threads), timed in the same alternating blocks: ``--b torch`` prints torch / ours as B / A, the
+ratio of the models benchmark's goal, measured in fresh processes (torch's step varies more
+than ours between processes: 331-376 ms in fresh ones, 399 ms in one of ``bench_models``' long
+runs, 2026-11-29).
+
 Printed per variant: the median, mean and fastest step, the process's CPU time per step
 (``getrusage``) and the machine's idle core time per step (``/proc/stat``; where the 8 device
 threads leave a core idle, mostly at a rendezvous); then the ratio B / A (below 1: B faster).
@@ -52,7 +59,9 @@ def parse_variant(text: str) -> dict[str, Any]:
     and the environment variables (see the module docstring). Raises ValueError on a malformed
     setting, naming it.
     """
-    out: dict[str, Any] = {"mesh": (2, 4), "kw": {}, "xla": {}, "env": {}}
+    out: dict[str, Any] = {"mesh": (2, 4), "kw": {}, "xla": {}, "env": {}, "torch": False}
+    if text.strip() == "torch":
+        return {**out, "torch": True}
     for item in filter(None, (part.strip() for part in text.split(","))):
         if "=" not in item:
             raise ValueError(f"a variant's settings are key=value, got {item!r} in {text!r}")
@@ -114,6 +123,8 @@ def _one_process(args: argparse.Namespace) -> dict[str, Any]:
     envs = [v["env"] for v in variants.values()]
 
     def build(v: dict[str, Any]) -> Any:
+        if v["torch"]:
+            return build_torch()
         _set_env(v["env"], envs)
         mesh = jax.make_mesh(v["mesh"], ("data", "expert"))
         kw = {"scan_unroll": True, "zero": 1, **v["kw"]}
@@ -132,6 +143,30 @@ def _one_process(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(args.warmup):
             jax.block_until_ready(run())
         return run
+
+    def build_torch() -> Any:
+        import tempfile
+        from pathlib import Path
+
+        from jaxops.models import save_pretrained
+
+        # the weights ours start from (the same key, the bench's model settings), checked by
+        # the first loss as bench_models checks it
+        mesh = jax.make_mesh((1, 1), ("data", "expert"), devices=jax.devices()[:1])
+        model = MoEDecoder(
+            cfg, mesh, router_aux_loss_coef=0.0, router_z_loss_coef=0.0, dtype=jnp.float32
+        )
+        with jax.set_mesh(mesh):
+            params = model.init(jax.random.key(0))
+            want = float(jax.jit(model.loss)(params, *model.place_batch(tokens, targets)))
+        with tempfile.TemporaryDirectory() as tmp:
+            save_pretrained(model, params, Path(tmp) / "m")
+            step, first = bench._torch_step(Path(tmp) / "m", tokens, targets)
+        if not np.isclose(first, want, rtol=1e-4):
+            raise AssertionError(f"transformers' first loss {first} != jaxops' {want}")
+        for _ in range(args.warmup):
+            step()
+        return step
 
     runs = {}
     for key in args.order:
@@ -162,7 +197,7 @@ def _one_process(args: argparse.Namespace) -> dict[str, Any]:
             "min_ms": 1e3 * float(t.min()),
             "cpu_ms": 1e3 * cpu[key] / len(t),
             "idle_core_ms": 1e3 * idle[key] / len(t),
-            "loss": float(loss[key]),
+            "loss": float("nan") if loss[key] is None else float(loss[key]),
         }
     out["ratio"] = out["b"]["median_ms"] / out["a"]["median_ms"]
     return out
@@ -175,7 +210,8 @@ def _print(result: dict[str, Any], args: argparse.Namespace) -> None:
         print(
             f"  {key.upper()} [{text}]: median {r['median_ms']:.1f} ms, mean {r['mean_ms']:.1f},"
             f" min {r['min_ms']:.1f}; CPU {r['cpu_ms']:.0f} ms/step, idle cores"
-            f" {r['idle_core_ms']:.0f} ms/step; loss {r['loss']:.6f}"
+            f" {r['idle_core_ms']:.0f} ms/step"
+            + ("" if math.isnan(r["loss"]) else f"; loss {r['loss']:.6f}")
         )
     print(f"  B / A (median): {result['ratio']:.3f}")
 
