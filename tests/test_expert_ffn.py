@@ -152,35 +152,47 @@ def test_grouped_ffn_activation_calls_match_xla(activation, dtype):
     assert not np.asarray(got[0], np.float32)[3 * TILE :].any()  # padding rows stay zero
 
 
+def _tails_case(seed: int):
+    """(cfg, group sizes, (x, w_in, w_out), dy): three experts' groups, one empty, that end
+    before the buffer's last two tiles of rows (x zero there, as the permute leaves them)."""
+    from jaxops.parallel.expert import MoEConfig
+
+    cfg = MoEConfig(num_experts=3, top_k=1, hidden_size=24, expert_ffn=20, dtype=jnp.float32)
+    sizes = jnp.asarray([TILE + 3, 0, 2 * TILE - 5], jnp.int32)
+    rows = 3 * TILE + 2 * TILE
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((rows, 24)), jnp.float32).at[int(sizes.sum()) :].set(0)
+    w_in = jnp.asarray(rng.standard_normal((3, 24, cfg.w_in_width)) * 0.3, jnp.float32)
+    w_out = jnp.asarray(rng.standard_normal((3, 20, 24)) * 0.3, jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((rows, 24)), jnp.float32)
+    return cfg, sizes, (x, w_in, w_out), dy
+
+
+def _ffn_and_grads(cfg, sizes, args, dy, **kw):
+    """The FFN's y and its gradients (numpy) and the zero_tail attributes of its calls, sorted."""
+
+    def f(x, w_in, w_out):
+        return _ffn.grouped_ffn(cfg, TILE, "ffi", x, w_in, w_out, sizes, **kw)
+
+    @jax.jit
+    def step(*args):
+        y, vjp = jax.vjp(f, *args)
+        return (y, *vjp(dy))
+
+    tails = sorted(re.findall(r"zero_tail = (true|false)", step.lower(*args).as_text()))
+    return [np.asarray(a) for a in step(*args)], tails
+
+
 def test_grouped_ffn_intermediates_skip_zeroing_the_rows_past_the_groups():
     """On CPU the FFN's intermediates (the first GEMM's output, the activation, and their
     gradients) leave the rows past the groups unwritten: zero_tail false on those four calls,
     true on the two whose results leave the FFN (its output, its input's gradient). Under
     jax_debug_nans or jax_debug_infs (checks that read every row) all six zero them. Values and
     gradients are the same bit for bit, and the output's padding rows are zero either way."""
-    from jaxops.parallel.expert import MoEConfig
-
-    cfg = MoEConfig(num_experts=3, top_k=1, hidden_size=24, expert_ffn=20, dtype=jnp.float32)
-    sizes = jnp.asarray([TILE + 3, 0, 2 * TILE - 5], jnp.int32)
-    rows = 3 * TILE + 2 * TILE
-    rng = np.random.default_rng(11)
-    x = jnp.asarray(rng.standard_normal((rows, 24)), jnp.float32).at[3 * TILE - 2 :].set(0)
-    w_in = jnp.asarray(rng.standard_normal((3, 24, cfg.w_in_width)) * 0.3, jnp.float32)
-    w_out = jnp.asarray(rng.standard_normal((3, 20, 24)) * 0.3, jnp.float32)
-    dy = jnp.asarray(rng.standard_normal((rows, 24)), jnp.float32)
+    cfg, sizes, args, dy = _tails_case(11)
 
     def run():
-        def f(x, w_in, w_out):
-            return _ffn.grouped_ffn(cfg, TILE, "ffi", x, w_in, w_out, sizes)
-
-        @jax.jit
-        def step(x, w_in, w_out):
-            y, vjp = jax.vjp(f, x, w_in, w_out)
-            return (y, *vjp(dy))
-
-        text = step.lower(x, w_in, w_out).as_text()
-        tails = sorted(re.findall(r"zero_tail = (true|false)", text))
-        return [np.asarray(a) for a in step(x, w_in, w_out)], tails
+        return _ffn_and_grads(cfg, sizes, args, dy)
 
     got, tails = run()
     assert tails == ["false"] * 4 + ["true"] * 2, tails
@@ -201,30 +213,11 @@ def test_grouped_ffn_unread_tail_leaves_the_edges_unwritten_too(checked):
     groups unwritten, all six calls with zero_tail false; the groups' rows and the weight
     gradients equal those of tail_read=True bit for bit. Under jax_debug_nans every call zeroes
     them again."""
-    from jaxops.parallel.expert import MoEConfig
-
-    cfg = MoEConfig(num_experts=3, top_k=1, hidden_size=24, expert_ffn=20, dtype=jnp.float32)
-    sizes = jnp.asarray([TILE + 3, 0, 2 * TILE - 5], jnp.int32)
-    rows = 3 * TILE + 2 * TILE
+    cfg, sizes, args, dy = _tails_case(12)
     used = int(sizes.sum())
-    rng = np.random.default_rng(12)
-    x = jnp.asarray(rng.standard_normal((rows, 24)), jnp.float32).at[used:].set(0)
-    w_in = jnp.asarray(rng.standard_normal((3, 24, cfg.w_in_width)) * 0.3, jnp.float32)
-    w_out = jnp.asarray(rng.standard_normal((3, 20, 24)) * 0.3, jnp.float32)
-    dy = jnp.asarray(rng.standard_normal((rows, 24)), jnp.float32)
 
     def run(tail_read):
-        def f(x, w_in, w_out):
-            return _ffn.grouped_ffn(cfg, TILE, "ffi", x, w_in, w_out, sizes, tail_read=tail_read)
-
-        @jax.jit
-        def step(x, w_in, w_out):
-            y, vjp = jax.vjp(f, x, w_in, w_out)
-            return (y, *vjp(dy))
-
-        text = step.lower(x, w_in, w_out).as_text()
-        tails = sorted(re.findall(r"zero_tail = (true|false)", text))
-        return [np.asarray(a) for a in step(x, w_in, w_out)], tails
+        return _ffn_and_grads(cfg, sizes, args, dy, tail_read=tail_read)
 
     with jax.debug_nans(checked):
         got, tails = run(False)
