@@ -254,6 +254,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def fresh_pair(argv: Sequence[str]) -> list[dict[str, Any]]:
+    """The A/B of these command-line arguments in two fresh processes: A built first, then B.
+
+    Returns the two results (``_one_process``'s dicts, each with ``"ratio"``: B / A by the
+    median step). Raises SystemExit, with the run's output on stderr, when a run fails.
+    """
+    results = []
+    for order in ("ab", "ba"):
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--order", order]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+        if done.returncode != 0 or not lines:
+            sys.stderr.write(done.stdout + done.stderr)
+            raise SystemExit(f"the {order} run failed (exit status {done.returncode})")
+        results.append(json.loads(lines[-1][len("RESULT ") :]))
+    return results
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if args.order != "both":
@@ -261,17 +279,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         _print(result, args)
         print("RESULT " + json.dumps(result), flush=True)
         return
-    ratios = []
-    for order in ("ab", "ba"):
-        cmd = [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:]), "--order", order]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-        if done.returncode != 0 or not lines:
-            sys.stderr.write(done.stdout + done.stderr)
-            raise SystemExit(f"the {order} run failed (exit status {done.returncode})")
-        result = json.loads(lines[-1][len("RESULT ") :])
+    results = fresh_pair(list(sys.argv[1:] if argv is None else argv))
+    for result in results:
         _print(result, args)
-        ratios.append(result["ratio"])
+    ratios = [r["ratio"] for r in results]
     print(f"B / A, geometric mean of both build orders: {math.sqrt(ratios[0] * ratios[1]):.3f}")
 
 
