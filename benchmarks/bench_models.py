@@ -464,6 +464,7 @@ def _fresh_versus_torch(args, row: dict[str, Any]) -> None:
             "built_first": r["order"][0],
             "ep_ms": r["a"]["median_ms"],
             "torch_ms": r["b"]["median_ms"],
+            "ratio": r["ratio"],
         }
         for r in results
     ]
@@ -637,6 +638,8 @@ def parse_args(argv: Sequence[str] | None = None):
         p.error(f"--torch-warmup must be >= 0, got {args.torch_warmup}")
     if args.torch_fresh < 0:
         p.error(f"--torch-fresh must be >= 0, got {args.torch_fresh}")
+    if args.torch_fresh and not args.torch:
+        p.error("--torch-fresh times ours against transformers' step: it needs --torch")
     args.mesh_list = args.meshes.split(",")
     args.unroll_list = [True if v == "all" else int(v) for v in args.scan_unroll.split(",")]
     args.zero_list = [int(v) for v in args.zero.split(",")]
