@@ -53,6 +53,7 @@ from jaxops.models._config import (
 from jaxops.models._decoder import (
     ATTENTION_IMPLS,
     DECODER_SCHEDULES,
+    GRAD_REDUCES,
     MOE_IMPLS,
     REMAT_POLICIES,
     ZERO_STAGES,
@@ -70,6 +71,7 @@ __all__ = [
     "ATTENTION_IMPLS",
     "BLOCK_MODEL_TYPES",
     "DECODER_SCHEDULES",
+    "GRAD_REDUCES",
     "IGNORE_INDEX",
     "LLAMA_NAME_MAP",
     "MODEL_TYPES",

@@ -15,13 +15,23 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 from jaxops.models import _batch, _layers
 from jaxops.parallel import pipeline as pl
+
+from jaxops._sharding import place
 
 if TYPE_CHECKING:
     from jaxops.models._decoder import MoEDecoder
 
-__all__ = ["accumulate", "objective", "pipe_loss", "pipeline_step", "terms"]
+__all__ = [
+    "accumulate",
+    "flat_loss_and_grads",
+    "objective",
+    "pipe_loss",
+    "pipeline_step",
+    "terms",
+]
 
 
 def terms(model: MoEDecoder, params, x, where, targets) -> tuple[jax.Array, jax.Array]:
@@ -86,6 +96,66 @@ def objective(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch) ->
     out = pl.pipeline_forward(stage, model._stages(params["layers"]), carry, **model._pipeline())
     logits = model._head(model._head_params(params), out["h"])
     return _layers.token_losses(logits, targets)[0] / count + jnp.mean(out["aux"])
+
+
+def flat_loss_and_grads(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch):
+    """``(loss, grads)`` without a pipeline, in one ``shard_map`` over the batch axes.
+
+    Each device differentiates its share of the loss (its tokens' cross-entropy over the
+    global target count, plus the aux losses over the devices: the MoE layers compute them
+    from statistics summed over the batch axes, so every device holds the whole value) with
+    respect to its shards of the parameters; then the gradients are summed over the batch axes
+    their parameter is replicated over, each group of leaves with the same axes and dtype as
+    one flattened, concatenated buffer: one all-reduce per group instead of one per leaf.
+    The shard_map runs unchecked (``check_vma=False``), so that the per-device gradients come
+    out unreduced; the transpose of each collective inside (the MoE exchange's, the
+    statistics' sums) is then the one the sum of the devices' losses needs.
+    """
+    axes = tuple(model.batch_axes)
+    devices = float(np.prod([dict(model.mesh.shape)[a] for a in axes]))
+    specs = jax.tree.map(lambda s: s.spec, model.shardings())
+    fields = {k: v for k, v in vars(batch).items() if v is not None}
+
+    def body(params, fields):
+        local = _batch.Batch(**{k: fields.get(k) for k in vars(batch)})
+
+        def share(p):
+            x, where, targets = model._inputs(p, local)
+            count = jax.lax.psum(_target_count(targets), axes)
+            total, aux = terms(model, p, x, where, targets)
+            return total / count + aux / devices
+
+        loss, grads = jax.value_and_grad(share)(params)
+        return jax.lax.psum(loss, axes), _sum_flat(grads, specs, axes)
+
+    field_specs = jax.tree.map(lambda _: P(axes), fields)
+    return jax.shard_map(
+        body,
+        mesh=model.mesh,
+        in_specs=(specs, field_specs),
+        out_specs=(P(), specs),
+        check_vma=False,
+    )(place(params, model.mesh, specs), place(fields, model.mesh, field_specs))
+
+
+def _sum_flat(grads: Any, specs: Any, axes: tuple[str, ...]) -> Any:
+    """`grads` summed over the `axes` each leaf's spec leaves out, one buffer per group."""
+    leaves, tree = jax.tree.flatten(grads)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+    groups: dict[tuple[tuple[str, ...], Any], list[int]] = {}
+    for i, (g, spec) in enumerate(zip(leaves, spec_leaves, strict=True)):
+        used = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+        over = tuple(a for a in axes if a not in used)
+        if over:
+            groups.setdefault((over, g.dtype), []).append(i)
+    out = list(leaves)
+    for (over, _), index in groups.items():
+        flat = jax.lax.psum(jnp.concatenate([leaves[i].reshape(-1) for i in index]), over)
+        start = 0
+        for i in index:
+            out[i] = flat[start : start + leaves[i].size].reshape(leaves[i].shape)
+            start += leaves[i].size
+    return jax.tree.unflatten(tree, out)
 
 
 def pipeline_step(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch):
