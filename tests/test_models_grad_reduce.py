@@ -53,6 +53,7 @@ CASES = [
     ("qwen3", (1, 8), {"zero": 1}),
     ("deepseek", (4, 2), {"scan_unroll": True}),
     ("qwen3", (2, 4), {"capacity_factor": 1.0, "remat": "full"}),
+    ("qwen3", (1, 8), {"exchange": "dense"}),
 ]
 
 
