@@ -19,6 +19,7 @@ __all__ = [
     "axes_of",
     "constrain",
     "cotangent_like",
+    "manual_axes",
     "matmul_sharding",
     "named",
     "padded_spec",
@@ -58,6 +59,11 @@ def axes_of(entries: Sequence[SpecEntry]) -> tuple[str, ...]:
             if name not in names:
                 names.append(name)
     return tuple(names)
+
+
+def manual_axes() -> tuple[str, ...]:
+    """The mesh axes that are manual where this is traced (inside ``shard_map``), else ()."""
+    return tuple(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ())
 
 
 def place(tree: Any, mesh: Any, specs: Any) -> Any:

@@ -27,7 +27,7 @@ from jaxops.parallel import pipeline as pl
 from jaxops import _checks
 from jaxops._errors import ConfigError, renamed_fields
 from jaxops._ffi import has_kernel
-from jaxops._sharding import place
+from jaxops._sharding import manual_axes, place
 
 __all__ = [
     "ATTENTION_IMPLS",
@@ -273,22 +273,20 @@ class MoEDecoder(Runner, Layout):
         A no-op off Explicit meshes, and inside a ``shard_map`` over the batch axes (the flat
         gradient step's), where `x` holds this device's rows.
         """
-        manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ()
-        if all(a in manual for a in self.batch_axes):
+        if all(a in manual_axes() for a in self.batch_axes):
             return x
         return place(x, self.mesh, P(self.batch_axes))
 
     @property
     def _flat_grads(self) -> bool:
         """Whether :meth:`loss_and_grads` runs :func:`_objective.flat_loss_and_grads`."""
-        shards = int(np.prod([dict(self.mesh.shape)[a] for a in self.batch_axes]))
         return (
             self.grad_reduce == "flat"
             and self.pipe == 1
             and self.num_microbatches == 1
             and self.zero in (0, 1)
             and self.moe_impl == "ep"
-            and shards > 1
+            and self.batch_devices > 1
         )
 
     def _head_params(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -366,7 +364,7 @@ class MoEDecoder(Runner, Layout):
 
     def _check(self, op: str, tokens, targets, mask, positions, segments) -> _batch.Batch:
         """The validated batch of a public method (targets None: logits and the like)."""
-        shards = int(np.prod([dict(self.mesh.shape)[a] for a in self.batch_axes]))
+        shards = self.batch_devices
         split = targets is not None and (self.pipe > 1 or self.num_microbatches > 1)
         split |= self.pipe > 1
         m = self.num_microbatches if split else 1

@@ -469,7 +469,7 @@ def generate(
     if prompt.ndim != 2 or prompt.shape[1] < 1:
         raise ValueError(f"{_OP}: prompt must be [batch, seq], got shape {tuple(prompt.shape)}")
     b, s = prompt.shape
-    shards = int(np.prod([dict(model.mesh.shape)[a] for a in model.batch_axes]))
+    shards = model.batch_devices
     if b % shards:
         raise ValueError(
             f"{_OP}: prompt's batch ({b}) must be a multiple of {shards} (the devices of the "

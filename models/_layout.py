@@ -111,6 +111,11 @@ class Layout:
         """All mesh axes the batch is split over: ``(*data_axes, expert_axis)``."""
         return (*self.data_axes, self.expert_axis)
 
+    @property
+    def batch_devices(self) -> int:
+        """The devices of the batch axes: how many shards the batch is split into."""
+        return int(np.prod([dict(self.mesh.shape)[a] for a in self.batch_axes]))
+
     def _gather(self, tree: Any, specs: Any) -> Any:
         """ZeRO-3: `tree` (parameters) laid out on `specs` as the layers use them.
 

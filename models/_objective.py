@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jaxops.models import _batch, _layers
 from jaxops.parallel import pipeline as pl
 
-from jaxops._sharding import place
+from jaxops._sharding import axes_of, place
 
 if TYPE_CHECKING:
     from jaxops.models._decoder import MoEDecoder
@@ -112,7 +112,7 @@ def flat_loss_and_grads(model: MoEDecoder, params: dict[str, Any], batch: _batch
     statistics' sums) is then the one the sum of the devices' losses needs.
     """
     axes = tuple(model.batch_axes)
-    devices = float(np.prod([dict(model.mesh.shape)[a] for a in axes]))
+    devices = float(model.batch_devices)
     specs = jax.tree.map(lambda s: s.spec, model.shardings())
     fields = {k: v for k, v in vars(batch).items() if v is not None}
 
@@ -144,8 +144,7 @@ def _sum_flat(grads: Any, specs: Any, axes: tuple[str, ...]) -> Any:
     spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
     groups: dict[tuple[tuple[str, ...], Any], list[int]] = {}
     for i, (g, spec) in enumerate(zip(leaves, spec_leaves, strict=True)):
-        used = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
-        over = tuple(a for a in axes if a not in used)
+        over = tuple(a for a in axes if a not in axes_of(spec))
         if over:
             groups.setdefault((over, g.dtype), []).append(i)
     out = list(leaves)
@@ -170,7 +169,7 @@ def pipeline_step(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch
     x, ahead_vjp = jax.vjp(inputs, ahead)
     # pipeline_step averages each microbatch's loss over the M microbatches of each of the
     # data shards: scaling each by M * shards / count makes that the global token mean.
-    shards = int(np.prod([dict(model.mesh.shape)[a] for a in model.batch_axes]))
+    shards = model.batch_devices
     scale = model.num_microbatches * shards / _target_count(targets)
 
     def loss_fn(lp, out, t):

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxops import _checks, _ffi, fp8
 from jaxops import moe as _moe
-from jaxops._sharding import place
+from jaxops._sharding import manual_axes, place
 
 from ._config import (
     EXPERT_PARAMS,
@@ -292,7 +292,7 @@ def _prepare(op: str, params, x, cfg: MoEConfig, mesh, impl):
 
 def _inside_shard_map(op: str, cfg: MoEConfig) -> bool:
     """Whether the layer is called where cfg's token axes are already manual (shard_map)."""
-    manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()) or ()
+    manual = manual_axes()
     inside = [a in manual for a in cfg.token_axes]
     if any(inside) and not all(inside):
         raise ValueError(
