@@ -163,7 +163,9 @@ class MoEDecoder(Runner, Layout):
         the 4x256x16x2x256:16x128 step of benchmarks/bench_models.py had 93 rendezvous per
         step, and "flat" ran it 1.4% faster, an A/B in one process with each built first).
         Same loss and gradients up to the order of the sums; "flat" holds one more copy of
-        the gradients while it reduces them.
+        the gradients while it reduces them. With ``zero=1``, "flat" makes :meth:`train_step`
+        reduce-scatter each group straight into the ZeRO-1 shards the update reads: half an
+        all-reduce's traffic, and no full reduced gradient on any device.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -288,6 +290,14 @@ class MoEDecoder(Runner, Layout):
             and self.moe_impl == "ep"
             and self.batch_devices > 1
         )
+
+    @property
+    def _flat_zero(self) -> bool:
+        """Whether :meth:`train_step` reduce-scatters flat gradient buffers into ZeRO-1 shards.
+
+        (:mod:`~jaxops.models._flat`; the updated shards are all-gathered by the partitioner.)
+        """
+        return self._flat_grads and self.zero == 1
 
     def _head_params(self, params: dict[str, Any]) -> dict[str, Any]:
         key = "embed" if self.config.tie_word_embeddings else "lm_head"
@@ -531,6 +541,17 @@ class MoEDecoder(Runner, Layout):
         if self._flat_grads:
             return _objective.flat_loss_and_grads(self, params, batch)
         return jax.value_and_grad(functools.partial(_objective.objective, self))(params, batch)
+
+    def _zero_loss_and_grads(
+        self, params, tokens, targets, *, attention_mask=None, positions=None, segment_ids=None
+    ) -> tuple[jax.Array, dict[str, Any]]:
+        """:meth:`loss_and_grads` with the gradients as ZeRO-1 shards (:meth:`zero_specs`).
+
+        Only with :attr:`_flat_zero`; the step's batch is checked as :meth:`train_step`'s.
+        """
+        op = f"{_OP}.train_step"
+        batch = self._check(op, tokens, targets, attention_mask, positions, segment_ids)
+        return _objective.flat_loss_and_grads(self, params, batch, scatter=True)
 
     def train_step(self, optimizer: Any) -> _train.TrainStep:
         """A jitted training step: :meth:`loss_and_grads`, ``optimizer.update``, applied.

@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from jaxops.models import _batch, _layers
+from jaxops.models import _batch, _flat, _layers
 from jaxops.parallel import pipeline as pl
 
-from jaxops._sharding import axes_of, place
+from jaxops._sharding import place
 
 if TYPE_CHECKING:
     from jaxops.models._decoder import MoEDecoder
@@ -98,22 +98,26 @@ def objective(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch) ->
     return _layers.token_losses(logits, targets)[0] / count + jnp.mean(out["aux"])
 
 
-def flat_loss_and_grads(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch):
+def flat_loss_and_grads(
+    model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch, scatter: bool = False
+):
     """``(loss, grads)`` without a pipeline, in one ``shard_map`` over the batch axes.
 
     Each device differentiates its share of the loss (its tokens' cross-entropy over the
     global target count, plus the aux losses over the devices: the MoE layers compute them
     from statistics summed over the batch axes, so every device holds the whole value) with
     respect to its shards of the parameters; then the gradients are summed over the batch axes
-    their parameter is replicated over, each group of leaves with the same axes and dtype as
-    one flattened, concatenated buffer: one all-reduce per group instead of one per leaf.
-    The shard_map runs unchecked (``check_vma=False``), so that the per-device gradients come
-    out unreduced; the transpose of each collective inside (the MoE exchange's, the
-    statistics' sums) is then the one the sum of the devices' losses needs.
+    their parameter is replicated over as flat buffers (:mod:`~jaxops.models._flat`): one
+    collective per group of leaves instead of one per leaf. With `scatter` each device keeps
+    only its ZeRO shard of each gradient (laid out by :meth:`Layout.zero_specs`; ZeRO-1's
+    update reads nothing else). The shard_map runs unchecked (``check_vma=False``), so that the
+    per-device gradients come out unreduced; the transpose of each collective inside (the MoE
+    exchange's, the statistics' sums) is then the one the sum of the devices' losses needs.
     """
     axes = tuple(model.batch_axes)
     devices = float(model.batch_devices)
     specs = jax.tree.map(lambda s: s.spec, model.shardings())
+    zero = model.zero_specs()
     fields = {k: v for k, v in vars(batch).items() if v is not None}
 
     def body(params, fields):
@@ -126,35 +130,20 @@ def flat_loss_and_grads(model: MoEDecoder, params: dict[str, Any], batch: _batch
             return total / count + aux / devices
 
         loss, grads = jax.value_and_grad(share)(params)
-        return jax.lax.psum(loss, axes), _sum_flat(grads, specs, axes)
+        if scatter:
+            grads = _flat.scatter_flat(grads, specs, zero, model.mesh, axes)
+        else:
+            grads = _flat.sum_flat(grads, specs, model.mesh, axes)
+        return jax.lax.psum(loss, axes), grads
 
     field_specs = jax.tree.map(lambda _: P(axes), fields)
     return jax.shard_map(
         body,
         mesh=model.mesh,
         in_specs=(specs, field_specs),
-        out_specs=(P(), specs),
+        out_specs=(P(), zero if scatter else specs),
         check_vma=False,
     )(place(params, model.mesh, specs), place(fields, model.mesh, field_specs))
-
-
-def _sum_flat(grads: Any, specs: Any, axes: tuple[str, ...]) -> Any:
-    """`grads` summed over the `axes` each leaf's spec leaves out, one buffer per group."""
-    leaves, tree = jax.tree.flatten(grads)
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
-    groups: dict[tuple[tuple[str, ...], Any], list[int]] = {}
-    for i, (g, spec) in enumerate(zip(leaves, spec_leaves, strict=True)):
-        over = tuple(a for a in axes if a not in axes_of(spec))
-        if over:
-            groups.setdefault((over, g.dtype), []).append(i)
-    out = list(leaves)
-    for (over, _), index in groups.items():
-        flat = jax.lax.psum(jnp.concatenate([leaves[i].reshape(-1) for i in index]), over)
-        start = 0
-        for i in index:
-            out[i] = flat[start : start + leaves[i].size].reshape(leaves[i].shape)
-            start += leaves[i].size
-    return jax.tree.unflatten(tree, out)
 
 
 def pipeline_step(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch):

@@ -2,9 +2,11 @@
 
 The parameters, the optimizer state and the gradients are laid out by
 :class:`~jaxops.models._layout.Layout` (``zero``: ZeRO-1 shards the optimizer state and the
-gradients the update reads over the batch axes, ZeRO-3 the parameters too); jax's partitioner
-inserts the collectives: after the backward each device keeps its slice of every reduced
-gradient, updates its slice of the state, and with ZeRO-1 all-gathers the updated parameters.
+gradients the update reads over the batch axes, ZeRO-3 the parameters too): after the
+backward each device keeps its slice of every reduced gradient, updates its slice of the state,
+and with ZeRO-1 all-gathers the updated parameters. jax's partitioner inserts those collectives,
+except the gradients' with ``grad_reduce="flat"`` and ZeRO-1 (``MoEDecoder._flat_zero``):
+there they come reduce-scattered into the shards as flat buffers (:mod:`~jaxops.models._flat`).
 """
 
 from __future__ import annotations
@@ -51,7 +53,10 @@ def train_step(model: MoEDecoder, optimizer: Any) -> TrainStep:
     zero_sharding = model.named(model.zero_specs())
 
     def step(params, opt_state, tokens, targets, **batch):
-        loss, grads = model.loss_and_grads(params, tokens, targets, **batch)
+        if model._flat_zero:  # the gradients come reduce-scattered into the ZeRO-1 shards
+            loss, grads = model._zero_loss_and_grads(params, tokens, targets, **batch)
+        else:
+            loss, grads = model.loss_and_grads(params, tokens, targets, **batch)
         if model.zero >= 1:  # each device keeps the slice of the reduced gradient it updates
             grads = constrain(grads, zero_sharding)
             # and of the parameters (a local slice of replicated ones): the update reads and

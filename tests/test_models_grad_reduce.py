@@ -3,18 +3,25 @@
 "partitioner" (jax's partitioner reduces each gradient where it is made) is the oracle of
 "flat" (the loss and gradients in one shard_map, one all-reduce per reduction group): the same
 loss and gradients, with the MoE aux and z losses, padding and packed documents, on the 8
-simulated devices; and the compiled step reduces its gradients in fewer, larger all-reduces.
+simulated devices; and the compiled step reduces its gradients in fewer, larger collectives
+(with ZeRO-1, reduce-scatters straight into the shards). The flat reductions themselves are
+checked against numpy on leaves of every layout they meet.
 """
 
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxops.models import _flat
 from test_models_zero import _config  # qwen3_moe, and deepseek_v3 with MLA and a dense layer
 
 from jaxops import models
+from jaxops._sharding import axes_of
 
 
 def _model(kind, mesh_shape, grad_reduce, **kw):
@@ -84,14 +91,23 @@ def test_flat_grads_equal_the_partitioners(kind, shape, kw, masks):
         assert g.sharding.is_equivalent_to(p.sharding, g.ndim)
 
 
-def _all_reduce_operands(text: str) -> list[int]:
-    """Elements of each all-reduce operand in compiled HLO text (a tuple's one by one)."""
-    sizes = []
+def _collectives(text: str, op: str) -> list[tuple[int, str]]:
+    """``(elements, replica groups)`` of each `op` in compiled HLO text, a tuple's one by one.
+
+    The elements of a reduce-scatter's operand (its result times the group size, read from
+    groups listed in braces), of an all-gather's result, of an all-reduce's operand.
+    """
+    out = []
     for line in text.splitlines():
-        found = re.search(r"= (.*?) all-reduce(?:-start)?\(", line)
-        for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", found.group(1) if found else ""):
-            sizes.append(int(np.prod([int(d) for d in dims.split(",") if d])))
-    return sizes
+        found = re.search(rf"= (.*?) {op}(?:-start)?\(.*replica_groups=(\S+?),? ", line)
+        if not found:
+            continue
+        groups = found.group(2)  # {{0,4},{1,5},...} or mesh['axis_0'=8,...] (not read)
+        per_group = len(groups.split("}")[0].split(",")) if groups.startswith("{{") else 0
+        for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", found.group(1)):
+            n = int(np.prod([int(d) for d in dims.split(",") if d]))
+            out.append((n * per_group if op == "reduce-scatter" else n, groups))
+    return out
 
 
 def test_flat_step_reduces_the_gradients_in_few_buffers():
@@ -104,13 +120,92 @@ def test_flat_step_reduces_the_gradients_in_few_buffers():
         tokens, targets, _, _ = _inputs()
         batch = model.place_batch(tokens, targets)
         texts[how] = model.train_step(opt).lower(params, state, *batch).compile().as_text()
-    flat, oracle = _all_reduce_operands(texts["flat"]), _all_reduce_operands(texts["partitioner"])
-    # (the operands under 16 elements are the routing statistics' and the loss's sums)
-    flat, oracle = [n for n in flat if n >= 16], [n for n in oracle if n >= 16]
     # one buffer of every weight replicated over both batch axes, one of this device's experts
     experts = [a for k, a in jax.tree_util.tree_leaves_with_path(params) if "'w_" in str(k[-1])]
     experts = [a for a in experts if a.ndim == 4]
     local = sum(int(np.prod(a.sharding.shard_shape(a.shape))) for a in experts)
     replicated = sum(a.size for a in jax.tree.leaves(params)) - sum(a.size for a in experts)
-    assert sorted(flat) == sorted([local, replicated]), (flat, local, replicated)
-    assert len(oracle) > 10, oracle  # the partitioner's: a gradient (or a few) per operand
+    # (the MoE exchange's collectives run over the expert axis alone: groups {0,1,2,3},{4,...};
+    # the all-reduces under 16 elements are the routing statistics' and the loss's sums)
+    exchange = "{{0,1,2,3},{4,5,6,7}}"
+
+    def sizes(how, op):
+        return sorted(n for n, g in _collectives(texts[how], op) if g != exchange and n >= 16)
+
+    # ZeRO-1: the gradients reduce-scattered straight into the shards, no all-reduce
+    assert sizes("flat", "reduce-scatter") == sorted([local, replicated])
+    assert sizes("flat", "all-reduce") == []
+    assert len(sizes("partitioner", "all-reduce")) > 10  # a gradient (or a few) per operand
+
+
+# Leaves of every kind the flat moves meet on a 2 x 4 ("data", "expert") mesh: their spec (the
+# layout they are computed in), their ZeRO spec and their shape. A ZeRO spec splits a block
+# further over the batch axes it is replicated on, each axis on some dimension.
+LEAVES = {
+    "both-axes-one-dim": (P(), P(("data", "expert")), (16, 3), np.float32),
+    "axes-on-two-dims": (P(), P("data", "expert"), (2, 12), np.float32),
+    "axes-reversed": (P(), P("expert", "data"), (4, 6), np.float32),
+    "left-whole": (P(), P(), (3, 5), np.float32),
+    "data-only": (P(), P("data"), (6,), np.float32),
+    "expert-block": (P("expert"), P(("expert", "data")), (8, 6), np.float32),
+    "expert-block-bf16": (P(None, "expert"), P(None, ("expert", "data")), (3, 8, 4), jnp.bfloat16),
+    "expert-block-whole": (P("expert"), P("expert"), (4, 3), np.float32),
+}
+
+
+def test_flat_sums_and_scatters_every_layout():
+    """sum_flat and scatter_flat against numpy's sum of each device's block."""
+    mesh = jax.make_mesh((2, 4), ("data", "expert"))
+    batch = ("data", "expert")
+    specs = {k: v[0] for k, v in LEAVES.items()}
+    zero = {k: v[1] for k, v in LEAVES.items()}
+    rng = np.random.default_rng(0)
+    blocks, in_specs, want = {}, {}, {}
+    for k, (spec, _, shape, dtype) in LEAVES.items():
+        lead = (2,) if "expert" in axes_of(spec) else (2, 4)  # one block per device
+        x = rng.standard_normal(lead + shape).astype(dtype)
+        blocks[k], in_specs[k] = x, P(*batch[: len(lead)], *spec)
+        want[k] = np.asarray(x, np.float64).sum(tuple(range(len(lead))))
+    blocks = jax.device_put(blocks, {k: NamedSharding(mesh, s) for k, s in in_specs.items()})
+
+    def strip(tree):  # each device's block without the leading device dimensions
+        return {
+            k: v.reshape(v.shape[2 - ("expert" in axes_of(specs[k])) :]) for k, v in tree.items()
+        }
+
+    def run(fn, out_specs):
+        f = jax.shard_map(fn, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs, check_vma=False)
+        return jax.jit(f)(blocks)
+
+    summed = run(lambda b: _flat.sum_flat(strip(b), specs, mesh, batch), specs)
+    scattered = run(lambda b: _flat.scatter_flat(strip(b), specs, zero, mesh, batch), zero)
+    for k, (_, _, shape, dtype) in LEAVES.items():
+        tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+        for name, got in (("sum", summed), ("scatter", scattered)):
+            a = got[k]
+            assert a.shape == shape and a.dtype == dtype, (k, name, a.shape, a.dtype)
+            np.testing.assert_allclose(
+                np.asarray(a, np.float64), want[k], rtol=tol, atol=tol, err_msg=f"{k} {name}"
+            )
+        assert scattered[k].sharding.is_equivalent_to(NamedSharding(mesh, zero[k]), len(shape)), k
+    # one collective per group: reduce-scatters by (reduced axes, shard axes, dtype); the leaves
+    # left whole and their partial sums as all-reduces
+    text = (
+        jax.jit(
+            jax.shard_map(
+                lambda b: _flat.scatter_flat(strip(b), specs, zero, mesh, batch),
+                mesh=mesh,
+                in_specs=(in_specs,),
+                out_specs=zero,
+                check_vma=False,
+            )
+        )
+        .lower(blocks)
+        .compile()
+        .as_text()
+    )
+    ops = re.findall(r" (reduce-scatter|all-reduce)(?:-start)?\(", text)
+    # groups: (data+expert, data+expert, f32) [both-axes, two-dims, reversed]; (data+expert, data,
+    # f32) [data-only] then its psum over expert; (data, data, f32) and (data, data, bf16) [expert
+    # blocks]; left-whole and expert-block-whole summed: one all-reduce each (different axes)
+    assert sorted(ops) == sorted(["reduce-scatter"] * 4 + ["all-reduce"] * 3), ops
