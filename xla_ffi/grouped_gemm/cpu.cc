@@ -19,8 +19,13 @@
 // in row-major order (w of the forward, dy of the weight gradient) is read in place instead of
 // packed, 32 columns at a time: a copy of every weight per call and task otherwise (8-9% of the
 // 8-simulated-device decoder's loss and gradients, 2-3% of the one-device one), unless its row
-// stride is a multiple of 4 KiB (BlockB). Tasks run on
-// the FFI thread pool, taken from a shared counter, so the groups' GEMMs spread over the cores
+// stride is a multiple of 4 KiB (BlockB). The AVX2 kernel (6 x 16 tiles) differs, as BLIS
+// blocks for Haswell: it packs every B panel, as two 16-column halves, and runs each half over
+// all the A panels (MacroAvx2), so that the half stays in L1; its transposed panels are packed
+// by 8 x 8 transposes in registers, and its full tiles written back without masked stores
+// (2026-11-30, 2 Zen cores, one core: the expert FFN's grouped GEMMs at about 52 GFLOP/s
+// against 40 before, and the 8-simulated-device decoder step 1.11x as fast, ab_models). Tasks run
+// on the FFI thread pool, taken from a shared counter, so the groups' GEMMs spread over the cores
 // with no loop of small XLA ops around them. fp32 accumulation throughout; the blocks of the
 // contraction are added in order.
 #include <algorithm>
@@ -165,6 +170,25 @@ __attribute__((target("avx2,fma"), noinline)) void MicroAvx2Half(int64_t kc, con
       hi[i] = _mm256_fmadd_ps(ai, b1, hi[i]);
     }
   }
+  if (nr == 16) {
+    // Whole rows with plain loads and stores: AVX2's masked stores are microcoded on AMD's Zen
+    // cores. (With masked stores on every tile, 2026-11-30 on 2 Zen cores, the expert FFN's
+    // grouped GEMMs ran about 1.15x the time of this kernel with its other changes of that day.)
+#pragma GCC unroll 6
+    for (int64_t i = 0; i < kMrAvx2; ++i) {
+      if (i >= mr) break;
+      float* row = c + i * ldc;
+      __m256 v0 = lo[i];
+      __m256 v1 = hi[i];
+      if (accumulate) {
+        v0 = _mm256_add_ps(v0, _mm256_loadu_ps(row));
+        v1 = _mm256_add_ps(v1, _mm256_loadu_ps(row + 8));
+      }
+      _mm256_storeu_ps(row, v0);
+      _mm256_storeu_ps(row + 8, v1);
+    }
+    return;
+  }
   const __m256i mask_lo = LaneMask(nr);
   const __m256i mask_hi = LaneMask(nr - 8);
 #pragma GCC unroll 6
@@ -182,12 +206,49 @@ __attribute__((target("avx2,fma"), noinline)) void MicroAvx2Half(int64_t kc, con
   }
 }
 
-// The panel's 32 columns in two passes over the A panel (kc x 6 floats, from L1): the classic
-// Haswell blocking.
-void MicroAvx2(int64_t kc, const float* ap, const float* bp, int64_t ldb, float* c, int64_t ldc,
-               int64_t mr, int64_t nr, bool accumulate) {
-  MicroAvx2Half(kc, ap, bp, ldb, c, ldc, mr, std::min<int64_t>(nr, 16), accumulate);
-  if (nr > 16) MicroAvx2Half(kc, ap, bp + 16, ldb, c + 16, ldc, mr, nr - 16, accumulate);
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Macro-kernels: c[rows, nr] (+)= A (rows x kc: panels of kMr rows, each [kc][kMr], kc kMr
+// floats apart) times a B block of kc x nr (nr <= kNr), one micro-kernel call per register tile.
+
+// A B block: columns [0, 16) of its row k at p + k ld, columns [16, 32) at p + half + k ld. A
+// panel packed for AVX2 keeps its two 16-column halves apart ([2][kc][16]: half = 16 kc), so that
+// the half one pass reads is kc x 64 contiguous bytes; read in place, or packed for the 32-column
+// kernels, half is 16.
+struct BBlock {
+  const float* p;
+  int64_t ld;
+  int64_t half;
+};
+
+using Macro = void (*)(int64_t kc, const float* a, int64_t rows, BBlock b, float* c, int64_t ldc,
+                       int64_t nr, bool accumulate);
+
+// The kernels whose tile spans all kNr columns: one pass over the A panels.
+template <int64_t kMr, auto kMicro>
+void MacroPanels(int64_t kc, const float* a, int64_t rows, BBlock b, float* c, int64_t ldc,
+                 int64_t nr, bool accumulate) {
+  for (int64_t r = 0; r < rows; r += kMr) {
+    kMicro(kc, a + r * kc, b.p, b.ld, c + r * ldc, ldc, std::min(kMr, rows - r), nr, accumulate);
+  }
+}
+
+#if defined(JAXOPS_GROUPED_GEMM_SIMD)
+// AVX2: a 16-column half of the block at a time, over every A panel, so that the half (16 KiB
+// at kc = 256, packed) stays in L1 while the A panels (6 KiB each) stream through it, as BLIS
+// blocks for Haswell. (Both halves per A panel, as before 2026-11-30, is 32 KiB of B per panel:
+// all of a Zen 2/3 core's L1 with the A panel on top, so B came from L2.)
+void MacroAvx2(int64_t kc, const float* a, int64_t rows, BBlock b, float* c, int64_t ldc,
+               int64_t nr, bool accumulate) {
+  for (int64_t h = 0; h * 16 < nr; ++h) {
+    const float* bp = b.p + h * b.half;
+    const int64_t nh = std::min<int64_t>(16, nr - h * 16);
+    for (int64_t r = 0; r < rows; r += kMrAvx2) {
+      MicroAvx2Half(kc, a + r * kc, bp, b.ld, c + r * ldc + h * 16, ldc,
+                    std::min(kMrAvx2, rows - r), nh, accumulate);
+    }
+  }
 }
 #endif
 
@@ -275,14 +336,64 @@ __attribute__((target("avx512f"))) void TransposeRows16(const X* const* rows, in
   }
 }
 
-// The types the AVX-512 packers read (others take the portable loops).
+// 8 values of a row as fp32 (AVX2): float32 as it is, bfloat16 widened (its bits are fp32's
+// top half).
+__attribute__((target("avx2"))) inline __m256 Load8(const float* src) {
+  return _mm256_loadu_ps(src);
+}
+__attribute__((target("avx2"))) inline __m256 Load8(const BFloat16* src) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// r[i] lane j -> r[j] lane i: an 8 x 8 fp32 transpose in registers (pairs of rows interleaved,
+// then pairs of pairs, then the 128-bit halves of rows 0-3 and 4-7 joined).
+__attribute__((target("avx2"))) inline void Transpose8(__m256 r[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  // u[4g + c]: rows [4g, 4g + 4) of column c (low half) and of column c + 4 (high half).
+  __m256 u[8];
+  for (int g = 0; g < 2; ++g) {
+    u[4 * g] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+    u[4 * g + 1] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
+    u[4 * g + 2] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+    u[4 * g + 3] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
+}
+
+// dst[k * dst_ld + i] = src(i, k0 + k) for k < kc8 (a multiple of 8) and i < 8, where
+// src(i, k) = rows[i][k] for i < n and 0 for i >= n: 8 x 8 blocks transposed in registers, each
+// column stored as 8 floats. With dst_ld < 8 (a 6-row A panel) a store also writes the first
+// 8 - dst_ld floats of the next column, which the next store (or the caller) overwrites; the
+// last one writes up to 2 floats past the block (Scratch keeps that slack).
 template <typename X>
-inline constexpr bool kPackAvx512 = std::is_same_v<X, float> || std::is_same_v<X, BFloat16>;
+__attribute__((target("avx2"))) void TransposeRows8(const X* const* rows, int64_t n, int64_t k0,
+                                                    int64_t kc8, float* dst, int64_t dst_ld) {
+  for (int64_t k = 0; k < kc8; k += 8) {
+    __m256 r[8];
+    for (int64_t i = 0; i < 8; ++i) r[i] = i < n ? Load8(rows[i] + k0 + k) : _mm256_setzero_ps();
+    Transpose8(r);
+    for (int64_t c = 0; c < 8; ++c) _mm256_storeu_ps(dst + (k + c) * dst_ld, r[c]);
+  }
+}
+
+// The types the AVX-512 and AVX2 packers read (others take the portable loops).
+template <typename X>
+inline constexpr bool kPackSimd = std::is_same_v<X, float> || std::is_same_v<X, BFloat16>;
 #endif
 
 // A panels from `rows` rows of a row-major matrix (leading dimension ld), columns [k0, k0 + kc):
 // panel p holds rows [p kMr, (p + 1) kMr) as [kc][kMr]. With the AVX-512 micro-kernel (12-row
-// panels) the columns are transposed 16 at a time in registers; the portable loop takes the rest.
+// panels) the columns are transposed 16 at a time in registers, with the AVX2 one (6-row panels)
+// 8 at a time; the portable loop takes the rest. Panels are packed in order (the AVX2 path's
+// stores reach 2 floats into the next panel, which its own packing overwrites).
 template <int64_t kMr, typename X>
 JAXOPS_CPU_CLONES void PackRows(const X* src, int64_t ld, int64_t rows, int64_t k0, int64_t kc,
                                 float* dst) {
@@ -291,12 +402,20 @@ JAXOPS_CPU_CLONES void PackRows(const X* src, int64_t ld, int64_t rows, int64_t 
     const int64_t mr = std::min(kMr, rows - p * kMr);
     int64_t done = 0;
 #if defined(JAXOPS_GROUPED_GEMM_SIMD)
-    if constexpr (kMr == kMrAvx512 && kPackAvx512<X>) {
+    if constexpr (kMr == kMrAvx512 && kPackSimd<X>) {
       if (ChosenKernel() == Kernel::kAvx512) {
         const X* starts[16];
         for (int64_t i = 0; i < 16; ++i) starts[i] = i < mr ? src + (p * kMr + i) * ld : src;
         done = kc / 16 * 16;
         TransposeRows16(starts, mr, k0, done, panel, kMr, __mmask16((1u << kMr) - 1u));
+      }
+    }
+    if constexpr (kMr == kMrAvx2 && kPackSimd<X>) {
+      if (ChosenKernel() == Kernel::kAvx2) {
+        const X* starts[8];
+        for (int64_t i = 0; i < 8; ++i) starts[i] = i < mr ? src + (p * kMr + i) * ld : src;
+        done = kc / 8 * 8;
+        TransposeRows8(starts, mr, k0, done, panel, kMr);
       }
     }
 #endif
@@ -328,26 +447,54 @@ JAXOPS_CPU_CLONES void PackColumns(const X* src, int64_t ld, int64_t c0, int64_t
   }
 }
 
-// A B panel [kc][kNr]: B(k, j) = src[(k0 + k) ld + n0 + j] (row-major B), j < nr.
-template <typename X>
+// Where a packed B panel of kPw-column slices (kPw = kNr: [kc][kNr]; kPw = 16: [2][kc][16])
+// keeps element (k, j).
+template <int64_t kPw>
+constexpr int64_t PanelIndex(int64_t kc, int64_t k, int64_t j) {
+  return (j / kPw) * kc * kPw + k * kPw + j % kPw;
+}
+
+// The BBlock of a packed panel.
+template <int64_t kPw>
+BBlock PanelBlock(const float* panel, int64_t kc) {
+  return {panel, kPw, kPw == 16 ? 16 * kc : 16};
+}
+
+// A B panel: B(k, j) = src[(k0 + k) ld + n0 + j] (row-major B), j < nr; zeros in columns
+// [nr, kNr).
+template <int64_t kPw, typename X>
 JAXOPS_CPU_CLONES void PackB(const X* src, int64_t ld, int64_t k0, int64_t kc, int64_t n0,
                              int64_t nr, float* dst) {
+  static_assert(kNr % kPw == 0, "kPw: whole slices of the panel");
+  // Row by row (its kNr columns are 1-2 adjacent cache lines), the row kPrefetchRows ahead
+  // prefetched: the rows are ld apart, and the loads of a weight's rows from memory stalled
+  // this loop without it.
+  constexpr int64_t kPrefetchRows = 8;
   for (int64_t k = 0; k < kc; ++k) {
     const X* row = src + (k0 + k) * ld + n0;
-    float* out = dst + k * kNr;
-    for (int64_t j = 0; j < nr; ++j) out[j] = HostType<X>::Load(row[j]);
-    for (int64_t j = nr; j < kNr; ++j) out[j] = 0.0f;
+    if (k + kPrefetchRows < kc) {
+      const char* ahead = reinterpret_cast<const char*>(row + kPrefetchRows * ld);
+      __builtin_prefetch(ahead);
+      if constexpr (sizeof(X) * kNr > 64) __builtin_prefetch(ahead + 64);
+    }
+    for (int64_t j0 = 0; j0 < kNr; j0 += kPw) {
+      const int64_t n = std::clamp<int64_t>(nr - j0, 0, kPw);
+      float* out = dst + PanelIndex<kPw>(kc, k, j0);
+      for (int64_t j = 0; j < n; ++j) out[j] = HostType<X>::Load(row[j0 + j]);
+      for (int64_t j = n; j < kPw; ++j) out[j] = 0.0f;
+    }
   }
 }
 
 // A B panel of a transposed B: B(k, j) = src[(n0 + j) ld + k0 + k], j < nr. With the AVX-512
-// micro-kernel, 16 x 16 blocks are transposed in registers; the portable loop takes the rest.
-template <typename X>
+// micro-kernel, 16 x 16 blocks are transposed in registers, with the AVX2 one 8 x 8 blocks; the
+// portable loop takes the rest.
+template <int64_t kPw, typename X>
 JAXOPS_CPU_CLONES void PackBTransposed(const X* src, int64_t ld, int64_t k0, int64_t kc, int64_t n0,
                                        int64_t nr, float* dst) {
   int64_t done = 0;
 #if defined(JAXOPS_GROUPED_GEMM_SIMD)
-  if constexpr (kPackAvx512<X>) {
+  if constexpr (kPw == kNr && kPackSimd<X>) {
     if (ChosenKernel() == Kernel::kAvx512) {
       done = kc / 16 * 16;
       for (int64_t j0 = 0; j0 < kNr; j0 += 16) {
@@ -358,14 +505,26 @@ JAXOPS_CPU_CLONES void PackBTransposed(const X* src, int64_t ld, int64_t k0, int
       }
     }
   }
+  if constexpr (kPw == 16 && kPackSimd<X>) {
+    if (ChosenKernel() == Kernel::kAvx2) {
+      done = kc / 8 * 8;
+      for (int64_t j0 = 0; j0 < kNr; j0 += 8) {
+        const int64_t n = std::clamp<int64_t>(nr - j0, 0, 8);
+        const X* starts[8];
+        for (int64_t i = 0; i < 8; ++i) starts[i] = i < n ? src + (n0 + j0 + i) * ld : src;
+        TransposeRows8(starts, n, k0, done, dst + PanelIndex<kPw>(kc, 0, j0), kPw);
+      }
+    }
+  }
 #endif
   for (int64_t j = 0; j < kNr; ++j) {
+    float* out = dst + PanelIndex<kPw>(kc, 0, j);
     if (j >= nr) {
-      for (int64_t k = done; k < kc; ++k) dst[k * kNr + j] = 0.0f;
+      for (int64_t k = done; k < kc; ++k) out[k * kPw] = 0.0f;
       continue;
     }
     const X* col = src + (n0 + j) * ld + k0;
-    for (int64_t k = done; k < kc; ++k) dst[k * kNr + j] = HostType<X>::Load(col[k]);
+    for (int64_t k = done; k < kc; ++k) out[k * kPw] = HostType<X>::Load(col[k]);
   }
 }
 
@@ -390,10 +549,11 @@ struct WgradArgs {
   float* dw = nullptr;    // [G, K, N]
 };
 
-// Scratch of one worker: an A block of kMb x kKc and a B panel of kKc x kNr, fp32. Every element
-// a kernel reads from it was packed there first, so it is left uninitialized.
+// Scratch of one worker: an A block of kMb x kKc (and 8 floats of slack for the AVX2 packer's
+// last store) and a B panel of kKc x kNr, fp32. Every element a kernel reads from it was packed
+// there first, so it is left uninitialized.
 struct Scratch {
-  std::unique_ptr<float[]> a{new float[kMb * kKc]};
+  std::unique_ptr<float[]> a{new float[kMb * kKc + 8]};
   std::unique_ptr<float[]> b{new float[kKc * kNr]};
 };
 
@@ -405,34 +565,42 @@ Scratch& ThreadScratch() {
   return scratch;
 }
 
-using Micro = void (*)(int64_t, const float*, const float*, int64_t, float*, int64_t, int64_t,
-                       int64_t, bool);
+// A micro-kernel's tile: kMr rows; B panels packed in slices of kPw columns (PanelIndex).
+template <int64_t Mr, int64_t Pw>
+struct Tile {
+  static constexpr int64_t kMr = Mr;
+  static constexpr int64_t kPw = Pw;
+};
 
 // Row strides of a float32 B that BlockB reads in place: not a multiple of 4 KiB. At such a
 // stride every row of the block lies on its own page in the same L1 set, which holds 8-12 of
-// its kc rows: measured with the AVX2 kernel (2 Zen cores), packing then ran 1.1-1.3x faster
-// at 1024 and 2048 columns, and reading in place 1.0-1.15x faster at 256-768.
+// its kc rows: measured with the AVX2 kernel before it packed every B (2 Zen cores), packing
+// then ran 1.1-1.3x faster at 1024 and 2048 columns, and reading in place 1.0-1.15x faster at
+// 256-768.
 constexpr int64_t kAliasingBytes = 4096;
 
 // The B operand of a block: rows [k0, k0 + kc) and columns [n0, n0 + nr) of a row-major
-// matrix `src` (leading dimension ld). A float32 source with all kNr columns is read in place
-// (no copy: the block's rows are ld apart) unless its rows alias (kAliasingBytes); any other
-// dtype, or a narrower edge panel, is packed into `panel` (fp32, zero-padded to kNr columns).
-// Returns {rows, their stride}.
-template <typename X>
-std::pair<const float*, int64_t> BlockB(const X* src, int64_t ld, int64_t k0, int64_t kc,
-                                        int64_t n0, int64_t nr, float* panel) {
+// matrix `src` (leading dimension ld). For the 32-column kernels (kPw = kNr) a float32 source
+// with all kNr columns is read in place (no copy: the block's rows are ld apart) unless its rows
+// alias (kAliasingBytes); any other dtype, a narrower edge panel, and every block of the AVX2
+// kernel are packed into `panel` (fp32, zero-padded to kNr columns). AVX2 packs, since its
+// passes keep a half of the block in L1 (MacroAvx2), which rows 1-2 KiB apart (a weight of
+// 256-512 columns) could not stay in: 2 Zen cores, the expert FFN's grouped GEMMs, one core,
+// 1.05-1.08x the time read in place.
+template <int64_t kPw, typename X>
+BBlock BlockB(const X* src, int64_t ld, int64_t k0, int64_t kc, int64_t n0, int64_t nr,
+              float* panel) {
   if constexpr (std::is_same_v<X, float>) {
     const bool aliasing = (ld * int64_t{sizeof(float)}) % kAliasingBytes == 0;
-    if (nr == kNr && !aliasing) return {src + k0 * ld + n0, ld};
+    if (kPw == kNr && nr == kNr && !aliasing) return {src + k0 * ld + n0, ld, 16};
   }
-  PackB(src, ld, k0, kc, n0, nr, panel);
-  return {panel, kNr};
+  PackB<kPw>(src, ld, k0, kc, n0, nr, panel);
+  return PanelBlock<kPw>(panel, kc);
 }
 
 // y rows [t.first, t.first + t.rows) of group t.group.
-template <int64_t kMr, typename X>
-void ForwardTask(const ForwardArgs<X>& a, const Task& t, Micro micro, Scratch& s) {
+template <typename T, typename X>
+void ForwardTask(const ForwardArgs<X>& a, const Task& t, Macro macro, Scratch& s) {
   const Problem& p = a.p;
   const X* w = a.w + t.group * p.k * p.n;
   float* y = a.y + t.first * p.n;
@@ -442,26 +610,24 @@ void ForwardTask(const ForwardArgs<X>& a, const Task& t, Micro micro, Scratch& s
   }
   for (int64_t k0 = 0; k0 < p.k; k0 += kKc) {
     const int64_t kc = std::min(kKc, p.k - k0);
-    PackRows<kMr>(a.x + t.first * p.k, p.k, t.rows, k0, kc, s.a.get());
+    PackRows<T::kMr>(a.x + t.first * p.k, p.k, t.rows, k0, kc, s.a.get());
     for (int64_t n0 = 0; n0 < p.n; n0 += kNr) {
       const int64_t nr = std::min(kNr, p.n - n0);
-      std::pair<const float*, int64_t> b{s.b.get(), kNr};
+      BBlock b;
       if (a.transpose_w) {
-        PackBTransposed(w, p.k, k0, kc, n0, nr, s.b.get());
+        PackBTransposed<T::kPw>(w, p.k, k0, kc, n0, nr, s.b.get());
+        b = PanelBlock<T::kPw>(s.b.get(), kc);
       } else {
-        b = BlockB(w, p.n, k0, kc, n0, nr, s.b.get());
+        b = BlockB<T::kPw>(w, p.n, k0, kc, n0, nr, s.b.get());
       }
-      for (int64_t r = 0; r < t.rows; r += kMr) {
-        micro(kc, s.a.get() + (r / kMr) * kc * kMr, b.first, b.second, y + r * p.n + n0, p.n,
-              std::min(kMr, t.rows - r), nr, k0 > 0);
-      }
+      macro(kc, s.a.get(), t.rows, b, y + n0, p.n, nr, k0 > 0);
     }
   }
 }
 
 // dw[t.group] rows [t.first, t.first + t.rows) (columns of x), over the group's rows.
-template <int64_t kMr, typename X>
-void WgradTask(const WgradArgs<X>& a, const GroupRows& groups, const Task& t, Micro micro,
+template <typename T, typename X>
+void WgradTask(const WgradArgs<X>& a, const GroupRows& groups, const Task& t, Macro macro,
                Scratch& s) {
   const Problem& p = a.p;
   float* dw = a.dw + (t.group * p.k + t.first) * p.n;
@@ -473,14 +639,11 @@ void WgradTask(const WgradArgs<X>& a, const GroupRows& groups, const Task& t, Mi
   }
   for (int64_t r0 = begin; r0 < end; r0 += kKc) {
     const int64_t kc = std::min(kKc, end - r0);
-    PackColumns<kMr>(a.x, p.k, t.first, t.rows, r0, kc, s.a.get());
+    PackColumns<T::kMr>(a.x, p.k, t.first, t.rows, r0, kc, s.a.get());
     for (int64_t n0 = 0; n0 < p.n; n0 += kNr) {
       const int64_t nr = std::min(kNr, p.n - n0);
-      const auto [b, ldb] = BlockB(a.dy, p.n, r0, kc, n0, nr, s.b.get());
-      for (int64_t r = 0; r < t.rows; r += kMr) {
-        micro(kc, s.a.get() + (r / kMr) * kc * kMr, b, ldb, dw + r * p.n + n0, p.n,
-              std::min(kMr, t.rows - r), nr, r0 > begin);
-      }
+      const BBlock b = BlockB<T::kPw>(a.dy, p.n, r0, kc, n0, nr, s.b.get());
+      macro(kc, s.a.get(), t.rows, b, dw + n0, p.n, nr, r0 > begin);
     }
   }
 }
@@ -490,8 +653,7 @@ int64_t TaskBytes(const Problem& p, int64_t rows, int64_t contraction) {
   return (rows * contraction + contraction * p.n + rows * p.n) * int64_t{4};
 }
 
-// Runs task(t, micro, scratch) for every task over the pool, with the micro-kernel this machine
-// has (kMr rows: its tiles).
+// Runs task(t, scratch) for every task over the pool.
 template <typename RunTask>
 ffi::Future RunTasks(ffi::ThreadPool& pool, std::vector<Task> tasks, int64_t item_bytes,
                      RunTask run) {
@@ -503,8 +665,8 @@ ffi::Future RunTasks(ffi::ThreadPool& pool, std::vector<Task> tasks, int64_t ite
                      });
 }
 
-// RunTasks with ChosenKernel(): make(mr, micro) gives the task runner of a micro-kernel whose
-// tiles have mr rows (a std::integral_constant).
+// RunTasks with ChosenKernel(): make(tile, macro) gives the task runner of its macro-kernel
+// (tile: a Tile, its register tile's rows and its B panels' layout).
 template <typename Make>
 ffi::Future RunWithKernel(ffi::ThreadPool& pool, std::vector<Task> tasks, int64_t item_bytes,
                           Make make) {
@@ -512,15 +674,14 @@ ffi::Future RunWithKernel(ffi::ThreadPool& pool, std::vector<Task> tasks, int64_
 #if defined(JAXOPS_GROUPED_GEMM_SIMD)
     case Kernel::kAvx512:
       return RunTasks(pool, std::move(tasks), item_bytes,
-                      make(std::integral_constant<int64_t, kMrAvx512>{}, MicroAvx512));
+                      make(Tile<kMrAvx512, kNr>{}, MacroPanels<kMrAvx512, MicroAvx512>));
     case Kernel::kAvx2:
-      return RunTasks(pool, std::move(tasks), item_bytes,
-                      make(std::integral_constant<int64_t, kMrAvx2>{}, MicroAvx2));
+      return RunTasks(pool, std::move(tasks), item_bytes, make(Tile<kMrAvx2, 16>{}, MacroAvx2));
 #endif
     default:
       return RunTasks(
           pool, std::move(tasks), item_bytes,
-          make(std::integral_constant<int64_t, kMrPortable>{}, MicroPortable<kMrPortable>));
+          make(Tile<kMrPortable, kNr>{}, MacroPanels<kMrPortable, MicroPortable<kMrPortable>>));
   }
 }
 
@@ -536,12 +697,11 @@ ffi::Future ForwardImpl(ffi::ThreadPool& pool, const ForwardArgs<X>& a, const in
   const int64_t task_rows = TaskRows(used, Workers(pool));
   std::vector<Task> tasks = MakeTasks(
       p.groups, task_rows, [&](int64_t g) { return std::pair(groups.begins[g], groups.ends[g]); });
-  return RunWithKernel(pool, std::move(tasks), TaskBytes(p, task_rows, p.k),
-                       [a](auto mr, Micro micro) {
-                         return [a, micro](const Task& t, Scratch& s) {
-                           ForwardTask<decltype(mr)::value>(a, t, micro, s);
-                         };
-                       });
+  return RunWithKernel(
+      pool, std::move(tasks), TaskBytes(p, task_rows, p.k), [a](auto tile, Macro macro) {
+        return
+            [a, macro](const Task& t, Scratch& s) { ForwardTask<decltype(tile)>(a, t, macro, s); };
+      });
 }
 
 template <typename X>
@@ -554,9 +714,9 @@ ffi::Future WgradImpl(ffi::ThreadPool& pool, const WgradArgs<X>& a, const int32_
   // A group's contraction is its rows (the average group's for the split).
   const int64_t bytes =
       TaskBytes(p, task_rows, std::max<int64_t>(1, p.rows / std::max<int64_t>(1, p.groups)));
-  return RunWithKernel(pool, std::move(tasks), bytes, [a, groups](auto mr, Micro micro) {
-    return [a, groups, micro](const Task& t, Scratch& s) {
-      WgradTask<decltype(mr)::value>(a, groups, t, micro, s);
+  return RunWithKernel(pool, std::move(tasks), bytes, [a, groups](auto tile, Macro macro) {
+    return [a, groups, macro](const Task& t, Scratch& s) {
+      WgradTask<decltype(tile)>(a, groups, t, macro, s);
     };
   });
 }
