@@ -24,7 +24,8 @@
 // all the A panels (MacroAvx2), so that the half stays in L1; its transposed panels are packed
 // by 8 x 8 transposes in registers, and its full tiles written back without masked stores
 // (2026-11-30, 2 Zen cores, one core: the expert FFN's grouped GEMMs at about 52 GFLOP/s
-// against 40 before, and the 8-simulated-device decoder step 1.11x as fast, ab_models). Tasks run
+// against 40 with the first two undone; the 8-simulated-device decoder step 1.11x as fast with
+// them, ab_models). Tasks run
 // on the FFI thread pool, taken from a shared counter, so the groups' GEMMs spread over the cores
 // with no loop of small XLA ops around them. fp32 accumulation throughout; the blocks of the
 // contraction are added in order.
