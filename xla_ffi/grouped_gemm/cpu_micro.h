@@ -1,7 +1,8 @@
 // Micro- and macro-kernels of the grouped GEMM's CPU calls (cpu.cc, their only user; the
 // blocking around them is described there): the register-tile kernels for AVX-512 (12 x 32),
-// AVX2 (6 x 16, a 32-column panel in two passes) and the portable baseline (4 x 32), the loops
-// that run one over a block of packed A panels, and the choice of kernel for this CPU.
+// AVX2 (6 x 16, a 32-column panel in two passes) and the portable baseline (4 x 32), the
+// macro-kernels that call one per register tile of a block, and the choice of kernel for this
+// CPU.
 #ifndef JAXOPS_XLA_FFI_GROUPED_GEMM_CPU_MICRO_H_
 #define JAXOPS_XLA_FFI_GROUPED_GEMM_CPU_MICRO_H_
 
