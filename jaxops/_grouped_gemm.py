@@ -6,7 +6,11 @@ masked ``[G, R, K]`` operand, G times the FLOPs); these calls compute each group
 The CUDA kernel (``xla_ffi/grouped_gemm/kernels.cuh``) tiles each group's product 128 x 128 x 32
 through shared memory: tensor cores (WMMA, fp32 accumulation) for bfloat16 and float16, fp32
 FMAs for float32; each CTA finds its group from the device-side sizes (no host round trip). It
-has compiled in CI and has **not yet run on a GPU**.
+first ran on an H200 on 2026-11-30: correct against float64 at every tested edge, memcheck and
+racecheck clean; its speed is well below cuBLAS's dense GEMM (``benchmarks/results/h100``).
+Float32 operands are multiplied in fp32 whatever :func:`jaxops.precision` says (no TF32: XLA:GPU's
+default dots, TF32, differ from it by about 1e-3 relative); :func:`jaxops.precision_report`
+lists these calls.
 
 The rows of group g are rows ``[start_g, start_g + group_sizes[g])``, from row 0 in order. The
 kernels clip the sizes, which are device data: a negative size counts as 0, and no group reaches

@@ -19,12 +19,16 @@ mode       jax's default_matmul_precision          jaxops GEMM (cuBLASLt compute
 "default"  unset (XLA's default: TF32 on Hopper)   TF32, like XLA's default
 ========== ====================================== ==================================
 
+jaxops' grouped GEMM (:mod:`jaxops._grouped_gemm`: the expert layer's FFN GEMMs) follows no mode:
+it multiplies float32 in fp32 on every platform (its CUDA kernel has fp32 FMAs, no TF32 path), and
+16-bit operands natively with fp32 accumulation.
+
 ``JAXOPS_MATMUL_PRECISION=<mode>`` sets the process default at import. ``NVIDIA_TF32_OVERRIDE=0``
 means "no TF32 anywhere": "tf32" and "default" then act as "fp32", for XLA's dots too. XLA:CPU has
 no TF32; there "tf32" computes in float32.
 
 :func:`precision_report` audits a function: every dot, convolution and jaxops GEMM of its compiled
-HLO with the precision it runs with.
+HLO with the precision it runs with, the grouped GEMM's custom calls included.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from typing import Any
 import jax
 import numpy as np
 from jax._src import config as _jax_config
+
+from jaxops._grouped_gemm import TARGET_GROUPED_GEMM, TARGET_WGRAD
 
 __all__ = [
     "MODES",
@@ -209,8 +215,8 @@ class PrecisionEntry:
 
     Attributes:
       name: the HLO instruction name.
-      kind: "dot", "convolution", "jaxops_gemm", "jaxops_gemm_fp8" or XLA's GPU GEMM custom call
-        ("cublas", "cublasLt").
+      kind: "dot", "convolution", "jaxops_gemm", "jaxops_gemm_fp8", "jaxops_grouped_gemm",
+        "jaxops_grouped_gemm_wgrad" or XLA's GPU GEMM custom call ("cublas", "cublasLt").
       operands: the operand types, e.g. "f32[128,256] x f32[256,64]".
       precision: what the HLO says: operand precisions, an algorithm, or the jaxops attribute.
       runs_as: how the multiplication is carried out on `platform`: "fp32", "tf32", "bf16",
@@ -255,6 +261,8 @@ _OPERAND_TYPES = re.compile(r"((?:f8e4m3fn|f8e5m2|bf16|f16|f32|f64|s8|s32|u8)\[[
 _GEMM_TARGETS = {
     "jaxops_gemm": "jaxops_gemm",
     "jaxops_gemm_fp8": "jaxops_gemm_fp8",
+    TARGET_GROUPED_GEMM: TARGET_GROUPED_GEMM,
+    TARGET_WGRAD: TARGET_WGRAD,
     "__cublas$gemm": "cublas",
     "__cublas$lt$matmul": "cublasLt",
     "__cublas$lt$matmul$f8": "cublasLt fp8",
@@ -298,6 +306,8 @@ def _precision_of(kind: str, rest: str) -> str:
         return _JAXOPS_PRECISION_NAMES.get(int(match.group(1)), "?") if match else "?"
     if kind == "jaxops_gemm_fp8":
         return "fp8"
+    if kind in (TARGET_GROUPED_GEMM, TARGET_WGRAD):
+        return "fp32"  # no mode: fp32 products of float32, native products of 16-bit operands
     algorithm = re.search(r"algorithm=(\w+)", rest)
     if algorithm:
         return algorithm.group(1)
@@ -319,7 +329,8 @@ def precision_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Preci
 
     Reads the compiled (optimized) HLO of ``jax.jit(fn)`` for the default backend, fusions
     included: XLA dots and convolutions with their operand precision or algorithm, XLA:GPU's own
-    cuBLAS GEMM custom calls, and jaxops' GEMM custom calls with the mode they were traced with.
+    cuBLAS GEMM custom calls, jaxops' GEMM custom calls with the mode they were traced with, and
+    jaxops' grouped GEMM custom calls (float32 always in fp32).
     Use it to check that nothing silently runs in TF32 (or in bf16).
 
     Args:

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import jaxops
-from jaxops import _cublaslt, _gemm
+from jaxops import _cublaslt, _gemm, _grouped_gemm
 from jaxops.testing import assert_allclose, count_collectives
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -281,6 +281,30 @@ def test_precision_report_lists_model_dots():
     assert runs == ["fp32", "fp32 (no TF32 on CPU)", "fp32 (no TF32 on CPU)"], str(report)
     table = str(report)
     assert "runs as (cpu)" in table and "f32[4,16] x f32[16,32]" in table
+
+
+@pytest.mark.skipif(not _grouped_gemm.kernel_available(), reason="no grouped GEMM kernel here")
+@pytest.mark.parametrize("mode", ["tf32", "bf16"])
+def test_precision_report_lists_grouped_gemm_calls_in_fp32_whatever_the_mode(mode):
+    """The expert FFNs' grouped GEMM calls follow no mode: float32 in fp32, 16-bit natively."""
+    x = jnp.ones((12, 16), jnp.float32)
+    w = jnp.ones((3, 16, 8), jnp.float32)
+    sizes = jnp.array([4, 0, 8], jnp.int32)
+
+    def f(x, w, sizes):
+        y = _grouped_gemm.grouped_gemm(x, w, sizes)
+        dw = _grouped_gemm.grouped_gemm_wgrad(x, y, sizes)
+        y16 = _grouped_gemm.grouped_gemm(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), sizes)
+        return y, dw, y16
+
+    with jaxops.precision(mode):
+        report = jaxops.precision_report(f, x, w, sizes)
+    entries = sorted((e.kind, e.operands, e.precision, e.runs_as) for e in report)
+    assert entries == [
+        ("jaxops_grouped_gemm", "bf16[12,16] x bf16[3,16,8]", "fp32", "native 16-bit"),
+        ("jaxops_grouped_gemm", "f32[12,16] x f32[3,16,8]", "fp32", "fp32"),
+        ("jaxops_grouped_gemm_wgrad", "f32[12,16] x f32[12,8]", "fp32", "fp32"),
+    ], str(report)
 
 
 # -------------------------------------------------------------------------------------------------
