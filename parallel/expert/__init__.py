@@ -39,8 +39,10 @@ permute pads each expert's group to ``align`` itself, which is the buffer the ex
 have made, and neither exchange runs (nor the all-gather of the counts).
 XLA's ragged_dot computes every group for every row (L times the work, a float32 ``[L, R, K]``
 operand). On GPU the grouped GEMMs are jaxops' CUDA custom calls (groups padded to 64 rows;
-compiled in CI, not yet run on a GPU); without the CUDA module, ragged_dot while that operand
-stays under 4 GiB, else the loop over groups described below. On CPU the groups go through
+first run on an H200 on 2026-11-30: at 16 and 128 experts the layer's fwd+bwd took 1.24 and
+20.5 ms against 4.0 ms with ragged_dot and 8.7 / 68.4 ms with the loop); without the CUDA
+module, ragged_dot while that operand stays under 4 GiB, else the loop over groups described
+below. On CPU the groups go through
 jaxops' grouped GEMM custom calls, which take groups of any size (``align`` stays the config's;
 one call per GEMM and one per weight gradient, the groups' tiles spread over the FFI thread
 pool); with ``impl="xla"`` their twin's loop pads them to 32-row tiles (``lcm(align, 32)``).

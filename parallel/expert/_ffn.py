@@ -5,7 +5,7 @@ XLA lowers ``jax.lax.ragged_dot`` to one dense dot over every group for every ro
 times the work and a float32 ``[L, R, K]`` operand. jaxops' grouped GEMM custom calls
 (:mod:`jaxops._grouped_gemm`: the forward, the input gradient with the weights read transposed,
 the weight gradient) compute each group's rows only: on XLA:CPU over groups of any size, on GPU
-(with the CUDA module; that kernel has not run on a GPU yet) over groups padded to 64-row
+(with the CUDA module; first run on an H200 on 2026-11-30) over groups padded to 64-row
 tiles. On a GPU without it the grouped GEMM is ragged_dot while that operand is small (the
 plan's tile is then 0: ``GPU_RAGGED_DOT_MAX_BYTES`` in :mod:`._exchange`), else the loop below.
 With ``impl="xla"`` (or that GPU fallback) the calls' twin runs instead: each group cut
