@@ -21,6 +21,9 @@ by default; accumulation float32):
 - ``ragged_dot`` (on a GPU only): ``jax.lax.ragged_dot`` and its VJP, which XLA:GPU lowers to a
   dense dot over every group (a masked ``[E, R, K]`` operand; cases where that operand passes
   ``--ragged-dot-max-gib`` skip it);
+- ``ffi_async`` (on a GPU, 16-bit ``--dtype``): ``ffi`` with ``JAXOPS_GPU_GEMM_PIPELINE=async``
+  (the CUDA kernels' cp.async pipeline; ``ffi`` then runs the default, ``registers``, and each
+  call of either is waited for before the variable changes);
 - ``dense``: the lower bound of XLA's own dot on the same FLOPs: one dense ``x @ w_in[0]`` and
   ``a @ w_out[0]`` over the U rows in groups (no grouping at all), with its backward.
 
@@ -57,6 +60,7 @@ there).
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -81,6 +85,7 @@ CASES = "32x256x128:256,16x256x256:256,8x1024x512:512"
 GPU_CASES = "128x2048x768:512,8x4096x14336:2048,64x7168x2048:128"
 QUICK_CASES = "8x128x64:64"
 SPARE_ROWS = 64
+PIPELINE_VARIABLE = "JAXOPS_GPU_GEMM_PIPELINE"
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-2}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 CALLS = {"jaxops_grouped_gemm", "jaxops_grouped_gemm_wgrad"}
@@ -109,6 +114,8 @@ COLUMNS = [
     H.Column("dense_gflops", "dense GFLOP/s", "{:.1f}"),
     H.Column("speedup", "xla/ffi", "{:.2f}x"),
     H.Column("ragged_ratio", "ragged_dot/ffi", "{:.2f}x"),
+    H.Column("ffi_async_ms", "ffi async ms", "{:.3f}"),
+    H.Column("async_ratio", "ffi/async", "{:.2f}x"),
     H.Column("dense_ratio", "dense/ffi", "{:.2f}x"),
 ]
 
@@ -220,6 +227,29 @@ def _dense_loss(x, w_in, w_out):
     return jnp.sum(y * y)
 
 
+class _Pipeline:
+    """A jitted function run with ``JAXOPS_GPU_GEMM_PIPELINE=pipeline``, which the CUDA grouped
+    GEMM reads at each call: each call is waited for before the variable is restored."""
+
+    def __init__(self, fn, pipeline: str):
+        self.fn = fn
+        self.pipeline = pipeline
+
+    def lower(self, *args):
+        return self.fn.lower(*args)
+
+    def __call__(self, *args):
+        old = os.environ.get(PIPELINE_VARIABLE)
+        os.environ[PIPELINE_VARIABLE] = self.pipeline
+        try:
+            return jax.block_until_ready(self.fn(*args))
+        finally:
+            if old is None:
+                del os.environ[PIPELINE_VARIABLE]
+            else:
+                os.environ[PIPELINE_VARIABLE] = old
+
+
 @jax.jit
 def _rel_error_of(got, want):
     got, want = got.astype(jnp.float32), want.astype(jnp.float32)
@@ -238,7 +268,7 @@ def _check(case: str, fns, operands, tolerance: float) -> None:
     for impl in grouped:
         text = fns[impl].lower(*operands[impl]).as_text()
         calls = set(re.findall(r"jaxops_grouped_gemm\w*", text))
-        want = CALLS if impl == "ffi" else set()
+        want = CALLS if impl.startswith("ffi") else set()
         if calls != want:
             raise AssertionError(f"{case}: the {impl} program calls {sorted(calls)}, not {want}")
     outs = {impl: jax.block_until_ready(fns[impl](*operands[impl])) for impl in grouped}
@@ -274,6 +304,9 @@ def _case(args, case: str) -> dict[str, Any]:
     # ragged_dot's dense form: a float32 [E, R, max(D, 2F)] operand.
     if H.is_gpu() and 4 * e * rows * max(d, 2 * f) <= args.ragged_dot_max_gib * 2**30:
         fns["ragged_dot"] = jax.jit(jax.value_and_grad(_ffn_loss("xla", 0), **grad))
+    if H.is_gpu() and args.dtype != "float32":  # both pipelines, each call waited for
+        fns["ffi_async"] = _Pipeline(fns["ffi"], "async")
+        fns["ffi"] = _Pipeline(fns["ffi"], "registers")
     fns["dense"] = jax.jit(jax.value_and_grad(_dense_loss, **grad))
     dense_in = (jnp.array(x[:used]), jnp.array(w_in[0]), jnp.array(w_out[0]))
     operands = dict.fromkeys(fns, (x, w_in, w_out, groups))
@@ -300,6 +333,7 @@ def _case(args, case: str) -> dict[str, Any]:
         "speedup": seconds["xla"] / seconds["ffi"],
         "ragged_ratio": seconds["ragged_dot"] / seconds["ffi"] if "ragged_dot" in seconds else None,
         "dense_ratio": seconds["dense"] / seconds["ffi"],
+        "async_ratio": seconds["ffi"] / seconds["ffi_async"] if "ffi_async" in seconds else None,
         "timings": {impl: t.to_json() for impl, t in timings.items()},
     }
     H.log_row(row, COLUMNS)

@@ -174,10 +174,28 @@ def _check_cpu_gemm_kernel() -> None:
         )
 
 
+#: JAXOPS_GPU_GEMM_PIPELINE's values: the CUDA grouped GEMM's pipeline for bfloat16 and float16
+#: ("registers", the default: the next step's tiles staged in registers; "async": 4 shared stages
+#: filled by cp.async, not yet run on a GPU). float32 always takes "registers".
+GPU_GEMM_PIPELINES = ("registers", "async")
+
+
+def _check_gpu_gemm_pipeline() -> None:
+    """JAXOPS_GPU_GEMM_PIPELINE, read by the CUDA grouped GEMM at each call: unset or a pipeline."""
+    value = os.environ.get("JAXOPS_GPU_GEMM_PIPELINE")
+    if value is not None and value not in GPU_GEMM_PIPELINES:
+        raise ValueError(
+            "JAXOPS_GPU_GEMM_PIPELINE must be one of "
+            f"{', '.join(repr(k) for k in GPU_GEMM_PIPELINES)} (the CUDA grouped GEMM's "
+            f"pipeline for 16-bit operands) or unset, got {value!r}"
+        )
+
+
 def _initialize() -> None:
     """Loads the compiled modules, checks their FFI API, registers their stateless targets."""
     _check_cpu_threads()
     _check_cpu_gemm_kernel()
+    _check_gpu_gemm_pipeline()
     runtime = _runtime_ffi_api_version()
     for name, platform in _PLATFORM_OF_MODULE.items():
         module = _load(name)

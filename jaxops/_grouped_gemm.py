@@ -10,7 +10,9 @@ first ran on an H200 on 2026-11-30: correct against float64 at every tested edge
 racecheck clean; its speed is well below cuBLAS's dense GEMM (``benchmarks/results/h100``).
 Float32 operands are multiplied in fp32 whatever :func:`jaxops.precision` says (no TF32: XLA:GPU's
 default dots, TF32, differ from it by about 1e-3 relative); :func:`jaxops.precision_report`
-lists these calls.
+lists these calls. ``JAXOPS_GPU_GEMM_PIPELINE=async`` (read at each call) gives the 16-bit
+kernels four shared-memory stages filled by ``cp.async`` instead of the register-staged loads
+(compiled, not yet run on a GPU).
 
 The rows of group g are rows ``[start_g, start_g + group_sizes[g])``, from row 0 in order. The
 kernels clip the sizes, which are device data: a negative size counts as 0, and no group reaches

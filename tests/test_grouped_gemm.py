@@ -121,10 +121,21 @@ GPU_SHAPES = {
 }
 
 
+# The CUDA kernels' pipelines (JAXOPS_GPU_GEMM_PIPELINE, read at each call; float32 always runs
+# "registers"): every GPU test runs each.
+PIPELINES = list(_ffi.GPU_GEMM_PIPELINES)
+
+
+@pytest.fixture(params=PIPELINES)
+def gpu_pipeline(request, monkeypatch):
+    monkeypatch.setenv("JAXOPS_GPU_GEMM_PIPELINE", request.param)
+    return request.param
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", list(GPU_SHAPES), ids=list(GPU_SHAPES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-def test_gpu_kernels_match_float64(shape, dtype):
+def test_gpu_kernels_match_float64(shape, dtype, gpu_pipeline):
     """The CUDA kernels (forward, transposed weights, weight gradient) against float64."""
     gpu = jax.devices("gpu")[0]
     rows, k, n, sizes = GPU_SHAPES[shape]
@@ -146,7 +157,7 @@ def test_gpu_kernels_match_float64(shape, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_operands_sliced_at_an_odd_offset():
+def test_gpu_operands_sliced_at_an_odd_offset(gpu_pipeline):
     """x's rows (K = 137) forbid 16-byte loads, and x is a slice one element into a larger buffer
     inside jit: the element-by-element loads match float64 too."""
     gpu = jax.devices("gpu")[0]
@@ -386,9 +397,10 @@ def test_subprocess_settings_match_float64(tmp_path, env):
 @pytest.mark.parametrize(
     ("variable", "value", "message"),
     [("JAXOPS_CPU_THREADS", v, "must be a positive integer") for v in ("0", "-2", "two", "1.5")]
-    + [("JAXOPS_CPU_GEMM_KERNEL", v, "must be one of") for v in ("AVX2", "sse", "1", "")],
+    + [("JAXOPS_CPU_GEMM_KERNEL", v, "must be one of") for v in ("AVX2", "sse", "1", "")]
+    + [("JAXOPS_GPU_GEMM_PIPELINE", v, "must be one of") for v in ("Async", "wgmma", "4", "")],
 )
-def test_bad_cpu_setting_is_refused_at_import(tmp_path, variable, value, message):
+def test_bad_setting_is_refused_at_import(tmp_path, variable, value, message):
     run = _run_in_subprocess(tmp_path, **{variable: value})
     assert run.returncode != 0
     assert f"{variable} {message}" in run.stderr, run.stderr[-3000:]

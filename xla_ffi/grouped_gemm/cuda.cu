@@ -10,10 +10,18 @@
 //
 // Nothing synchronizes with the host: the group sizes stay on the device, and each CTA finds its
 // group itself.
+//
+// JAXOPS_GPU_GEMM_PIPELINE (read at each call) picks the kernels' pipeline for bfloat16 and
+// float16: "registers" (the default: the register-staged one, run and tested on an H200 on
+// 2026-11-30) or "async" (kAsyncStages cp.async stages; compiled, not yet run on a GPU). float32
+// always takes the register-staged one.
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "xla_ffi/common/cuda_util.cuh"
 #include "xla_ffi/common/cuda_vec.cuh"
@@ -56,6 +64,39 @@ Args<T> MakeArgs(const Problem& p, const void* a, int64_t a_ld, const void* b, i
   return args;
 }
 
+// The pipeline stages of T's kernels (kernels.cuh's kStages) that JAXOPS_GPU_GEMM_PIPELINE asks
+// for: 0 (register-staged) or kAsyncStages (16-bit types only).
+template <typename T>
+ffi::ErrorOr<int> PipelineStages(const char* op) {
+  const char* text = std::getenv("JAXOPS_GPU_GEMM_PIPELINE");
+  if (text == nullptr || *text == '\0' || std::strcmp(text, "registers") == 0) return 0;
+  if (std::strcmp(text, "async") == 0) return std::is_same_v<T, float> ? 0 : kAsyncStages;
+  return Bad(std::string(op) +
+             ": JAXOPS_GPU_GEMM_PIPELINE must be \"registers\" or \"async\", got \"" + text + "\"");
+}
+
+// Launches `kernel` with `shared_bytes` of dynamic shared memory (reserved first when above the
+// default).
+template <typename T>
+ffi::Error Launch(const char* op, void (*kernel)(Args<T>), size_t shared_bytes, dim3 grid,
+                  cudaStream_t stream, const Args<T>& a) {
+  if (auto e = ReserveDynamicShared(op, kernel, shared_bytes); e.failure()) return e;
+  kernel<<<grid, kThreads, shared_bytes, stream>>>(a);
+  return LastLaunchError(op);
+}
+
+template <typename T, bool kTransW>
+ffi::Error LaunchForward(int stages, dim3 grid, cudaStream_t stream, const Args<T>& a) {
+  constexpr const char* kOp = "grouped_gemm forward kernel";
+  if constexpr (!std::is_same_v<T, float>) {
+    if (stages == kAsyncStages) {
+      return Launch(kOp, GroupedGemmFwdKernel<T, kTransW, kAsyncStages>,
+                    kAsyncSharedBytes<T, false, kTransW, kAsyncStages>, grid, stream, a);
+    }
+  }
+  return Launch(kOp, GroupedGemmFwdKernel<T, kTransW, 0>, 0, grid, stream, a);
+}
+
 template <typename T>
 ffi::Error ForwardImpl(cudaStream_t stream, const Problem& p, const Args<T>& a, bool transpose_w) {
   constexpr const char* kOp = "grouped_gemm";
@@ -63,13 +104,11 @@ ffi::Error ForwardImpl(cudaStream_t stream, const Problem& p, const Args<T>& a, 
   const int64_t x_ctas = CeilDiv(p.rows, int64_t{kBm}) + p.groups + 1;
   const int64_t y_ctas = CeilDiv(p.n, int64_t{kBn});
   if (auto e = CheckGrid(kOp, x_ctas, y_ctas); e.failure()) return e;
+  auto stages = PipelineStages<T>(kOp);
+  if (stages.has_error()) return stages.error();
   const dim3 grid(static_cast<unsigned>(x_ctas), static_cast<unsigned>(y_ctas));
-  if (transpose_w) {
-    GroupedGemmFwdKernel<T, true><<<grid, kThreads, 0, stream>>>(a);
-  } else {
-    GroupedGemmFwdKernel<T, false><<<grid, kThreads, 0, stream>>>(a);
-  }
-  return LastLaunchError("grouped_gemm forward kernel");
+  if (transpose_w) return LaunchForward<T, true>(*stages, grid, stream, a);
+  return LaunchForward<T, false>(*stages, grid, stream, a);
 }
 
 template <typename T>
@@ -79,9 +118,17 @@ ffi::Error WgradImpl(cudaStream_t stream, const Problem& p, const Args<T>& a) {
   const int64_t x_ctas = p.groups * CeilDiv(p.k, int64_t{kBm});
   const int64_t y_ctas = CeilDiv(p.n, int64_t{kBn});
   if (auto e = CheckGrid(kOp, x_ctas, y_ctas); e.failure()) return e;
+  auto stages = PipelineStages<T>(kOp);
+  if (stages.has_error()) return stages.error();
   const dim3 grid(static_cast<unsigned>(x_ctas), static_cast<unsigned>(y_ctas));
-  GroupedGemmWgradKernel<T><<<grid, kThreads, 0, stream>>>(a);
-  return LastLaunchError("grouped_gemm_wgrad kernel");
+  constexpr const char* kKernel = "grouped_gemm_wgrad kernel";
+  if constexpr (!std::is_same_v<T, float>) {
+    if (*stages == kAsyncStages) {
+      return Launch(kKernel, GroupedGemmWgradKernel<T, kAsyncStages>,
+                    kAsyncSharedBytes<T, true, false, kAsyncStages>, grid, stream, a);
+    }
+  }
+  return Launch(kKernel, GroupedGemmWgradKernel<T, 0>, 0, grid, stream, a);
 }
 
 // ---------------------------------------------------------------------------------------------

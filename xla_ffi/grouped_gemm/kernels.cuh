@@ -16,6 +16,12 @@
 //   wgrad:   grid.x = G * ceil(K / kBm), grid.y = ceil(N / kBn); each CTA walks its group's rows.
 // Group sizes are clipped as the CPU kernels clip them (grouped_gemm.h's ClipGroups): negative
 // counts as 0, no group past the last row.
+//
+// Two pipelines feed the multiply (the kernels' kStages): 0, the next step's tiles staged in
+// registers and stored to one shared buffer per operand (two barriers a step); or, for bfloat16
+// and float16, kAsyncStages shared buffers filled by cp.async (16-byte global -> shared copies,
+// zero-filled past the edges) kAsyncStages - 1 steps ahead of the multiply (one barrier a step;
+// dynamic shared memory). cuda.cu picks one (JAXOPS_GPU_GEMM_PIPELINE).
 #ifndef JAXOPS_XLA_FFI_GROUPED_GEMM_KERNELS_CUH_
 #define JAXOPS_XLA_FFI_GROUPED_GEMM_KERNELS_CUH_
 
@@ -128,6 +134,60 @@ __device__ __forceinline__ void Store(Tile<T, kRows, kCols>& tile,
   for (int i = 0; i < S::kSlots; ++i) {
     const int v = static_cast<int>(threadIdx.x) + i * kThreads;
     *reinterpret_cast<uint4*>(&tile.data[v / S::kPerRow][(v % S::kPerRow) * S::kV]) = st.v[i];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Asynchronous copies (sm_80 and later): the multi-stage pipeline's global -> shared loads.
+
+// Copies src_bytes (16 or 0) bytes from global src to shared dst and zero-fills the rest of the
+// 16; both addresses 16-byte aligned. Completes at a later CopyAsyncWait.
+__device__ __forceinline__ void CopyAsync16(void* dst, const void* src, int src_bytes) {
+  const unsigned shared = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+
+// Closes this thread's group of copies issued since the last commit.
+__device__ __forceinline__ void CopyAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Waits until at most kPending of this thread's committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void CopyAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Fetch's counterpart for the multi-stage pipeline: this thread's share of the tile straight
+// into shared memory. Accesses that Fetch loads 16 bytes at a time are asynchronous copies (rows
+// past vr copy 0 bytes from the tile's first element, which is valid, and are zero-filled); the
+// others are read element by element (zeros past the edges) and stored at once.
+template <typename T, int kRows, int kCols>
+__device__ __forceinline__ void Fetch(Tile<T, kRows, kCols>& tile, const T* src, int64_t ld,
+                                      int64_t vr, int64_t vc, bool vec) {
+  using S = Staged<T, kRows, kCols>;
+#pragma unroll
+  for (int i = 0; i < S::kSlots; ++i) {
+    const int v = static_cast<int>(threadIdx.x) + i * kThreads;
+    const int r = v / S::kPerRow;
+    const int c = (v % S::kPerRow) * S::kV;
+    const T* row = src + static_cast<int64_t>(r) * ld;
+    T* dst = &tile.data[r][c];
+    if (vec && c + S::kV <= vc) {
+      const bool valid = r < vr;
+      CopyAsync16(dst, valid ? row + c : src, valid ? 16 : 0);
+    } else {
+      T e[S::kV];
+#pragma unroll
+      for (int k = 0; k < S::kV; ++k) {
+        e[k] = (r < vr && c + k < vc) ? row[c + k] : FromFloat<T>(0.0f);
+      }
+      uint4 word;
+      memcpy(&word, e, sizeof(uint4));
+      *reinterpret_cast<uint4*>(dst) = word;
+    }
   }
 }
 
@@ -369,8 +429,55 @@ __device__ __forceinline__ void Pipeline(int64_t steps, FetchStep& fetch, Acc& a
   }
 }
 
+// One stage of the multi-stage pipeline: an A and a B tile.
+template <typename T, bool kACol, bool kBCol>
+struct StageTiles {
+  ATile<T, kACol> a;
+  BTile<T, kBCol> b;
+};
+
+// Shared buffers of the multi-stage pipeline (bfloat16 / float16): 4 stages are 68-80 KiB of
+// dynamic shared memory, two CTAs per SM (with the static epilogue stage) inside Hopper's 227 KiB.
+inline constexpr int kAsyncStages = 4;
+
+template <typename T, bool kACol, bool kBCol, int kStages>
+inline constexpr size_t kAsyncSharedBytes = kStages * sizeof(StageTiles<T, kACol, kBCol>);
+
+// Pipeline with kStages shared stages filled by asynchronous copies, kStages - 1 steps ahead:
+// step s waits for its own copies, one barrier (all of step s's tiles are in; every thread is
+// done with step s - 1's buffer), issues step s + kStages - 1 into that buffer, multiplies.
+// fetch(step, a_tile, b_tile) fills a stage's tiles (Fetch on shared tiles).
+template <typename T, bool kACol, bool kBCol, int kStages, typename Acc, typename FetchStep>
+__device__ __forceinline__ void PipelineAsync(int64_t steps, FetchStep& fetch, Acc& acc) {
+  static_assert(kStages >= 2, "at least one stage in flight while one is multiplied");
+  extern __shared__ __align__(128) unsigned char dynamic_shared[];
+  auto* stages = reinterpret_cast<StageTiles<T, kACol, kBCol>*>(dynamic_shared);
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < steps) fetch(s, stages[s].a, stages[s].b);
+    CopyAsyncCommit();  // (empty groups past the last step keep the wait's count uniform)
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    CopyAsyncWait<kStages - 2>();
+    __syncthreads();
+    const int64_t ahead = s + kStages - 1;
+    if (ahead < steps) {
+      StageTiles<T, kACol, kBCol>& next = stages[ahead % kStages];
+      fetch(ahead, next.a, next.b);
+    }
+    CopyAsyncCommit();
+    const StageTiles<T, kACol, kBCol>& now = stages[s % kStages];
+    if constexpr (std::is_same_v<T, float>) {
+      SimtStep<T, kACol, kBCol>(now.a, now.b, acc);
+    } else {
+      WmmaStep<T, kACol, kBCol>(now.a, now.b, acc);
+    }
+  }
+}
+
 // Pipeline's product, stored: rows m < vr and columns n < vc of the tile at out (rows ld apart).
-template <typename T, bool kACol, bool kBCol, typename FetchStep>
+// kStages: 0, the register-staged Pipeline; else PipelineAsync with that many stages.
+template <typename T, bool kACol, bool kBCol, int kStages, typename FetchStep>
 __device__ __forceinline__ void TileProduct(int64_t steps, FetchStep&& fetch, float* out,
                                             int64_t ld, int64_t vr, int64_t vc) {
   if constexpr (std::is_same_v<T, float>) {
@@ -380,7 +487,11 @@ __device__ __forceinline__ void TileProduct(int64_t steps, FetchStep&& fetch, fl
 #pragma unroll
       for (int j = 0; j < kThreadTile; ++j) acc.v[i][j] = 0.0f;
     }
-    Pipeline<T, kACol, kBCol>(steps, fetch, acc);
+    if constexpr (kStages > 0) {
+      PipelineAsync<T, kACol, kBCol, kStages>(steps, fetch, acc);
+    } else {
+      Pipeline<T, kACol, kBCol>(steps, fetch, acc);
+    }
     SimtStore(acc, out, ld, vr, vc);
   } else {
     __shared__ __align__(128) float stage[kThreads / kWarpSize][kFrag * kFrag];
@@ -390,13 +501,18 @@ __device__ __forceinline__ void TileProduct(int64_t steps, FetchStep&& fetch, fl
 #pragma unroll
       for (int j = 0; j < kFragsN; ++j) nvcuda::wmma::fill_fragment(acc.f[i][j], 0.0f);
     }
-    Pipeline<T, kACol, kBCol>(steps, fetch, acc);
+    if constexpr (kStages > 0) {
+      PipelineAsync<T, kACol, kBCol, kStages>(steps, fetch, acc);
+    } else {
+      Pipeline<T, kACol, kBCol>(steps, fetch, acc);
+    }
     WmmaStore(acc, &stage[0][0], out, ld, vr, vc);
   }
 }
 
 // Forward: y[rows of g] = x[rows of g] @ w[g] (kTransW: w[g] is [N, K], read as its transpose).
-template <typename T, bool kTransW>
+// kStages: TileProduct's (with kStages > 0, kAsyncSharedBytes of dynamic shared memory).
+template <typename T, bool kTransW, int kStages>
 __global__ void __launch_bounds__(kThreads, kMinCtas<T>) GroupedGemmFwdKernel(Args<T> a) {
   __shared__ GroupSpan span;
   __shared__ long long warp_totals[kThreads / kWarpSize];
@@ -420,7 +536,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T>) GroupedGemmFwdKernel(Ar
   const int64_t vr = span.end - first < kBm ? span.end - first : kBm;
   const T* x = a.a + first * a.k;
   const T* w = a.b + span.group * a.k * a.n;
-  auto fetch = [&](int64_t s, AStaged<T, false>& at, BStaged<T, kTransW>& bt) {
+  // at, bt: this thread's registers (Staged) or a shared stage's tiles (Tile).
+  auto fetch = [&](int64_t s, auto& at, auto& bt) {
     const int64_t k0 = s * kBk;
     const int64_t vk = a.k - k0 < kBk ? a.k - k0 : kBk;
     Fetch(at, x + k0, a.k, vr, vk, a.a_vec);
@@ -430,12 +547,13 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T>) GroupedGemmFwdKernel(Ar
       Fetch(bt, w + k0 * a.n + n0, a.n, vk, vc, a.b_vec);  // [k][n]
     }
   };
-  TileProduct<T, false, kTransW>((a.k + kBk - 1) / kBk, fetch, a.out + first * a.n + n0, a.n, vr,
-                                 vc);
+  TileProduct<T, false, kTransW, kStages>((a.k + kBk - 1) / kBk, fetch, a.out + first * a.n + n0,
+                                          a.n, vr, vc);
 }
 
 // Weight gradient: dw[g] = x[rows of g].T @ dy[rows of g]; a group without rows gets zeros.
-template <typename T>
+// kStages: as the forward's.
+template <typename T, int kStages>
 __global__ void __launch_bounds__(kThreads, kMinCtas<T>) GroupedGemmWgradKernel(Args<T> a) {
   __shared__ GroupSpan span;
   __shared__ long long warp_totals[kThreads / kWarpSize];
@@ -448,14 +566,14 @@ __global__ void __launch_bounds__(kThreads, kMinCtas<T>) GroupedGemmWgradKernel(
   const int64_t vc = a.n - n0 < kBn ? a.n - n0 : kBn;
   const int64_t begin = span.begin;
   const int64_t count = span.end - span.begin;
-  auto fetch = [&](int64_t s, AStaged<T, true>& at, BStaged<T, false>& bt) {
+  auto fetch = [&](int64_t s, auto& at, auto& bt) {
     const int64_t r0 = begin + s * kBk;
     const int64_t vk = count - s * kBk < kBk ? count - s * kBk : kBk;
     Fetch(at, a.a + r0 * a.k + m0, a.k, vk, vm, a.a_vec);  // [row][m]: A col-major
     Fetch(bt, a.b + r0 * a.n + n0, a.n, vk, vc, a.b_vec);  // [row][n]
   };
-  TileProduct<T, true, false>((count + kBk - 1) / kBk, fetch, a.out + (g * a.k + m0) * a.n + n0,
-                              a.n, vm, vc);
+  TileProduct<T, true, false, kStages>((count + kBk - 1) / kBk, fetch,
+                                       a.out + (g * a.k + m0) * a.n + n0, a.n, vm, vc);
 }
 
 }  // namespace jaxops::grouped_gemm
