@@ -163,14 +163,13 @@ def _check_cpu_threads() -> None:
 CPU_GEMM_KERNELS = ("avx512", "avx2", "portable")
 
 
-def _check_cpu_gemm_kernel() -> None:
-    """JAXOPS_CPU_GEMM_KERNEL, read by the grouped GEMM: unset, or one of CPU_GEMM_KERNELS."""
-    value = os.environ.get("JAXOPS_CPU_GEMM_KERNEL")
-    if value is not None and value not in CPU_GEMM_KERNELS:
+def _check_choice(variable: str, choices: tuple[str, ...], what: str) -> None:
+    """Raises unless the environment variable is unset or one of `choices` (`what` it sets)."""
+    value = os.environ.get(variable)
+    if value is not None and value not in choices:
         raise ValueError(
-            "JAXOPS_CPU_GEMM_KERNEL must be one of "
-            f"{', '.join(repr(k) for k in CPU_GEMM_KERNELS)} (the widest grouped GEMM "
-            f"micro-kernel of the CPU calls) or unset, got {value!r}"
+            f"{variable} must be one of {', '.join(repr(k) for k in choices)} ({what}) or "
+            f"unset, got {value!r}"
         )
 
 
@@ -180,22 +179,19 @@ def _check_cpu_gemm_kernel() -> None:
 GPU_GEMM_PIPELINES = ("registers", "async")
 
 
-def _check_gpu_gemm_pipeline() -> None:
-    """JAXOPS_GPU_GEMM_PIPELINE, read by the CUDA grouped GEMM at each call: unset or a pipeline."""
-    value = os.environ.get("JAXOPS_GPU_GEMM_PIPELINE")
-    if value is not None and value not in GPU_GEMM_PIPELINES:
-        raise ValueError(
-            "JAXOPS_GPU_GEMM_PIPELINE must be one of "
-            f"{', '.join(repr(k) for k in GPU_GEMM_PIPELINES)} (the CUDA grouped GEMM's "
-            f"pipeline for 16-bit operands) or unset, got {value!r}"
-        )
-
-
 def _initialize() -> None:
     """Loads the compiled modules, checks their FFI API, registers their stateless targets."""
     _check_cpu_threads()
-    _check_cpu_gemm_kernel()
-    _check_gpu_gemm_pipeline()
+    _check_choice(
+        "JAXOPS_CPU_GEMM_KERNEL",
+        CPU_GEMM_KERNELS,
+        "the widest grouped GEMM micro-kernel of the CPU calls",
+    )
+    _check_choice(
+        "JAXOPS_GPU_GEMM_PIPELINE",
+        GPU_GEMM_PIPELINES,
+        "the CUDA grouped GEMM's pipeline for 16-bit operands",
+    )
     runtime = _runtime_ffi_api_version()
     for name, platform in _PLATFORM_OF_MODULE.items():
         module = _load(name)

@@ -97,6 +97,19 @@ struct Staged {
   uint4 v[kSlots];
 };
 
+// The 16 bytes of elements [c, c + kVecElems) of tile row r (at `row`), read one at a time: zero
+// past vr valid rows and vc valid columns (nothing there is read).
+template <typename T>
+__device__ __forceinline__ uint4 LoadElements(const T* row, int r, int c, int64_t vr, int64_t vc) {
+  constexpr int kV = kVecElems<T>;
+  T e[kV];
+#pragma unroll
+  for (int k = 0; k < kV; ++k) e[k] = (r < vr && c + k < vc) ? row[c + k] : FromFloat<T>(0.0f);
+  uint4 word;
+  memcpy(&word, e, sizeof(uint4));
+  return word;
+}
+
 // Loads this thread's share of the tile whose (0, 0) is src (rows ld apart) with vr valid rows
 // and vc valid columns; the rest is zero. 16-byte loads where `vec` and the whole access is
 // inside the valid columns, else element by element.
@@ -115,12 +128,7 @@ __device__ __forceinline__ void Fetch(Staged<T, kRows, kCols>& st, const T* src,
     if (vec && r < vr && c + S::kV <= vc) {
       st.v[i] = __ldg(reinterpret_cast<const uint4*>(row + c));
     } else {
-      T e[S::kV];
-#pragma unroll
-      for (int k = 0; k < S::kV; ++k) {
-        e[k] = (r < vr && c + k < vc) ? row[c + k] : FromFloat<T>(0.0f);
-      }
-      memcpy(&st.v[i], e, sizeof(uint4));
+      st.v[i] = LoadElements<T>(row, r, c, vr, vc);
     }
   }
 }
@@ -179,14 +187,7 @@ __device__ __forceinline__ void Fetch(Tile<T, kRows, kCols>& tile, const T* src,
       const bool valid = r < vr;
       CopyAsync16(dst, valid ? row + c : src, valid ? 16 : 0);
     } else {
-      T e[S::kV];
-#pragma unroll
-      for (int k = 0; k < S::kV; ++k) {
-        e[k] = (r < vr && c + k < vc) ? row[c + k] : FromFloat<T>(0.0f);
-      }
-      uint4 word;
-      memcpy(&word, e, sizeof(uint4));
-      *reinterpret_cast<uint4*>(dst) = word;
+      *reinterpret_cast<uint4*>(dst) = LoadElements<T>(row, r, c, vr, vc);
     }
   }
 }
