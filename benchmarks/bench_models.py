@@ -69,6 +69,7 @@ case) for a smoke test, or ``--torch --out benchmarks/results/cpu`` for the save
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import sys
@@ -193,8 +194,6 @@ def _torch_step(path: Path, tokens: np.ndarray, targets: np.ndarray, dtype: str 
     ``torch.autocast`` in bfloat16 (torch's mixed precision, what ``--dtype bfloat16`` gives
     ours: float32 parameters, bfloat16 compute).
     """
-    import contextlib
-
     import torch
     import transformers
 
