@@ -24,6 +24,10 @@ by default; accumulation float32):
 - ``ffi_async`` (on a GPU, 16-bit ``--dtype``): ``ffi`` with ``JAXOPS_GPU_GEMM_PIPELINE=async``
   (the CUDA kernels' cp.async pipeline; ``ffi`` then runs the default, ``registers``, and each
   call of either is waited for before the variable changes);
+- ``ffi_lt`` (on a GPU whose libcublasLt has the grouped matmul): ``ffi`` traced with
+  ``JAXOPS_GPU_GROUPED_GEMM=cublaslt``, the calls on cuBLASLt's grouped matmul
+  (``jaxops_grouped_gemm_lt``, ``jaxops_grouped_gemm_wgrad_lt``); where cuBLASLt refuses the case
+  the row says why (``lt_error``) and the rest is timed;
 - ``dense``: the lower bound of XLA's own dot on the same FLOPs: one dense ``x @ w_in[0]`` and
   ``a @ w_out[0]`` over the U rows in groups (no grouping at all), with its backward.
 
@@ -37,7 +41,8 @@ the custom calls (the others none). Reported per case: the median ms of
 each, GFLOP/s of each on ``3 x 2 x U x (D x 2F + F x D)`` (forward + backward), and the ratios
 xla/ffi and dense/ffi. The goal lines: the custom calls are faster than the loop of XLA dots
 (xla/ffi >= 1) on every case; on a GPU also at least half as fast as the one dense dot
-(dense/ffi >= 0.5), and the default cases there are ``GPU_CASES`` (real models' expert shapes).
+(dense/ffi >= 0.5), and the default cases there are ``GPU_CASES`` (real models' expert shapes);
+the columns ffi/lt and dense/lt compare cuBLASLt's grouped matmul with them.
 
 On the CPU a second table times the activation between the GEMMs (swiglu, forward + backward:
 ``a`` in ``--dtype`` and the gradient of h) per ``--act-cases`` case ``RxCxU`` (h float32
@@ -86,9 +91,11 @@ GPU_CASES = "128x2048x768:512,8x4096x14336:2048,64x7168x2048:128"
 QUICK_CASES = "8x128x64:64"
 SPARE_ROWS = 64
 PIPELINE_VARIABLE = "JAXOPS_GPU_GEMM_PIPELINE"
+GROUPED_VARIABLE = "JAXOPS_GPU_GROUPED_GEMM"
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-2}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 CALLS = {"jaxops_grouped_gemm", "jaxops_grouped_gemm_wgrad"}
+LT_CALLS = {"jaxops_grouped_gemm_lt", "jaxops_grouped_gemm_wgrad_lt"}
 # h's rows x columns x the rows in groups: the expert buffers of bench_models' default step
 # while the CPU groups were padded to 32 rows (until 2026-11-29; now 2076 rows with about 526
 # in groups on 2 x 4, 4208 with about 4152 on one device).
@@ -116,7 +123,10 @@ COLUMNS = [
     H.Column("ragged_ratio", "ragged_dot/ffi", "{:.2f}x"),
     H.Column("ffi_async_ms", "ffi async ms", "{:.3f}"),
     H.Column("async_ratio", "ffi/async", "{:.2f}x"),
+    H.Column("ffi_lt_ms", "ffi lt ms", "{:.3f}"),
+    H.Column("lt_ratio", "ffi/lt", "{:.2f}x"),
     H.Column("dense_ratio", "dense/ffi", "{:.2f}x"),
+    H.Column("dense_lt_ratio", "dense/lt", "{:.2f}x"),
 ]
 
 
@@ -227,27 +237,37 @@ def _dense_loss(x, w_in, w_out):
     return jnp.sum(y * y)
 
 
-class _Pipeline:
-    """A jitted function run with ``JAXOPS_GPU_GEMM_PIPELINE=pipeline``, which the CUDA grouped
-    GEMM reads at each call: each call is waited for before the variable is restored."""
+class _WithEnv:
+    """A jitted function traced and run with the environment variables `env` set (the CUDA
+    grouped GEMM reads JAXOPS_GPU_GEMM_PIPELINE at each call, JAXOPS_GPU_GROUPED_GEMM when it is
+    traced): each call is waited for before the variables are restored."""
 
-    def __init__(self, fn, pipeline: str):
+    def __init__(self, fn, env: dict[str, str]):
         self.fn = fn
-        self.pipeline = pipeline
+        self.env = env
+
+    def _run(self, method, *args):
+        old = {name: os.environ.get(name) for name in self.env}
+        os.environ.update(self.env)
+        try:
+            return jax.block_until_ready(method(*args))
+        finally:
+            for name, value in old.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
 
     def lower(self, *args):
-        return self.fn.lower(*args)
+        return self._run(self.fn.lower, *args)
 
     def __call__(self, *args):
-        old = os.environ.get(PIPELINE_VARIABLE)
-        os.environ[PIPELINE_VARIABLE] = self.pipeline
-        try:
-            return jax.block_until_ready(self.fn(*args))
-        finally:
-            if old is None:
-                del os.environ[PIPELINE_VARIABLE]
-            else:
-                os.environ[PIPELINE_VARIABLE] = old
+        return self._run(self.fn, *args)
+
+
+def _lt_available() -> bool:
+    """Whether cuBLASLt's grouped matmul runs here (a GPU, and a libcublasLt that has it)."""
+    return H.is_gpu() and bool(jaxops.build_info().get("CUDA", {}).get("cublaslt_grouped"))
 
 
 @jax.jit
@@ -268,7 +288,7 @@ def _check(case: str, fns, operands, tolerance: float) -> None:
     for impl in grouped:
         text = fns[impl].lower(*operands[impl]).as_text()
         calls = set(re.findall(r"jaxops_grouped_gemm\w*", text))
-        want = CALLS if impl.startswith("ffi") else set()
+        want = LT_CALLS if impl == "ffi_lt" else CALLS if impl.startswith("ffi") else set()
         if calls != want:
             raise AssertionError(f"{case}: the {impl} program calls {sorted(calls)}, not {want}")
     outs = {impl: jax.block_until_ready(fns[impl](*operands[impl])) for impl in grouped}
@@ -305,8 +325,18 @@ def _case(args, case: str) -> dict[str, Any]:
     if H.is_gpu() and 4 * e * rows * max(d, 2 * f) <= args.ragged_dot_max_gib * 2**30:
         fns["ragged_dot"] = jax.jit(jax.value_and_grad(_ffn_loss("xla", 0), **grad))
     if H.is_gpu() and args.dtype != "float32":  # both pipelines, each call waited for
-        fns["ffi_async"] = _Pipeline(fns["ffi"], "async")
-        fns["ffi"] = _Pipeline(fns["ffi"], "registers")
+        fns["ffi_async"] = _WithEnv(fns["ffi"], {PIPELINE_VARIABLE: "async"})
+        fns["ffi"] = _WithEnv(fns["ffi"], {PIPELINE_VARIABLE: "registers"})
+    lt_error = None
+    if _lt_available():
+        lt = jax.jit(jax.value_and_grad(_ffn_loss("ffi", tile), **grad))
+        fns["ffi_lt"] = _WithEnv(lt, {GROUPED_VARIABLE: "cublaslt"})
+        try:  # a refusal of cuBLASLt's (no algorithm, ...) is reported, not fatal
+            fns["ffi_lt"](x, w_in, w_out, groups)
+        except jax.errors.JaxRuntimeError as e:
+            lt_error = f"{type(e).__name__}: {e}"[:500]
+            print(f"{case}: cuBLASLt's grouped matmul failed: {lt_error}", file=sys.stderr)
+            del fns["ffi_lt"]
     fns["dense"] = jax.jit(jax.value_and_grad(_dense_loss, **grad))
     dense_in = (jnp.array(x[:used]), jnp.array(w_in[0]), jnp.array(w_out[0]))
     operands = dict.fromkeys(fns, (x, w_in, w_out, groups))
@@ -334,6 +364,9 @@ def _case(args, case: str) -> dict[str, Any]:
         "ragged_ratio": seconds["ragged_dot"] / seconds["ffi"] if "ragged_dot" in seconds else None,
         "dense_ratio": seconds["dense"] / seconds["ffi"],
         "async_ratio": seconds["ffi"] / seconds["ffi_async"] if "ffi_async" in seconds else None,
+        "lt_ratio": seconds["ffi"] / seconds["ffi_lt"] if "ffi_lt" in seconds else None,
+        "dense_lt_ratio": seconds["dense"] / seconds["ffi_lt"] if "ffi_lt" in seconds else None,
+        "lt_error": lt_error,
         "timings": {impl: t.to_json() for impl, t in timings.items()},
     }
     H.log_row(row, COLUMNS)

@@ -178,6 +178,24 @@ def _check_choice(variable: str, choices: tuple[str, ...], what: str) -> None:
 #: filled by cp.async, not yet run on a GPU). float32 always takes "registers".
 GPU_GEMM_PIPELINES = ("registers", "async")
 
+#: JAXOPS_GPU_GROUPED_GEMM's values: what the CUDA grouped GEMM calls run, read when a call is
+#: traced ("kernel", the default: jaxops' kernels; "cublaslt": cuBLASLt's grouped matmul, needs a
+#: CUDA module built with cuBLASLt and a libcublasLt with the grouped API, not yet run on a GPU).
+GPU_GROUPED_GEMMS = ("kernel", "cublaslt")
+_GROUPED_GEMM_CHOICE = "what the CUDA grouped GEMM calls run"
+
+
+def gpu_grouped_gemm() -> str:
+    """JAXOPS_GPU_GROUPED_GEMM now: one of :data:`GPU_GROUPED_GEMMS` (unset: "kernel")."""
+    _check_choice("JAXOPS_GPU_GROUPED_GEMM", GPU_GROUPED_GEMMS, _GROUPED_GEMM_CHOICE)
+    return os.environ.get("JAXOPS_GPU_GROUPED_GEMM", "kernel")
+
+
+def cuda_module_function(name: str) -> Any:
+    """The function `name` of the loaded CUDA module, or None (no module, or it lacks `name`)."""
+    module = _modules.get("CUDA")
+    return None if module is None else getattr(module, name, None)
+
 
 def _initialize() -> None:
     """Loads the compiled modules, checks their FFI API, registers their stateless targets."""
@@ -192,6 +210,7 @@ def _initialize() -> None:
         GPU_GEMM_PIPELINES,
         "the CUDA grouped GEMM's pipeline for 16-bit operands",
     )
+    _check_choice("JAXOPS_GPU_GROUPED_GEMM", GPU_GROUPED_GEMMS, _GROUPED_GEMM_CHOICE)
     runtime = _runtime_ffi_api_version()
     for name, platform in _PLATFORM_OF_MODULE.items():
         module = _load(name)
@@ -424,8 +443,10 @@ def build_info() -> dict[str, dict[str, Any]]:
 
     Returns:
       One entry per loaded module, keyed by platform ("cpu", "CUDA"): jaxlib version and XLA FFI
-      API it was built against; for CUDA also the CUDA version, the architectures and where
-      cuBLASLt comes from (``cublaslt``: "wheel", "toolkit" or None); for the CPU also
+      API it was built against; for CUDA also the CUDA version, the architectures, where
+      cuBLASLt comes from (``cublaslt``: "wheel", "toolkit" or None), the loaded libcublasLt's
+      ``cublaslt_version`` (e.g. 131000; None without cuBLASLt) and ``cublaslt_grouped``, whether
+      it has the grouped matmul ``JAXOPS_GPU_GROUPED_GEMM=cublaslt`` runs on; for the CPU also
       ``grouped_gemm_kernel``, the micro-kernel of the grouped GEMM calls on this machine
       ("avx512", "avx2" or "portable": the widest the CPU has, at most
       ``JAXOPS_CPU_GEMM_KERNEL``'s). And ``"paths"``: per op family (rms_norm, fp8, moe,

@@ -14,6 +14,17 @@ lists these calls. ``JAXOPS_GPU_GEMM_PIPELINE=async`` (read at each call) gives 
 kernels four shared-memory stages filled by ``cp.async`` instead of the register-staged loads
 (compiled, not yet run on a GPU).
 
+``JAXOPS_GPU_GROUPED_GEMM=cublaslt`` (read when a call is traced, on a GPU default backend) runs
+the calls on cuBLASLt's grouped matmul instead (``xla_ffi/grouped_gemm/cublaslt.cu``, targets
+:data:`TARGET_GROUPED_GEMM_LT` and :data:`TARGET_WGRAD_LT`; compiled, not yet run on a GPU): a
+one-CTA kernel turns the device-side sizes into cuBLASLt's per-group shapes and pointers, then one
+``cublasLtMatmul`` runs every group, with fp32 accumulation (float32: fp32, no TF32). It needs a
+CUDA module built with cuBLASLt and a libcublasLt with the grouped API (nvidia-cublas 13.10 has it:
+``jaxops.build_info()["CUDA"]["cublaslt_grouped"]``; otherwise the call fails naming the version),
+and takes calls whose x, w (dy) and output start 16-byte aligned with rows of whole 16-byte
+multiples (K and N multiples of 8 for 16-bit operands, of 4 for float32); other calls run jaxops'
+kernels. Each call has a uint8 workspace (the per-group arrays and 32 MiB for cuBLASLt).
+
 The rows of group g are rows ``[start_g, start_g + group_sizes[g])``, from row 0 in order. The
 kernels clip the sizes, which are device data: a negative size counts as 0, and no group reaches
 past the last row. Outputs are float32 (fp32 accumulation), whatever the inputs' dtype (float32,
@@ -69,7 +80,9 @@ __all__ = [
     "TARGET_ACTIVATION_BWD",
     "TARGET_ACTIVATION_FWD",
     "TARGET_GROUPED_GEMM",
+    "TARGET_GROUPED_GEMM_LT",
     "TARGET_WGRAD",
+    "TARGET_WGRAD_LT",
     "activation_kernel_available",
     "activation_reference",
     "grouped_activation",
@@ -85,6 +98,8 @@ __all__ = [
 
 TARGET_GROUPED_GEMM = "jaxops_grouped_gemm"
 TARGET_WGRAD = "jaxops_grouped_gemm_wgrad"
+TARGET_GROUPED_GEMM_LT = "jaxops_grouped_gemm_lt"
+TARGET_WGRAD_LT = "jaxops_grouped_gemm_wgrad_lt"
 TARGET_ACTIVATION_FWD = "jaxops_grouped_activation_fwd"
 TARGET_ACTIVATION_BWD = "jaxops_grouped_activation_bwd"
 
@@ -166,15 +181,12 @@ def grouped_gemm(
         raise ValueError(f"{op}: w must be {layout} with K = x.shape[1] = {k}; got {w.shape}")
     group_sizes = _check_sizes(op, group_sizes, w.shape[0])
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return _ffi.ffi_call(
-        TARGET_GROUPED_GEMM,
-        out,
-        x,
-        w,
-        group_sizes,
-        transpose_w=bool(transpose_w),
-        zero_tail=bool(zero_tail),
-    )
+    attrs = {"transpose_w": bool(transpose_w), "zero_tail": bool(zero_tail)}
+    workspace = _lt_workspace(op, TARGET_GROUPED_GEMM_LT, w.shape[0])
+    if workspace is None:
+        return _ffi.ffi_call(TARGET_GROUPED_GEMM, out, x, w, group_sizes, **attrs)
+    y, _ = _ffi.ffi_call(TARGET_GROUPED_GEMM_LT, (out, workspace), x, w, group_sizes, **attrs)
+    return y
 
 
 def grouped_gemm_wgrad(x, dy, group_sizes) -> jax.Array:
@@ -202,7 +214,30 @@ def grouped_gemm_wgrad(x, dy, group_sizes) -> jax.Array:
         raise ValueError(f"{op}: dy must have x's {x.shape[0]} rows, got shape {dy.shape}")
     group_sizes = _check(op, "group_sizes", group_sizes, 1, jnp.int32)
     out = jax.ShapeDtypeStruct((group_sizes.shape[0], x.shape[1], dy.shape[1]), jnp.float32)
-    return _ffi.ffi_call(TARGET_WGRAD, out, x, dy, group_sizes)
+    workspace = _lt_workspace(op, TARGET_WGRAD_LT, group_sizes.shape[0])
+    if workspace is None:
+        return _ffi.ffi_call(TARGET_WGRAD, out, x, dy, group_sizes)
+    dw, _ = _ffi.ffi_call(TARGET_WGRAD_LT, (out, workspace), x, dy, group_sizes)
+    return dw
+
+
+def _lt_workspace(op: str, target: str, groups: int) -> jax.ShapeDtypeStruct | None:
+    """The workspace of cuBLASLt's grouped matmul (`target`), or None: jaxops' own calls run.
+
+    cuBLASLt's target runs where ``JAXOPS_GPU_GROUPED_GEMM=cublaslt`` is set when the call is
+    traced and jax's default backend is a GPU; a CUDA module without it is then an error.
+    """
+    if _ffi.gpu_grouped_gemm() != "cublaslt" or jax.default_backend() != "gpu":
+        return None
+    workspace_bytes = _ffi.cuda_module_function("grouped_gemm_lt_workspace_bytes")
+    if workspace_bytes is None:
+        raise RuntimeError(
+            f"{op}: JAXOPS_GPU_GROUPED_GEMM=cublaslt, but jaxops' CUDA module has no cuBLASLt "
+            f"grouped GEMM ({_ffi.build_info().get('CUDA', 'no CUDA module')}); unset it to run "
+            "jaxops' kernels"
+        )
+    _ffi.ensure_registered(target)
+    return jax.ShapeDtypeStruct((int(workspace_bytes(groups)),), jnp.uint8)
 
 
 def _clipped(group_sizes: jax.Array, rows: int) -> jax.Array:

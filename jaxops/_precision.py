@@ -20,8 +20,9 @@ mode       jax's default_matmul_precision          jaxops GEMM (cuBLASLt compute
 ========== ====================================== ==================================
 
 jaxops' grouped GEMM (:mod:`jaxops._grouped_gemm`: the expert layer's FFN GEMMs) follows no mode:
-it multiplies float32 in fp32 on every platform (its CUDA kernel has fp32 FMAs, no TF32 path), and
-16-bit operands natively with fp32 accumulation.
+it multiplies float32 in fp32 on every platform (its CUDA kernel has fp32 FMAs, no TF32 path; its
+cuBLASLt path, ``JAXOPS_GPU_GROUPED_GEMM=cublaslt``, computes in CUBLAS_COMPUTE_32F), and 16-bit
+operands natively with fp32 accumulation.
 
 ``JAXOPS_MATMUL_PRECISION=<mode>`` sets the process default at import. ``NVIDIA_TF32_OVERRIDE=0``
 means "no TF32 anywhere": "tf32" and "default" then act as "fp32", for XLA's dots too. XLA:CPU has
@@ -44,7 +45,12 @@ import jax
 import numpy as np
 from jax._src import config as _jax_config
 
-from jaxops._grouped_gemm import TARGET_GROUPED_GEMM, TARGET_WGRAD
+from jaxops._grouped_gemm import (
+    TARGET_GROUPED_GEMM,
+    TARGET_GROUPED_GEMM_LT,
+    TARGET_WGRAD,
+    TARGET_WGRAD_LT,
+)
 
 __all__ = [
     "MODES",
@@ -216,7 +222,8 @@ class PrecisionEntry:
     Attributes:
       name: the HLO instruction name.
       kind: "dot", "convolution", "jaxops_gemm", "jaxops_gemm_fp8", "jaxops_grouped_gemm",
-        "jaxops_grouped_gemm_wgrad" or XLA's GPU GEMM custom call ("cublas", "cublasLt").
+        "jaxops_grouped_gemm_wgrad" (their cuBLASLt twins "jaxops_grouped_gemm_lt",
+        "jaxops_grouped_gemm_wgrad_lt") or XLA's GPU GEMM custom call ("cublas", "cublasLt").
       operands: the operand types, e.g. "f32[128,256] x f32[256,64]".
       precision: what the HLO says: operand precisions, an algorithm, or the jaxops attribute.
       runs_as: how the multiplication is carried out on `platform`: "fp32", "tf32", "bf16",
@@ -263,10 +270,13 @@ _GEMM_TARGETS = {
     "jaxops_gemm_fp8": "jaxops_gemm_fp8",
     TARGET_GROUPED_GEMM: TARGET_GROUPED_GEMM,
     TARGET_WGRAD: TARGET_WGRAD,
+    TARGET_GROUPED_GEMM_LT: TARGET_GROUPED_GEMM_LT,
+    TARGET_WGRAD_LT: TARGET_WGRAD_LT,
     "__cublas$gemm": "cublas",
     "__cublas$lt$matmul": "cublasLt",
     "__cublas$lt$matmul$f8": "cublasLt fp8",
 }
+_GROUPED_KINDS = (TARGET_GROUPED_GEMM, TARGET_WGRAD, TARGET_GROUPED_GEMM_LT, TARGET_WGRAD_LT)
 _JAXOPS_PRECISION_NAMES = {0: "fp32", 1: "tf32", 2: "bf16"}
 
 
@@ -306,7 +316,7 @@ def _precision_of(kind: str, rest: str) -> str:
         return _JAXOPS_PRECISION_NAMES.get(int(match.group(1)), "?") if match else "?"
     if kind == "jaxops_gemm_fp8":
         return "fp8"
-    if kind in (TARGET_GROUPED_GEMM, TARGET_WGRAD):
+    if kind in _GROUPED_KINDS:
         return "fp32"  # no mode: fp32 products of float32, native products of 16-bit operands
     algorithm = re.search(r"algorithm=(\w+)", rest)
     if algorithm:

@@ -118,17 +118,33 @@ GPU_SHAPES = {
     "odd-k-333x257x129": (333, 257, 129, [1, 127, 129, 0, 70]),
     "many-groups-1100x40x136": (1100, 40, 136, [3, 0, 5] * 110),
     "clipped-past-rows-300x64x64": (300, 64, 64, [100, 150, 2**30, 7]),
+    # cuBLASLt's setup kernel scans 1024 sizes at a time
+    "groups-2400x16x24": (2400, 16, 24, [2, 0, 1, 1] * 600),
 }
 
 
-# The CUDA kernels' pipelines (JAXOPS_GPU_GEMM_PIPELINE, read at each call; float32 always runs
-# "registers"): every GPU test runs each.
-PIPELINES = list(_ffi.GPU_GEMM_PIPELINES)
+# What every GPU test runs: the CUDA kernels' pipelines (JAXOPS_GPU_GEMM_PIPELINE, read at each
+# call; float32 always runs "registers") and cuBLASLt's grouped matmul (JAXOPS_GPU_GROUPED_GEMM,
+# read at trace time; calls it does not take run the kernels).
+GPU_VARIANTS = [*_ffi.GPU_GEMM_PIPELINES, "cublaslt"]
 
 
-@pytest.fixture(params=PIPELINES)
+def _require_lt():
+    info = _ffi.build_info().get("CUDA", {})
+    if not info.get("cublaslt_grouped"):
+        pytest.skip(
+            f"no cuBLASLt grouped matmul here (CUDA module {info}): it needs jaxops built with "
+            "cuBLASLt and a libcublasLt that has it (nvidia-cublas 13.10 has)"
+        )
+
+
+@pytest.fixture(params=GPU_VARIANTS)
 def gpu_pipeline(request, monkeypatch):
-    monkeypatch.setenv("JAXOPS_GPU_GEMM_PIPELINE", request.param)
+    if request.param == "cublaslt":
+        _require_lt()
+        monkeypatch.setenv("JAXOPS_GPU_GROUPED_GEMM", "cublaslt")
+    else:
+        monkeypatch.setenv("JAXOPS_GPU_GEMM_PIPELINE", request.param)
     return request.param
 
 
@@ -142,6 +158,9 @@ def test_gpu_kernels_match_float64(shape, dtype, gpu_pipeline):
     x, w, dy, gs = jax.device_put(_inputs(rows, k, n, sizes, dtype), gpu)
     y_ref, dw_ref = _oracle(x, w, dy, sizes)
     assert gg.kernel_available("gpu")
+    if gpu_pipeline == "cublaslt":  # the calls cuBLASLt's targets
+        text = jax.jit(gg.grouped_gemm).lower(x, w, gs).as_text()
+        assert gg.TARGET_GROUPED_GEMM_LT in text, text[-2000:]
     y = jax.jit(gg.grouped_gemm)(x, w, gs)
     y_t = jax.jit(lambda x, w, gs: gg.grouped_gemm(x, w, gs, transpose_w=True))(
         x, jnp.swapaxes(w, 1, 2), gs
@@ -398,13 +417,55 @@ def test_subprocess_settings_match_float64(tmp_path, env):
     ("variable", "value", "message"),
     [("JAXOPS_CPU_THREADS", v, "must be a positive integer") for v in ("0", "-2", "two", "1.5")]
     + [("JAXOPS_CPU_GEMM_KERNEL", v, "must be one of") for v in ("AVX2", "sse", "1", "")]
-    + [("JAXOPS_GPU_GEMM_PIPELINE", v, "must be one of") for v in ("Async", "wgmma", "4", "")],
+    + [("JAXOPS_GPU_GEMM_PIPELINE", v, "must be one of") for v in ("Async", "wgmma", "4", "")]
+    + [("JAXOPS_GPU_GROUPED_GEMM", v, "must be one of") for v in ("cuBLASLt", "cutlass", "")],
 )
 def test_bad_setting_is_refused_at_import(tmp_path, variable, value, message):
     run = _run_in_subprocess(tmp_path, **{variable: value})
     assert run.returncode != 0
     assert f"{variable} {message}" in run.stderr, run.stderr[-3000:]
     assert repr(value) in run.stderr, run.stderr[-3000:]
+
+
+@pytest.mark.skipif(
+    _ffi.cuda_module_function("grouped_gemm_lt_workspace_bytes") is None,
+    reason="no CUDA module built with cuBLASLt in this install",
+)
+def test_cuda_module_has_the_cublaslt_grouped_targets():
+    """The CUDA module built with cuBLASLt (it loads without a GPU) registers both cuBLASLt
+    grouped targets as stateful, finds the grouped API in a libcublasLt of version 131000 or newer
+    (looked up at run time), and sizes the workspace: the per-group arrays, each 256-byte
+    aligned, and 32 MiB for cuBLASLt."""
+    module = _ffi._modules["CUDA"]
+    info = module.build_info()
+    assert info["cublaslt_version"] >= 130000, info
+    if info["cublaslt_version"] >= 131000:
+        assert info["cublaslt_grouped"] is True, info
+    stateful = {name for name, _, is_stateful in module.registrations() if is_stateful}
+    assert {gg.TARGET_GROUPED_GEMM_LT, gg.TARGET_WGRAD_LT} <= stateful
+    workspace = _ffi.cuda_module_function("grouped_gemm_lt_workspace_bytes")
+
+    def aligned(n):
+        return -(-n // 256) * 256
+
+    for groups in (1, 63, 1000, 2400):
+        arrays = 3 * aligned(8 * groups) + 5 * aligned(4 * groups) + aligned(8)
+        assert workspace(groups) == arrays + (32 << 20)
+
+
+def test_cublaslt_setting_leaves_the_cpu_calls_alone(monkeypatch):
+    """JAXOPS_GPU_GROUPED_GEMM=cublaslt picks cuBLASLt's targets on a GPU only; a bad value set
+    after import is refused when a call is traced, on any backend."""
+    monkeypatch.setenv("JAXOPS_GPU_GROUPED_GEMM", "cublaslt")
+    x, w, dy, gs = _inputs(8, 8, 8, [4, 4], jnp.float32)
+    text = jax.jit(gg.grouped_gemm).lower(x, w, gs).as_text()
+    text += jax.jit(gg.grouped_gemm_wgrad).lower(x, dy, gs).as_text()
+    assert gg.TARGET_GROUPED_GEMM in text and gg.TARGET_WGRAD in text
+    assert gg.TARGET_GROUPED_GEMM_LT not in text and gg.TARGET_WGRAD_LT not in text
+    _close(gg.grouped_gemm(x, w, gs), _oracle(x, w, dy, [4, 4])[0])
+    monkeypatch.setenv("JAXOPS_GPU_GROUPED_GEMM", "cuBLASLt")
+    with pytest.raises(ValueError, match=r"JAXOPS_GPU_GROUPED_GEMM must be one of .*'cuBLASLt'"):
+        gg.grouped_gemm_wgrad(x, dy, gs)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -598,11 +659,18 @@ def _check_zero_tail(op, zero_tail, device):
     held = jnp.asarray(rng.standard_normal((rows, k)) + 3.0, jnp.float32)  # no zeros
     gs = jnp.asarray(sizes, jnp.int32)
     silu = gg._attrs("silu", 1.702, 7.0)  # the attributes the wrappers pass
+    out = jax.ShapeDtypeStruct((rows, k), jnp.float32)
+    outs = out
     if op.startswith("gemm"):
         w = jnp.asarray(rng.standard_normal((len(sizes), k, k)), jnp.float32)
-        attrs = dict(transpose_w=op == "gemm-transposed", zero_tail=zero_tail)
+        attrs = dict(transpose_w=op.endswith("transposed"), zero_tail=zero_tail)
         w_math = jnp.swapaxes(w, 1, 2) if attrs["transpose_w"] else w
         target, operands = gg.TARGET_GROUPED_GEMM, (held, w, gs)
+        if op.startswith("gemm-lt"):  # cuBLASLt's target: y and its workspace
+            target = gg.TARGET_GROUPED_GEMM_LT
+            _ffi.ensure_registered(target)
+            workspace = _ffi.cuda_module_function("grouped_gemm_lt_workspace_bytes")(len(sizes))
+            outs = (out, jax.ShapeDtypeStruct((workspace,), jnp.uint8))
         want = _oracle(held, w_math, np.zeros((rows, k), np.float32), sizes)[0]
     elif op == "activation":  # silu: a [R, C] like h
         attrs = dict(silu, zero_tail=zero_tail)
@@ -614,12 +682,12 @@ def _check_zero_tail(op, zero_tail, device):
         target, operands = gg.TARGET_ACTIVATION_BWD, (held, da, gs)
         want = _act64(held, "silu")[1](np.asarray(da, np.float64))
     operands = jax.device_put(operands, device)
-    out = jax.ShapeDtypeStruct((rows, k), jnp.float32)
-    plain = jax.jit(lambda *a: jax.ffi.ffi_call(target, out)(*a, **attrs))(*operands)
+    first = (lambda r: r[0]) if outs is not out else (lambda r: r)
+    plain = first(jax.jit(lambda *a: jax.ffi.ffi_call(target, outs)(*a, **attrs))(*operands))
     assert plain.devices() == {device}
     assert rel_error(plain[:used], want[:used]) < 2e-6, rel_error(plain[:used], want[:used])
-    call = jax.ffi.ffi_call(target, out, input_output_aliases={0: 0})
-    tail = np.asarray(jax.jit(lambda *a: call(*a, **attrs))(*operands))[used:]
+    call = jax.ffi.ffi_call(target, outs, input_output_aliases={0: 0})
+    tail = np.asarray(first(jax.jit(lambda *a: call(*a, **attrs))(*operands)))[used:]
     if zero_tail:
         assert not tail.any()
     else:
@@ -649,7 +717,10 @@ def test_zero_tail_false_leaves_the_rows_past_the_groups_as_they_were(op, zero_t
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("zero_tail", [True, False], ids=["zeroed", "unwritten"])
-@pytest.mark.parametrize("op", ["gemm", "gemm-transposed"])
+@pytest.mark.parametrize("op", ["gemm", "gemm-transposed", "gemm-lt", "gemm-lt-transposed"])
 def test_gpu_zero_tail_false_leaves_the_rows_past_the_groups_as_they_were(op, zero_tail):
-    """The CUDA forward kernel's zero_tail, as the CPU test above."""
+    """The CUDA forward kernel's zero_tail, as the CPU test above; also cuBLASLt's target (K = 48
+    float32: a call it takes), whose rows past the groups a kernel of its own zeros."""
+    if "lt" in op:
+        _require_lt()
     _check_zero_tail(op, zero_tail, jax.devices("gpu")[0])

@@ -30,13 +30,21 @@ std::vector<Registration> Registrations() {
 #ifdef JAXOPS_HAVE_CUBLASLT
   registrations.push_back(RegisterStateful("jaxops_gemm", GemmInstantiateCuda, GemmCuda));
   registrations.push_back(RegisterStateful("jaxops_gemm_fp8", GemmInstantiateCuda, GemmFp8Cuda));
+  registrations.push_back(
+      RegisterStateful("jaxops_grouped_gemm_lt", GroupedGemmLtInstantiateCuda, GroupedGemmLtCuda));
+  registrations.push_back(RegisterStateful("jaxops_grouped_gemm_wgrad_lt",
+                                           GroupedGemmLtInstantiateCuda, GroupedGemmWgradLtCuda));
 #endif
   return registrations;
 }
 
 std::vector<TypeRegistration> Types() {
 #ifdef JAXOPS_HAVE_CUBLASLT
-  return {RegisterType(gemm::kStateTypeName, gemm::GemmStateTypeId(), gemm::GemmStateTypeInfo())};
+  return {
+      RegisterType(gemm::kStateTypeName, gemm::GemmStateTypeId(), gemm::GemmStateTypeInfo()),
+      RegisterType(grouped_gemm::kLtStateTypeName, grouped_gemm::GroupedLtStateTypeId(),
+                   grouped_gemm::GroupedLtStateTypeInfo()),
+  };
 #else
   return {};
 #endif
@@ -49,6 +57,10 @@ NB_MODULE(_jaxops_cuda, m) {
   m.doc() = "jaxops CUDA FFI handlers";
   m.def("registrations", &jaxops::Registrations,
         "List of (target name, handler capsule or stage dict, stateful) for the CUDA platform.");
+#ifdef JAXOPS_HAVE_CUBLASLT
+  m.def("grouped_gemm_lt_workspace_bytes", &jaxops::grouped_gemm::LtWorkspaceBytes,
+        "Bytes of the cuBLASLt grouped GEMM handlers' workspace for a number of groups.");
+#endif
   m.def("types", &jaxops::Types,
         "List of (type name, jax.ffi.register_ffi_type registration) of the handlers' state.");
   m.def("build_info", [] {
@@ -57,8 +69,12 @@ NB_MODULE(_jaxops_cuda, m) {
     info["cuda_architectures"] = JAXOPS_CUDA_ARCHITECTURES;
 #ifdef JAXOPS_HAVE_CUBLASLT
     info["cublaslt"] = JAXOPS_CUBLASLT_SOURCE;
+    info["cublaslt_version"] = jaxops::grouped_gemm::LtVersion();
+    info["cublaslt_grouped"] = jaxops::grouped_gemm::LtGroupedAvailable();
 #else
     info["cublaslt"] = nanobind::none();
+    info["cublaslt_version"] = nanobind::none();
+    info["cublaslt_grouped"] = false;
 #endif
     return info;
   });

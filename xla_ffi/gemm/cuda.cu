@@ -16,11 +16,10 @@
 // clang-format on
 
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 
+#include "xla_ffi/common/cuda_plans.h"
 #include "xla_ffi/gemm/checks.h"
 #include "xla_ffi/gemm/gemm.h"
 #include "xla_ffi/gemm/handlers.h"
@@ -260,8 +259,7 @@ class Plan {
 // Per call site: one plan per device, created on the first execution there.
 struct GemmState {
   static ffi::TypeId id;
-  std::mutex mutex;
-  std::map<int32_t, std::unique_ptr<Plan>> plans;
+  DevicePlans<Plan> plans;
 };
 ffi::TypeId GemmState::id = {};
 
@@ -276,14 +274,7 @@ namespace {
 
 // Runs `call` with this call site's plan for `device` (creating it on first use).
 ffi::Error Execute(GemmState* state, int32_t device, const LtCall& call, cudaStream_t stream) {
-  std::lock_guard<std::mutex> lock(state->mutex);
-  std::unique_ptr<Plan>& plan = state->plans[device];
-  if (!plan) {
-    auto created = std::make_unique<Plan>();
-    if (auto e = created->Create(call); e.failure()) return e;
-    plan = std::move(created);
-  }
-  return plan->Run(call, stream);
+  return state->plans.Run(device, call, stream);
 }
 
 cublasComputeType_t ComputeType(ffi::DataType dtype, int32_t precision) {

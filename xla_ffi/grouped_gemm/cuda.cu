@@ -28,6 +28,7 @@
 #include "xla_ffi/common/ffi_util.h"
 #include "xla_ffi/common/math.h"
 #include "xla_ffi/grouped_gemm/checks.h"
+#include "xla_ffi/grouped_gemm/cuda_kernels.h"
 #include "xla_ffi/grouped_gemm/handlers.h"
 #include "xla_ffi/grouped_gemm/kernels.cuh"
 
@@ -131,6 +132,31 @@ ffi::Error WgradImpl(cudaStream_t stream, const Problem& p, const Args<T>& a) {
   return Launch(kKernel, GroupedGemmWgradKernel<T, 0>, 0, grid, stream, a);
 }
 
+}  // namespace
+
+ffi::Error KernelForward(cudaStream_t stream, const Problem& p, const ffi::AnyBuffer& x,
+                         const ffi::AnyBuffer& w, const ffi::Buffer<ffi::S32>& sizes, float* y,
+                         bool transpose_w, bool zero_tail) {
+  return DispatchFloat("grouped_gemm", "x", x.element_type(), [&](auto tag) -> ffi::Error {
+    using T = typename decltype(tag)::type;
+    Args<T> a =
+        MakeArgs<T>(p, x.untyped_data(), p.k, w.untyped_data(), transpose_w ? p.k : p.n, sizes, y);
+    a.zero_tail = zero_tail;
+    return ForwardImpl<T>(stream, p, a, transpose_w);
+  });
+}
+
+ffi::Error KernelWgrad(cudaStream_t stream, const Problem& p, const ffi::AnyBuffer& x,
+                       const ffi::AnyBuffer& dy, const ffi::Buffer<ffi::S32>& sizes, float* dw) {
+  return DispatchFloat("grouped_gemm_wgrad", "x", x.element_type(), [&](auto tag) -> ffi::Error {
+    using T = typename decltype(tag)::type;
+    const Args<T> a = MakeArgs<T>(p, x.untyped_data(), p.k, dy.untyped_data(), p.n, sizes, dw);
+    return WgradImpl<T>(stream, p, a);
+  });
+}
+
+namespace {
+
 // ---------------------------------------------------------------------------------------------
 // Dispatch.
 
@@ -139,27 +165,14 @@ ffi::Error ForwardDispatch(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
                            bool transpose_w, bool zero_tail) {
   auto problem = CheckForward(x, w, sizes, *y, transpose_w);
   if (problem.has_error()) return problem.error();
-  const Problem& p = *problem;
-  return DispatchFloat("grouped_gemm", "x", x.element_type(), [&](auto tag) -> ffi::Error {
-    using T = typename decltype(tag)::type;
-    Args<T> a = MakeArgs<T>(p, x.untyped_data(), p.k, w.untyped_data(), transpose_w ? p.k : p.n,
-                            sizes, y->typed_data());
-    a.zero_tail = zero_tail;
-    return ForwardImpl<T>(stream, p, a, transpose_w);
-  });
+  return KernelForward(stream, *problem, x, w, sizes, y->typed_data(), transpose_w, zero_tail);
 }
 
 ffi::Error WgradDispatch(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer dy,
                          ffi::Buffer<ffi::S32> sizes, ffi::Result<ffi::Buffer<ffi::F32>> dw) {
   auto problem = CheckWgrad(x, dy, sizes, *dw);
   if (problem.has_error()) return problem.error();
-  const Problem& p = *problem;
-  return DispatchFloat("grouped_gemm_wgrad", "x", x.element_type(), [&](auto tag) -> ffi::Error {
-    using T = typename decltype(tag)::type;
-    const Args<T> a =
-        MakeArgs<T>(p, x.untyped_data(), p.k, dy.untyped_data(), p.n, sizes, dw->typed_data());
-    return WgradImpl<T>(stream, p, a);
-  });
+  return KernelWgrad(stream, *problem, x, dy, sizes, dw->typed_data());
 }
 
 }  // namespace
