@@ -385,7 +385,10 @@ class GroupedPlan {
         {CUBLASLT_MATMUL_PREF_GROUPED_AVERAGE_REDUCTION_DIM, call.avg_reduction}};
     for (const auto& [attr, value] : averages) {
       if (status != CUBLAS_STATUS_SUCCESS) break;
-      status = SetPref(pref, attr, value);  // uint32_t, as the header documents them
+      // uint32_t, as the header documents them; NVIDIA's grouped sample passes int64_t, so a
+      // library that refuses the one size is given the other.
+      status = SetPref(pref, attr, value);
+      if (status == CUBLAS_STATUS_INVALID_VALUE) status = SetPref(pref, attr, int64_t{value});
     }
     cublasLtMatmulHeuristicResult_t result = {};
     int found = 0;
