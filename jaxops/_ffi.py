@@ -179,8 +179,9 @@ def _check_choice(variable: str, choices: tuple[str, ...], what: str) -> None:
 GPU_GEMM_PIPELINES = ("registers", "async")
 
 #: JAXOPS_GPU_GROUPED_GEMM's values: what the CUDA grouped GEMM calls run, read when a call is
-#: traced ("kernel", the default: jaxops' kernels; "cublaslt": cuBLASLt's grouped matmul, needs a
-#: CUDA module built with cuBLASLt and a libcublasLt with the grouped API, not yet run on a GPU).
+#: traced ("kernel", the default: jaxops' kernels; "cublaslt": cuBLASLt's grouped matmul for
+#: bfloat16 and float16, needs a CUDA module built with cuBLASLt and cuBLAS 13.4 or newer; not yet
+#: run on a GPU).
 GPU_GROUPED_GEMMS = ("kernel", "cublaslt")
 _GROUPED_GEMM_CHOICE = "what the CUDA grouped GEMM calls run"
 
@@ -445,8 +446,9 @@ def build_info() -> dict[str, dict[str, Any]]:
       One entry per loaded module, keyed by platform ("cpu", "CUDA"): jaxlib version and XLA FFI
       API it was built against; for CUDA also the CUDA version, the architectures, where
       cuBLASLt comes from (``cublaslt``: "wheel", "toolkit" or None), the loaded libcublasLt's
-      ``cublaslt_version`` (e.g. 131000; None without cuBLASLt) and ``cublaslt_grouped``, whether
-      it has the grouped matmul ``JAXOPS_GPU_GROUPED_GEMM=cublaslt`` runs on; for the CPU also
+      ``cublaslt_version`` (e.g. 130400 for 13.4.0; None without cuBLASLt) and
+      ``cublaslt_grouped``, whether it has the grouped matmul ``JAXOPS_GPU_GROUPED_GEMM=cublaslt``
+      runs on (cuBLAS 13.4 or newer); for the CPU also
       ``grouped_gemm_kernel``, the micro-kernel of the grouped GEMM calls on this machine
       ("avx512", "avx2" or "portable": the widest the CPU has, at most
       ``JAXOPS_CPU_GEMM_KERNEL``'s). And ``"paths"``: per op family (rms_norm, fp8, moe,

@@ -18,11 +18,11 @@ kernels four shared-memory stages filled by ``cp.async`` instead of the register
 the calls on cuBLASLt's grouped matmul instead (``xla_ffi/grouped_gemm/cublaslt.cu``, targets
 :data:`TARGET_GROUPED_GEMM_LT` and :data:`TARGET_WGRAD_LT`; compiled, not yet run on a GPU): a
 one-CTA kernel turns the device-side sizes into cuBLASLt's per-group shapes and pointers, then one
-``cublasLtMatmul`` runs every group, with fp32 accumulation (float32: fp32, no TF32). It needs a
-CUDA module built with cuBLASLt and a libcublasLt with the grouped API (nvidia-cublas 13.10 has it:
+``cublasLtMatmul`` runs every group, with fp32 accumulation. It needs a CUDA module built with
+cuBLASLt and a libcublasLt with the grouped API for Hopper (cuBLAS 13.4 or newer:
 ``jaxops.build_info()["CUDA"]["cublaslt_grouped"]``; otherwise the call fails naming the version),
-and takes calls whose x, w (dy) and output start 16-byte aligned with rows of whole 16-byte
-multiples (K and N multiples of 8 for 16-bit operands, of 4 for float32); other calls run jaxops'
+and takes bfloat16 and float16 calls whose x, w (dy) and output start 16-byte aligned with K and N
+multiples of 8; other calls (float32 among them: cuBLASLt's grouped matmul has none) run jaxops'
 kernels. Each call has a uint8 workspace (the per-group arrays and 32 MiB for cuBLASLt).
 
 The rows of group g are rows ``[start_g, start_g + group_sizes[g])``, from row 0 in order. The

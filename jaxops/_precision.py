@@ -20,9 +20,9 @@ mode       jax's default_matmul_precision          jaxops GEMM (cuBLASLt compute
 ========== ====================================== ==================================
 
 jaxops' grouped GEMM (:mod:`jaxops._grouped_gemm`: the expert layer's FFN GEMMs) follows no mode:
-it multiplies float32 in fp32 on every platform (its CUDA kernel has fp32 FMAs, no TF32 path; its
-cuBLASLt path, ``JAXOPS_GPU_GROUPED_GEMM=cublaslt``, computes in CUBLAS_COMPUTE_32F), and 16-bit
-operands natively with fp32 accumulation.
+it multiplies float32 in fp32 on every platform (its CUDA kernel has fp32 FMAs, no TF32 path), and
+16-bit operands natively with fp32 accumulation (also on cuBLASLt's grouped matmul,
+``JAXOPS_GPU_GROUPED_GEMM=cublaslt``, which takes 16-bit operands only).
 
 ``JAXOPS_MATMUL_PRECISION=<mode>`` sets the process default at import. ``NVIDIA_TF32_OVERRIDE=0``
 means "no TF32 anywhere": "tf32" and "default" then act as "fp32", for XLA's dots too. XLA:CPU has

@@ -7,7 +7,8 @@
 // One call, on the XLA stream, never synchronizing with the host:
 //   1. GroupedSetupKernel (one CTA) turns the group sizes into cuBLASLt's per-group arrays in the
 //      workspace: each group's rows (clipped as jaxops' kernels clip them), the fixed sizes
-//      (also the leading dimensions), each group's matrix pointers, alpha = 1 and beta = 0.
+//      (also the leading dimensions) and each group's matrix pointers; and alpha = 1, beta = 0
+//      (one device scalar each: Hopper takes no per-group alpha and beta).
 //   2. One cublasLtMatmul over every group. cuBLASLt is column-major, so the row-major
 //      y_g = x_g @ w[g] runs as y_g^T = w[g]^T x_g^T: A = w[g] (n x k, or k x n read transposed
 //      when w is [G, N, K]), B = x_g (k x m_g), D = y_g (n x m_g), all with ld = their row length.
@@ -17,15 +18,18 @@
 //      gradient zeros the groups without rows (ZeroEmptyGroupsKernel), whatever cuBLASLt made of
 //      their K = 0 products.
 //
-// Every per-group pointer and leading dimension is 16-byte aligned, which the algorithms are
-// chosen for (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*): x, w | dy and y | dw start 16-byte aligned
-// and their rows are whole multiples of 16 bytes. A call that is not so, or is empty, runs jaxops'
-// own kernels instead (cuda_kernels.h), as does nothing else: every other refusal (a libcublasLt
-// without the grouped API, no algorithm for the dtypes) is an error naming it.
+// cuBLASLt's grouped matmul takes 16-bit operands (bfloat16, float16; FP8 and FP4 too, unused
+// here), not float32, and every per-group pointer and leading dimension here is 16-byte aligned,
+// which the algorithms are chosen for (CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*): x, w | dy and
+// y | dw start 16-byte aligned and their rows are whole multiples of 16 bytes. A call that is not
+// so (float32 among them), or is empty, runs jaxops' own kernels instead (cuda_kernels.h); every
+// other refusal (a libcublasLt without the grouped API, no algorithm) is an error naming it.
 //
 // The loaded libcublasLt may predate the grouped API (jax's CUDA packages accept cuBLAS 13.0): its
 // one new entry point, cublasLtGroupedMatrixLayoutCreate, is looked up at run time, so the module
-// still loads without it.
+// still loads without it, and a library older than kMinLtVersion (cuBLAS 13.4, the first with
+// grouped 16-bit matmuls on Hopper as well as Blackwell, as NVIDIA's TransformerEngine gates it)
+// is not used.
 //
 // Per call site a GroupedLtState (the instantiate stage) holds one plan per device: the cuBLASLt
 // handle, descriptor, grouped layouts and the algorithm its heuristic chose, made on the first
@@ -51,10 +55,10 @@
 #include "xla_ffi/grouped_gemm/cuda_kernels.h"
 #include "xla_ffi/grouped_gemm/handlers.h"
 
-// The grouped API's enumerators and declarations are in the headers of the nvidia-cublas wheel
-// 13.10 (CUBLAS_VERSION 131000), not in those of 13.0; the guard asks for 131000, and older
-// headers build the handlers without it, which then return an error saying so.
-#if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 131000
+// The grouped API's enumerators (the heuristic's average-shape preferences) are in the headers of
+// cuBLAS 13.3 and later, not in those of 13.0; older headers build the handlers without it, which
+// then return an error saying so.
+#if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 130300
 #define JAXOPS_LT_GROUPED_HEADERS 1
 #else
 #define JAXOPS_LT_GROUPED_HEADERS 0
@@ -70,15 +74,15 @@ namespace {
 
 constexpr int64_t kRegionAlign = 256;
 constexpr int64_t kLtOwnBytes = int64_t{32} << 20;  // cuBLASLt's share: its Hopper recommendation
+constexpr size_t kMinLtVersion = 130400;            // cublasLtGetVersion() of cuBLAS 13.4
 
 int64_t Region(int64_t bytes) { return CeilDiv(bytes, kRegionAlign) * kRegionAlign; }
 
 // Byte offsets of the arrays of `groups` groups in the workspace.
 struct Layout {
   int64_t a_ptrs, b_ptrs, d_ptrs;  // const void* [G]: each group's A, B and D
-  int64_t alpha, beta;             // float [G]: 1 and 0
   int64_t m, n, k;                 // int32 [G]: the group's rows; the fixed N and K
-  int64_t total;                   // int64: rows in groups
+  int64_t alpha, beta, total;      // one region: float 1, float 0, int64 rows in groups
   int64_t lt;                      // cuBLASLt's own workspace, kLtOwnBytes
   int64_t bytes;                   // the whole
 
@@ -88,13 +92,13 @@ struct Layout {
     a_ptrs = 0;
     b_ptrs = a_ptrs + pointers;
     d_ptrs = b_ptrs + pointers;
-    alpha = d_ptrs + pointers;
-    beta = alpha + words;
-    m = beta + words;
+    m = d_ptrs + pointers;
     n = m + words;
     k = n + words;
-    total = k + words;
-    lt = total + Region(8);
+    alpha = k + words;
+    beta = alpha + 4;
+    total = alpha + 8;
+    lt = alpha + kRegionAlign;
     bytes = lt + kLtOwnBytes;
   }
 };
@@ -156,15 +160,17 @@ __global__ void __launch_bounds__(kSetupThreads) GroupedSetupKernel(SetupParams 
       s.m[g] = static_cast<int32_t>(min(end, rows) - start);
       s.ns[g] = s.n;
       s.ks[g] = s.k;
-      s.alpha[g] = 1.0f;
-      s.beta[g] = 0.0f;
       s.a_ptrs[g] = GroupPointer(s.a, g, start);
       s.b_ptrs[g] = GroupPointer(s.b, g, start);
       s.d_ptrs[g] = GroupPointer(s.d, g, start);
     }
     carry += chunk;
   }
-  if (threadIdx.x == 0) *s.total = min(carry, rows);
+  if (threadIdx.x == 0) {
+    *s.total = min(carry, rows);
+    *s.alpha = 1.0f;
+    *s.beta = 0.0f;
+  }
 }
 
 constexpr int kFillThreads = 256;
@@ -284,13 +290,12 @@ class GroupedPlan {
 
   ffi::Error Create(const LtCall& call) {
     const GroupedLayoutCreateFn create = GroupedLayoutCreate();
-    if (create == nullptr) {
-      return Internal(
-          std::string(call.op) + ": the loaded libcublasLt (version " +
-          std::to_string(cublasLtGetVersion()) +
-          ") has no grouped matmul (cublasLtGroupedMatrixLayoutCreate): it needs "
-          "a newer cuBLAS (nvidia-cublas 13.10 has it: pip install -U nvidia-cublas), or "
-          "JAXOPS_GPU_GROUPED_GEMM=kernel");
+    if (create == nullptr || cublasLtGetVersion() < kMinLtVersion) {
+      return Internal(std::string(call.op) + ": the loaded libcublasLt (version " +
+                      std::to_string(cublasLtGetVersion()) +
+                      ") has no grouped matmul for Hopper: it needs cuBLAS 13.4 or newer "
+                      "(cublasLtGetVersion() >= 130400; pip install -U nvidia-cublas), or "
+                      "JAXOPS_GPU_GROUPED_GEMM=kernel");
     }
     if (auto e = LtError(cublasLtCreate(&handle_), "cublasLtCreate"); e.failure()) return e;
     if (auto e = LtError(cublasLtMatmulDescCreate(&desc_, CUBLAS_COMPUTE_32F, CUDA_R_32F),
@@ -298,43 +303,21 @@ class GroupedPlan {
         e.failure()) {
       return e;
     }
+    // alpha and beta: one device scalar each (no batch stride: Hopper has no per-group ones)
     const int32_t pointer_mode = CUBLASLT_POINTER_MODE_DEVICE;
-    const int64_t per_group = 1;  // alpha and beta: one entry per group
     ffi::Error error = SetDesc(desc_, CUBLASLT_MATMUL_DESC_TRANSA, call.op_a);
     if (error.success()) error = SetDesc(desc_, CUBLASLT_MATMUL_DESC_TRANSB, call.op_b);
     if (error.success()) error = SetDesc(desc_, CUBLASLT_MATMUL_DESC_POINTER_MODE, pointer_mode);
-    if (error.success()) {
-      error = SetDesc(desc_, CUBLASLT_MATMUL_DESC_ALPHA_BATCH_STRIDE, per_group);
-    }
-    if (error.success()) error = SetDesc(desc_, CUBLASLT_MATMUL_DESC_BETA_BATCH_STRIDE, per_group);
     if (error.failure()) return error;
-    const struct {
-      cublasLtMatrixLayout_t* layout;
-      cudaDataType_t type;
-      LayoutDims dims;
-    } layouts[] = {
-        {&a_, call.in_type, call.a}, {&b_, call.in_type, call.b}, {&d_, CUDA_R_32F, call.d}};
-    for (const auto& l : layouts) {
-      if (auto e = LtError(create(l.layout, l.type, call.groups, DimArray(call, l.dims.rows),
-                                  DimArray(call, l.dims.cols), DimArray(call, l.dims.ld)),
-                           "cublasLtGroupedMatrixLayoutCreate");
-          e.failure()) {
-        return e;
-      }
-    }
-    arrays_ = {call.dims[0], call.dims[1], call.dims[2]};
+    if (auto e = MakeLayouts(call, create); e.failure()) return e;
     return Choose(call);
   }
 
-  // Points the layouts at this execution's arrays (when the workspace moved) and enqueues.
+  // Remakes the layouts on this execution's arrays if the workspace moved (the algorithm stays:
+  // the shapes and types are the call site's), and enqueues the matmul.
   ffi::Error Run(const LtCall& call, cudaStream_t stream) {
     if (call.dims[0] != arrays_[0] || call.dims[1] != arrays_[1] || call.dims[2] != arrays_[2]) {
-      const std::pair<cublasLtMatrixLayout_t, LayoutDims> layouts[] = {
-          {a_, call.a}, {b_, call.b}, {d_, call.d}};
-      for (const auto& [layout, dims] : layouts) {
-        if (auto e = PointLayout(layout, call, dims); e.failure()) return e;
-      }
-      arrays_ = {call.dims[0], call.dims[1], call.dims[2]};
+      if (auto e = MakeLayouts(call, GroupedLayoutCreate()); e.failure()) return e;
     }
     return LtError(cublasLtMatmul(handle_, desc_, call.alpha, call.a_ptrs, a_, call.b_ptrs, b_,
                                   call.beta, call.d_ptrs, d_, call.d_ptrs, d_, &algo_,
@@ -343,23 +326,27 @@ class GroupedPlan {
   }
 
  private:
-  static ffi::Error PointLayout(cublasLtMatrixLayout_t layout, const LtCall& call,
-                                const LayoutDims& dims) {
+  // The grouped layouts of A, B and D (C is D: beta is 0) on the call's device arrays.
+  ffi::Error MakeLayouts(const LtCall& call, GroupedLayoutCreateFn create) {
     const struct {
-      cublasLtMatrixLayoutAttribute_t attr;
-      Dim dim;
-    } arrays[] = {{CUBLASLT_GROUPED_MATRIX_LAYOUT_ROWS_ARRAY, dims.rows},
-                  {CUBLASLT_GROUPED_MATRIX_LAYOUT_COLS_ARRAY, dims.cols},
-                  {CUBLASLT_GROUPED_MATRIX_LAYOUT_LD_ARRAY, dims.ld}};
-    for (const auto& a : arrays) {
-      const void* pointer = DimArray(call, a.dim);
-      if (auto e =
-              LtError(cublasLtMatrixLayoutSetAttribute(layout, a.attr, &pointer, sizeof(pointer)),
-                      "cublasLtMatrixLayoutSetAttribute (a grouped layout's arrays)");
+      cublasLtMatrixLayout_t* layout;
+      cudaDataType_t type;
+      LayoutDims dims;
+    } layouts[] = {
+        {&a_, call.in_type, call.a}, {&b_, call.in_type, call.b}, {&d_, CUDA_R_32F, call.d}};
+    for (const auto& l : layouts) {
+      if (*l.layout != nullptr) {
+        cublasLtMatrixLayoutDestroy(*l.layout);
+        *l.layout = nullptr;
+      }
+      if (auto e = LtError(create(l.layout, l.type, call.groups, DimArray(call, l.dims.rows),
+                                  DimArray(call, l.dims.cols), DimArray(call, l.dims.ld)),
+                           "cublasLtGroupedMatrixLayoutCreate");
           e.failure()) {
         return e;
       }
     }
+    arrays_ = {call.dims[0], call.dims[1], call.dims[2]};
     return ffi::Error::Success();
   }
 
@@ -385,10 +372,10 @@ class GroupedPlan {
         {CUBLASLT_MATMUL_PREF_GROUPED_AVERAGE_REDUCTION_DIM, call.avg_reduction}};
     for (const auto& [attr, value] : averages) {
       if (status != CUBLAS_STATUS_SUCCESS) break;
-      // uint32_t, as the header documents them; NVIDIA's grouped sample passes int64_t, so a
-      // library that refuses the one size is given the other.
-      status = SetPref(pref, attr, value);
-      if (status == CUBLAS_STATUS_INVALID_VALUE) status = SetPref(pref, attr, int64_t{value});
+      // int64_t, as NVIDIA's grouped sample and TransformerEngine pass them; the header documents
+      // uint32_t, so a library that refuses the one size is given the other.
+      status = SetPref(pref, attr, int64_t{value});
+      if (status == CUBLAS_STATUS_INVALID_VALUE) status = SetPref(pref, attr, value);
     }
     cublasLtMatmulHeuristicResult_t result = {};
     int found = 0;
@@ -429,7 +416,7 @@ class GroupedPlan {
   ffi::Error Create(const LtCall& call) {
     return Internal(std::string(call.op) +
                     ": jaxops was built against cuBLAS headers without the grouped matmul "
-                    "(nvidia-cublas 13.10 has it); rebuild with a newer nvidia-cublas, or "
+                    "(cuBLAS 13.3 headers have it); rebuild with a newer nvidia-cublas, or "
                     "JAXOPS_GPU_GROUPED_GEMM=kernel");
   }
   ffi::Error Run(const LtCall&, cudaStream_t) { return ffi::Error::Success(); }
@@ -453,7 +440,10 @@ const XLA_FFI_TypeInfo* GroupedLtStateTypeInfo() {
   return &info;
 }
 
-bool LtGroupedAvailable() { return JAXOPS_LT_GROUPED_HEADERS && GroupedLayoutCreate() != nullptr; }
+bool LtGroupedAvailable() {
+  return JAXOPS_LT_GROUPED_HEADERS && GroupedLayoutCreate() != nullptr &&
+         cublasLtGetVersion() >= kMinLtVersion;
+}
 
 int64_t LtVersion() { return static_cast<int64_t>(cublasLtGetVersion()); }
 
@@ -464,28 +454,20 @@ ffi::Error Execute(GroupedLtState* state, int32_t device, const LtCall& call, cu
 }
 
 cudaDataType_t LtType(ffi::DataType dtype) {
-  switch (dtype) {
-    case ffi::DataType::BF16:
-      return CUDA_R_16BF;
-    case ffi::DataType::F16:
-      return CUDA_R_16F;
-    default:  // F32: the checks admit nothing else
-      return CUDA_R_32F;
-  }
+  return dtype == ffi::DataType::BF16 ? CUDA_R_16BF : CUDA_R_16F;  // LtEligible's two
 }
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// Whether cuBLASLt takes the call: operands of a float dtype, 16-byte-aligned starts and rows of
-// whole 16-byte multiples (x's K and N elements, y's or dw's N floats), sizes within int32, and
-// something to compute.
+// Whether cuBLASLt takes the call: 16-bit operands (its grouped matmul has no float32),
+// 16-byte-aligned starts and rows of whole 16-byte multiples (x's K and N elements, y's or dw's
+// N floats), sizes within int32, and something to compute.
 bool LtEligible(const Problem& p, ffi::DataType dtype, const void* x, const void* other,
                 const void* out) {
   const int64_t e = static_cast<int64_t>(ffi::ByteWidth(dtype));
-  const bool float_type =
-      dtype == ffi::DataType::F32 || dtype == ffi::DataType::BF16 || dtype == ffi::DataType::F16;
+  const bool sixteen_bit = dtype == ffi::DataType::BF16 || dtype == ffi::DataType::F16;
   const int64_t int32_max = 0x7fffffff;
-  return float_type && p.rows > 0 && p.k > 0 && p.n > 0 && p.groups > 0 && p.rows <= int32_max &&
+  return sixteen_bit && p.rows > 0 && p.k > 0 && p.n > 0 && p.groups > 0 && p.rows <= int32_max &&
          p.k <= int32_max && p.n <= int32_max && p.groups <= int32_max && (p.k * e) % 16 == 0 &&
          (p.n * e) % 16 == 0 && p.n % 4 == 0 && Aligned16(x) && Aligned16(other) && Aligned16(out);
 }
