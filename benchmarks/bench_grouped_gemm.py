@@ -24,8 +24,8 @@ by default; accumulation float32):
 - ``ffi_async`` (on a GPU, 16-bit ``--dtype``): ``ffi`` with ``JAXOPS_GPU_GEMM_PIPELINE=async``
   (the CUDA kernels' cp.async pipeline; ``ffi`` then runs the default, ``registers``, and each
   call of either is waited for before the variable changes);
-- ``ffi_lt`` (on a GPU whose libcublasLt has the grouped matmul): ``ffi`` traced with
-  ``JAXOPS_GPU_GROUPED_GEMM=cublaslt``, the calls on cuBLASLt's grouped matmul
+- ``ffi_lt`` (on a GPU whose libcublasLt has the grouped matmul, 16-bit ``--dtype``): ``ffi``
+  traced with ``JAXOPS_GPU_GROUPED_GEMM=cublaslt``, the calls on cuBLASLt's grouped matmul
   (``jaxops_grouped_gemm_lt``, ``jaxops_grouped_gemm_wgrad_lt``); where cuBLASLt refuses the case
   the row says why (``lt_error``) and the rest is timed;
 - ``dense``: the lower bound of XLA's own dot on the same FLOPs: one dense ``x @ w_in[0]`` and
@@ -328,7 +328,7 @@ def _case(args, case: str) -> dict[str, Any]:
         fns["ffi_async"] = _WithEnv(fns["ffi"], {PIPELINE_VARIABLE: "async"})
         fns["ffi"] = _WithEnv(fns["ffi"], {PIPELINE_VARIABLE: "registers"})
     lt_error = None
-    if _lt_available():
+    if _lt_available() and args.dtype != "float32":  # cuBLASLt's grouped matmul: 16-bit only
         lt = jax.jit(jax.value_and_grad(_ffn_loss("ffi", tile), **grad))
         fns["ffi_lt"] = _WithEnv(lt, {GROUPED_VARIABLE: "cublaslt"})
         try:  # a refusal of cuBLASLt's (no algorithm, ...) is reported, not fatal

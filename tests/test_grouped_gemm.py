@@ -659,18 +659,11 @@ def _check_zero_tail(op, zero_tail, device):
     held = jnp.asarray(rng.standard_normal((rows, k)) + 3.0, jnp.float32)  # no zeros
     gs = jnp.asarray(sizes, jnp.int32)
     silu = gg._attrs("silu", 1.702, 7.0)  # the attributes the wrappers pass
-    out = jax.ShapeDtypeStruct((rows, k), jnp.float32)
-    outs = out
     if op.startswith("gemm"):
         w = jnp.asarray(rng.standard_normal((len(sizes), k, k)), jnp.float32)
-        attrs = dict(transpose_w=op.endswith("transposed"), zero_tail=zero_tail)
+        attrs = dict(transpose_w=op == "gemm-transposed", zero_tail=zero_tail)
         w_math = jnp.swapaxes(w, 1, 2) if attrs["transpose_w"] else w
         target, operands = gg.TARGET_GROUPED_GEMM, (held, w, gs)
-        if op.startswith("gemm-lt"):  # cuBLASLt's target: y and its workspace
-            target = gg.TARGET_GROUPED_GEMM_LT
-            _ffi.ensure_registered(target)
-            workspace = _ffi.cuda_module_function("grouped_gemm_lt_workspace_bytes")(len(sizes))
-            outs = (out, jax.ShapeDtypeStruct((workspace,), jnp.uint8))
         want = _oracle(held, w_math, np.zeros((rows, k), np.float32), sizes)[0]
     elif op == "activation":  # silu: a [R, C] like h
         attrs = dict(silu, zero_tail=zero_tail)
@@ -682,12 +675,12 @@ def _check_zero_tail(op, zero_tail, device):
         target, operands = gg.TARGET_ACTIVATION_BWD, (held, da, gs)
         want = _act64(held, "silu")[1](np.asarray(da, np.float64))
     operands = jax.device_put(operands, device)
-    first = (lambda r: r[0]) if outs is not out else (lambda r: r)
-    plain = first(jax.jit(lambda *a: jax.ffi.ffi_call(target, outs)(*a, **attrs))(*operands))
+    out = jax.ShapeDtypeStruct((rows, k), jnp.float32)
+    plain = jax.jit(lambda *a: jax.ffi.ffi_call(target, out)(*a, **attrs))(*operands)
     assert plain.devices() == {device}
     assert rel_error(plain[:used], want[:used]) < 2e-6, rel_error(plain[:used], want[:used])
-    call = jax.ffi.ffi_call(target, outs, input_output_aliases={0: 0})
-    tail = np.asarray(first(jax.jit(lambda *a: call(*a, **attrs))(*operands)))[used:]
+    call = jax.ffi.ffi_call(target, out, input_output_aliases={0: 0})
+    tail = np.asarray(jax.jit(lambda *a: call(*a, **attrs))(*operands))[used:]
     if zero_tail:
         assert not tail.any()
     else:
@@ -717,10 +710,46 @@ def test_zero_tail_false_leaves_the_rows_past_the_groups_as_they_were(op, zero_t
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("zero_tail", [True, False], ids=["zeroed", "unwritten"])
-@pytest.mark.parametrize("op", ["gemm", "gemm-transposed", "gemm-lt", "gemm-lt-transposed"])
+@pytest.mark.parametrize("op", ["gemm", "gemm-transposed"])
 def test_gpu_zero_tail_false_leaves_the_rows_past_the_groups_as_they_were(op, zero_tail):
-    """The CUDA forward kernel's zero_tail, as the CPU test above; also cuBLASLt's target (K = 48
-    float32: a call it takes), whose rows past the groups a kernel of its own zeros."""
-    if "lt" in op:
-        _require_lt()
+    """The CUDA forward kernel's zero_tail, as the CPU test above."""
     _check_zero_tail(op, zero_tail, jax.devices("gpu")[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("zero_tail", [True, False], ids=["zeroed", "unwritten"])
+@pytest.mark.parametrize("transpose_w", [False, True], ids=["w_kn", "w_nk"])
+def test_gpu_cublaslt_zero_tail(transpose_w, zero_tail):
+    """cuBLASLt's target (bfloat16, K = N = 48: a call it takes) zeros the rows past the groups
+    with a kernel of its own, or leaves them. Its output is the donated buffer of float32 rows
+    (no operand of the call has y's dtype to alias), so that it holds those rows before."""
+    _require_lt()
+    device = jax.devices("gpu")[0]
+    rows, k, sizes, used = 90, 48, [30, 0, 25], 55
+    rng = np.random.default_rng(5)
+    held = np.asarray(rng.standard_normal((rows, k)) + 3.0, np.float32)  # no zeros
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((len(sizes), k, k)), jnp.bfloat16)
+    want = _oracle(x, jnp.swapaxes(w, 1, 2) if transpose_w else w, np.zeros_like(held), sizes)[0]
+    target = gg.TARGET_GROUPED_GEMM_LT
+    _ffi.ensure_registered(target)
+    workspace = _ffi.cuda_module_function("grouped_gemm_lt_workspace_bytes")(len(sizes))
+    outs = (
+        jax.ShapeDtypeStruct(held.shape, jnp.float32),
+        jax.ShapeDtypeStruct((workspace,), jnp.uint8),
+    )
+    call = jax.ffi.ffi_call(target, outs)
+    f = jax.jit(
+        lambda buf, x, w, gs: call(x, w, gs, transpose_w=transpose_w, zero_tail=zero_tail)[0],
+        donate_argnums=0,
+        keep_unused=True,
+    )
+    operands = jax.device_put((held, x, w, jnp.asarray(sizes, jnp.int32)), device)
+    assert "input_output_alias" in f.lower(*operands).compile().as_text()
+    y = np.asarray(f(*operands))
+    assert operands[0].is_deleted()
+    assert rel_error(y[:used], want[:used]) < 1e-5, rel_error(y[:used], want[:used])
+    if zero_tail:
+        assert not y[used:].any()
+    else:
+        np.testing.assert_array_equal(y[used:], held[used:])
