@@ -182,7 +182,7 @@ def grouped_gemm(
     group_sizes = _check_sizes(op, group_sizes, w.shape[0])
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     attrs = {"transpose_w": bool(transpose_w), "zero_tail": bool(zero_tail)}
-    workspace = _lt_workspace(op, TARGET_GROUPED_GEMM_LT, w.shape[0])
+    workspace = _lt_workspace(op, TARGET_GROUPED_GEMM_LT, x.dtype, k, n, w.shape[0])
     if workspace is None:
         return _ffi.ffi_call(TARGET_GROUPED_GEMM, out, x, w, group_sizes, **attrs)
     y, _ = _ffi.ffi_call(TARGET_GROUPED_GEMM_LT, (out, workspace), x, w, group_sizes, **attrs)
@@ -214,20 +214,28 @@ def grouped_gemm_wgrad(x, dy, group_sizes) -> jax.Array:
         raise ValueError(f"{op}: dy must have x's {x.shape[0]} rows, got shape {dy.shape}")
     group_sizes = _check(op, "group_sizes", group_sizes, 1, jnp.int32)
     out = jax.ShapeDtypeStruct((group_sizes.shape[0], x.shape[1], dy.shape[1]), jnp.float32)
-    workspace = _lt_workspace(op, TARGET_WGRAD_LT, group_sizes.shape[0])
+    workspace = _lt_workspace(
+        op, TARGET_WGRAD_LT, x.dtype, x.shape[1], dy.shape[1], group_sizes.shape[0]
+    )
     if workspace is None:
         return _ffi.ffi_call(TARGET_WGRAD, out, x, dy, group_sizes)
     dw, _ = _ffi.ffi_call(TARGET_WGRAD_LT, (out, workspace), x, dy, group_sizes)
     return dw
 
 
-def _lt_workspace(op: str, target: str, groups: int) -> jax.ShapeDtypeStruct | None:
+def _lt_workspace(
+    op: str, target: str, dtype, k: int, n: int, groups: int
+) -> jax.ShapeDtypeStruct | None:
     """The workspace of cuBLASLt's grouped matmul (`target`), or None: jaxops' own calls run.
 
     cuBLASLt's target runs where ``JAXOPS_GPU_GROUPED_GEMM=cublaslt`` is set when the call is
-    traced and jax's default backend is a GPU; a CUDA module without it is then an error.
+    traced, jax's default backend is a GPU and the call is one it takes: 16-bit operands whose
+    rows (K and N) are whole 16-byte multiples (the handler also runs the kernels on operands
+    that start unaligned). A CUDA module without it is then an error.
     """
     if _ffi.gpu_grouped_gemm() != "cublaslt" or jax.default_backend() != "gpu":
+        return None
+    if np.dtype(dtype) == np.float32 or k % 8 or n % 8:
         return None
     workspace_bytes = _ffi.cuda_module_function("grouped_gemm_lt_workspace_bytes")
     if workspace_bytes is None:

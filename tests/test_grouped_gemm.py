@@ -158,9 +158,12 @@ def test_gpu_kernels_match_float64(shape, dtype, gpu_pipeline):
     x, w, dy, gs = jax.device_put(_inputs(rows, k, n, sizes, dtype), gpu)
     y_ref, dw_ref = _oracle(x, w, dy, sizes)
     assert gg.kernel_available("gpu")
-    if gpu_pipeline == "cublaslt":  # the calls cuBLASLt's targets
+    if gpu_pipeline == "cublaslt":  # cuBLASLt's targets where they take the call
         text = jax.jit(gg.grouped_gemm).lower(x, w, gs).as_text()
-        assert gg.TARGET_GROUPED_GEMM_LT in text, text[-2000:]
+        text += jax.jit(gg.grouped_gemm_wgrad).lower(x, dy, gs).as_text()
+        takes = dtype != jnp.float32 and k % 8 == 0 and n % 8 == 0
+        for target in (gg.TARGET_GROUPED_GEMM_LT, gg.TARGET_WGRAD_LT):
+            assert (f"@{target}(" in text) == takes, text[-2000:]
     y = jax.jit(gg.grouped_gemm)(x, w, gs)
     y_t = jax.jit(lambda x, w, gs: gg.grouped_gemm(x, w, gs, transpose_w=True))(
         x, jnp.swapaxes(w, 1, 2), gs
@@ -457,7 +460,7 @@ def test_cublaslt_setting_leaves_the_cpu_calls_alone(monkeypatch):
     """JAXOPS_GPU_GROUPED_GEMM=cublaslt picks cuBLASLt's targets on a GPU only; a bad value set
     after import is refused when a call is traced, on any backend."""
     monkeypatch.setenv("JAXOPS_GPU_GROUPED_GEMM", "cublaslt")
-    x, w, dy, gs = _inputs(8, 8, 8, [4, 4], jnp.float32)
+    x, w, dy, gs = _inputs(8, 8, 8, [4, 4], jnp.bfloat16)  # a call cuBLASLt takes on a GPU
     text = jax.jit(gg.grouped_gemm).lower(x, w, gs).as_text()
     text += jax.jit(gg.grouped_gemm_wgrad).lower(x, dy, gs).as_text()
     assert gg.TARGET_GROUPED_GEMM in text and gg.TARGET_WGRAD in text

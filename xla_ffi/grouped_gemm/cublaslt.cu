@@ -67,8 +67,8 @@
 namespace jaxops::grouped_gemm {
 
 // ---------------------------------------------------------------------------------------------
-// The workspace: cuBLASLt's per-group arrays, then cuBLASLt's own workspace. Mirrored by
-// jaxops._grouped_gemm._lt_workspace_bytes.
+// The workspace: cuBLASLt's per-group arrays, then cuBLASLt's own workspace. Python sizes it by
+// asking (LtWorkspaceBytes, exported as grouped_gemm_lt_workspace_bytes).
 
 namespace {
 

@@ -43,7 +43,7 @@ inline constexpr const char* kLtStateTypeName = "jaxops.grouped_gemm.GroupedLtSt
 XLA_FFI_TypeId* GroupedLtStateTypeId();
 const XLA_FFI_TypeInfo* GroupedLtStateTypeInfo();
 // Bytes of the cuBLASLt handlers' workspace for `groups` groups (the per-group arrays and 32 MiB
-// for cuBLASLt): jaxops._grouped_gemm._lt_workspace_bytes computes the same.
+// for cuBLASLt), exported by the CUDA module as grouped_gemm_lt_workspace_bytes.
 int64_t LtWorkspaceBytes(int64_t groups);
 // Whether the loaded libcublasLt has the grouped matmul (and jaxops was built with its headers).
 bool LtGroupedAvailable();
