@@ -55,16 +55,20 @@
 #include "xla_ffi/grouped_gemm/cuda_kernels.h"
 #include "xla_ffi/grouped_gemm/handlers.h"
 
-// The grouped API's enumerators (the heuristic's average-shape preferences) are in the headers of
-// cuBLAS 13.3 and later, not in those of 13.0; older headers build the handlers without it, which
-// then return an error saying so.
-#if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 130300
-#define JAXOPS_LT_GROUPED_HEADERS 1
-#else
-#define JAXOPS_LT_GROUPED_HEADERS 0
-#endif
-
 namespace jaxops::grouped_gemm {
+
+// The heuristic's average-shape preferences of a grouped matmul, by their values in
+// cublasLtMatmulPreferenceAttributes_t: the headers of cuBLAS 13.0, which the binary wheel is built
+// against (the oldest its dependency allows), lack them, and the module runs with whatever
+// libcublasLt is installed. Newer headers must agree.
+constexpr auto kPrefAverageReduction = static_cast<cublasLtMatmulPreferenceAttributes_t>(13);
+constexpr auto kPrefAverageRows = static_cast<cublasLtMatmulPreferenceAttributes_t>(14);
+constexpr auto kPrefAverageCols = static_cast<cublasLtMatmulPreferenceAttributes_t>(15);
+#if defined(CUBLAS_VERSION) && CUBLAS_VERSION >= 131000  // headers known to declare them
+static_assert(kPrefAverageReduction == CUBLASLT_MATMUL_PREF_GROUPED_AVERAGE_REDUCTION_DIM);
+static_assert(kPrefAverageRows == CUBLASLT_MATMUL_PREF_GROUPED_DESC_D_AVERAGE_ROWS);
+static_assert(kPrefAverageCols == CUBLASLT_MATMUL_PREF_GROUPED_DESC_D_AVERAGE_COLS);
+#endif
 
 // ---------------------------------------------------------------------------------------------
 // The workspace: cuBLASLt's per-group arrays, then cuBLASLt's own workspace. Python sizes it by
@@ -272,8 +276,6 @@ cublasStatus_t SetPref(cublasLtMatmulPreference_t pref, cublasLtMatmulPreference
   return cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof(value));
 }
 
-#if JAXOPS_LT_GROUPED_HEADERS
-
 // The cuBLASLt objects of one call site on one device.
 class GroupedPlan {
  public:
@@ -367,9 +369,9 @@ class GroupedPlan {
       if (status == CUBLAS_STATUS_SUCCESS) status = SetPref(pref, attr, align);
     }
     const std::pair<cublasLtMatmulPreferenceAttributes_t, uint32_t> averages[] = {
-        {CUBLASLT_MATMUL_PREF_GROUPED_DESC_D_AVERAGE_ROWS, call.avg_d_rows},
-        {CUBLASLT_MATMUL_PREF_GROUPED_DESC_D_AVERAGE_COLS, call.avg_d_cols},
-        {CUBLASLT_MATMUL_PREF_GROUPED_AVERAGE_REDUCTION_DIM, call.avg_reduction}};
+        {kPrefAverageRows, call.avg_d_rows},
+        {kPrefAverageCols, call.avg_d_cols},
+        {kPrefAverageReduction, call.avg_reduction}};
     for (const auto& [attr, value] : averages) {
       if (status != CUBLAS_STATUS_SUCCESS) break;
       // int64_t, as NVIDIA's grouped sample and TransformerEngine pass them; the header documents
@@ -409,21 +411,6 @@ class GroupedPlan {
   std::array<const int32_t*, 3> arrays_ = {};
 };
 
-#else  // !JAXOPS_LT_GROUPED_HEADERS
-
-class GroupedPlan {
- public:
-  ffi::Error Create(const LtCall& call) {
-    return Internal(std::string(call.op) +
-                    ": jaxops was built against cuBLAS headers without the grouped matmul "
-                    "(cuBLAS 13.3 headers have it); rebuild with a newer nvidia-cublas, or "
-                    "JAXOPS_GPU_GROUPED_GEMM=kernel");
-  }
-  ffi::Error Run(const LtCall&, cudaStream_t) { return ffi::Error::Success(); }
-};
-
-#endif  // JAXOPS_LT_GROUPED_HEADERS
-
 }  // namespace
 
 // Per call site: one plan per device, made on the first execution there.
@@ -441,8 +428,7 @@ const XLA_FFI_TypeInfo* GroupedLtStateTypeInfo() {
 }
 
 bool LtGroupedAvailable() {
-  return JAXOPS_LT_GROUPED_HEADERS && GroupedLayoutCreate() != nullptr &&
-         cublasLtGetVersion() >= kMinLtVersion;
+  return GroupedLayoutCreate() != nullptr && cublasLtGetVersion() >= kMinLtVersion;
 }
 
 int64_t LtVersion() { return static_cast<int64_t>(cublasLtGetVersion()); }
