@@ -531,9 +531,9 @@ ffi::Error ForwardLtDispatch(cudaStream_t stream, GroupedLtState* state, int32_t
   auto prepared = Prepare(kOp, p, x.element_type(), workspace, sizes);
   if (prepared.has_error()) return prepared.error();
   SetupParams& s = prepared->setup;
-  const int64_t e = static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
-  s.a = {static_cast<const char*>(w.untyped_data()), p.k * p.n * e, false};
-  s.b = {static_cast<const char*>(x.untyped_data()), p.k * e, true};
+  const int64_t elem = static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
+  s.a = {static_cast<const char*>(w.untyped_data()), p.k * p.n * elem, false};
+  s.b = {static_cast<const char*>(x.untyped_data()), p.k * elem, true};
   s.d = {reinterpret_cast<const char*>(y->typed_data()), p.n * int64_t{4}, true};
   LtCall& c = prepared->call;
   // A = w[g]: n x k (ld n), or [N, K] read transposed (k x n, ld k); B = x_g: k x m_g (ld k);
@@ -569,9 +569,9 @@ ffi::Error WgradLtDispatch(cudaStream_t stream, GroupedLtState* state, int32_t d
   auto prepared = Prepare(kOp, p, x.element_type(), workspace, sizes);
   if (prepared.has_error()) return prepared.error();
   SetupParams& s = prepared->setup;
-  const int64_t e = static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
-  s.a = {static_cast<const char*>(dy.untyped_data()), p.n * e, true};
-  s.b = {static_cast<const char*>(x.untyped_data()), p.k * e, true};
+  const int64_t elem = static_cast<int64_t>(ffi::ByteWidth(x.element_type()));
+  s.a = {static_cast<const char*>(dy.untyped_data()), p.n * elem, true};
+  s.b = {static_cast<const char*>(x.untyped_data()), p.k * elem, true};
   s.d = {reinterpret_cast<const char*>(dw->typed_data()), p.k * p.n * int64_t{4}, false};
   LtCall& c = prepared->call;
   // A = dy_g: n x m_g (ld n); B = x_g: k x m_g (ld k), read transposed; D = dw[g]: n x k (ld n).
@@ -583,8 +583,6 @@ ffi::Error WgradLtDispatch(cudaStream_t stream, GroupedLtState* state, int32_t d
   c.avg_d_rows = Clamp32(p.n);
   c.avg_d_cols = Clamp32(p.k);
   c.avg_reduction = Clamp32(p.rows / p.groups);
-  if (auto e = LaunchSetup(kOp, s, stream); e.failure()) return e;
-  if (auto e = Execute(state, device, c, stream); e.failure()) return e;
   const int64_t group_vecs = p.k * p.n / 4;
   const int chunks =
       static_cast<int>(std::clamp<int64_t>(CeilDiv(group_vecs, int64_t{kFillThreads} * 8), 1, 64));
@@ -592,6 +590,8 @@ ffi::Error WgradLtDispatch(cudaStream_t stream, GroupedLtState* state, int32_t d
     return InvalidArgument(std::string(kOp) + ": " + std::to_string(p.groups) +
                            " groups are past CUDA's grid limit");
   }
+  if (auto e = LaunchSetup(kOp, s, stream); e.failure()) return e;
+  if (auto e = Execute(state, device, c, stream); e.failure()) return e;
   ZeroEmptyGroupsKernel<<<static_cast<unsigned>(p.groups * chunks), kFillThreads, 0, stream>>>(
       reinterpret_cast<float4*>(dw->typed_data()), s.m, group_vecs, chunks);
   return LastLaunchError("grouped_gemm_wgrad (cuBLASLt) empty-group zeroing kernel");
