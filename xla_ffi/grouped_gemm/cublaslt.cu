@@ -5,7 +5,8 @@
 // and jaxops_grouped_gemm_wgrad (checks.h) plus a uint8 workspace result (WorkspaceBytes).
 //
 // One call, on the XLA stream, never synchronizing with the host:
-//   1. GroupedSetupKernel (one CTA) turns the group sizes into cuBLASLt's per-group arrays in the
+//   1. GroupedSetupKernel (one CTA, lt_kernels.cuh) turns the group sizes into cuBLASLt's per-group
+//   arrays in the
 //      workspace: each group's rows (clipped as jaxops' kernels clip them), the fixed sizes
 //      (also the leading dimensions) and each group's matrix pointers; and alpha = 1, beta = 0
 //      (one device scalar each: Hopper takes no per-group alpha and beta).
@@ -51,9 +52,11 @@
 #include <utility>
 
 #include "xla_ffi/common/cuda_plans.h"
+#include "xla_ffi/common/cuda_vec.cuh"
 #include "xla_ffi/grouped_gemm/checks.h"
 #include "xla_ffi/grouped_gemm/cuda_kernels.h"
 #include "xla_ffi/grouped_gemm/handlers.h"
+#include "xla_ffi/grouped_gemm/lt_kernels.cuh"
 
 namespace jaxops::grouped_gemm {
 
@@ -112,96 +115,6 @@ struct Layout {
 int64_t LtWorkspaceBytes(int64_t groups) { return Layout(groups).bytes; }
 
 namespace {
-
-// ---------------------------------------------------------------------------------------------
-// Kernels.
-
-// Where a group's matrix starts: base + g * stride (one matrix per group: w, dw) or
-// base + start * stride (the group's first row: x, dy, y).
-struct PointerRule {
-  const char* base = nullptr;
-  int64_t stride = 0;  // bytes
-  bool per_row = false;
-};
-
-struct SetupParams {
-  const int32_t* sizes = nullptr;
-  int64_t groups = 0;
-  int64_t rows = 0;
-  int32_t n = 0;
-  int32_t k = 0;
-  PointerRule a, b, d;
-  const void** a_ptrs = nullptr;
-  const void** b_ptrs = nullptr;
-  const void** d_ptrs = nullptr;
-  float* alpha = nullptr;
-  float* beta = nullptr;
-  int32_t* m = nullptr;
-  int32_t* ns = nullptr;
-  int32_t* ks = nullptr;
-  long long* total = nullptr;
-};
-
-constexpr int kSetupThreads = 1024;
-
-__device__ __forceinline__ const void* GroupPointer(const PointerRule& rule, int64_t g,
-                                                    long long start) {
-  return rule.base + (rule.per_row ? static_cast<int64_t>(start) : g) * rule.stride;
-}
-
-// One CTA: prefix sums of the clipped sizes, 1024 groups at a time, and every group's entries.
-__global__ void __launch_bounds__(kSetupThreads) GroupedSetupKernel(SetupParams s) {
-  __shared__ long long warp_totals[kSetupThreads / kWarpSize];
-  const long long rows = s.rows;
-  long long carry = 0;
-  for (int64_t first = 0; first < s.groups; first += kSetupThreads) {
-    const int64_t g = first + threadIdx.x;
-    const long long size = g < s.groups ? max(s.sizes[g], 0) : 0;
-    long long chunk = 0;
-    const long long end = carry + BlockInclusiveScan(size, warp_totals, chunk);
-    if (g < s.groups) {
-      const long long start = min(end - size, rows);
-      s.m[g] = static_cast<int32_t>(min(end, rows) - start);
-      s.ns[g] = s.n;
-      s.ks[g] = s.k;
-      s.a_ptrs[g] = GroupPointer(s.a, g, start);
-      s.b_ptrs[g] = GroupPointer(s.b, g, start);
-      s.d_ptrs[g] = GroupPointer(s.d, g, start);
-    }
-    carry += chunk;
-  }
-  if (threadIdx.x == 0) {
-    *s.total = min(carry, rows);
-    *s.alpha = 1.0f;
-    *s.beta = 0.0f;
-  }
-}
-
-constexpr int kFillThreads = 256;
-
-// Zeros the float4s of rows [*total, rows) of y (row_vecs float4s per row).
-__global__ void __launch_bounds__(kFillThreads)
-    ZeroTailKernel(float4* y, const long long* total, int64_t rows, int64_t row_vecs) {
-  const int64_t end = rows * row_vecs;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kFillThreads;
-  for (int64_t i = *total * row_vecs + blockIdx.x * int64_t{kFillThreads} + threadIdx.x; i < end;
-       i += step) {
-    y[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  }
-}
-
-// Zeros dw[g] (group_vecs float4s) of every group g without rows; `chunks` CTAs per group.
-__global__ void __launch_bounds__(kFillThreads)
-    ZeroEmptyGroupsKernel(float4* dw, const int32_t* m, int64_t group_vecs, int chunks) {
-  const int64_t g = blockIdx.x / chunks;
-  if (m[g] != 0) return;
-  float4* out = dw + g * group_vecs;
-  const int64_t step = int64_t{chunks} * kFillThreads;
-  for (int64_t i = (blockIdx.x % chunks) * int64_t{kFillThreads} + threadIdx.x; i < group_vecs;
-       i += step) {
-    out[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  }
-}
 
 // ---------------------------------------------------------------------------------------------
 // cuBLASLt.
@@ -443,8 +356,6 @@ cudaDataType_t LtType(ffi::DataType dtype) {
   return dtype == ffi::DataType::BF16 ? CUDA_R_16BF : CUDA_R_16F;  // LtEligible's two
 }
 
-bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // Whether cuBLASLt takes the call: 16-bit operands (its grouped matmul has no float32),
 // 16-byte-aligned starts and rows of whole 16-byte multiples (x's K and N elements, y's or dw's
 // N floats), sizes within int32, and something to compute.
@@ -455,7 +366,7 @@ bool LtEligible(const Problem& p, ffi::DataType dtype, const void* x, const void
   const int64_t int32_max = 0x7fffffff;
   return sixteen_bit && p.rows > 0 && p.k > 0 && p.n > 0 && p.groups > 0 && p.rows <= int32_max &&
          p.k <= int32_max && p.n <= int32_max && p.groups <= int32_max && (p.k * e) % 16 == 0 &&
-         (p.n * e) % 16 == 0 && p.n % 4 == 0 && Aligned16(x) && Aligned16(other) && Aligned16(out);
+         (p.n * e) % 16 == 0 && IsAligned(x, 16) && IsAligned(other, 16) && IsAligned(out, 16);
 }
 
 uint32_t Clamp32(int64_t v) { return static_cast<uint32_t>(std::clamp<int64_t>(v, 1, 0x7fffffff)); }
@@ -472,7 +383,7 @@ ffi::ErrorOr<Prepared> Prepare(const char* op, const Problem& p, ffi::DataType d
   const Layout layout(p.groups);
   if (workspace->element_type() != ffi::DataType::U8 ||
       static_cast<int64_t>(workspace->size_bytes()) < layout.bytes ||
-      !Aligned16(workspace->untyped_data())) {
+      !IsAligned(workspace->untyped_data(), 16)) {
     return Bad(std::string(op) +
                ": the workspace must be 16-byte-aligned uint8 [>= " + std::to_string(layout.bytes) +
                "] for " + std::to_string(p.groups) + " groups, got " + ShapeString(*workspace));

@@ -1,0 +1,104 @@
+// The device kernels of the grouped GEMM's cuBLASLt handlers (cublaslt.cu): the setup that turns
+// the device-side group sizes into cuBLASLt's per-group arrays, and the two zero fills (the
+// forward's rows past the groups, the weight gradient's groups without rows).
+#ifndef JAXOPS_XLA_FFI_GROUPED_GEMM_LT_KERNELS_CUH_
+#define JAXOPS_XLA_FFI_GROUPED_GEMM_LT_KERNELS_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "xla_ffi/common/cuda_util.cuh"
+
+namespace jaxops::grouped_gemm {
+
+// Where a group's matrix starts: base + g * stride (one matrix per group: w, dw) or
+// base + start * stride (the group's first row: x, dy, y).
+struct PointerRule {
+  const char* base = nullptr;
+  int64_t stride = 0;  // bytes
+  bool per_row = false;
+};
+
+struct SetupParams {
+  const int32_t* sizes = nullptr;
+  int64_t groups = 0;
+  int64_t rows = 0;
+  int32_t n = 0;
+  int32_t k = 0;
+  PointerRule a, b, d;
+  const void** a_ptrs = nullptr;
+  const void** b_ptrs = nullptr;
+  const void** d_ptrs = nullptr;
+  float* alpha = nullptr;
+  float* beta = nullptr;
+  int32_t* m = nullptr;
+  int32_t* ns = nullptr;
+  int32_t* ks = nullptr;
+  long long* total = nullptr;
+};
+
+constexpr int kSetupThreads = 1024;
+
+__device__ __forceinline__ const void* GroupPointer(const PointerRule& rule, int64_t g,
+                                                    long long start) {
+  return rule.base + (rule.per_row ? static_cast<int64_t>(start) : g) * rule.stride;
+}
+
+// One CTA: prefix sums of the clipped sizes, 1024 groups at a time, and every group's entries.
+__global__ void __launch_bounds__(kSetupThreads) GroupedSetupKernel(SetupParams s) {
+  __shared__ long long warp_totals[kSetupThreads / kWarpSize];
+  const long long rows = s.rows;
+  long long carry = 0;
+  for (int64_t first = 0; first < s.groups; first += kSetupThreads) {
+    const int64_t g = first + threadIdx.x;
+    const long long size = g < s.groups ? max(s.sizes[g], 0) : 0;
+    long long chunk = 0;
+    const long long end = carry + BlockInclusiveScan(size, warp_totals, chunk);
+    if (g < s.groups) {
+      const long long start = min(end - size, rows);
+      s.m[g] = static_cast<int32_t>(min(end, rows) - start);
+      s.ns[g] = s.n;
+      s.ks[g] = s.k;
+      s.a_ptrs[g] = GroupPointer(s.a, g, start);
+      s.b_ptrs[g] = GroupPointer(s.b, g, start);
+      s.d_ptrs[g] = GroupPointer(s.d, g, start);
+    }
+    carry += chunk;
+  }
+  if (threadIdx.x == 0) {
+    *s.total = min(carry, rows);
+    *s.alpha = 1.0f;
+    *s.beta = 0.0f;
+  }
+}
+
+constexpr int kFillThreads = 256;
+
+// Zeros the float4s of rows [*total, rows) of y (row_vecs float4s per row).
+__global__ void __launch_bounds__(kFillThreads)
+    ZeroTailKernel(float4* y, const long long* total, int64_t rows, int64_t row_vecs) {
+  const int64_t end = rows * row_vecs;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kFillThreads;
+  for (int64_t i = *total * row_vecs + blockIdx.x * int64_t{kFillThreads} + threadIdx.x; i < end;
+       i += step) {
+    y[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+}
+
+// Zeros dw[g] (group_vecs float4s) of every group g without rows; `chunks` CTAs per group.
+__global__ void __launch_bounds__(kFillThreads)
+    ZeroEmptyGroupsKernel(float4* dw, const int32_t* m, int64_t group_vecs, int chunks) {
+  const int64_t g = blockIdx.x / chunks;
+  if (m[g] != 0) return;
+  float4* out = dw + g * group_vecs;
+  const int64_t step = int64_t{chunks} * kFillThreads;
+  for (int64_t i = (blockIdx.x % chunks) * int64_t{kFillThreads} + threadIdx.x; i < group_vecs;
+       i += step) {
+    out[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+}
+
+}  // namespace jaxops::grouped_gemm
+
+#endif  // JAXOPS_XLA_FFI_GROUPED_GEMM_LT_KERNELS_CUH_
