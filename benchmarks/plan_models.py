@@ -74,7 +74,7 @@ def _row(name: str, r: dict) -> str:
         f"| {name} | {r['params'] / 1e9:.1f} B | {r['devices']} ({mesh}) | {r['batch']} x "
         f"{r['seq']} | {gb(by['params'])} | {gb(by['optimizer'])} | {gb(by['gradients'])} | "
         f"{gb(state)} | {gb(by['temp'])} | "
-        f"{gb(r['moe_exchange']['cpu_padding_bytes'])} | {gb(by['total'])} | "
+        f"{gb(r['moe_exchange']['cpu_block_bytes'])} | {gb(by['total'])} | "
         f"{r['collective_bytes'] / 1e12:.2f} | {r['compile_s']:.0f} | "
         f"{'fits' if r['fits'] else 'does not fit'} |"
     )
@@ -140,7 +140,7 @@ def main() -> None:
         f"mesh (up to {MAX_DEVICES}) that fits 80 GB, or the largest tried:",
         "",
         "| model | parameters | devices (mesh) | batch | params | optimizer | gradients | "
-        "exact state | temporaries | of which CPU exchange padding | total | collectives TB | "
+        "exact state | temporaries | CPU exchange blocks | total | collectives TB | "
         "compile s | 80 GB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,

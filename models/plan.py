@@ -16,13 +16,14 @@ What the plan predicts of a GPU compile: the parameters, optimizer state and gra
 same arrays on any backend. The temporaries are XLA:CPU's buffer assignment of the same
 program; on a GPU they depend on XLA:GPU's fusion and scheduling, cuDNN's attention (which keeps
 no score matrix) and the expert exchange (``ragged_all_to_all`` on GPU; the plan compiles its
-padded dense twin, ``exchange="dense"``, not the all-gather form a CPU run would pick), so they
-are an estimate. The MoE layer's receive buffers are the static bounds of
+dense twin, ``exchange="dense"``, not the all-gather form, whose buffers grow with the expert
+axis), so they are an estimate. The MoE layer's receive buffers are the static bounds of
 :func:`jaxops.parallel.expert.exchange_bounds` either way (dropless layers size them for the
-worst routing, which at these sizes is why ``--capacity-factor`` matters); XLA:CPU's dense
-exchange also pads each device's send and receive blocks to ``expert x chunk`` rows, which the
-report names (``moe_exchange.cpu_padding_bytes``): on a wide expert axis the temporaries are an
-upper bound of a GPU's.
+worst routing, which at these sizes is why ``--capacity-factor`` matters). XLA:CPU's dense
+exchange runs in rounds of ``expert x block`` rows each way (``block`` about 1.25x the rows one
+device sends another on average; a skewed routing takes more rounds, not more memory), which
+the report names (``moe_exchange.cpu_block_bytes``); a GPU's ragged_all_to_all sends the rows
+themselves. The collectives' bytes count such a loop of unknown trip count once.
 
 The CPU devices must be set before jax starts: run it as a fresh process (the ``main``
 function sets ``jax_num_cpu_devices`` and the CPU platform itself).
@@ -206,12 +207,12 @@ def plan(
     per_device = batch * seq // (shards * model.num_microbatches)
     # the compiled layer's own bounds (its group alignment is the CPU kernels')
     layer = make_plan(model.moe, mesh, n, shards, per_device * shards)
-    chunk, recv_rows = layer.chunk, layer.recv_rows
     exchange = {
         "tokens_per_device": per_device,
-        "chunk": chunk,
-        "recv_rows": recv_rows,
-        "cpu_padding_bytes": 2 * n * chunk * cfg.hidden_size * jnp.dtype(dtype).itemsize,
+        "chunk": layer.chunk,
+        "block": layer.block,
+        "recv_rows": layer.recv_rows,
+        "cpu_block_bytes": 2 * n * layer.block * cfg.hidden_size * jnp.dtype(dtype).itemsize,
     }
     traffic = collective_traffic(compiled.as_text())
     by = {
@@ -287,9 +288,9 @@ def _report(r: dict[str, Any]) -> str:
         *(f"  {name:<16} {_size(n):>10}  {note}".rstrip() for name, n, note in rows),
         f"collectives per step and device: {_size(r['collective_bytes'])} ({coll})",
         f"MoE exchange per layer: {ex['tokens_per_device']} tokens per device, receive buffer "
-        f"{ex['recv_rows']} rows; XLA:CPU's dense exchange pads {n} x {ex['chunk']} rows each "
-        f"way ({_size(ex['cpu_padding_bytes'])}, which a GPU's ragged_all_to_all does not "
-        "allocate)",
+        f"{ex['recv_rows']} rows; XLA:CPU's dense exchange moves {n} x {ex['block']} rows each "
+        f"way a round ({_size(ex['cpu_block_bytes'])}; one round unless the routing is skewed; "
+        "a GPU's ragged_all_to_all moves the rows themselves)",
         f"compile: {r['compile_s']:.1f} s (lowering {r['lower_s']:.1f} s)",
     ]
     if r["unknown_loops"]:

@@ -798,22 +798,13 @@ def _np_ragged_all_to_all(operands, outputs, in_off, send, out_off, recv):
     return results
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), slices=st.sampled_from([1, 2, 3]))
-def test_dense_exchange_has_ragged_all_to_all_semantics(data, slices):
-    n, rows, chunk = 8, 40, 12
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
-    send = np.zeros((n, n * slices), np.int32)
-    in_off = np.zeros_like(send)
-    for d in range(n):  # each device: random slice sizes, laid out with gaps in its operand
-        total = data.draw(st.integers(0, chunk))
-        sizes = rng.multinomial(total, [1 / (n * slices)] * n * slices)
-        gaps = rng.integers(0, 2, n * slices)
-        send[d] = sizes
-        in_off[d] = np.cumsum(sizes + gaps) - sizes
-    recv = np.zeros_like(send)
-    out_off = np.zeros_like(send)
-    recv_off = np.zeros_like(send)  # the receiver's view: where each sender's slice lands
+def _received(send, gap):
+    """For send sizes ``[n, n * slices]``: (recv sizes, the senders' output offsets, the
+    receivers' view of them), each receiver taking its senders' slices in order, `gap` rows
+    between them."""
+    n = send.shape[0]
+    slices = send.shape[1] // n
+    recv, out_off, recv_off = (np.zeros_like(send) for _ in range(3))
     for dst in range(n):
         pos = 0
         for src in range(n):
@@ -822,28 +813,125 @@ def test_dense_exchange_has_ragged_all_to_all_semantics(data, slices):
                 recv[dst, src * slices + s] = size
                 out_off[src, dst * slices + s] = pos
                 recv_off[dst, src * slices + s] = pos
-                pos += size + 1  # a gap between received slices
+                pos += size + gap
+    return recv, out_off, recv_off
+
+
+def _random_exchange(rng, n, slices, chunk, totals):
+    """Random ragged_all_to_all arguments for n devices (``[n, n * slices]`` each): device d
+    sends totals[d] <= chunk rows in random slices, laid out with gaps in its operand, and
+    receives them with a gap between slices. Returns (operands, outputs, in_off, send, out_off,
+    recv, recv_off); recv_off is the receiver's view of where each sender's slice lands."""
+    send = np.zeros((n, n * slices), np.int32)
+    in_off = np.zeros_like(send)
+    for d in range(n):
+        sizes = rng.multinomial(totals[d], [1 / (n * slices)] * n * slices)
+        gaps = rng.integers(0, 2, n * slices)
+        send[d] = sizes
+        in_off[d] = np.cumsum(sizes + gaps) - sizes
+    recv, out_off, recv_off = _received(send, gap=1)
+    rows = int(max(in_off.max() + send.max(), chunk, 1))
     out_rows = int(max(out_off.max() + send.max(), 1)) + 1
     operands = rng.normal(size=(n, rows, 3)).astype(np.float32)
     outputs = np.full((n, out_rows, 3), -1.0, np.float32)
+    return operands, outputs, in_off, send, out_off, recv, recv_off
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), slices=st.sampled_from([1, 2, 3]), block=st.sampled_from([1, 3, 5, 11]))
+def test_dense_exchange_has_ragged_all_to_all_semantics(data, slices, block):
+    n, chunk = 8, 12
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    totals = [data.draw(st.integers(0, chunk)) for _ in range(n)]
+    operands, outputs, in_off, send, out_off, recv, recv_off = _random_exchange(
+        rng, n, slices, chunk, totals
+    )
     want = _np_ragged_all_to_all(operands, outputs, in_off, send, out_off, recv)
     mesh = jax.make_mesh((n,), ("x",))
 
-    def body(op, out, a, b, c, d, r):  # the output offsets exchanged, and given
+    def body(op, out, a, b, c, d, r):
         kw = dict(axis_name="x", chunk=chunk)
-        exchanged = expert._ragged_all_to_all_dense(op[0], out[0], a[0], b[0], c[0], d[0], **kw)
-        given = expert._ragged_all_to_all_dense(
-            op[0], out[0], a[0], b[0], c[0], d[0], recv_offsets=r[0], **kw
+        args = (op[0], out[0], a[0], b[0], c[0], d[0])
+        exchanged = expert._ragged_all_to_all_dense(*args, **kw)  # output offsets exchanged
+        given = expert._ragged_all_to_all_dense(*args, recv_offsets=r[0], **kw)
+        # In rounds of `block` rows per peer, their count found by a pmax, or given.
+        pmaxed = expert._ragged_all_to_all_dense(*args, recv_offsets=r[0], block=block, **kw)
+        most = int(np.max(send.reshape(n, n, slices).sum(axis=2)))
+        counted = expert._ragged_all_to_all_dense(
+            *args, recv_offsets=r[0], block=block, rounds=-(-most // block), **kw
         )
-        return exchanged[None], given[None]
+        return tuple(x[None] for x in (exchanged, given, pmaxed, counted))
 
     args = jax.device_put(
         (operands, outputs, in_off, send, out_off, recv, recv_off), jax.NamedSharding(mesh, P("x"))
     )
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    exchanged, given = fn(*args)
-    np.testing.assert_array_equal(np.asarray(exchanged), np.stack(want))
-    np.testing.assert_array_equal(np.asarray(given), np.stack(want))
+    for name, got in zip(("exchanged", "given", "pmaxed", "counted"), fn(*args), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.stack(want), err_msg=name)
+
+
+@pytest.mark.parametrize("skew", ["even", "one-hot-peer", "empty"])
+def test_dense_exchange_in_rounds_has_the_one_round_gradient(skew):
+    """Rounds (a loop with its transpose as the custom_vjp) against one round (jax's autodiff
+    of the straight-line exchange): the gradients of the operand and of the output buffer."""
+    n, slices, chunk, block = 4, 2, 24, 5
+    rng = np.random.default_rng(7)
+    totals = {"even": [20, 24, 17, 9], "one-hot-peer": [24, 0, 3, 24], "empty": [0] * n}[skew]
+    operands, outputs, in_off, send, out_off, recv, recv_off = _random_exchange(
+        rng, n, slices, chunk, totals
+    )
+    if skew == "one-hot-peer":  # device 0 sends all its rows to peer 2: ceil(24 / 5) rounds
+        send[0] = 0
+        send[0, 2 * slices] = 24
+        operands, outputs, in_off, send, out_off, recv, recv_off = _relaid(send, operands.shape)
+    weights = rng.normal(size=outputs.shape).astype(np.float32)
+    mesh = jax.make_mesh((n,), ("x",))
+
+    def loss_fn(block):
+        def body(op, out, w, a, b, c, d, r):
+            y = expert._ragged_all_to_all_dense(
+                op[0],
+                out[0],
+                a[0],
+                b[0],
+                c[0],
+                d[0],
+                axis_name="x",
+                chunk=chunk,
+                recv_offsets=r[0],
+                block=block,
+            )
+            return jnp.sum(y * w[0])[None]
+
+        fn = jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        return jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a)), argnums=(0, 1)))
+
+    args = jax.device_put(
+        (operands, outputs, weights, in_off, send, out_off, recv, recv_off),
+        jax.NamedSharding(mesh, P("x")),
+    )
+    rounds = loss_fn(block)(*args)
+    once = loss_fn(chunk)(*args)
+    for name, got, want in zip(("operand", "output"), rounds, once, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+    # The output buffer's gradient is the weight where nothing was written.
+    written = np.stack(
+        _np_ragged_all_to_all(operands, outputs * 0 + np.nan, in_off, send, out_off, recv)
+    )
+    np.testing.assert_array_equal(np.asarray(rounds[1]), np.where(np.isnan(written), weights, 0.0))
+    if skew == "empty":
+        np.testing.assert_array_equal(np.asarray(rounds[0]), 0.0)
+
+
+def _relaid(send, operand_shape):
+    """The arguments of :func:`_random_exchange` for given send sizes ``[n, n * slices]``."""
+    n = send.shape[0]
+    in_off = np.cumsum(send, axis=1) - send
+    recv, out_off, recv_off = _received(send, gap=0)
+    rng = np.random.default_rng(1)
+    operands = rng.normal(size=operand_shape).astype(np.float32)
+    outputs = np.full((n, int(max(recv.sum(axis=1).max(), 1)) + 2, 3), -1.0, np.float32)
+    return operands, outputs, in_off, send, out_off, recv, recv_off
 
 
 def test_exchange_bounds():
@@ -925,6 +1013,49 @@ def test_compiled_dense_exchange_moves_no_tokens_but_by_all_to_all():
     assert all(re.fullmatch(r"s32\[4,2,16\]\S*", s) for s in collective_shapes(hlo, "all-gather"))
     for shape in collective_shapes(hlo, "all-reduce"):
         assert not re.search(r"\[\d+,32\]", shape), f"tokens all-reduced: {shape}"
+
+
+@pytest.mark.parametrize("routing", ["random", "one-device"])
+def test_dense_exchange_moves_blocks_of_the_mean_rows(routing, monkeypatch):
+    """exchange="dense" in rounds of [N, block] rows (block = 1.25x the mean rows a peer:
+    64 tokens x top-2 / 4 devices -> 40, not the bound of 128): the compiled step's all-to-alls
+    carry those blocks, its temporaries are smaller than one round's, and its output and
+    gradients are bit-identical to one round's and match the reference. "one-device" routes
+    every token to the experts of expert device 0 (128 rows a peer: 4 rounds)."""
+    cfg = _config("d2e4", top_k=2, exchange="dense")
+    params = init_moe_params(jax.random.key(20), cfg)
+    x = jax.random.normal(jax.random.key(21), (8, 64, 32))
+    if routing == "one-device":
+        x = jnp.abs(x)
+        bias = jnp.where(jnp.arange(16) < 4, 1.0, -1.0) + 0.01 * jnp.arange(16)
+        params = {**params, "router": jnp.broadcast_to(bias, (32, 16)) * 0.1}
+    mesh = _mesh("d2e4")
+
+    def build():
+        layer = jax.jit(lambda p, x: moe_layer(p, x, cfg, mesh=mesh))
+        grad = jax.jit(
+            jax.grad(_loss(lambda p, x: moe_layer(p, x, cfg, mesh=mesh)), argnums=(0, 1))
+        )
+        compiled = grad.lower(params, x).compile()
+        return (layer(params, x), compiled(params, x)), compiled
+
+    def a2a_shapes(compiled):  # XLA:CPU splits an all_to_all into one operand per peer
+        text = " ".join(collective_shapes(compiled.as_text(), "all-to-all"))
+        return set(re.findall(r"\w+\[[\d,]*\]", text))
+
+    rounds, compiled = build()
+    assert a2a_shapes(compiled) == {"f32[1,40,32]"}
+    monkeypatch.setattr(expert._exchange, "DENSE_BLOCK_SLACK", 1e9)  # one round of the bound
+    once, compiled_once = build()
+    assert a2a_shapes(compiled_once) == {"f32[1,128,32]"}
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < compiled_once.memory_analysis().temp_size_in_bytes
+    for got, want in zip(jax.tree.leaves(rounds), jax.tree.leaves(once), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    if routing == "one-device":
+        counts = np.asarray(rounds[0][1].tokens_per_expert)
+        assert counts[4:].sum() == 0 and counts[:4].sum() == 2 * 8 * 64, counts
+    _compare(rounds, _reference(cfg, params, x))
 
 
 def test_compiled_gather_exchange_moves_tokens_once_each_way():

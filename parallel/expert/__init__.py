@@ -24,16 +24,23 @@ the expert axis gives every device every offset. Each device then sends, per loc
 peer, one slice, and the receiver's buffer comes out already grouped by local expert (expert l's
 rows from sender 0, then sender 1, ..., zero-padded to a multiple of ``align``): no second sort
 before the grouped GEMM. On GPU the exchange is ``jax.lax.ragged_all_to_all``. XLA:CPU has no
-ragged all-to-all; a dense twin reproduces its exact semantics with a dense ``all_to_all`` of
-worst-case per-destination blocks plus a scatter (``exchange="dense"``), but off GPU the layer
-picks the all-gather form (``exchange="gather"``): the expert axis's tokens and their routing
-are all-gathered, each device permutes the gathered slots routed to its own experts (the same
-receive buffer, grouped by local expert), runs them, sums each token's weighted outputs in
-float32, and one reduce-scatter returns every token's sum to its device. Its collectives move
-``N * Tl`` rows whatever the routing, the dense twin's blocks ``N * Tl * min(K, L)``, and no
-packing or scatter runs; a small capacity can make the dense blocks the smaller, and then
-``"auto"`` takes them. On 8 simulated CPU devices (2 x 4) the 16-expert decoder's train step
-of benchmarks/bench_models.py went 557 -> 493 ms with it (median, A/B of the two builds).
+ragged all-to-all; a dense twin reproduces its exact semantics (``exchange="dense"``): each
+device packs the rows for every peer back to back, and rounds of one dense ``all_to_all`` of
+``[N, block]`` rows plus a scatter move them, ``block`` about 1.25x the rows one device sends
+another on average (``Tl * K / N``), as many rounds as the largest transfer needs (known on
+every device from the all-gathered counts; one round unless the routing is skewed). Its buffers
+are ``N * block`` rows, not the worst case's ``N * Tl * min(K, L)``: DeepSeek-V3's memory plan
+on 512 simulated devices (256 on the expert axis) has 55 instead of 197 GB of temporaries.
+Off GPU the layer picks the all-gather form (``exchange="gather"``): the expert axis's tokens
+and their routing are all-gathered, each device permutes the gathered slots routed to its own
+experts (the same receive buffer, grouped by local expert), runs them, sums each token's
+weighted outputs in float32, and one reduce-scatter returns every token's sum to its device.
+Its collectives move ``N * Tl`` rows whatever the routing, and no packing, loop or scatter
+runs; a small capacity can make the dense form's bound ``Tl * min(K, L)`` smaller
+than ``Tl``, and then ``"auto"`` takes the dense form. On 8 simulated CPU devices (2 x 4) the
+16-expert decoder's train step of benchmarks/bench_models.py went 557 -> 493 ms with the gather
+against the one-round dense form (median, A/B of the two builds), and the dense form in rounds
+was still 1.10x slower than the gather there (``ab_models.py``, 2026-11-30).
 With one device on the expert axis and no capacity (dropless) there is nothing to exchange:
 permute pads each expert's group to ``align`` itself, which is the buffer the exchange would
 have made, and neither exchange runs (nor the all-gather of the counts).

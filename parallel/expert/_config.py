@@ -154,12 +154,13 @@ class MoEConfig:
         gradients in 1 x 128 groups, weights in 128 x 128 tiles, wgrad operands in 128-token
         groups per expert, float8_e4m3fn, fp32 accumulation).
       exchange: how tokens reach their experts' devices. "ragged": ``ragged_all_to_all``
-        (GPU; XLA:CPU cannot compile it). "dense": its exact twin from a dense all_to_all of
-        worst-case blocks (``exchange_bounds``) and a scatter. "gather": every device
+        (GPU; XLA:CPU cannot compile it). "dense": its exact twin from rounds of a dense
+        all_to_all of ``[N, block]`` rows and a scatter (``block`` about 1.25x the mean rows
+        per peer; more rounds under skewed routing, never more memory). "gather": every device
         all-gathers the expert axis's tokens, runs its experts on the slots routed to them and
         one float32 reduce-scatter sums each token's outputs back (no worst-case blocks; the
         collectives move ``N * Tl`` token rows). "auto": "ragged" on GPU, elsewhere "gather"
-        unless a capacity makes the dense form's blocks smaller than ``Tl`` rows.
+        unless a capacity makes the dense form's bound of one peer's rows smaller than ``Tl``.
       dispatch: what crosses the dispatch exchange. "dtype": the tokens in cfg.dtype (with
         fp8="block" the receiver quantizes them). "fp8" (needs fp8="block"), as DeepEP does:
         the sender quantizes its tokens once (1 x 128 groups, float8_e4m3fn, float32 scales),
