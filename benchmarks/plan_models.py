@@ -4,7 +4,8 @@ For each config of examples/configs, runs ``python -m jaxops.models.plan`` (a fr
 mesh) on meshes of growing size (powers of two from the smallest the parameters and Adam state
 allow) until one fits in 80 GB, and writes benchmarks/results/cpu/plan.md. Every step: ZeRO-3,
 ``remat="full"``, bfloat16 compute with float32 parameters and moments, MoE capacity factor
-1.25, one sequence of ``--seq`` tokens per device; the experts over an ``expert`` axis as wide
+1.25, the loss over 16384 vocabulary columns at a time (``vocab_chunk``), one sequence of
+``--seq`` tokens per device; the experts over an ``expert`` axis as wide
 as the experts allow, the rest ``data``. Also records the compile time and the host memory of
 the plan process (DeepSeek-V3 on 8, 64 and 256 simulated devices).
 
@@ -36,9 +37,11 @@ MODELS = (
 )
 H100 = 80 * 10**9
 MAX_DEVICES = 512
+VOCAB_CHUNK = 16384  # the loss's logit columns per step (MoEDecoder.vocab_chunk)
 
 
 def _run(name: str, mesh: dict[str, int], seq: int, extra=()) -> dict:
+    extra = ("--vocab-chunk", str(VOCAB_CHUNK), *extra)
     args = [
         sys.executable, "-m", "jaxops.models.plan", str(CONFIGS / name),
         "--mesh", ",".join(f"{k}={v}" for k, v in mesh.items()),
@@ -135,7 +138,8 @@ def main() -> None:
         f"Written {time.strftime('%Y-%m-%d')} by benchmarks/plan_models.py on this 2-core CPU "
         f"machine (load average {load:.2f}); jax {_jax_version()}. Every step: ZeRO-3, remat "
         "full, bfloat16 compute, float32 parameters and Adam moments, MoE capacity factor 1.25, "
-        f"one sequence of {args.seq} tokens per device. Bytes per device in GB (10^9); the "
+        f"the loss over {VOCAB_CHUNK} vocabulary columns at a time, one sequence of {args.seq} "
+        "tokens per device. Bytes per device in GB (10^9); the "
         "collectives in TB per device and step; compile in seconds. The smallest power-of-two "
         f"mesh (up to {MAX_DEVICES}) that fits 80 GB, or the largest tried:",
         "",

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from jaxops.models import _batch, _layers, _objective, _train
+from jaxops.models import _batch, _layers, _loss, _objective, _train
 from jaxops.models._config import DecoderConfig
 from jaxops.models._layout import Layout
 from jaxops.models._run import Runner
@@ -166,6 +166,12 @@ class MoEDecoder(Runner, Layout):
         the gradients while it reduces them. With ``zero=1``, "flat" makes :meth:`train_step`
         reduce-scatter each group straight into the ZeRO-1 shards the update reads: half an
         all-reduce's traffic, and no full reduced gradient on any device.
+      vocab_chunk: None (the training loss's float32 logits ``[B, S, V]`` whole, kept with
+        their softmax for the backward) or the output projection's columns per step of a
+        loop that never holds more than ``[B, S, vocab_chunk]`` logits, recomputing them in
+        the backward (:mod:`~jaxops.models._loss`): for a large vocabulary (Kimi K2's 163840)
+        it saves several GB per device for one more pass of the projection. The same loss
+        up to the order of the sums. :meth:`logits` always returns them whole.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -201,6 +207,7 @@ class MoEDecoder(Runner, Layout):
     zero: int = 0
     scan_unroll: int | bool = 1
     grad_reduce: str = "flat"
+    vocab_chunk: int | None = None
 
     def __post_init__(self):
         op = _OP
@@ -248,6 +255,8 @@ class MoEDecoder(Runner, Layout):
             )
         if self.zero not in ZERO_STAGES:
             raise ConfigError(f"{op}: zero must be one of {ZERO_STAGES}, got {self.zero!r}")
+        if self.vocab_chunk is not None:
+            _checks.check_int(op, "vocab_chunk", self.vocab_chunk, 1)
         if self.grad_reduce not in GRAD_REDUCES:
             raise ConfigError(
                 f"{op}: grad_reduce must be one of {GRAD_REDUCES}, got {self.grad_reduce!r}"
@@ -301,10 +310,16 @@ class MoEDecoder(Runner, Layout):
 
     def _head_params(self, params: dict[str, Any]) -> dict[str, Any]:
         key = "embed" if self.config.tie_word_embeddings else "lm_head"
-        return self._gather({"final_norm": params["final_norm"], key: params[key]}, P())
+        zero = self.zero_specs()
+        head = {"final_norm": params["final_norm"], key: params[key]}
+        return self._gather(head, P(), {k: zero[k] for k in head})
 
     def _head(self, head: dict[str, Any], h: jax.Array) -> jax.Array:
         return _layers.head(self._ops, self.config, head, h)
+
+    def _losses(self, head: dict[str, Any], h: jax.Array, targets: jax.Array):
+        """``(sum, count)`` of the cross-entropy of ``_head(head, h)`` (by vocab_chunk)."""
+        return _loss.head_losses(self._ops, self.config, head, h, targets, self.vocab_chunk)
 
     def _stages(self, layers: dict[str, Any]) -> dict[str, Any]:
         """``[L, ...]`` layers as ``[P, L / P, ...]`` pipeline stages (a view of the sharding)."""
@@ -351,7 +366,9 @@ class MoEDecoder(Runner, Layout):
 
     def _embed(self, table: jax.Array, tokens: jax.Array, where: _layers.Tokens) -> jax.Array:
         """The tokens' rows of `table`, split over the batch axes; 0 at padding."""
-        x = self._place(_layers.embed(self._ops, self._gather(table, P()), tokens))
+        x = self._place(
+            _layers.embed(self._ops, self._gather(table, P(), self.zero_specs()["embed"]), tokens)
+        )
         if where.segments is not None:
             x = jnp.where(where.valid[..., None], x, jnp.zeros((), x.dtype))
         return x

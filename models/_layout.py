@@ -47,6 +47,49 @@ def _is_sharding(x: Any) -> bool:
 _GATHERED = "zero_gathered"
 
 
+#: Weights the layers use only cast to the compute dtype (projections, expert FFNs, output
+#: head), which ZeRO-3 casts before it gathers them. Not the embedding (its gradient is a
+#: scatter-add of rows, which must sum in the stored dtype), norms, biases, sinks or the
+#: router, which the layers use in float32.
+CAST_BEFORE_GATHER = frozenset(
+    (
+        *("w_qkv", "w_o", "w_q", "w_q_a", "w_q_b", "w_kv_a", "w_kv_b", "w_in", "w_out"),
+        *("shared_w_in", "shared_w_out", "lm_head"),
+    )
+)
+_CAST_KEYS = frozenset(jax.tree_util.DictKey(k) for k in CAST_BEFORE_GATHER)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _gather_as(
+    x: jax.Array, compute: Any, stored: Any, target: NamedSharding, source: NamedSharding
+) -> jax.Array:
+    """`x` cast to `compute`, then laid out on `target` (the all-gather moves `compute`).
+
+    The gradient is cast back to `stored` before it is laid out on `source`, so the reduction
+    the partitioner inserts there (a reduce-scatter of the devices' partial sums) sums in
+    `stored`, as it did with the cast after the gather.
+    """
+    narrow = x.astype(compute)
+    if jnp.issubdtype(compute, jnp.floating) and compute.itemsize == 2:
+        # moved as 16-bit integers: XLA:CPU computes bfloat16 / float16 collectives in
+        # float32 (converting around them), which would undo the saving
+        bits = jax.lax.bitcast_convert_type(narrow, jnp.uint16)
+        return jax.lax.bitcast_convert_type(constrain(bits, target), compute)
+    return constrain(narrow, target)
+
+
+def _gather_as_fwd(x, compute, stored, target, source):
+    return _gather_as(x, compute, stored, target, source), None
+
+
+def _gather_as_bwd(compute, stored, target, source, _, ct):
+    return (constrain(ct.astype(stored), source),)
+
+
+_gather_as.defvjp(_gather_as_fwd, _gather_as_bwd)
+
+
 def without_gathered(remat: bool | Callable) -> bool | Callable:
     """`remat` keeping nothing named :data:`_GATHERED` (False: everything else)."""
     if remat is True:
@@ -116,16 +159,38 @@ class Layout:
         """The devices of the batch axes: how many shards the batch is split into."""
         return int(np.prod([dict(self.mesh.shape)[a] for a in self.batch_axes]))
 
-    def _gather(self, tree: Any, specs: Any) -> Any:
-        """ZeRO-3: `tree` (parameters) laid out on `specs` as the layers use them.
+    def _gather(self, tree: Any, specs: Any, source: Any) -> Any:
+        """ZeRO-3: `tree` (parameters stored on `source` specs) laid out on `specs`.
 
-        Named :data:`_GATHERED`, so that a layer's backward gathers them again. Else `tree`.
+        The weights the layers only use cast to the compute dtype (:data:`CAST_BEFORE_GATHER`)
+        are cast before they are gathered, when that narrows them (float32 parameters,
+        bfloat16 compute): half the all-gather's bytes and of the gathered copies, the same
+        values. Their gradients are reduced in the stored dtype, as when cast after the gather
+        (:func:`_gather_as`). Named :data:`_GATHERED`, so that a layer's backward gathers them
+        again. Else `tree`.
         """
         if self.zero != 3:
             return tree
         if isinstance(specs, P):
             specs = jax.tree.map(lambda _: specs, tree)
-        return jax.ad_checkpoint.checkpoint_name(constrain(tree, self.named(specs)), _GATHERED)
+        if isinstance(source, P):
+            source = jax.tree.map(lambda _: source, tree)
+        compute = np.dtype(self.dtype)
+
+        def one(path, a, spec, src):
+            target = self.named(spec)
+            stored = np.dtype(a.dtype)
+            if (
+                path
+                and path[-1] in _CAST_KEYS
+                and jnp.issubdtype(stored, jnp.floating)
+                and stored.itemsize > compute.itemsize
+            ):
+                return _gather_as(a, compute, stored, target, self.named(src))
+            return constrain(a, target)
+
+        gathered = jax.tree_util.tree_map_with_path(one, tree, specs, source)
+        return jax.ad_checkpoint.checkpoint_name(gathered, _GATHERED)
 
     @functools.cached_property
     def moe(self) -> ep.MoEConfig:

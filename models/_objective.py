@@ -37,7 +37,7 @@ __all__ = [
 def terms(model: MoEDecoder, params, x, where, targets) -> tuple[jax.Array, jax.Array]:
     """(summed cross-entropy, summed MoE aux losses) of one batch without a pipeline."""
     h, aux = model._run_all(params, x, where)
-    total, _ = _layers.token_losses(model._head(model._head_params(params), h), targets)
+    total, _ = model._losses(model._head_params(params), h, targets)
     return total, jnp.sum(aux.loss)
 
 
@@ -94,8 +94,8 @@ def objective(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch) ->
     x = model._run_all(params, x, where, prefix=True)[0]  # the dense layers ahead of the stages
     carry = {"h": x, "where": where, "aux": model._place(jnp.zeros(x.shape[:1], jnp.float32))}
     out = pl.pipeline_forward(stage, model._stages(params["layers"]), carry, **model._pipeline())
-    logits = model._head(model._head_params(params), out["h"])
-    return _layers.token_losses(logits, targets)[0] / count + jnp.mean(out["aux"])
+    total, _ = model._losses(model._head_params(params), out["h"], targets)
+    return total / count + jnp.mean(out["aux"])
 
 
 def flat_loss_and_grads(
@@ -163,7 +163,7 @@ def pipeline_step(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch
 
     def loss_fn(lp, out, t):
         head, s = lp
-        return _layers.token_losses(model._head(head, out["h"]), t)[0] * s
+        return model._losses(head, out["h"], t)[0] * s
 
     loss, g = pl.pipeline_step(
         model._stage,

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxops.models import _layers
-from jaxops.models._layout import without_gathered
+from jaxops.models._layout import _is_spec, without_gathered
 from jaxops.parallel import expert as ep
 
 __all__ = ["Runner"]
@@ -146,14 +146,16 @@ class Runner:
         remat = self._remat
         body = layer
         if gather and self.zero == 3:
-            specs = jax.tree.map(
-                lambda s: P(*s[1:]), self.compute_specs()[key], is_leaf=lambda s: isinstance(s, P)
-            )
+
+            def one(specs):  # a layer's specs: the stack's without its layer axis
+                return jax.tree.map(lambda s: P(*s[1:]), specs[key], is_leaf=_is_spec)
+
+            specs, source = one(self.compute_specs()), one(self.zero_specs())
 
             def body(h, xs):
                 if isinstance(xs, tuple):
-                    return layer(h, (self._gather(xs[0], specs), xs[1]))
-                return layer(h, self._gather(xs, specs))
+                    return layer(h, (self._gather(xs[0], specs, source), xs[1]))
+                return layer(h, self._gather(xs, specs, source))
 
             remat = without_gathered(remat)
         if remat is not False:

@@ -126,6 +126,7 @@ def plan(
     param_dtype: str = "float32",
     microbatches: int | None = None,
     capacity_factor: float | None = None,
+    vocab_chunk: int | None = None,
     device_memory: int = H100_BYTES,
 ) -> dict[str, Any]:
     """The memory plan of one training step (the process must have the mesh's CPU devices).
@@ -143,6 +144,7 @@ def plan(
       param_dtype: the parameters' and the Adam moments' dtype.
       microbatches: per data shard (default: the pipe size, 1 without a pipeline).
       capacity_factor: the MoE layers' capacity factor (None: dropless).
+      vocab_chunk: :attr:`MoEDecoder.vocab_chunk` (None: the loss's logits whole).
       device_memory: bytes per device for ``fits``.
 
     Returns:
@@ -184,6 +186,7 @@ def plan(
         fp8=fp8,
         capacity_factor=capacity_factor,
         zero=zero,
+        vocab_chunk=vocab_chunk,
         exchange="dense",  # the GPU's ragged_all_to_all's receive buffers, plus its padding
     )
     optimizer = optax.adamw(1e-4)
@@ -238,6 +241,7 @@ def plan(
         "param_dtype": str(jnp.dtype(param_dtype)),
         "microbatches": model.num_microbatches,
         "capacity_factor": capacity_factor,
+        "vocab_chunk": vocab_chunk,
         "bytes_per_device": by,
         "arguments": arguments,
         "fits": by["total"] <= device_memory,
@@ -283,7 +287,8 @@ def _report(r: dict[str, Any]) -> str:
         f"{r['model_type']}: {r['params'] / 1e9:.2f} B parameters on {r['devices']} devices "
         f"({mesh}), batch {r['batch']} x {r['seq']} tokens, zero={r['zero']}, fp8={r['fp8']}, "
         f"remat={r['remat']}, {r['dtype']} compute, {r['param_dtype']} parameters, "
-        f"{r['microbatches']} microbatches",
+        f"{r['microbatches']} microbatches, vocab chunk "
+        f"{r.get('vocab_chunk') or 'none (whole logits)'}",
         "per device:",
         *(f"  {name:<16} {_size(n):>10}  {note}".rstrip() for name, n, note in rows),
         f"collectives per step and device: {_size(r['collective_bytes'])} ({coll})",
@@ -312,6 +317,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, required=True, help="sequence length (tokens)")
     p.add_argument("--microbatches", type=int, default=None, help="per data shard")
     p.add_argument("--capacity-factor", type=float, default=None, help="default: dropless")
+    p.add_argument(
+        "--vocab-chunk", type=int, default=None, help="the loss's logit columns per step"
+    )
     p.add_argument("--dtype", default="bfloat16", help="compute dtype")
     p.add_argument("--param-dtype", default="float32", help="parameters and Adam moments")
     p.add_argument("--device-memory", default=str(H100_BYTES), help="bytes (80GB, 141GB, ...)")
@@ -346,6 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             param_dtype=args.param_dtype,
             microbatches=args.microbatches,
             capacity_factor=args.capacity_factor,
+            vocab_chunk=args.vocab_chunk,
             device_memory=device_memory,
         )
     except (ValueError, TypeError, ImportError) as e:  # refused config, mesh or batch; no optax
