@@ -149,8 +149,11 @@ class MoEDecoder(Runner, Layout):
         state (:meth:`init_optimizer`) and the gradients the update reads
         (:meth:`train_step`); 3 the parameters too (:meth:`~Layout.zero_specs`), each
         layer's weights all-gathered as the layer runs (again in its backward, instead of
-        keeping them), the gradients reduced to the shards. With a pipe axis a stage's layers
-        are gathered for the whole step.
+        keeping them), the gradients reduced to the shards. Without a pipeline, the weights
+        the layers only cast (projections, experts, output head: ``CAST_BEFORE_GATHER``) are
+        cast to a narrower compute dtype before the all-gather, half its bytes with float32
+        parameters and bfloat16 compute, and their gradients still reduced in the parameters'
+        dtype. With a pipe axis a stage's layers are gathered for the whole step.
       grad_reduce: how :meth:`loss_and_grads` reduces the gradients over the batch axes
         (:data:`GRAD_REDUCES`). "flat" (default): the loss and its gradients in one
         ``shard_map`` over the batch axes, each device's gradients summed in one all-reduce

@@ -178,12 +178,13 @@ def _bwd(chunk, tied, res, ct):
         )
         part = jnp.einsum(spec, *pair, preferred_element_type=jnp.float32, out_sharding=summed)
         old = jax.lax.dynamic_slice_in_dim(dw, start, chunk, axis=axis)
-        dw = jax.lax.dynamic_update_slice_in_dim(dw, old + part, start, axis=axis)
+        # each column's one product, rounded once (the last chunk adds 0 to those it repeats)
+        dw = jax.lax.dynamic_update_slice_in_dim(dw, old + part.astype(dw.dtype), start, axis=axis)
         return dh, dw
 
-    init = (jnp.zeros_like(h, jnp.float32), jnp.zeros_like(w, jnp.float32))
+    init = (jnp.zeros_like(h, jnp.float32), jnp.zeros_like(w))
     dh, dw = jax.lax.fori_loop(0, steps, body, init)
-    return dh.astype(h.dtype), dw.astype(w.dtype), None
+    return dh.astype(h.dtype), dw, None
 
 
 chunked_token_losses.defvjp(_fwd, _bwd)

@@ -17,13 +17,15 @@ same arrays on any backend. The temporaries are XLA:CPU's buffer assignment of t
 program; on a GPU they depend on XLA:GPU's fusion and scheduling, cuDNN's attention (which keeps
 no score matrix) and the expert exchange (``ragged_all_to_all`` on GPU; the plan compiles its
 dense twin, ``exchange="dense"``, not the all-gather form, whose buffers grow with the expert
-axis), so they are an estimate. The MoE layer's receive buffers are the static bounds of
-:func:`jaxops.parallel.expert.exchange_bounds` either way (dropless layers size them for the
-worst routing, which at these sizes is why ``--capacity-factor`` matters). XLA:CPU's dense
-exchange runs in rounds of ``expert x block`` rows each way (``block`` about 1.25x the rows one
-device sends another on average; a skewed routing takes more rounds, not more memory), which
-the report names (``moe_exchange.cpu_block_bytes``); a GPU's ragged_all_to_all sends the rows
-themselves. The collectives' bytes count such a loop of unknown trip count once.
+axis), so they are an estimate; XLA:CPU also computes bfloat16 elementwise work in float32,
+holding float32 copies of values a GPU keeps in bfloat16. The MoE layer's receive buffers
+are the static bounds of :func:`jaxops.parallel.expert.exchange_bounds` either way (dropless
+layers size them for the worst routing, which at these sizes is why ``--capacity-factor``
+matters). XLA:CPU's dense exchange runs in rounds of ``expert x block`` rows each way
+(``block`` about 1.25x the rows one device sends another on average; a skewed routing takes
+more rounds, not more memory), which the report names (``moe_exchange.cpu_block_bytes``); a
+GPU's ragged_all_to_all sends the rows themselves. The collectives' bytes count such a loop of
+unknown trip count once.
 
 The CPU devices must be set before jax starts: run it as a fresh process (the ``main``
 function sets ``jax_num_cpu_devices`` and the CPU platform itself).
