@@ -26,7 +26,9 @@ runs, 2026-11-29).
 
 Printed per variant: the median, mean and fastest step, the process's CPU time per step
 (``getrusage``) and the machine's idle core time per step (``/proc/stat``; where the 8 device
-threads leave a core idle, mostly at a rendezvous); then the ratio B / A (below 1: B faster).
+threads leave a core idle, mostly at a rendezvous) and the train step's temporaries (XLA's
+buffer assignment); then the ratio B / A (below 1: B faster). ``--vocab`` sets the vocabulary
+(the bench's is 1024), e.g. for ``vocab_chunk``.
 
 Run from the repository root, e.g. ``python benchmarks/ab_models.py --a mesh=2x4 --b mesh=1x8``;
 ``--quick`` for a smoke run on a small case.
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import importlib
 import json
 import math
@@ -117,6 +120,8 @@ def _one_process(args: argparse.Namespace) -> dict[str, Any]:
         f"{__package__}.bench_models" if __package__ else "bench_models"
     )
     cfg, b, s = bench._config(args.case)
+    if args.vocab is not None:
+        cfg = dataclasses.replace(cfg, vocab_size=args.vocab)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, s)).astype(np.int32)
     targets = np.roll(tokens, -1, 1)
     opt = optax.adamw(1e-4, weight_decay=0.0)
@@ -169,8 +174,14 @@ def _one_process(args: argparse.Namespace) -> dict[str, Any]:
         return step
 
     runs = {}
+    temp: dict[str, float] = {}  # the train step's temporaries (XLA's buffer assignment), MB
     for key in args.order:
         runs[key] = build(variants[key])
+        if not variants[key]["torch"]:
+            r = runs[key]
+            step = r.step if variants[key]["xla"] else r.step.lower(r.params, r.state, *r.batch)
+            compiled = step if variants[key]["xla"] else step.compile()
+            temp[key] = compiled.memory_analysis().temp_size_in_bytes / 1e6
     times: dict[str, list[float]] = {"a": [], "b": []}
     cpu = {"a": 0.0, "b": 0.0}
     idle = {"a": 0.0, "b": 0.0}
@@ -198,6 +209,7 @@ def _one_process(args: argparse.Namespace) -> dict[str, Any]:
             "cpu_ms": 1e3 * cpu[key] / len(t),
             "idle_core_ms": 1e3 * idle[key] / len(t),
             "loss": float("nan") if loss[key] is None else float(loss[key]),
+            "temp_mb": temp.get(key, float("nan")),
         }
     out["ratio"] = out["b"]["median_ms"] / out["a"]["median_ms"]
     return out
@@ -212,6 +224,7 @@ def _print(result: dict[str, Any], args: argparse.Namespace) -> None:
             f" min {r['min_ms']:.1f}; CPU {r['cpu_ms']:.0f} ms/step, idle cores"
             f" {r['idle_core_ms']:.0f} ms/step"
             + ("" if math.isnan(r["loss"]) else f"; loss {r['loss']:.6f}")
+            + ("" if math.isnan(r["temp_mb"]) else f"; temporaries {r['temp_mb']:.1f} MB")
         )
     print(f"  B / A (median): {result['ratio']:.3f}")
 
@@ -221,6 +234,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--a", default="", help="variant A's settings (default: the bench's step)")
     p.add_argument("--b", required=True, help="variant B's settings, e.g. mesh=1x8,zero=0")
     p.add_argument("--case", default=CASE, help=f"L x D x E x K x F : B x S (default {CASE})")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary (default: the bench's)")
     p.add_argument("--rounds", type=int, default=14, help="blocks of each variant (default 14)")
     p.add_argument("--block", type=int, default=4, help="timed steps per block (default 4)")
     p.add_argument("--warmup", type=int, default=8, help="untimed steps after building")

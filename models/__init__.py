@@ -19,10 +19,10 @@
   dequantized, and
   ``save_pretrained(..., quantize="fp8-block")`` writes that format.
 - Training at scale: ``MoEDecoder(..., zero=1 or 3)`` (:data:`ZERO_STAGES`: the optimizer
-  state, and with 3 the parameters, sharded over the batch axes; ZeRO-3 gathers the weights
-  in the compute dtype), ``vocab_chunk`` (the loss over vocabulary chunks, never the whole
-  logits), ``init_optimizer`` and ``train_step`` (loss, gradients and an optax update in one
-  jitted step), and
+  state, and with 3 the parameters, sharded over the batch axes; ZeRO-3 gathers the
+  projections' and experts' weights in the compute dtype), ``vocab_chunk`` (the loss over
+  vocabulary chunks, never the whole logits), ``init_optimizer`` and ``train_step`` (loss,
+  gradients and an optax update in one jitted step), and
   ``python -m jaxops.models.plan`` (:mod:`jaxops.models.plan`): the memory plan of that step
   for a config.json on a mesh of simulated devices, compiled ahead of time.
 - :data:`DECODER_SCHEDULES`, :data:`MOE_IMPLS`, :data:`MODEL_TYPES`, :data:`BLOCK_MODEL_TYPES`:

@@ -149,11 +149,12 @@ class MoEDecoder(Runner, Layout):
         state (:meth:`init_optimizer`) and the gradients the update reads
         (:meth:`train_step`); 3 the parameters too (:meth:`~Layout.zero_specs`), each
         layer's weights all-gathered as the layer runs (again in its backward, instead of
-        keeping them), the gradients reduced to the shards. Without a pipeline, the weights
-        the layers only cast (projections, experts, output head: ``CAST_BEFORE_GATHER``) are
-        cast to a narrower compute dtype before the all-gather, half its bytes with float32
-        parameters and bfloat16 compute, and their gradients still reduced in the parameters'
-        dtype. With a pipe axis a stage's layers are gathered for the whole step.
+        keeping them), the gradients reduced to the shards. The weights the layers only cast
+        (projections, experts, output head: ``CAST_BEFORE_GATHER``) are cast to a narrower
+        compute dtype before the all-gather, half its bytes with float32 parameters and
+        bfloat16 compute, and their gradients still reduced in the parameters' dtype; not a
+        pipeline stage's or, with a pipeline, the output head's. With a pipe axis a stage's
+        layers are gathered for the whole step.
       grad_reduce: how :meth:`loss_and_grads` reduces the gradients over the batch axes
         (:data:`GRAD_REDUCES`). "flat" (default): the loss and its gradients in one
         ``shard_map`` over the batch axes, each device's gradients summed in one all-reduce
@@ -311,11 +312,12 @@ class MoEDecoder(Runner, Layout):
         """
         return self._flat_grads and self.zero == 1
 
-    def _head_params(self, params: dict[str, Any]) -> dict[str, Any]:
+    def _head_params(self, params: dict[str, Any], cast: bool = True) -> dict[str, Any]:
+        """The final norm and output projection, gathered (`cast`: see :meth:`_gather`)."""
         key = "embed" if self.config.tie_word_embeddings else "lm_head"
         zero = self.zero_specs()
         head = {"final_norm": params["final_norm"], key: params[key]}
-        return self._gather(head, P(), {k: zero[k] for k in head})
+        return self._gather(head, P(), {k: zero[k] for k in head}, cast)
 
     def _head(self, head: dict[str, Any], h: jax.Array) -> jax.Array:
         return _layers.head(self._ops, self.config, head, h)

@@ -576,6 +576,7 @@ def token_losses(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.
     keep = targets != IGNORE_INDEX
     safe = jnp.where(keep, targets, 0)
     picked = jnp.take_along_axis(logp, safe[..., None], axis=-1, mode="fill", fill_value=jnp.nan)
+    picked = jnp.where(safe[..., None] < 0, jnp.nan, picked)  # not wrapped to the last ids
     total = -jnp.sum(jnp.where(keep, picked[..., 0], 0.0))
     return total, jnp.sum(keep, dtype=jnp.float32)
 

@@ -159,15 +159,16 @@ class Layout:
         """The devices of the batch axes: how many shards the batch is split into."""
         return int(np.prod([dict(self.mesh.shape)[a] for a in self.batch_axes]))
 
-    def _gather(self, tree: Any, specs: Any, source: Any) -> Any:
+    def _gather(self, tree: Any, specs: Any, source: Any, cast: bool = True) -> Any:
         """ZeRO-3: `tree` (parameters stored on `source` specs) laid out on `specs`.
 
         The weights the layers only use cast to the compute dtype (:data:`CAST_BEFORE_GATHER`)
         are cast before they are gathered, when that narrows them (float32 parameters,
         bfloat16 compute): half the all-gather's bytes and of the gathered copies, the same
         values. Their gradients are reduced in the stored dtype, as when cast after the gather
-        (:func:`_gather_as`). Named :data:`_GATHERED`, so that a layer's backward gathers them
-        again. Else `tree`.
+        (:func:`_gather_as`); `cast` False gathers every leaf in its own dtype (where the caller
+        differentiates the gathered tree itself). Named :data:`_GATHERED`, so that a layer's
+        backward gathers them again. Else `tree`.
         """
         if self.zero != 3:
             return tree
@@ -181,7 +182,8 @@ class Layout:
             target = self.named(spec)
             stored = np.dtype(a.dtype)
             if (
-                path
+                cast
+                and path
                 and path[-1] in _CAST_KEYS
                 and jnp.issubdtype(stored, jnp.floating)
                 and stored.itemsize > compute.itemsize

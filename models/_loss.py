@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jaxops.models import _layers
 
 import jaxops
+from jaxops._precision import current_precision, dot_precision
 from jaxops._sharding import result_sharding
 
 if TYPE_CHECKING:
@@ -99,6 +100,11 @@ def _columns(w: jax.Array, start: jax.Array, chunk: int, tied: bool) -> jax.Arra
     return jax.lax.dynamic_slice_in_dim(w, start, chunk, axis=1)
 
 
+def _precision(h: jax.Array) -> Any:
+    """The matmul precision jaxops' policy gives the head's GEMM (``jaxops.precision``)."""
+    return dot_precision(current_precision(), h.dtype)
+
+
 def _steps(w: jax.Array, chunk: int, tied: bool) -> tuple[int, int]:
     vocab = w.shape[0] if tied else w.shape[1]
     return vocab, -(-vocab // chunk)
@@ -115,7 +121,11 @@ def _chunk_logits(h, w, i, chunk, tied):
     cols = start + jnp.arange(chunk)
     new = cols >= i * chunk
     out = jnp.einsum(
-        "...d,dv->...v", h, _columns(w, start, chunk, tied), preferred_element_type=jnp.float32
+        "...d,dv->...v",
+        h,
+        _columns(w, start, chunk, tied),
+        preferred_element_type=jnp.float32,
+        precision=_precision(h),
     )
     logits = out.astype(h.dtype).astype(jnp.float32)  # as the head's GEMM output rounds
     return jnp.where(new, logits, -jnp.inf), cols, new, start
@@ -169,6 +179,7 @@ def _bwd(chunk, tied, res, ct):
             dlogits,
             _columns(w, start, chunk, tied),
             preferred_element_type=jnp.float32,
+            precision=_precision(h),
         )
         # the weight's gradient: [chunk, D] rows of the table, or [D, chunk] columns
         spec, pair, axis = (
@@ -176,7 +187,13 @@ def _bwd(chunk, tied, res, ct):
             if tied
             else (f"{batch}d,{batch}v->dv", (h, dlogits), 1)
         )
-        part = jnp.einsum(spec, *pair, preferred_element_type=jnp.float32, out_sharding=summed)
+        part = jnp.einsum(
+            spec,
+            *pair,
+            preferred_element_type=jnp.float32,
+            precision=_precision(h),
+            out_sharding=summed,
+        )
         old = jax.lax.dynamic_slice_in_dim(dw, start, chunk, axis=axis)
         # each column's one product, rounded once (the last chunk adds 0 to those it repeats)
         dw = jax.lax.dynamic_update_slice_in_dim(dw, old + part.astype(dw.dtype), start, axis=axis)

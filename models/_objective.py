@@ -170,7 +170,8 @@ def pipeline_step(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch
         model._stages(params["layers"]),
         {"h": x, "where": where},
         targets=targets,
-        loss_params=(model._head_params(params), scale),
+        # gathered in their own dtype: pipeline_step returns the head's gradient in it
+        loss_params=(model._head_params(params, cast=False), scale),
         loss_fn=loss_fn,
         schedule=model.schedule,
         remat=model._remat,

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jaxops.models._layers import IGNORE_INDEX
+from jaxops.models._layers import IGNORE_INDEX, token_losses
 from jaxops.models._loss import chunked_token_losses
 
 from jaxops import models
@@ -39,7 +39,9 @@ def _reference(h, w, targets, tied):
 
 
 def _tol(dtype):
-    return {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}[dtype]
+    """(loss, gradients) tolerances: the reference rounds its float64 logits as the kernel
+    rounds its float32 sums, so a bfloat16 logit may differ by one ulp."""
+    return {jnp.float32: (2e-5, 2e-5), jnp.bfloat16: (3e-3, 2e-2)}[dtype]
 
 
 CASES = [
@@ -71,12 +73,12 @@ def test_chunked_losses_match_float64(dtype, tied, lead, chunk):
     )
     total, (dh, dw) = f(h, w)
     want, want_dh, want_dw = _reference(h, w, targets, tied)
-    tol = _tol(dtype)
+    tol, grad_tol = _tol(dtype)
     assert total.dtype == jnp.float32 and dh.dtype == dtype and dw.dtype == dtype
     np.testing.assert_allclose(float(total), want, rtol=tol, atol=tol)
     for got, ref in ((dh, want_dh), (dw, want_dw)):
         scale = max(float(np.abs(ref).max()), 1e-6)
-        assert float(np.abs(np.asarray(got, np.float64) - ref).max()) <= tol * scale
+        assert float(np.abs(np.asarray(got, np.float64) - ref).max()) <= grad_tol * scale
 
 
 def test_chunked_losses_of_no_tokens_and_bad_targets():
@@ -88,7 +90,10 @@ def test_chunked_losses_of_no_tokens_and_bad_targets():
     assert float(total) == 0.0 and dh.shape == (0, D) and not np.any(np.asarray(dw))
     h = jnp.ones((3, D))
     # a counted id outside [0, V) gives NaN, as token_losses; an ignored one counts nothing
-    assert np.isnan(float(chunked_token_losses(h, w, jnp.array([0, V, 1]), 8, False)))
+    for bad in (V, -1):
+        targets = jnp.array([0, bad, 1])
+        assert np.isnan(float(chunked_token_losses(h, w, targets, 8, False))), bad
+        assert np.isnan(float(token_losses(h @ w, targets)[0])), bad
     ignored = chunked_token_losses(h, w, jnp.array([0, IGNORE_INDEX, 1]), 8, False)
     assert np.isclose(float(ignored), 2 * np.log(V), rtol=1e-6)
 

@@ -250,9 +250,10 @@ def test_zero3_gathers_weights_in_the_compute_dtype(kind, monkeypatch):
 
 
 def test_gather_as_lays_out_its_gradient_in_the_stored_dtype():
-    """The backward of the cast-and-gather lays the cotangent out on the shards (where the
-    partitioner reduces the devices' partial sums) after casting it back to float32: so the
-    sum is float32 on a backend that reduces bfloat16 natively (XLA:CPU converts anyway)."""
+    """The backward of the cast-and-gather casts the cotangent back to float32 before it lays
+    it out on the shards, where the partitioner reduces the devices' partial sums: the order
+    in the jaxpr (XLA:CPU computes bfloat16 reductions in float32 anyway, so its HLO cannot
+    show it)."""
     from jax.sharding import NamedSharding
     from jaxops.models._layout import _gather_as
 
@@ -271,3 +272,33 @@ def test_gather_as_lays_out_its_gradient_in_the_stored_dtype():
     assert last.invars[0].aval.dtype == np.float32, last
     assert grad.dtype == np.float32 and grad.sharding.is_equivalent_to(source, 2)
     np.testing.assert_array_equal(grad, np.ones((16, 4), np.float32))
+
+
+@pytest.mark.parametrize(
+    ("shape", "names", "kw"),
+    [
+        ((2, 4), ("data", "expert"), {}),
+        ((2, 2, 2), ("pipe", "data", "expert"), {"num_microbatches": 2}),
+    ],
+    ids=["data2-expert4", "pipe2-data2-expert2"],
+)
+def test_zero3_bfloat16_gradients_keep_the_parameters_dtype(shape, names, kw):
+    """bfloat16 compute, float32 parameters: ZeRO-3's gradients are float32 (a pipeline's
+    output head too, which it gathers uncast) and match the unsharded step's."""
+    models_ = {z: _model("qwen3", shape, names, z, dtype="bfloat16", **kw) for z in (0, 3)}
+    params = models_[0].init(jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(0, 96, (8, 16)).astype(np.int32)
+    out = {}
+    for z, model in models_.items():
+        batch = model.place_batch(tokens, (tokens * 7 + 3) % 96)
+        placed = jax.device_put(params, model.shardings())
+        out[z] = jax.jit(model.loss_and_grads)(placed, *batch)
+    (want, want_g), (got, got_g) = out[0], out[3]
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-3)
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(got_g), jax.tree.leaves(want_g), strict=True
+    ):
+        name = jax.tree_util.keystr(path)
+        assert a.dtype == b.dtype == np.float32, (name, a.dtype, b.dtype)
+        a, b = np.asarray(a), np.asarray(b)
+        assert float(np.abs(a - b).max()) <= 3e-2 * max(float(np.abs(b).max()), 1e-4), name
