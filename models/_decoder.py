@@ -149,12 +149,10 @@ class MoEDecoder(Runner, Layout):
         state (:meth:`init_optimizer`) and the gradients the update reads
         (:meth:`train_step`); 3 the parameters too (:meth:`~Layout.zero_specs`), each
         layer's weights all-gathered as the layer runs (again in its backward, instead of
-        keeping them), the gradients reduced to the shards. The weights the layers only cast
-        (projections, experts, output head: ``CAST_BEFORE_GATHER``) are cast to a narrower
-        compute dtype before the all-gather, half its bytes with float32 parameters and
-        bfloat16 compute, and their gradients still reduced in the parameters' dtype; not a
-        pipeline stage's or, with a pipeline, the output head's. With a pipe axis a stage's
-        layers are gathered for the whole step.
+        keeping them), the gradients reduced to the shards; the weights the layers only cast
+        (``CAST_BEFORE_GATHER``) cast to a narrower compute dtype first (half the bytes),
+        their gradients reduced in theirs (not a pipeline stage's, or its loss's head). With
+        a pipe axis a stage's layers are gathered for the whole step.
       grad_reduce: how :meth:`loss_and_grads` reduces the gradients over the batch axes
         (:data:`GRAD_REDUCES`). "flat" (default): the loss and its gradients in one
         ``shard_map`` over the batch axes, each device's gradients summed in one all-reduce
@@ -170,12 +168,10 @@ class MoEDecoder(Runner, Layout):
         the gradients while it reduces them. With ``zero=1``, "flat" makes :meth:`train_step`
         reduce-scatter each group straight into the ZeRO-1 shards the update reads: half an
         all-reduce's traffic, and no full reduced gradient on any device.
-      vocab_chunk: None (the training loss's float32 logits ``[B, S, V]`` whole, kept with
-        their softmax for the backward) or the output projection's columns per step of a
-        loop that never holds more than ``[B, S, vocab_chunk]`` logits, recomputing them in
-        the backward (:mod:`~jaxops.models._loss`): for a large vocabulary (Kimi K2's 163840)
-        it saves several GB per device for one more pass of the projection. The same loss
-        up to the order of the sums. :meth:`logits` always returns them whole.
+      vocab_chunk: None (the loss's float32 logits ``[B, S, V]`` whole) or the output
+        projection's columns per step of a loop that holds ``[B, S, vocab_chunk]`` of them,
+        recomputed in the backward (:mod:`~jaxops.models._loss`): GB per device for a large
+        vocabulary, for one more pass of the projection; the same loss up to sum order.
 
     Example:
       >>> import jax, jax.numpy as jnp
