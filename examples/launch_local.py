@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+from jaxops.testing import child_environ
+
 
 def free_port() -> int:
     """A free TCP port on 127.0.0.1."""
@@ -73,7 +75,9 @@ def launch(
         raise ValueError(f"{total_devices} devices cannot be split over {num_processes} processes")
     script = Path(script) if script else Path(__file__).with_name("train_moe.py")
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    # This environment less its CPU device count (each process sets its own); XLA_FLAGS' other
+    # options pass through.
+    env = child_environ()
     env.setdefault("JAX_PLATFORMS", "cpu")
     env["PYTHONUNBUFFERED"] = "1"
     procs, outputs, pumps = [], [], []

@@ -31,6 +31,7 @@ import numpy as np
 __all__ = [
     "COLLECTIVES",
     "assert_allclose",
+    "child_environ",
     "collective_bytes",
     "collective_shapes",
     "count_collectives",
@@ -157,6 +158,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count(=\S*)?")
+
+
+def child_environ(environ: dict[str, str] | None = None, **overrides: str) -> dict[str, str]:
+    """An environment for a child jax process: `environ` less its CPU device count.
+
+    Args:
+      environ: the environment to start from; ``os.environ`` when None.
+      **overrides: variables set on top.
+
+    Returns:
+      A new dict: ``JAX_NUM_CPU_DEVICES`` and XLA's ``--xla_force_host_platform_device_count``
+      flag are left out (the child sets its own count); the rest of ``XLA_FLAGS`` passes through
+      (compiler options, such as the fast-compile flags of jaxops' test suite on CPU machines),
+      and ``XLA_FLAGS`` itself is left out when nothing else is in it.
+
+    Example:
+      >>> from jaxops.testing import child_environ
+      >>> parent = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_cpu_ftz=true",
+      ...           "JAX_NUM_CPU_DEVICES": "8", "HOME": "/root"}
+      >>> child_environ(parent, JAX_PLATFORMS="cpu")
+      {'HOME': '/root', 'XLA_FLAGS': '--xla_cpu_ftz=true', 'JAX_PLATFORMS': 'cpu'}
+      >>> child_environ({"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+      {}
+    """
+    source = os.environ if environ is None else environ
+    env = {k: v for k, v in source.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    flags = " ".join(_DEVICE_COUNT_FLAG.sub("", source.get("XLA_FLAGS", "")).split())
+    if flags:
+        env["XLA_FLAGS"] = flags
+    env.update(overrides)
+    return env
+
+
 def _kill(procs) -> None:
     for p in procs:
         if p.poll() is None:
@@ -185,8 +220,7 @@ def spawn_processes(
       [0, 1]
     """
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = child_environ(JAX_PLATFORMS="cpu")
     code = _PRELUDE + textwrap.dedent(script)
     argv = [sys.executable, "-c", code, str(port), str(num_processes)]
     procs = [
@@ -228,7 +262,8 @@ def run_processes(
     """Runs `script` in `num_processes` processes; returns their outputs, or raises.
 
     The script sees NUM_PROCESSES, PROCESS_ID and ARGS (extra argv strings), with
-    jax.distributed already initialized over gloo. Raises AssertionError if a process fails or
+    jax.distributed already initialized over gloo; the processes run on CPU devices, in
+    :func:`child_environ`'s environment. Raises AssertionError if a process fails or
     the deadline passes (every process is then killed), showing all outputs.
 
     Example:

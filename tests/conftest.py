@@ -22,13 +22,23 @@ os.environ.setdefault("JAXOPS_CPU_THREADS", "2")
 # longest model tests (111 -> 75 s for five of them, 2 cores). Only the code XLA generates is
 # affected; jaxops' kernels are C++ built with the module and run as built. XLA's results change
 # in rounding only (a small decoder's loss and gradients, float32: the loss identical, gradients
-# within 1.5e-8 of the optimized build's). Left alone where XLA_FLAGS sets a level already, and
-# on GPU machines (the flag would reach the GPU compiler too).
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "") and not (
-    os.path.exists("/dev/nvidiactl")
-):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+# within 1.5e-8 of the optimized build's). XLA:CPU also emits its fusions with its elemental IR
+# emitters instead of its MLIR fusion emitters (--xla_cpu_use_fusion_emitters=false), which took
+# the suite from 1193 to 712-779 s on 2 cores (its scatters become loops). Each flag is left
+# alone where XLA_FLAGS sets it already, and both on GPU machines (they would reach the GPU
+# compiler too). The multi-process tests' processes get them through XLA_FLAGS
+# (jaxops.testing.child_environ).
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", "")]
+        + [
+            f"{name}={value}"
+            for name, value in (
+                ("--xla_backend_optimization_level", "0"),
+                ("--xla_cpu_use_fusion_emitters", "false"),
+            )
+            if name not in os.environ.get("XLA_FLAGS", "")
+        ]
     ).strip()
 
 import jax

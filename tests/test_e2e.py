@@ -26,7 +26,7 @@ import optax
 import pytest
 
 import jaxops
-from jaxops.testing import assert_allclose
+from jaxops.testing import assert_allclose, child_environ, run_processes
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SCALE = 16
@@ -166,8 +166,7 @@ def compile_cache(tmp_path_factory) -> str:
 
 
 def _train(*args: str, cache: str | None = None, timeout: float = 300) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = child_environ(JAX_PLATFORMS="cpu")
     if cache is not None:
         env["JAX_COMPILATION_CACHE_DIR"] = cache
     proc = subprocess.run(
@@ -201,6 +200,20 @@ def test_train_checkpoint_resume(tmp_path, compile_cache):
     for step in range(13, 25):
         np.testing.assert_allclose(second[step], whole[step], rtol=1e-5, err_msg=f"step {step}")
     assert second[24] < 0.6 * first[1], (first, second)
+
+
+@pytest.mark.multiprocess
+def test_processes_get_the_xla_flags_but_their_own_device_count(monkeypatch):
+    """The suite's fast-compile flags reach the multi-process tests' processes; a parent's host
+    device count does not (each process sets its own)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {flags}")
+    script = "import os; print(os.environ.get('XLA_FLAGS', ''), '|', jax.device_count())"
+    outs = run_processes(script, 2, 2, timeout=120)
+    for out in outs:
+        got_flags, got_devices = out.strip().splitlines()[-1].split("|")
+        assert got_flags.split() == flags.split(), (out, flags)
+        assert int(got_devices) == 4, out
 
 
 @pytest.mark.slow

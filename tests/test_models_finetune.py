@@ -10,6 +10,7 @@ test_models._hf_model). Tolerances: loss rel err < 1e-5, logits within 1e-4 of t
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -288,6 +289,13 @@ def test_remat_policies_through_the_pipeline(hf):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
 
 
+def _scan_loops(compiled) -> int:
+    """The compiled program's while loops made from jax loops (op_name ".../while"), not the ones
+    XLA makes of scatters (op_name ".../scatter-add"; XLA:CPU's elemental emitters, which the
+    suite's conftest selects, expand scatters into loops)."""
+    return len(re.findall(r' while\(.*op_name="[^"]*/while"', compiled.as_text()))
+
+
 @pytest.mark.parametrize("mesh_name", ["1dev", "p2e4"])
 def test_scan_unroll_gives_the_same_gradients(hf, mesh_name):
     """Unrolled layer scans (no stacked residuals) compute what the rolled scan does, also
@@ -298,17 +306,17 @@ def test_scan_unroll_gives_the_same_gradients(hf, mesh_name):
     tokens, _, targets = _sft_batch(base.config.vocab_size, 8, 8, seed=5)
     rolled = jax.jit(base.loss_and_grads).lower(params, tokens, targets).compile()
     loss, want = rolled(params, tokens, targets)
-    whiles = {"1": rolled.as_text().count(" while(")}
+    whiles = {"1": _scan_loops(rolled)}
     for unroll in (2, True) if mesh_name == "1dev" else (True,):
         model = dataclasses.replace(base, scan_unroll=unroll)
         compiled = jax.jit(model.loss_and_grads).lower(params, tokens, targets).compile()
-        whiles[str(unroll)] = compiled.as_text().count(" while(")
+        whiles[str(unroll)] = _scan_loops(compiled)
         got_loss, got = compiled(params, tokens, targets)
         np.testing.assert_allclose(float(got_loss), float(loss), rtol=1e-6)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7)
     if mesh_name == "1dev":
-        assert whiles["True"] < whiles["1"], whiles
+        assert whiles["True"] == 0 < whiles["1"], whiles
     for bad in (0, -1, 1.5, "all"):
         with pytest.raises(jaxops.ConfigError, match=r"MoEDecoder: scan_unroll must be True or"):
             dataclasses.replace(base, scan_unroll=bad)
