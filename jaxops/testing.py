@@ -23,7 +23,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -161,7 +161,7 @@ def free_port() -> int:
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count(=\S*)?")
 
 
-def child_environ(environ: dict[str, str] | None = None, **overrides: str) -> dict[str, str]:
+def child_environ(environ: Mapping[str, str] | None = None, **overrides: str) -> dict[str, str]:
     """An environment for a child jax process: `environ` less its CPU device count.
 
     Args:
