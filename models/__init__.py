@@ -43,8 +43,10 @@ if __name__ != "jaxops.models":
 
 import warnings as _warnings
 
-from jaxops.models._blocks import BLOCK_MODEL_TYPES, is_moe_layer, load_moe_block, moe_block_config
-from jaxops.models._config import (
+from jaxops._errors import ConfigError
+
+from ._blocks import BLOCK_MODEL_TYPES, is_moe_layer, load_moe_block, moe_block_config
+from ._config import (
     MODEL_TYPES,
     QK_NORM_WIDTHS,
     ROUTERS,
@@ -52,7 +54,7 @@ from jaxops.models._config import (
     Mla,
     read_config,
 )
-from jaxops.models._decoder import (
+from ._decoder import (
     ATTENTION_IMPLS,
     DECODER_SCHEDULES,
     GRAD_REDUCES,
@@ -61,13 +63,11 @@ from jaxops.models._decoder import (
     ZERO_STAGES,
     MoEDecoder,
 )
-from jaxops.models._generate import generate
-from jaxops.models._hf import from_pretrained, save_pretrained
-from jaxops.models._names import LLAMA_NAME_MAP, llama_name_map, name_map
-from jaxops.models._packing import IGNORE_INDEX, PackedBatch, pack_sequences
-from jaxops.models._rope import ROPE_KINDS, Rope, read_rope
-
-from jaxops._errors import ConfigError
+from ._generate import generate
+from ._hf import from_pretrained, save_pretrained
+from ._names import LLAMA_NAME_MAP, llama_name_map, name_map
+from ._packing import IGNORE_INDEX, PackedBatch, pack_sequences
+from ._rope import ROPE_KINDS, Rope, read_rope
 
 __all__ = [
     "ATTENTION_IMPLS",

@@ -17,10 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxops.models._layers import IGNORE_INDEX, Tokens
 
 from jaxops import _checks
 from jaxops._sharding import place
+
+from ._layers import IGNORE_INDEX, Tokens
 
 __all__ = ["Batch", "check_batch", "placement", "split_microbatches"]
 

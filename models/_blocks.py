@@ -14,13 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
-from jaxops.models._families import _experts_key, _get, _positive
-from jaxops.models._names import moe_block_rules
-from jaxops.models._quant import read_quantization
 from jaxops.parallel import checkpoint
 from jaxops.parallel import expert as ep
 
 from jaxops._errors import ConfigError, named_errors
+
+from ._families import _experts_key, _get, _positive
+from ._names import moe_block_rules
+from ._quant import read_quantization
 
 __all__ = ["BLOCK_MODEL_TYPES", "is_moe_layer", "load_moe_block", "moe_block_config"]
 

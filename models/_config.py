@@ -10,11 +10,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from jaxops.models._families import LAYER_TYPES, MODEL_TYPES, config_fields
-from jaxops.models._hf_config import hf_keys
-from jaxops.models._rope import Rope, rotary_dim
-
 from jaxops._errors import ConfigError, named_errors
+
+from ._families import LAYER_TYPES, MODEL_TYPES, config_fields
+from ._hf_config import hf_keys
+from ._rope import Rope, rotary_dim
 
 __all__ = [
     "ACTIVATIONS",

@@ -17,10 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from jaxops.models import _batch, _layers, _loss, _objective, _train
-from jaxops.models._config import DecoderConfig
-from jaxops.models._layout import Layout
-from jaxops.models._run import Runner
 from jaxops.parallel import expert as ep
 from jaxops.parallel import pipeline as pl
 
@@ -28,6 +24,11 @@ from jaxops import _checks
 from jaxops._errors import ConfigError, renamed_fields
 from jaxops._ffi import has_kernel
 from jaxops._sharding import manual_axes, place
+
+from . import _batch, _layers, _loss, _objective, _train
+from ._config import DecoderConfig
+from ._layout import Layout
+from ._run import Runner
 
 __all__ = [
     "ATTENTION_IMPLS",

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxops.models._quant import read_quantization
-from jaxops.models._rope import Rope, read_rope
-
 from jaxops._errors import ConfigError
+
+from ._quant import read_quantization
+from ._rope import Rope, read_rope
 
 __all__ = ["LAYER_TYPES", "MODEL_TYPES", "config_fields"]
 
@@ -387,7 +387,7 @@ def _rope_has_partial(hf: dict[str, Any]) -> bool:
 
 
 def _read_mla(hf: dict[str, Any]) -> Any:
-    from jaxops.models._config import Mla
+    from ._config import Mla
 
     # An explicit null q_lora_rank: the queries are projected directly (DeepSeek-V2-Lite).
     q_lora = None if "q_lora_rank" in hf and hf["q_lora_rank"] is None else 1536

@@ -34,8 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxops.models._decoder import MoEDecoder
-from jaxops.models._layers import (
+
+import jaxops
+from jaxops import _checks
+from jaxops._errors import ConfigError
+
+from ._decoder import MoEDecoder
+from ._layers import (
     LayerKind,
     Tokens,
     allowed,
@@ -44,10 +49,6 @@ from jaxops.models._layers import (
     embed,
     layer_kinds,
 )
-
-import jaxops
-from jaxops import _checks
-from jaxops._errors import ConfigError
 
 __all__ = ["generate"]
 

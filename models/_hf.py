@@ -13,10 +13,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxops.models._config import read_config
-from jaxops.models._decoder import MoEDecoder
-from jaxops.models._names import FUSED_EXPERTS, expert_names, name_map
-from jaxops.models._quant import (
+from jaxops.parallel import checkpoint
+from jaxops.parallel.checkpoint import Rule
+
+from jaxops._errors import ConfigError, named_errors
+
+from ._config import read_config
+from ._decoder import MoEDecoder
+from ._names import FUSED_EXPERTS, expert_names, name_map
+from ._quant import (
     Fp8Block,
     Fp8Codec,
     Mxfp4,
@@ -25,10 +30,6 @@ from jaxops.models._quant import (
     mxfp4_check,
     read_quantization,
 )
-from jaxops.parallel import checkpoint
-from jaxops.parallel.checkpoint import Rule
-
-from jaxops._errors import ConfigError, named_errors
 
 __all__ = ["from_pretrained", "name_map", "save_pretrained"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxops.models._rope import rope_to_hf
+from ._rope import rope_to_hf
 
 __all__ = ["ARCHITECTURES", "hf_keys"]
 

@@ -32,11 +32,12 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxops.models._config import DecoderConfig
-from jaxops.models._packing import IGNORE_INDEX
-from jaxops.models._rope import Rope, apply_rotary
 
 import jaxops
+
+from ._config import DecoderConfig
+from ._packing import IGNORE_INDEX
+from ._rope import Rope, apply_rotary
 
 __all__ = [
     "IGNORE_INDEX",
@@ -427,7 +428,7 @@ def attention_inputs(
     shared RoPE key (``jaxops.models._mla``). Either way the arrays of `kv` have time on axis 1.
     """
     if c.mla is not None:
-        from jaxops.models import _mla
+        from . import _mla
 
         return _mla.inputs(ops, c, p, x, where.positions)
     q, k, v = qkv(ops, c, p, x, where, kind)
@@ -450,7 +451,7 @@ def attention_output(
     ``sinks`` (``c.attention_sinks``) join the softmax. Returns ``[b, sq, D]``.
     """
     if c.mla is not None:
-        from jaxops.models import _mla
+        from . import _mla
 
         return _mla.output(ops, c, p, q, kv, mask, causal=causal)
     sinks = p["sinks"] if c.attention_sinks else None

@@ -250,7 +250,7 @@ class Layout:
         d = c.hidden_size
         attn: dict[str, Any] = {"attn_norm": (d,)}
         if c.mla is not None:
-            from jaxops.models._mla import param_shapes as mla_shapes
+            from ._mla import param_shapes as mla_shapes
 
             attn.update(mla_shapes(c))
         else:

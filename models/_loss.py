@@ -22,14 +22,15 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-from jaxops.models import _layers
 
 import jaxops
 from jaxops._precision import current_precision, dot_precision
 from jaxops._sharding import result_sharding
 
+from . import _layers
+
 if TYPE_CHECKING:
-    from jaxops.models._config import DecoderConfig
+    from ._config import DecoderConfig
 
 __all__ = ["chunked_token_losses", "head_losses"]
 

@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxops.models._config import DecoderConfig
-from jaxops.models._layers import Ops, attend, projection
-from jaxops.models._rope import apply_rotary, softmax_scale_factor
 
 import jaxops
+
+from ._config import DecoderConfig
+from ._layers import Ops, attend, projection
+from ._rope import apply_rotary, softmax_scale_factor
 
 __all__ = ["NORM_EPS", "cache_bytes_per_token", "inputs", "output", "param_shapes"]
 

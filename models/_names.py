@@ -19,11 +19,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from jaxops.models._config import DecoderConfig
 from jaxops.parallel import expert as ep
 from jaxops.parallel.checkpoint import Rule
 
 from jaxops._errors import named_errors
+
+from ._config import DecoderConfig
 
 __all__ = [
     "FUSED_EXPERTS",

@@ -16,13 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
-from jaxops.models import _batch, _flat, _layers
 from jaxops.parallel import pipeline as pl
 
 from jaxops._sharding import place
 
+from . import _batch, _flat, _layers
+
 if TYPE_CHECKING:
-    from jaxops.models._decoder import MoEDecoder
+    from ._decoder import MoEDecoder
 
 __all__ = [
     "accumulate",

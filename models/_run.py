@@ -16,9 +16,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
-from jaxops.models import _layers
-from jaxops.models._layout import _is_spec, without_gathered
 from jaxops.parallel import expert as ep
+
+from . import _layers
+from ._layout import _is_spec, without_gathered
 
 __all__ = ["Runner"]
 

@@ -19,7 +19,7 @@ import jax
 from jaxops._sharding import constrain
 
 if TYPE_CHECKING:
-    from jaxops.models._decoder import MoEDecoder
+    from ._decoder import MoEDecoder
 
 __all__ = ["TrainStep", "train_step"]
 

@@ -156,10 +156,11 @@ def plan(
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-    from jaxops.models._config import DecoderConfig, read_config
-    from jaxops.models._decoder import MoEDecoder
-    from jaxops.models._hlo import collective_traffic
     from jaxops.parallel.expert._exchange import make_plan
+
+    from ._config import DecoderConfig, read_config
+    from ._decoder import MoEDecoder
+    from ._hlo import collective_traffic
 
     try:
         import optax

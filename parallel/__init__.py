@@ -21,6 +21,6 @@ if __name__ != "jaxops.parallel":
         "use `import jaxops.parallel`"
     )
 
-from jaxops.parallel import checkpoint, expert, pipeline
+from . import checkpoint, expert, pipeline
 
 __all__ = ["checkpoint", "expert", "pipeline"]

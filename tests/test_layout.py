@@ -20,7 +20,9 @@ from _package import installed_modules
 import jaxops
 
 TIERS = {"core": 0, "parallel": 1, "models": 2}
-MAX_LINES = 600
+# A ceiling, not a target: a module is one concern and splits when a second one appears, not
+# when it passes a line count.
+MAX_LINES = 1000
 # The one reference from a lower tier to a higher one: the deprecated alias of the Llama name map
 # (moved from jaxops.parallel.checkpoint to jaxops.models), imported lazily on first use of the
 # old name only, never at import; it goes with the alias in the next release.
