@@ -1,5 +1,8 @@
 """jaxops.models: published MoE architectures on jaxops' kernels and parallel layers.
 
+- The family registry (:func:`family`, :class:`Family`, :data:`FAMILIES`): each published
+  family's model_type, transformers' defaults, config.json reading and writing, tensor names and
+  a tiny test config, one module each under ``models/_families/``.
 - :class:`DecoderConfig` (from a Hugging Face ``config.json``: Mixtral, Qwen3-MoE, Qwen2-MoE,
   OLMoE, GLM-4.5 (glm4_moe), DeepSeek-V3 / Kimi K2 / Moonlight (deepseek_v3, with
   :class:`Mla`, multi-head latent attention), ERNIE-4.5-MoE (ernie4_5_moe), gpt-oss
@@ -63,6 +66,7 @@ from ._decoder import (
     ZERO_STAGES,
     MoEDecoder,
 )
+from ._families import FAMILIES, Family, family
 from ._generate import generate
 from ._hf import from_pretrained, save_pretrained
 from ._names import LLAMA_NAME_MAP, llama_name_map, name_map
@@ -73,6 +77,7 @@ __all__ = [
     "ATTENTION_IMPLS",
     "BLOCK_MODEL_TYPES",
     "DECODER_SCHEDULES",
+    "FAMILIES",
     "GRAD_REDUCES",
     "IGNORE_INDEX",
     "LLAMA_NAME_MAP",
@@ -85,10 +90,12 @@ __all__ = [
     "ZERO_STAGES",
     "ConfigError",
     "DecoderConfig",
+    "Family",
     "Mla",
     "MoEDecoder",
     "PackedBatch",
     "Rope",
+    "family",
     "from_pretrained",
     "generate",
     "is_moe_layer",

@@ -19,7 +19,7 @@ from jaxops.parallel import expert as ep
 
 from jaxops._errors import ConfigError, named_errors
 
-from ._families import _experts_key, _get, _positive
+from ._families._keys import experts_key, get, positive
 from ._names import moe_block_rules
 from ._quant import read_quantization
 
@@ -56,12 +56,12 @@ def is_moe_layer(hf: dict[str, Any], layer: int) -> bool:
     """
     kind = _model_type(hf)
     if kind == "deepseek_v3":
-        return layer >= _get(hf, "first_k_dense_replace", int, 3)
+        return layer >= get(hf, "first_k_dense_replace", int, 3)
     if kind in ("qwen2_moe", "qwen3_moe"):
-        step = _get(hf, "decoder_sparse_step", int, 1)
+        step = get(hf, "decoder_sparse_step", int, 1)
         if step < 1:
             raise ConfigError(f"config.json: 'decoder_sparse_step' must be >= 1, got {step}")
-        return layer not in _get(hf, "mlp_only_layers", list, []) and (layer + 1) % step == 0
+        return layer not in get(hf, "mlp_only_layers", list, []) and (layer + 1) % step == 0
     return True
 
 
@@ -101,12 +101,12 @@ def moe_block_config(
       ('sigmoid', True, 2.5, 64)
     """
     kind = _model_type(hf)
-    act = _get(hf, "hidden_act", str, "silu")
+    act = get(hf, "hidden_act", str, "silu")
     if act != "silu":
         raise ConfigError(f"config.json: hidden_act {act!r} is not supported; supported: silu")
     kw: dict[str, Any] = {
-        "hidden_size": _positive(hf, "hidden_size"),
-        "top_k": _positive(hf, "num_experts_per_tok"),
+        "hidden_size": positive(hf, "hidden_size"),
+        "top_k": positive(hf, "num_experts_per_tok"),
         "activation": "swiglu",
         "expert_axis": expert_axis,
         "data_axes": data_axes,
@@ -115,39 +115,39 @@ def moe_block_config(
         "router_z_loss_coef": 0.0,
     }
     if kind == "deepseek_v3":
-        f = _positive(hf, "moe_intermediate_size")
+        f = positive(hf, "moe_intermediate_size")
         kw.update(
-            num_experts=_positive(hf, "n_routed_experts"),
+            num_experts=positive(hf, "n_routed_experts"),
             expert_ffn=f,
             router="sigmoid",
             router_bias=True,
             # Absent keys take transformers' DeepseekV3Config defaults.
-            n_group=_positive(hf, "n_group", 8),
-            topk_group=_positive(hf, "topk_group", 4),
-            normalize_topk=_get(hf, "norm_topk_prob", bool, True),
-            routed_scaling_factor=_get(hf, "routed_scaling_factor", float, 2.5),
-            shared_ffn=_get(hf, "n_shared_experts", int, 1) * f,
+            n_group=positive(hf, "n_group", 8),
+            topk_group=positive(hf, "topk_group", 4),
+            normalize_topk=get(hf, "norm_topk_prob", bool, True),
+            routed_scaling_factor=get(hf, "routed_scaling_factor", float, 2.5),
+            shared_ffn=get(hf, "n_shared_experts", int, 1) * f,
         )
     elif kind == "mixtral":
         kw.update(
-            num_experts=_positive(hf, "num_local_experts"),
-            expert_ffn=_positive(hf, "intermediate_size"),
+            num_experts=positive(hf, "num_local_experts"),
+            expert_ffn=positive(hf, "intermediate_size"),
             normalize_topk=True,
         )
     elif kind == "olmoe":
         kw.update(
-            num_experts=_positive(hf, _experts_key(hf)),
-            expert_ffn=_positive(hf, "intermediate_size"),
-            normalize_topk=_get(hf, "norm_topk_prob", bool, False),
+            num_experts=positive(hf, experts_key(hf)),
+            expert_ffn=positive(hf, "intermediate_size"),
+            normalize_topk=get(hf, "norm_topk_prob", bool, False),
         )
     else:
         kw.update(
-            num_experts=_positive(hf, _experts_key(hf)),
-            expert_ffn=_positive(hf, "moe_intermediate_size"),
-            normalize_topk=_get(hf, "norm_topk_prob", bool, False),
+            num_experts=positive(hf, experts_key(hf)),
+            expert_ffn=positive(hf, "moe_intermediate_size"),
+            normalize_topk=get(hf, "norm_topk_prob", bool, False),
         )
         if kind == "qwen2_moe":
-            shared = _get(hf, "shared_expert_intermediate_size", int, 0)
+            shared = get(hf, "shared_expert_intermediate_size", int, 0)
             kw.update(shared_ffn=shared, shared_gate=shared > 0)
     kw.update(overrides)
     return ep.MoEConfig(**kw)
@@ -196,7 +196,7 @@ def load_moe_block(
         )
     kind = _model_type(hf)
     op = "jaxops.models.load_moe_block"
-    layers = _positive(hf, "num_hidden_layers")
+    layers = positive(hf, "num_hidden_layers")
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
         raise ValueError(f"{op}: layer must be an int in [0, {layers}), got {layer!r}")
     if not is_moe_layer(hf, layer):

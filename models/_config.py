@@ -12,9 +12,9 @@ from typing import Any
 
 from jaxops._errors import ConfigError, named_errors
 
-from ._families import LAYER_TYPES, MODEL_TYPES, config_fields
-from ._hf_config import hf_keys
+from ._families import FAMILIES, LAYER_TYPES, MODEL_TYPES, config_fields, family, hf_keys
 from ._rope import Rope, rotary_dim
+from ._spec import Mla
 
 __all__ = [
     "ACTIVATIONS",
@@ -35,44 +35,6 @@ ROUTERS = ("softmax", "sigmoid")
 #: The experts' activation: SwiGLU, or gpt-oss's clamped SwiGLU (gate and up interleaved).
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
 _DEFAULT_ROPE = Rope()
-# The model types whose RoPE rotates part of each head / rotates interleaved pairs.
-_PARTIAL = ("glm4_moe", "minimax_m2")
-_INTERLEAVED = ("deepseek_v3", "ernie4_5_moe", "llama4_text")
-
-
-@dataclasses.dataclass(frozen=True)
-class Mla:
-    """Multi-head latent attention (DeepSeek-V2/V3): the widths of its projections.
-
-    Queries: ``x -> q_a_proj [D, q_lora_rank] -> RMSNorm -> q_b_proj [q_lora_rank, H (dn + dr)]``
-    (or one ``q_proj [D, H (dn + dr)]`` without a q LoRA). Keys and values: ``x ->
-    kv_a_proj_with_mqa [D, kv_lora_rank + dr]``, whose first ``kv_lora_rank`` columns (the
-    compressed KV, RMSNorm'd) expand through ``kv_b_proj [kv_lora_rank, H (dn + dv)]`` into each
-    head's key part without RoPE (``dn``) and its value (``dv``); the last ``dr`` columns are one
-    RoPE key shared by every head. Scores over ``dn + dr`` dims.
-
-    Attributes:
-      kv_lora_rank: width of the compressed KV (what a KV cache of MLA holds, with ``dr``).
-      qk_nope_head_dim: dn, each head's query / key dims without RoPE.
-      qk_rope_head_dim: dr, the rotary dims (DecoderConfig.head_dim is this width).
-      v_head_dim: dv, each head's value width.
-      q_lora_rank: width of the compressed query, or None (one q projection).
-    """
-
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    q_lora_rank: int | None = None
-
-    def __post_init__(self):
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"jaxops.models.Mla: {name} must be an int >= 1, got {value!r}")
-        q = self.q_lora_rank
-        if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 1):
-            raise ConfigError(f"jaxops.models.Mla: q_lora_rank must be None or >= 1, got {q!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,19 +214,21 @@ class DecoderConfig:
             object.__setattr__(self, "rope", Rope(theta=self.rope))
         if not isinstance(self.rope, Rope):
             raise ConfigError(f"{op}: rope must be a Rope, got {self.rope!r}")
-        if self.rope.partial_rotary_factor != 1.0 and self.model_type not in _PARTIAL:
+        fam = family(self.model_type)
+        if self.rope.partial_rotary_factor != 1.0 and not fam.partial_rotary:
+            partial = ", ".join(m for m, f in FAMILIES.items() if f.partial_rotary)
             raise ConfigError(
                 f"{op}: rope must rotate the whole head for {self.model_type} "
-                f"(partial_rotary_factor 1.0; only {', '.join(_PARTIAL)} rotate part), got "
-                f"{self.rope}"
+                f"(partial_rotary_factor 1.0; only {partial} rotate part), got {self.rope}"
             )
-        if self.rope.interleave and self.model_type not in _INTERLEAVED:
+        if self.rope.interleave and fam.interleave == "never":
+            interleaved = ", ".join(m for m, f in FAMILIES.items() if f.interleave != "never")
             raise ConfigError(
                 f"{op}: rope must use the rotate-half layout for {self.model_type} (interleave "
-                f"False; only {', '.join(_INTERLEAVED)} interleave), got {self.rope}"
+                f"False; only {interleaved} interleave), got {self.rope}"
             )
-        if not self.rope.interleave and self.model_type == "ernie4_5_moe":
-            raise ConfigError(f"{op}: ernie4_5_moe rotates interleaved pairs; got {self.rope}")
+        if not self.rope.interleave and fam.interleave == "always":
+            raise ConfigError(f"{op}: {self.model_type} rotates interleaved pairs; got {self.rope}")
         rotary_dim(self.rope, self.head_dim)  # an even rotated width
         if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
             raise ConfigError(f"{op}: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
@@ -326,9 +290,10 @@ class DecoderConfig:
 
     def _check_mla(self, op: str) -> None:
         m = self.mla
-        if (m is not None) != (self.model_type == "deepseek_v3"):
+        if (m is not None) != family(self.model_type).mla:
+            mla = ", ".join(t for t, f in FAMILIES.items() if f.mla)
             raise ConfigError(
-                f"{op}: mla (multi-head latent attention) is deepseek_v3's and deepseek_v3 needs "
+                f"{op}: mla (multi-head latent attention) is {mla}'s and {mla} needs "
                 f"it; got model_type {self.model_type!r} with mla={m!r}"
             )
         if m is None:
@@ -508,16 +473,9 @@ class DecoderConfig:
         if wrong:
             raise ConfigError(
                 f"jaxops.models.DecoderConfig.to_hf: {self.model_type} cannot express "
-                f"{', '.join(wrong)}; "
-                "transformers would build another model (qwen3_moe has q/k norms and no shared "
-                "expert; mixtral renormalizes the top-k weights and has no shared expert, "
-                "biases or dense layers; qwen2_moe has no q/k norms; olmoe has whole-projection "
-                "q/k norms, head_dim = hidden_size / num_attention_heads, no shared expert and no "
-                "sliding window; glm4_moe and deepseek_v3 have sigmoid routers and their dense "
-                "layers first; gpt_oss has attention sinks, biases everywhere and the clamped "
-                "SwiGLU; llama4_text has a top-k sigmoid router weighting the experts' inputs and "
-                "a shared expert of the experts' width; minimax_m2 has whole-projection q/k "
-                "norms and a sigmoid router with a correction bias)"
+                f"{', '.join(wrong)}; transformers would build another model ("
+                + "; ".join(f.description for f in FAMILIES.values())
+                + ")"
             )
         return out
 

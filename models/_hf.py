@@ -20,7 +20,8 @@ from jaxops._errors import ConfigError, named_errors
 
 from ._config import read_config
 from ._decoder import MoEDecoder
-from ._names import FUSED_EXPERTS, expert_names, name_map
+from ._families import family
+from ._names import name_map
 from ._quant import (
     Fp8Block,
     Fp8Codec,
@@ -187,7 +188,7 @@ def from_pretrained(
     if config.tie_word_embeddings:
         extra = [n for n in extra if n != "lm_head.weight"]
     extra = _skip_mtp(config, extra)
-    extra = _skip_vision(config, extra)
+    extra = _skip_wrapper(config, extra)
     if extra:
         method = "mxfp4" if isinstance(quant, Mxfp4) else "fp8" if quant else None
         raise checkpoint.CheckpointError(
@@ -263,7 +264,7 @@ def save_pretrained(
         raise TypeError(f"{op}: model must be a MoEDecoder, got {type(model).__name__}")
     if quantize not in _QUANTIZE:
         raise ConfigError(f"{op}: quantize must be None or 'fp8-block', got {quantize!r}")
-    if quantize and model.config.model_type in FUSED_EXPERTS:
+    if quantize and family(model.config.model_type).names.fused_experts:
         raise ConfigError(
             f"{op}: quantize='fp8-block' writes each expert's [out, in] weights in 128 x 128 "
             f"blocks; {model.config.model_type} checkpoints hold a layer's experts as one "
@@ -290,47 +291,43 @@ def save_pretrained(
     )
 
 
-# The published Llama 4 (Llama4ForConditionalGeneration) keeps its text model under this prefix
-# and its vision tower and projector under these.
-_LANGUAGE_MODEL = "language_model."
-_VISION = ("vision_model.", "multi_modal_projector.")
-
-
 def _language_model(config: Any, rules: Sequence[Rule], tensors: Any) -> tuple[Rule, ...]:
-    """`rules`, their names under ``language_model.`` when the files are a multimodal Llama 4's.
+    """`rules`, their names under the wrapper's prefix when the files are the family's wrapper's.
 
-    The published Llama-4-Scout and Maverick checkpoints hold the text model as
-    ``language_model.model.*`` and ``language_model.lm_head.weight``; transformers'
-    Llama4ForCausalLM reads them by that prefix too.
+    The published Llama-4-Scout and Maverick checkpoints (Llama4ForConditionalGeneration) hold
+    the text model as ``language_model.model.*`` and ``language_model.lm_head.weight``;
+    transformers' Llama4ForCausalLM reads them by that prefix too.
     """
+    wrapper = family(config.model_type).wrapper
     if (
-        config.model_type != "llama4_text"
+        wrapper is None
         or "model.embed_tokens.weight" in tensors
-        or _LANGUAGE_MODEL + "model.embed_tokens.weight" not in tensors
+        or wrapper.prefix + "model.embed_tokens.weight" not in tensors
     ):
         return tuple(rules)
 
     def prefixed(theirs):
         if isinstance(theirs, str):
-            return _LANGUAGE_MODEL + theirs
-        return tuple(_LANGUAGE_MODEL + t for t in theirs)
+            return wrapper.prefix + theirs
+        return tuple(wrapper.prefix + t for t in theirs)
 
     return tuple(dataclasses.replace(r, theirs=prefixed(r.theirs)) for r in rules)
 
 
-def _skip_vision(config: Any, extra: list[str]) -> list[str]:
-    """`extra` less a multimodal Llama 4's vision tower and projector, skipped with a warning."""
-    if config.model_type != "llama4_text":
+def _skip_wrapper(config: Any, extra: list[str]) -> list[str]:
+    """`extra` less the wrapper's other tensors (Llama 4's vision tower), skipped with a warning."""
+    wrapper = family(config.model_type).wrapper
+    if wrapper is None or not wrapper.skipped:
         return extra
-    skipped = [n for n in extra if n.startswith(_VISION)]
+    skipped = [n for n in extra if n.startswith(wrapper.skipped)]
     if skipped:
         warnings.warn(
-            f"jaxops.models.from_pretrained: skipped {len(skipped)} tensor(s) of Llama 4's "
-            "vision tower and projector (vision_model.*, multi_modal_projector.*): "
+            f"jaxops.models.from_pretrained: skipped {len(skipped)} tensor(s) of "
+            f"{wrapper.skipped_what} ({', '.join(p + '*' for p in wrapper.skipped)}): "
             "jaxops.models builds the text model",
             stacklevel=3,
         )
-    return [n for n in extra if not n.startswith(_VISION)]
+    return [n for n in extra if not n.startswith(wrapper.skipped)]
 
 
 def _skip_mtp(config: Any, extra: list[str]) -> list[str]:
@@ -361,8 +358,8 @@ def _unquantized_linears(model: MoEDecoder) -> list[str]:
     transformers' FP8 loader swaps every other ``nn.Linear`` for an FP8 one; the routers are no
     ``nn.Linear`` in transformers 5 but are listed for older versions.
     """
-    moe = expert_names(model.config.model_type)[0]
-    out = ["lm_head", f"{moe}.gate"]
+    names = family(model.config.model_type).names
+    out = ["lm_head", f"{names.moe}.{names.router}"]
     if model.config.shared_ffn and model.config.shared_gate:
-        out.append("mlp.shared_expert_gate")
+        out.append(f"{names.moe}.{names.shared}_gate")
     return out

@@ -25,9 +25,9 @@ from jaxops.parallel.checkpoint import Rule
 from jaxops._errors import named_errors
 
 from ._config import DecoderConfig
+from ._families import family
 
 __all__ = [
-    "FUSED_EXPERTS",
     "LLAMA_NAME_MAP",
     "expert_names",
     "llama_name_map",
@@ -37,16 +37,13 @@ __all__ = [
 
 
 def expert_names(model_type: str) -> tuple[str, str, str, str]:
-    """(MoE module, gate, up, down) names in the published checkpoints.
+    """(MoE module, gate, up, down) names in the published checkpoints (the family's).
 
     Mixtral's ``block_sparse_moe`` / ``w1, w3, w2``; the others' (Qwen, OLMoE, DeepSeek-V3)
     ``mlp`` / ``gate_proj, up_proj, down_proj``.
     """
-    if model_type in ("mixtral", "minimax_m2"):
-        return "block_sparse_moe", "w1", "w3", "w2"
-    if model_type == "llama4_text":
-        return "feed_forward", "gate_proj", "up_proj", "down_proj"
-    return "mlp", "gate_proj", "up_proj", "down_proj"
+    names = family(model_type).names
+    return (names.moe, *names.experts)
 
 
 @named_errors("jaxops.models.name_map")
@@ -159,13 +156,15 @@ def _moe_rules(c: DecoderConfig, index: dict | None) -> list[Rule]:
     """The MoE block's Rules of our stack ``layers``."""
     lay = "model.layers.{i}."
     t = (1, 0)
-    moe, gate, up, down = expert_names(c.model_type)
-    if c.model_type in FUSED_EXPERTS:
+    names = family(c.model_type).names
+    if names.fused_experts:
         return _fused_moe_rules(c, index)
+    moe = names.moe
+    gate, up, down = names.experts
     experts = lay + f"{moe}.experts.{{e}}."
     rules = [
-        Rule("layers/moe/router", lay + f"{moe}.gate.weight", transpose=t, stack=("i",),
-             index=index),
+        Rule("layers/moe/router", lay + f"{moe}.{names.router}.weight", transpose=t,
+             stack=("i",), index=index),
         Rule(
             "layers/moe/w_in",
             (experts + f"{gate}.weight", experts + f"{up}.weight"),
@@ -176,19 +175,14 @@ def _moe_rules(c: DecoderConfig, index: dict | None) -> list[Rule]:
         Rule("layers/moe/w_out", experts + f"{down}.weight", transpose=t, stack=("i", "e"),
              index=index),
     ]  # fmt: skip
-    if c.router_bias:
-        bias = "e_score_correction_bias" if c.model_type == "minimax_m2" else (
-            "gate.e_score_correction_bias")  # fmt: skip
+    if c.router_bias:  # kept float32, as published
         rules.append(
-            Rule("layers/moe/router_bias", lay + f"{moe}.{bias}",
-                 stack=("i",), index=index, dtype="float32")  # kept float32, as published
-            if c.model_type != "ernie4_5_moe"
-            else Rule("layers/moe/router_bias", lay + "mlp.moe_statics.e_score_correction_bias",
-                      stack=("i",), index=index, dtype="float32", squeeze=0)  # theirs [1, E]
+            Rule("layers/moe/router_bias", lay + f"{moe}.{names.router_bias}", stack=("i",),
+                 index=index, dtype="float32", squeeze=0 if names.router_bias_squeeze else None)
         )  # fmt: skip
     if c.shared_ffn:
         gated = c.shared_gate
-        shared = lay + ("mlp.shared_expert." if gated else "mlp.shared_experts.")
+        shared = lay + f"{moe}.{names.shared}."
         rules += [
             Rule(
                 "layers/moe/shared_w_in",
@@ -202,20 +196,16 @@ def _moe_rules(c: DecoderConfig, index: dict | None) -> list[Rule]:
         ]  # fmt: skip
         if gated:
             rules.append(
-                Rule("layers/moe/shared_gate", lay + "mlp.shared_expert_gate.weight",
+                Rule("layers/moe/shared_gate", lay + f"{moe}.{names.shared}_gate.weight",
                      transpose=t, stack=("i",), index=index)
             )  # fmt: skip
     return rules
 
 
-#: Model types whose checkpoints hold each layer's experts as one tensor ``[E, in, out]`` (gate
-#: and up side by side, or interleaved for gpt-oss), as transformers' modules do.
-FUSED_EXPERTS = ("gpt_oss", "llama4_text")
-
-
 def _fused_moe_rules(c: DecoderConfig, index: dict | None) -> list[Rule]:
     """gpt-oss's and Llama 4's MoE blocks: one expert tensor per layer, ours' layout."""
-    moe = "model.layers.{i}." + expert_names(c.model_type)[0] + "."
+    names = family(c.model_type).names
+    moe = f"model.layers.{{i}}.{names.moe}."
     t = (1, 0)
 
     def rule(ours, theirs, **kw):
@@ -223,19 +213,19 @@ def _fused_moe_rules(c: DecoderConfig, index: dict | None) -> list[Rule]:
         return Rule(f"layers/moe/{ours}", theirs, stack=("i",), index=index, **kw)
 
     rules = [
-        rule("router", "router.weight", transpose=t),
+        rule("router", f"{names.router}.weight", transpose=t),
         rule("w_in", "experts.gate_up_proj"),  # [E, D, 2F], as ours
         rule("w_out", "experts.down_proj"),  # [E, F, D]
     ]
     if c.router_logit_bias:
-        rules.append(rule("router_logit_bias", "router.bias"))
+        rules.append(rule("router_logit_bias", f"{names.router}.bias"))
     if c.expert_bias:
         rules += [
             rule("b_in", "experts.gate_up_proj_bias"),
             rule("b_out", "experts.down_proj_bias"),
         ]
     if c.shared_ffn:  # Llama 4's shared expert
-        shared = "shared_expert."
+        shared = f"{names.shared}."
         rules += [
             rule(
                 "shared_w_in", (shared + "gate_proj.weight", shared + "up_proj.weight"), transpose=t
@@ -249,10 +239,12 @@ def moe_block_rules(kind: str, layer: int, cfg: ep.MoEConfig) -> list[Rule]:
     """The Rules of layer `layer`'s MoE block (``moe_layer`` parameters) in a `kind` checkpoint."""
     pre = f"model.layers.{layer}."
     t = (1, 0)
-    moe, gate, up, down = expert_names(kind)
+    names = family(kind).names
+    moe = names.moe
+    gate, up, down = names.experts
     experts = pre + f"{moe}.experts.{{e}}."
     rules = [
-        Rule("router", pre + f"{moe}.gate.weight", transpose=t),
+        Rule("router", pre + f"{moe}.{names.router}.weight", transpose=t),
         Rule(
             "w_in",
             (experts + f"{gate}.weight", experts + f"{up}.weight"),
@@ -262,9 +254,9 @@ def moe_block_rules(kind: str, layer: int, cfg: ep.MoEConfig) -> list[Rule]:
         Rule("w_out", experts + f"{down}.weight", transpose=t, stack=("e",)),
     ]
     if cfg.router_bias:
-        rules.append(Rule("router_bias", pre + f"{moe}.gate.e_score_correction_bias"))
+        rules.append(Rule("router_bias", pre + f"{moe}.{names.router_bias}"))
     if cfg.shared_ffn:
-        shared = pre + ("mlp.shared_experts." if kind == "deepseek_v3" else "mlp.shared_expert.")
+        shared = pre + f"{moe}.{names.shared}."
         rules += [
             Rule(
                 "shared_w_in", (shared + "gate_proj.weight", shared + "up_proj.weight"), transpose=t
@@ -272,7 +264,8 @@ def moe_block_rules(kind: str, layer: int, cfg: ep.MoEConfig) -> list[Rule]:
             Rule("shared_w_out", shared + "down_proj.weight", transpose=t),
         ]
         if cfg.shared_gate:
-            rules.append(Rule("shared_gate", pre + "mlp.shared_expert_gate.weight", transpose=t))
+            gate_name = pre + f"{moe}.{names.shared}_gate.weight"
+            rules.append(Rule("shared_gate", gate_name, transpose=t))
     return rules
 
 
