@@ -10,8 +10,11 @@ Public API (everything else is private):
   :func:`gemm_reference`.
 - Matmul precision: :func:`precision` (context manager and decorator), :func:`current_precision`,
   :func:`precision_report` (or the ``JAXOPS_MATMUL_PRECISION`` environment variable).
-- Errors: :class:`JaxopsError`, the base of every exception jaxops defines, and
-  :class:`ConfigError` (a ``ValueError``) for configurations it cannot build.
+- Errors: :class:`JaxopsError`, the base of every exception jaxops raises on bad input;
+  :class:`InvalidArgumentError` (a ``ValueError``) for argument values, shapes or combinations a
+  call cannot take, :class:`ArgumentTypeError` (a ``TypeError``) for arguments of the wrong type,
+  and :class:`ConfigError` (an ``InvalidArgumentError``) for configurations it cannot build.
+  Every message starts with the public dotted name of what was called.
 - :func:`reuse_host_memory`: keep freed host memory in the process (glibc ``mallopt``), so
   XLA:CPU's per-step temporaries are not page-faulted in again every step.
 - :func:`build_info` (what was built, and which path each op family takes here),
@@ -44,7 +47,7 @@ checks both on the installed package.
 
 from jaxops import fp8, moe
 from jaxops._config import default_impl, get_default_impl, set_default_impl
-from jaxops._errors import ConfigError, JaxopsError
+from jaxops._errors import ArgumentTypeError, ConfigError, InvalidArgumentError, JaxopsError
 from jaxops._ffi import (
     CudaModuleMissingWarning,
     JaxlibVersionError,
@@ -64,8 +67,10 @@ from jaxops._rms_norm import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentTypeError",
     "ConfigError",
     "CudaModuleMissingWarning",
+    "InvalidArgumentError",
     "JaxlibVersionError",
     "JaxopsError",
     "__version__",

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxops._errors import renamed_kwargs
+from jaxops._errors import ArgumentTypeError, InvalidArgumentError, renamed_kwargs
 
 __all__ = [
     "twin_signature",
@@ -61,14 +61,14 @@ def check_array(
     """
     if not hasattr(value, "shape") or not hasattr(value, "dtype"):
         if isinstance(value, (int, float, bool, complex)) or value is None:
-            raise TypeError(f"{op}: {name} must be an array, got {type(value).__name__}")
+            raise ArgumentTypeError(f"{op}: {name} must be an array, got {type(value).__name__}")
         value = jnp.asarray(value)
     dtype = np.dtype(value.dtype)
     if dtype not in dtypes:
         names = ", ".join(dtype_name(d) for d in dtypes)
-        raise TypeError(f"{op}: {name} must have dtype {names}; got {dtype_name(dtype)}")
+        raise ArgumentTypeError(f"{op}: {name} must have dtype {names}; got {dtype_name(dtype)}")
     if value.ndim < min_rank:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: {name} must have rank >= {min_rank}, got shape {tuple(value.shape)}"
         )
     return value
@@ -77,28 +77,30 @@ def check_array(
 def check_positive_float(op: str, name: str, value: Any) -> float:
     """A static, finite, strictly positive Python float."""
     if isinstance(value, jax.core.Tracer):
-        raise TypeError(f"{op}: {name} must be a static Python number, got a traced value")
+        raise ArgumentTypeError(f"{op}: {name} must be a static Python number, got a traced value")
     try:
         result = float(value)
     except (TypeError, ValueError):
-        raise TypeError(f"{op}: {name} must be a number, got {type(value).__name__}") from None
+        raise ArgumentTypeError(
+            f"{op}: {name} must be a number, got {type(value).__name__}"
+        ) from None
     if not math.isfinite(result) or result <= 0.0:
-        raise ValueError(f"{op}: {name} must be finite and > 0, got {value!r}")
+        raise InvalidArgumentError(f"{op}: {name} must be finite and > 0, got {value!r}")
     return result
 
 
 def check_int(op: str, name: str, value: Any, minimum: int) -> int:
     """A static Python int (not a bool) >= `minimum`."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}")
+        raise ArgumentTypeError(f"{op}: {name} must be an int, got {type(value).__name__}")
     if value < minimum:
-        raise ValueError(f"{op}: {name} must be >= {minimum}, got {value}")
+        raise InvalidArgumentError(f"{op}: {name} must be >= {minimum}, got {value}")
     return int(value)
 
 
 def check_bool(op: str, name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__}")
+        raise ArgumentTypeError(f"{op}: {name} must be a bool, got {type(value).__name__}")
     return bool(value)
 
 

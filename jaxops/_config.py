@@ -18,6 +18,8 @@ from typing import Literal
 import jax
 from jax._src import config as _jax_config
 
+from jaxops._errors import InvalidArgumentError
+
 __all__ = [
     "Impl",
     "check_impl",
@@ -34,7 +36,7 @@ _CHOICES = ("auto", "ffi", "xla")
 def _env_default() -> str:
     value = os.environ.get("JAXOPS_IMPL", "auto").strip().lower() or "auto"
     if value not in _CHOICES:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"jaxops: the environment variable JAXOPS_IMPL must be one of {_CHOICES}, got {value!r}"
         )
     return value
@@ -54,7 +56,7 @@ _impl_state = _jax_config.enum_state(
 def _check(op: str, impl: str | None) -> str:
     value = "auto" if impl is None else impl
     if value not in _CHOICES:
-        raise ValueError(f"{op}: impl must be None, 'ffi' or 'xla', got {impl!r}")
+        raise InvalidArgumentError(f"{op}: impl must be None, 'ffi' or 'xla', got {impl!r}")
     return value
 
 
@@ -117,7 +119,7 @@ def resolve_impl(impl: str | None, *, kernel_available: bool, op: str = "jaxops"
         return "xla"
     if not kernel_available:
         if choice == "ffi":
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{op}: impl='ffi' was requested but jaxops has no custom call for this platform "
                 "(on GPU, jaxops must be built with CUDA; see jaxops.build_info())"
             )

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxops import _checks, _ffi
+from jaxops._errors import ArgumentTypeError, InvalidArgumentError
 from jaxops._sharding import matmul_sharding
 
 __all__ = [
@@ -89,7 +90,9 @@ def activation_grad(activation: str | None, h: jax.Array) -> jax.Array:
 def check_activation(op: str, activation: Any) -> str | None:
     """`activation` when it is one of :data:`ACTIVATIONS`, else a ValueError naming `op`."""
     if activation not in ACTIVATIONS:
-        raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        raise InvalidArgumentError(
+            f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}"
+        )
     return activation
 
 
@@ -113,21 +116,23 @@ def check_dense(op: str, x: Any, w: Any, bias: Any, activation: Any, transpose_w
     x = _checks.check_array(op, "x", x, min_rank=1)
     w = _checks.check_array(op, "w", w)
     if w.ndim != 2:
-        raise ValueError(f"{op}: w must be a matrix [K, N] (or [N, K]), got shape {w.shape}")
+        raise InvalidArgumentError(
+            f"{op}: w must be a matrix [K, N] (or [N, K]), got shape {w.shape}"
+        )
     if w.dtype != x.dtype:
-        raise TypeError(f"{op}: w must have x's dtype {x.dtype}, got {w.dtype}")
+        raise ArgumentTypeError(f"{op}: w must have x's dtype {x.dtype}, got {w.dtype}")
     transpose_w = _checks.check_bool(op, "transpose_w", transpose_w)
     k = x.shape[-1]
     w_k, n = (w.shape[1], w.shape[0]) if transpose_w else w.shape
     if w_k != k:
         layout = "[N, K]" if transpose_w else "[K, N]"
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: w must be {layout} with K = x.shape[-1] = {k}; got w of shape {w.shape}"
         )
     if bias is not None:
         bias = _checks.check_array(op, "bias", bias)
         if bias.shape != (n,) or bias.dtype != x.dtype:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{op}: bias must be [{n}] with x's dtype {x.dtype}; got {bias.shape} {bias.dtype}"
             )
     return x, w, bias, check_activation(op, activation), transpose_w, n

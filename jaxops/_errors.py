@@ -1,10 +1,21 @@
 """The error vocabulary of every jaxops tier, and the deprecation of renamed keywords.
 
-Every exception jaxops defines derives from :class:`JaxopsError`, and also from the builtin it
-has always been (``ConfigError`` is a ``ValueError``, ``CheckpointError`` a ``RuntimeError``), so
-``except JaxopsError`` catches them all and no caller's ``except ValueError`` breaks. Every
-message starts with the public dotted name of what was called, e.g.
-``"jaxops.rms_norm: x must have rank >= 1, got shape ()"``.
+Every exception jaxops raises on bad input derives from :class:`JaxopsError`, and also from the
+builtin it has always been, so ``except JaxopsError`` catches them all and no caller's
+``except ValueError`` / ``except TypeError`` breaks:
+
+- :class:`InvalidArgumentError` (a ``ValueError``): an argument of the right type but a value,
+  shape or combination the call cannot take;
+- :class:`ArgumentTypeError` (a ``TypeError``): an argument of the wrong type, or a traced value
+  where a static one is needed;
+- :class:`ConfigError` (an :class:`InvalidArgumentError`): a configuration jaxops cannot build;
+- ``jaxops.parallel.checkpoint.CheckpointError`` (a ``RuntimeError``): files that do not hold
+  what they should.
+
+Every message starts, exactly once, with the public dotted name of what the user called, e.g.
+``"jaxops.rms_norm: x must have rank >= 1, got shape ()"``. :func:`named_errors` puts it there at
+the public boundary: the outermost public call names the error, whatever name an inner public
+call gave it.
 
 Renamed keywords keep their old name for one release: :func:`renamed_kwargs` maps the old name to
 the new one with a :class:`DeprecationWarning` that names both.
@@ -12,14 +23,18 @@ the new one with a :class:`DeprecationWarning` that names both.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
+import re
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = [
+    "ArgumentTypeError",
     "ConfigError",
+    "InvalidArgumentError",
     "JaxopsError",
     "named_errors",
     "public_name",
@@ -38,10 +53,35 @@ class JaxopsError(Exception):
     """
 
 
-class ConfigError(JaxopsError, ValueError):
+class InvalidArgumentError(JaxopsError, ValueError):
+    """An argument jaxops cannot take: a value, shape or combination out of its domain.
+
+    A ``ValueError``. The message starts with the public name of the call and names the argument,
+    what it must be and what came.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxops
+      >>> try:
+      ...     jaxops.rms_norm(jnp.ones(()))
+      ... except jaxops.InvalidArgumentError as e:
+      ...     print(e)
+      jaxops.rms_norm: x must have rank >= 1, got shape ()
+    """
+
+
+class ArgumentTypeError(JaxopsError, TypeError):
+    """An argument of a type jaxops cannot take (or traced where a static value is needed).
+
+    A ``TypeError``. The message starts with the public name of the call and names the argument,
+    the type it must have and the type that came.
+    """
+
+
+class ConfigError(InvalidArgumentError):
     """A configuration jaxops cannot build.
 
-    The message names the field or config.json key, what it needs and what came.
+    An :class:`InvalidArgumentError` (so a ``ValueError``). The message names the field or
+    config.json key, what it needs and what came.
     """
 
 
@@ -54,29 +94,66 @@ def public_name(obj: Any) -> str:
     return ".".join([*parts, obj.__qualname__])
 
 
-_PREFIXED = (ValueError, TypeError)
+# The builtins a public call's plain errors are raised again as: same base, and a JaxopsError.
+_UPGRADE: dict[type, type] = {ValueError: InvalidArgumentError, TypeError: ArgumentTypeError}
+# "jaxops.a.b: " (a public dotted name) at the start of a message.
+_NAMED = re.compile(r"jaxops(?:\.[A-Za-z_][A-Za-z0-9_]*)+: ")
+# The public call now running in this thread / task, if any: the outermost one names errors.
+_CALL: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxops_call", default=None)
+
+
+def renamed(e: BaseException, op: str) -> BaseException | None:
+    """`e` as the error of public call `op`, or None where `e` is not jaxops' to rename.
+
+    A :class:`JaxopsError`, or a plain ``ValueError`` / ``TypeError`` (then raised as
+    :class:`InvalidArgumentError` / :class:`ArgumentTypeError`), gets its message started by
+    ``"{op}: "`` exactly once: a public name an inner call put there is replaced.
+    """
+    cls = type(e)
+    if not isinstance(e, JaxopsError):
+        if cls not in _UPGRADE:
+            return None
+        cls = _UPGRADE[cls]
+    message = str(e)
+    found = _NAMED.match(message)
+    if found is not None:
+        message = message[found.end() :]
+    message = f"{op}: {message}"
+    if cls is type(e) and message == str(e):
+        return e
+    try:
+        new = cls(message)
+    except Exception:  # a subclass whose constructor takes other arguments: left as it is
+        return None
+    new.__cause__, new.__suppress_context__ = e.__cause__, e.__suppress_context__
+    return new.with_traceback(e.__traceback__)
 
 
 def named_errors(op: str) -> Callable[[Callable], Callable]:
     """Decorator: the errors a public entry point raises start with its public dotted name `op`.
 
-    A :class:`JaxopsError`, or a plain ``ValueError`` / ``TypeError``, whose message does not
-    already start with a jaxops name (``"jaxops."``) is raised again as the same type with
-    ``"{op}: "`` in front, its traceback and cause kept. Other exceptions pass unchanged.
+    Only the outermost public call renames (one public entry point calling another names the
+    error by the one the user called): a :class:`JaxopsError`, or a plain ``ValueError`` /
+    ``TypeError`` (raised again as :class:`InvalidArgumentError` / :class:`ArgumentTypeError`),
+    gets ``"{op}: "`` in front of its message, in place of any ``"jaxops.<name>: "`` already
+    there, its traceback and cause kept. Other exceptions pass unchanged.
     """
 
     def wrap(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def named(*args: Any, **kwargs: Any) -> Any:
+            if _CALL.get() is not None:  # inside another public call: that one names the error
+                return fn(*args, **kwargs)
+            token = _CALL.set(op)
             try:
                 return fn(*args, **kwargs)
-            except (JaxopsError, *_PREFIXED) as e:
-                message = str(e)
-                if message.startswith("jaxops.") or not (
-                    isinstance(e, JaxopsError) or type(e) in _PREFIXED
-                ):
+            except (JaxopsError, ValueError, TypeError) as e:
+                new = renamed(e, op)
+                if new is None or new is e:
                     raise
-                raise type(e)(f"{op}: {message}").with_traceback(e.__traceback__) from e.__cause__
+                raise new from new.__cause__
+            finally:
+                _CALL.reset(token)
 
         return named
 
@@ -95,7 +172,9 @@ def renamed_kwargs(
         if old not in kwargs:
             continue
         if new in kwargs:
-            raise TypeError(f"{op}: got both {new}= and its deprecated name {old}=; pass {new}=")
+            raise ArgumentTypeError(
+                f"{op}: got both {new}= and its deprecated name {old}=; pass {new}="
+            )
         warnings.warn(
             f"{op}: the keyword {old}= is renamed {new}= and the old name goes in the next release",
             DeprecationWarning,

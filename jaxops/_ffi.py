@@ -32,7 +32,7 @@ import jaxlib.version
 import numpy as np
 
 from jaxops._config import get_default_impl, resolve_impl
-from jaxops._errors import JaxopsError
+from jaxops._errors import InvalidArgumentError, JaxopsError
 from jaxops._sharding import vary_like
 
 __all__ = [
@@ -153,7 +153,7 @@ def _check_cpu_threads() -> None:
     """JAXOPS_CPU_THREADS, read by the CPU kernels: unset, or a positive integer."""
     value = os.environ.get("JAXOPS_CPU_THREADS")
     if value is not None and not (value.isascii() and value.isdigit() and int(value) > 0):
-        raise ValueError(
+        raise InvalidArgumentError(
             "JAXOPS_CPU_THREADS must be a positive integer (the threads a jaxops CPU call splits "
             f"its work over) or unset, got {value!r}"
         )
@@ -167,7 +167,7 @@ def _check_choice(variable: str, choices: tuple[str, ...], what: str) -> None:
     """Raises unless the environment variable is unset or one of `choices` (`what` it sets)."""
     value = os.environ.get(variable)
     if value is not None and value not in choices:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{variable} must be one of {', '.join(repr(k) for k in choices)} ({what}) or "
             f"unset, got {value!r}"
         )

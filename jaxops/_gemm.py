@@ -48,6 +48,7 @@ from jaxops._cublaslt import (
     gemm_call,
     kernel_available,
 )
+from jaxops._errors import InvalidArgumentError
 from jaxops._precision import MODES, current_precision, dot_precision
 from jaxops._sharding import cotangent_like, padded_spec
 
@@ -222,7 +223,7 @@ def _partitioned_forward(cfg: _Config, has_bias: bool, save: bool, n_results: in
         k_entries = (x_spec[1], w_spec[1] if cfg.transpose_w else w_spec[0])
         n_entry = w_spec[0] if cfg.transpose_w else w_spec[1]
         if any(entry is not None for entry in k_entries):
-            raise ValueError(
+            raise InvalidArgumentError(
                 "jaxops.gemm: the contraction axis K is sharded "
                 f"(x {x_spec}, w {w_spec}); jaxops.gemm keeps rows of x and columns of w local "
                 "and does not gather or reduce K. Shard K inside shard_map and psum the partial "
@@ -325,7 +326,9 @@ def _check_mode(op: str, precision: Any) -> str:
     if precision is None:
         return current_precision()
     if not isinstance(precision, str) or precision not in MODES:
-        raise ValueError(f"{op}: precision must be None or one of {MODES}, got {precision!r}")
+        raise InvalidArgumentError(
+            f"{op}: precision must be None or one of {MODES}, got {precision!r}"
+        )
     return current_precision() if precision == "default" else precision
 
 

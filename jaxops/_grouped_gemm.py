@@ -73,6 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxops import _checks, _ffi
+from jaxops._errors import InvalidArgumentError
 from jaxops._sharding import vary_like
 
 __all__ = [
@@ -134,14 +135,14 @@ def _check(op: str, name: str, a, ndim: int, dtype=None) -> jax.Array:
     want = _DTYPES if dtype is None else (dtype,)
     a = _checks.check_array(op, name, a, dtypes=tuple(np.dtype(d) for d in want))
     if a.ndim != ndim:
-        raise ValueError(f"{op}: {name} must have {ndim} dimensions, got shape {a.shape}")
+        raise InvalidArgumentError(f"{op}: {name} must have {ndim} dimensions, got shape {a.shape}")
     return a
 
 
 def _check_sizes(op: str, group_sizes, groups: int) -> jax.Array:
     group_sizes = _check(op, "group_sizes", group_sizes, 1, jnp.int32)
     if group_sizes.shape != (groups,):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: group_sizes must be int32 [{groups}] (one size per group), got "
             f"{group_sizes.shape}"
         )
@@ -178,7 +179,9 @@ def grouped_gemm(
     wk, n = (w.shape[2], w.shape[1]) if transpose_w else (w.shape[1], w.shape[2])
     if wk != k:
         layout = "[G, N, K]" if transpose_w else "[G, K, N]"
-        raise ValueError(f"{op}: w must be {layout} with K = x.shape[1] = {k}; got {w.shape}")
+        raise InvalidArgumentError(
+            f"{op}: w must be {layout} with K = x.shape[1] = {k}; got {w.shape}"
+        )
     group_sizes = _check_sizes(op, group_sizes, w.shape[0])
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     attrs = {"transpose_w": bool(transpose_w), "zero_tail": bool(zero_tail)}
@@ -211,7 +214,9 @@ def grouped_gemm_wgrad(x, dy, group_sizes) -> jax.Array:
     x = _check(op, "x", x, 2)
     dy = _check(op, "dy", dy, 2, x.dtype)
     if dy.shape[0] != x.shape[0]:
-        raise ValueError(f"{op}: dy must have x's {x.shape[0]} rows, got shape {dy.shape}")
+        raise InvalidArgumentError(
+            f"{op}: dy must have x's {x.shape[0]} rows, got shape {dy.shape}"
+        )
     group_sizes = _check(op, "group_sizes", group_sizes, 1, jnp.int32)
     out = jax.ShapeDtypeStruct((group_sizes.shape[0], x.shape[1], dy.shape[1]), jnp.float32)
     workspace = _lt_workspace(
@@ -289,11 +294,13 @@ def activation_kernel_available(backend: str | None = None) -> bool:
 
 def _check_activation(op: str, activation: str, alpha: float, limit: float) -> None:
     if activation not in ACTIVATIONS:
-        raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+        raise InvalidArgumentError(
+            f"{op}: activation must be one of {ACTIVATIONS}, got {activation!r}"
+        )
     if activation == "clamped_swiglu":
         for name, value in (("alpha", alpha), ("limit", limit)):
             if not (np.isfinite(value) and value > 0):
-                raise ValueError(f"{op}: {name} must be finite and > 0, got {value!r}")
+                raise InvalidArgumentError(f"{op}: {name} must be finite and > 0, got {value!r}")
 
 
 def _check_h(op: str, h, activation: str) -> tuple[jax.Array, int]:
@@ -301,7 +308,7 @@ def _check_h(op: str, h, activation: str) -> tuple[jax.Array, int]:
     h = _check(op, "h", h, 2, jnp.float32)
     gated = activation != "silu"
     if gated and h.shape[1] % 2:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: {activation} needs an even number of columns in h (gate and up), got "
             f"shape {h.shape}"
         )
@@ -354,7 +361,7 @@ def grouped_activation(
     h, f = _check_h(op, h, activation)
     group_sizes = _check(op, "group_sizes", group_sizes, 1, jnp.int32)
     if np.dtype(dtype) not in tuple(np.dtype(d) for d in _DTYPES):
-        raise ValueError(f"{op}: dtype must be float32, bfloat16 or float16, got {dtype}")
+        raise InvalidArgumentError(f"{op}: dtype must be float32, bfloat16 or float16, got {dtype}")
     out = jax.ShapeDtypeStruct((h.shape[0], f), dtype)
     return _ffi.ffi_call(
         TARGET_ACTIVATION_FWD,
@@ -405,7 +412,9 @@ def grouped_activation_bwd(
     h, f = _check_h(op, h, activation)
     da = _check(op, "da", da, 2)
     if da.shape != (h.shape[0], f):
-        raise ValueError(f"{op}: da must be [{h.shape[0]}, {f}] for h {h.shape}, got {da.shape}")
+        raise InvalidArgumentError(
+            f"{op}: da must be [{h.shape[0]}, {f}] for h {h.shape}, got {da.shape}"
+        )
     group_sizes = _check(op, "group_sizes", group_sizes, 1, jnp.int32)
     out = jax.ShapeDtypeStruct(h.shape, jnp.float32)
     return _ffi.ffi_call(

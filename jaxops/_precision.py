@@ -45,6 +45,7 @@ import jax
 import numpy as np
 from jax._src import config as _jax_config
 
+from jaxops._errors import InvalidArgumentError
 from jaxops._grouped_gemm import (
     TARGET_GROUPED_GEMM,
     TARGET_GROUPED_GEMM_LT,
@@ -91,7 +92,7 @@ _MODE_OF_JAX_VALUE: dict[str, str] = {
 
 def _check_mode(mode: Any, name: str = "mode") -> str:
     if not isinstance(mode, str) or mode not in MODES:
-        raise ValueError(f"jaxops.precision: {name} must be one of {MODES}, got {mode!r}")
+        raise InvalidArgumentError(f"jaxops.precision: {name} must be one of {MODES}, got {mode!r}")
     return mode
 
 

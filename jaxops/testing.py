@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxops._errors import InvalidArgumentError
+
 __all__ = [
     "COLLECTIVES",
     "assert_allclose",
@@ -71,7 +73,7 @@ def tolerance(dtype: Any) -> dict[str, float]:
     """
     name = np.dtype(dtype).name
     if name not in _TOLERANCES:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"jaxops.testing.tolerance: no tolerance for dtype {name}; known: {sorted(_TOLERANCES)}"
         )
     return dict(_TOLERANCES[name])

@@ -2,8 +2,10 @@
 
 :func:`check_batch` validates what a public method of :class:`~jaxops.models.MoEDecoder` gets
 (tokens, targets, ``attention_mask``, ``positions``, ``segment_ids``), before anything is traced:
-shapes, dtypes, and for host (numpy) arrays the range of every id. :func:`placement` turns the
-masks into the :class:`~jaxops.models._layers.Tokens` every layer's attention mask is built from.
+shapes, dtypes, for host (numpy) arrays the range of every id, and for concrete arrays (not
+traced under ``jax.jit``) the values of the masks: ``attention_mask`` only 0/1, ``segment_ids``
+only ``>= 0``. :func:`placement` turns the masks into the
+:class:`~jaxops.models._layers.Tokens` every layer's attention mask is built from.
 :func:`split_microbatches` cuts a batch into microbatches that stay on the devices holding them.
 """
 
@@ -19,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxops import _checks
+from jaxops._errors import InvalidArgumentError
 from jaxops._sharding import place
 
 from ._layers import IGNORE_INDEX, Tokens
@@ -62,9 +65,30 @@ def _host_range(op: str, name: str, a: Any, vocab: int, ignore: bool, real: Any 
         bad &= real
     if bad.any():
         where = tuple(int(i) for i in np.argwhere(bad)[0])
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: {name} holds id {int(a[where])} at {where}, outside [0, {vocab}) (the "
             f"vocabulary size{'; -100 marks an ignored target' if ignore else ''})"
+        )
+
+
+def _mask_values(op: str, name: str, a: Any, what: str) -> None:
+    """Refuses an `attention_mask` holding other than 0/1 or `segment_ids` holding ids < 0.
+
+    Host arrays and concrete device arrays (copied to the host: a ``[B, S]`` mask) are looked
+    at; traced ones (under ``jax.jit``) cannot be, and are not. No jax op runs here, so a
+    concrete array closed over by a jitted function is checked as a constant.
+    """
+    if isinstance(a, jax.core.Tracer) or a.dtype == bool:
+        return
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        return
+    a = np.asarray(a)
+    bad = (a < 0) if name == "segment_ids" else ((a != 0) & (a != 1))
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise InvalidArgumentError(
+            f"{op}: {name} must hold {what}, got {int(a[where])} at {where} "
+            f"({int(bad.sum())} such entries)"
         )
 
 
@@ -73,7 +97,7 @@ def _array(op: str, name: str, a: Any, dtypes: tuple, shape: tuple | None) -> ja
     want = "[batch, seq]" if shape is None else f"the shape of tokens {shape}"
     if a.ndim != 2 or (shape is not None and tuple(a.shape) != shape):
         verb = "be" if shape is None else "have"
-        raise ValueError(f"{op}: {name} must {verb} {want}, got shape {tuple(a.shape)}")
+        raise InvalidArgumentError(f"{op}: {name} must {verb} {want}, got shape {tuple(a.shape)}")
     return a
 
 
@@ -99,18 +123,26 @@ def check_batch(
       why: the reason for `multiple`, in words.
       tokens: int32/int64 ``[B, S]``.
       targets: like tokens; ids in ``[0, V)`` or IGNORE_INDEX (-100).
-      attention_mask: bool or int ``[B, S]`` (0 = padding) or None.
+      attention_mask: bool or int ``[B, S]`` (0 = padding, 1 = a token) or None; an int mask
+        holding any other value is refused where it is concrete (not traced under ``jax.jit``).
       positions: int ``[B, S]`` rotary positions or None.
-      segment_ids: int ``[B, S]`` documents (0 = padding) or None.
+      segment_ids: int ``[B, S]`` documents (0 = padding, 1, 2, ... the documents) or None; a
+        negative id is refused where it is concrete (not traced under ``jax.jit``).
       need_targets: targets must be given.
+
+    Raises:
+      InvalidArgumentError: (a ValueError) an argument of the wrong shape or values.
+      ArgumentTypeError: (a TypeError) an argument that is no array or of the wrong dtype.
     """
     host = {"tokens": tokens, "targets": targets}
     tokens = _array(op, "tokens", tokens, _INT_DTYPES, None)
     shape = tuple(tokens.shape)
     if shape[0] % multiple:
-        raise ValueError(f"{op}: tokens' batch ({shape[0]}) must be a multiple of {multiple} {why}")
+        raise InvalidArgumentError(
+            f"{op}: tokens' batch ({shape[0]}) must be a multiple of {multiple} {why}"
+        )
     if need_targets and targets is None:
-        raise ValueError(f"{op}: targets are required")
+        raise InvalidArgumentError(f"{op}: targets are required")
     if targets is not None:
         targets = _array(op, "targets", targets, _INT_DTYPES, shape)
     real = None  # host bool [B, S] of the real tokens, when the masks are host arrays
@@ -120,10 +152,12 @@ def check_batch(
             real = m if real is None else real & m
     if attention_mask is not None:
         attention_mask = _array(op, "attention_mask", attention_mask, _MASK_DTYPES, shape)
+        _mask_values(op, "attention_mask", attention_mask, "only 0 (padding) and 1 (a token)")
     if positions is not None:
         positions = _array(op, "positions", positions, _INT_DTYPES, shape)
     if segment_ids is not None:
         segment_ids = _array(op, "segment_ids", segment_ids, _INT_DTYPES, shape)
+        _mask_values(op, "segment_ids", segment_ids, "ids >= 0 (0 = padding, 1, 2, ... documents)")
     _host_range(op, "tokens", host["tokens"], vocab, ignore=False, real=real)
     if targets is not None:
         _host_range(op, "targets", host["targets"], vocab, ignore=True)

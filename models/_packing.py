@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxops._errors import named_errors
+from jaxops._errors import ArgumentTypeError, InvalidArgumentError, named_errors
 
 __all__ = ["IGNORE_INDEX", "PACKING_ORDERS", "PackedBatch", "pack_sequences"]
 
@@ -107,9 +107,11 @@ class PackedBatch:
 
 def _int_arg(name: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be an int >= {low}, got {type(value).__name__} {value!r}")
+        raise ArgumentTypeError(
+            f"{name} must be an int >= {low}, got {type(value).__name__} {value!r}"
+        )
     if not low <= value <= _INT32_MAX:
-        raise ValueError(f"{name} must be an int in [{low}, {_INT32_MAX}], got {value}")
+        raise InvalidArgumentError(f"{name} must be an int in [{low}, {_INT32_MAX}], got {value}")
     return int(value)
 
 
@@ -117,7 +119,7 @@ def _as_1d(name: str, value: Any, what: str) -> np.ndarray:
     """`value` as a 1-D NumPy array, or an error naming `name`."""
     array = np.asarray(value)
     if array.ndim != 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{name} must be a 1-D sequence of {what}, got shape {array.shape}"
             + (" (pass a list of sequences, not one sequence)" if array.ndim == 0 else "")
         )
@@ -127,7 +129,7 @@ def _as_1d(name: str, value: Any, what: str) -> np.ndarray:
 def _read_sequences(sequences: Iterable[Any]) -> list[np.ndarray]:
     """The sequences as 1-D int64 arrays; integer dtypes only, every id in ``[0, 2**31)``."""
     if isinstance(sequences, str | bytes) or not isinstance(sequences, Iterable):
-        raise TypeError(
+        raise ArgumentTypeError(
             "sequences must be a sequence of 1-D token id sequences, "
             f"got {type(sequences).__name__}"
         )
@@ -137,9 +139,11 @@ def _read_sequences(sequences: Iterable[Any]) -> list[np.ndarray]:
         if array.size == 0:
             array = np.zeros(0, np.int64)
         elif array.dtype.kind not in "iu":
-            raise TypeError(f"sequences[{i}] must hold integer token ids, got dtype {array.dtype}")
+            raise ArgumentTypeError(
+                f"sequences[{i}] must hold integer token ids, got dtype {array.dtype}"
+            )
         elif array.dtype == np.uint64 and array.max() > _INT32_MAX:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"sequences[{i}] has token id {array.max()}, more than int32 holds ({_INT32_MAX})"
             )
         arrays.append(array.astype(np.int64, copy=False))
@@ -149,26 +153,28 @@ def _read_sequences(sequences: Iterable[Any]) -> list[np.ndarray]:
 def _read_masks(loss_masks: Iterable[Any], lengths: np.ndarray) -> list[np.ndarray]:
     """The loss masks as 1-D bool arrays, one per sequence and as long as it."""
     if isinstance(loss_masks, str | bytes) or not isinstance(loss_masks, Iterable):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"loss_masks must be None or one 0/1 sequence per sequence, "
             f"got {type(loss_masks).__name__}"
         )
     masks = [_as_1d(f"loss_masks[{i}]", m, "0/1 flags") for i, m in enumerate(loss_masks)]
     if len(masks) != len(lengths):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"loss_masks must have one mask per sequence ({len(lengths)}), got {len(masks)}"
         )
     for i, mask in enumerate(masks):
         if mask.size != lengths[i]:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"loss_masks[{i}] must be as long as sequences[{i}] ({lengths[i]}), "
                 f"got length {mask.size}"
             )
         if mask.size and mask.dtype.kind not in "biu":
-            raise TypeError(f"loss_masks[{i}] must hold 0/1 or bools, got dtype {mask.dtype}")
+            raise ArgumentTypeError(
+                f"loss_masks[{i}] must hold 0/1 or bools, got dtype {mask.dtype}"
+            )
         if mask.dtype.kind in "iu" and ((mask != 0) & (mask != 1)).any():
             bad = mask[(mask != 0) & (mask != 1)][0]
-            raise ValueError(f"loss_masks[{i}] must hold 0/1 or bools, got value {bad}")
+            raise InvalidArgumentError(f"loss_masks[{i}] must hold 0/1 or bools, got value {bad}")
         masks[i] = mask.astype(bool, copy=False)
     return masks
 
@@ -302,13 +308,15 @@ def pack_sequences(
     if num_rows is not None:
         num_rows = _int_arg("num_rows", num_rows, 0)
         if num_rows % row_multiple:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"num_rows must be a multiple of row_multiple={row_multiple}, got {num_rows}"
             )
     if not isinstance(truncate, bool | np.bool_):
-        raise TypeError(f"truncate must be a bool, got {type(truncate).__name__} {truncate!r}")
+        raise ArgumentTypeError(
+            f"truncate must be a bool, got {type(truncate).__name__} {truncate!r}"
+        )
     if order not in PACKING_ORDERS:
-        raise ValueError(f"order must be one of {PACKING_ORDERS}, got {order!r}")
+        raise InvalidArgumentError(f"order must be one of {PACKING_ORDERS}, got {order!r}")
 
     arrays = _read_sequences(sequences)
     lengths = np.array([a.size for a in arrays], np.int64)
@@ -316,7 +324,7 @@ def pack_sequences(
     if (lengths > seq_len).any():
         if not truncate:
             i = int(np.argmax(lengths > seq_len))
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"sequences[{i}] has {lengths[i]} tokens, more than seq_len={seq_len} "
                 "(pass truncate=True to keep its first seq_len tokens)"
             )
@@ -332,7 +340,7 @@ def pack_sequences(
     if num_rows is None:
         num_rows = -(-needed // row_multiple) * row_multiple
     elif needed > num_rows:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"the sequences need {needed} rows of seq_len={seq_len} (order={order!r}), "
             f"got num_rows={num_rows}"
         )
@@ -354,7 +362,7 @@ def pack_sequences(
     if flat_tokens.size and (flat_tokens.min() < 0 or flat_tokens.max() > _INT32_MAX):
         k = int(np.argmax((flat_tokens < 0) | (flat_tokens > _INT32_MAX)))
         d = int(np.searchsorted(doc_end, k, "right"))
-        raise ValueError(
+        raise InvalidArgumentError(
             f"sequences[{placed[d]}] has token id {flat_tokens[k]} at index "
             f"{k - doc_start[d]}; token ids must be in [0, {_INT32_MAX}]"
         )

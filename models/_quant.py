@@ -166,6 +166,10 @@ def dequantize_blocks(data: np.ndarray, scale: np.ndarray, block: Fp8Block) -> n
     """``float32(data) * scale`` per block, float32 ``[out, in]``; ValueError if they do not fit.
 
     One row block at a time: nothing beyond the float32 result is allocated at full size.
+
+    Raises:
+      ValueError: `data` not 2-d, `scale` not of the block grid's shape, or a scale that is NaN,
+        infinite, zero or negative (a weight of NaN or of flipped sign: the file is corrupt).
     """
     if data.ndim != 2:
         raise ValueError(
@@ -177,8 +181,16 @@ def dequantize_blocks(data: np.ndarray, scale: np.ndarray, block: Fp8Block) -> n
             f"the scale has shape {list(scale.shape)}; a {list(data.shape)} weight in "
             f"{list(block.block)} blocks needs {list(want)}"
         )
-    out = data.astype(np.float32)
     scale = scale.astype(np.float32, copy=False)
+    bad = np.flatnonzero(~(np.isfinite(scale) & (scale > 0)))
+    if bad.size:
+        at = [int(i) for i in np.unravel_index(bad[0], scale.shape)]
+        raise ValueError(
+            f"the scale must be finite and > 0 in every block, got {scale.flat[bad[0]]} at "
+            f"{at} ({bad.size} block(s)); refusing to load NaN, infinite, zero or negative "
+            "weights"
+        )
+    out = data.astype(np.float32)
     rows, cols = block.block
     for i in range(want[0]):
         out[i * rows : (i + 1) * rows] *= np.repeat(scale[i], cols)[: data.shape[1]]

@@ -43,6 +43,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from jaxops._errors import InvalidArgumentError
+
 __all__ = ["count_params", "main", "parse_bytes", "parse_mesh", "plan"]
 
 #: The default device memory: an H100's 80 GB.
@@ -62,13 +64,17 @@ def parse_mesh(text: str) -> dict[str, int]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         m = re.fullmatch(r"([A-Za-z_]\w*)=(\d+)", part)
         if m is None or int(m.group(2)) < 1 or m.group(1) in out:
-            raise ValueError(
-                f"--mesh: expected comma-separated AXIS=SIZE entries with distinct axes and "
-                f"sizes >= 1 (e.g. pipe=2,data=4,expert=8), got {text!r}"
+            raise InvalidArgumentError(
+                f"jaxops.models.plan.parse_mesh: --mesh must be comma-separated AXIS=SIZE "
+                f"entries with distinct axes and sizes >= 1 (e.g. pipe=2,data=4,expert=8), "
+                f"got {text!r}"
             )
         out[m.group(1)] = int(m.group(2))
     if "expert" not in out:
-        raise ValueError(f"--mesh: needs an 'expert' axis (size 1 for none), got {text!r}")
+        raise InvalidArgumentError(
+            f"jaxops.models.plan.parse_mesh: --mesh needs an 'expert' axis (size 1 for none), "
+            f"got {text!r}"
+        )
     return out
 
 
@@ -83,8 +89,9 @@ def parse_bytes(text: str | int) -> int:
         return text
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?I?B?)\s*", text.upper())
     if m is None or m.group(2) not in _UNITS:
-        raise ValueError(
-            f"--device-memory: expected bytes such as 80GB or 85899345920, got {text!r}"
+        raise InvalidArgumentError(
+            f"jaxops.models.plan.parse_bytes: --device-memory must be bytes such as 80GB or "
+            f"85899345920, got {text!r}"
         )
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
@@ -137,7 +144,8 @@ def plan(
       config: a :class:`~jaxops.models.DecoderConfig` or a model directory / config.json path.
       mesh_shape: axis -> size (:func:`parse_mesh`); "pipe" makes pipeline stages, "expert"
         holds the experts, the other axes split the batch.
-      batch: the global batch in sequences.
+      batch: the global batch in sequences: a multiple of the mesh's batch axes' size (times
+        the microbatches), refused before anything is compiled otherwise.
       seq: their length in tokens.
       zero: :attr:`MoEDecoder.zero` (0, 1 or 3).
       fp8: None or "block" (:attr:`MoEDecoder.fp8`).
@@ -172,8 +180,8 @@ def plan(
     cfg = config if isinstance(config, DecoderConfig) else read_config(config)
     devices = math.prod(mesh_shape.values())
     if jax.device_count() < devices:
-        raise ValueError(
-            f"plan: the mesh {mesh_shape} needs {devices} devices, this process has "
+        raise InvalidArgumentError(
+            f"jaxops.models.plan: the mesh {mesh_shape} needs {devices} devices, this process has "
             f"{jax.device_count()} (run `python -m jaxops.models.plan`, which sets them)"
         )
     mesh = jax.make_mesh(
@@ -192,6 +200,17 @@ def plan(
         vocab_chunk=vocab_chunk,
         exchange="dense",  # the GPU's ragged_all_to_all's receive buffers, plus its padding
     )
+    shards = math.prod(mesh_shape[a] for a in model.batch_axes)
+    need = shards * model.num_microbatches
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1 or batch % need:
+        times = (
+            f" times {model.num_microbatches} microbatches" if model.num_microbatches > 1 else ""
+        )
+        raise InvalidArgumentError(
+            f"jaxops.models.plan: --batch (batch=) must be a positive multiple of {need}, the "
+            f"size {shards} of the mesh's batch axes {tuple(model.batch_axes)}{times}, "
+            f"got {batch!r}"
+        )
     optimizer = optax.adamw(1e-4)
     params = model.abstract_params(jnp.dtype(param_dtype))
     state = _with_shardings(
@@ -209,7 +228,6 @@ def plan(
     compile_s = time.perf_counter() - start
     memory = compiled.memory_analysis()
     n = mesh_shape["expert"]
-    shards = math.prod(mesh_shape[a] for a in model.batch_axes)
     per_device = batch * seq // (shards * model.num_microbatches)
     # the compiled layer's own bounds (its group alignment is the CPU kernels')
     layer = make_plan(model.moe, mesh, n, shards, per_device * shards)

@@ -349,6 +349,28 @@ def test_missing_or_misshaped_scales_name_the_tensor_and_file(dirs, tmp_path):
         )
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -0.5])
+def test_nan_inf_zero_or_negative_scales_are_refused_by_name(dirs, tmp_path, bad):
+    # A published-format file whose weight_scale_inv holds a value no quantizer writes would
+    # load as NaN (or sign-flipped) weights and NaN logits: refused, naming the tensor and file.
+    fp8, _ = dirs["mixtral"]
+    weight = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    path = _copy(fp8, tmp_path / "bad")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    scale = safetensors_torch.load_file(path / index["weight_map"][weight + "_scale_inv"])
+    scale = scale[weight + "_scale_inv"].clone()
+    scale[1, 0] = bad
+    _drop_tensor(path, weight + "_scale_inv", scale)
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=rf"^jaxops\.models\.from_pretrained: 'layers/moe/w_in' from \[.*\] in "
+        rf".*00001-of-00002.safetensors: '{re.escape(weight)}_scale_inv': the scale must be "
+        rf"finite and > 0 in every block, got {re.escape(str(np.float32(bad)))} at \[1, 0\] "
+        r"\(1 block\(s\)\); refusing",
+    ):
+        models.from_pretrained(path)
+
+
 @pytest.mark.parametrize(
     "quant,match",
     [

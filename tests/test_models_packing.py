@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -342,3 +343,81 @@ def test_fuzz_invariants(inputs, order, row_multiple, pad_id):
     if order == "first_fit_decreasing":  # at most one row is at most half full
         fill = (batch.segment_ids != 0).sum(axis=1)[:needed]
         assert (2 * fill <= seq_len).sum() <= 1
+
+
+# -------------------------------------------------------------------------------------------------
+# What the decoder takes of a packed batch: segment ids >= 0, an attention mask of 0/1 only.
+
+
+def _tiny_decoder():
+    import jax
+
+    from jaxops import models
+
+    cfg = models.DecoderConfig(
+        "qwen3_moe",
+        vocab_size=32,
+        hidden_size=16,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        num_experts=2,
+        top_k=1,
+        expert_ffn=8,
+    )
+    return models.MoEDecoder(cfg, jax.make_mesh((1,), ("expert",), devices=jax.devices()[:1]))
+
+
+@pytest.mark.parametrize("device", [False, True])
+@pytest.mark.parametrize(
+    ("arg", "value", "match"),
+    [
+        (
+            "segment_ids",
+            -1,
+            r"segment_ids must hold ids >= 0 \(0 = padding, 1, 2, \.\.\. documents\)",
+        ),
+        ("attention_mask", 2, r"attention_mask must hold only 0 \(padding\) and 1 \(a token\)"),
+        ("attention_mask", -1, r"attention_mask must hold only 0 \(padding\) and 1 \(a token\)"),
+    ],
+)
+def test_decoder_refuses_negative_segment_ids_and_non_binary_masks(arg, value, match, device):
+    # Checked before anything is traced (params are never looked at); under jax.jit they are
+    # tracers and not checked (the docstring of check_batch says so).
+    import jax.numpy as jnp
+
+    import jaxops
+
+    model = _tiny_decoder()
+    tokens = np.zeros((2, 6), np.int32)
+    bad = np.ones((2, 6), np.int32)
+    bad[1, 3] = value
+    if device:
+        bad = jnp.asarray(bad)
+    for method in ("logits", "hidden_states"):
+        with pytest.raises(jaxops.InvalidArgumentError) as info:
+            getattr(model, method)(None, tokens, **{arg: bad})
+        assert isinstance(info.value, ValueError)
+        want = rf"^jaxops\.models\.MoEDecoder\.{method}: {match}, got {value} at \(1, 3\) \(1 such"
+        assert re.match(want, str(info.value)), str(info.value)
+    with pytest.raises(ValueError, match=rf"^jaxops\.models\.MoEDecoder\.loss: {match}"):
+        model.loss(None, tokens, tokens, **{arg: bad})
+
+
+def test_decoder_checks_pass_bool_masks_and_packed_batches():
+    from jaxops.models import _batch
+
+    packed = pack_sequences([[1, 2, 3], [4, 5]], seq_len=4)
+    mask = np.array([[True, True, False, False]] * packed.tokens.shape[0])
+    batch = _batch.check_batch(
+        "op",
+        32,
+        1,
+        "",
+        packed.tokens,
+        attention_mask=mask,
+        segment_ids=packed.segment_ids,
+        positions=packed.positions,
+    )
+    assert batch.segment_ids is packed.segment_ids and batch.attention_mask is mask

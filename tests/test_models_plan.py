@@ -17,6 +17,7 @@ import pytest
 from jaxops.models import plan
 from jaxops.models._hlo import collective_traffic
 
+import jaxops
 from jaxops import models
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "examples" / "configs"
@@ -169,6 +170,22 @@ def test_plan_command_bad_mesh(tmp_path):
     assert plan.parse_bytes("80GB") == 80 * 10**9 and plan.parse_bytes("1 GiB") == 2**30
     with pytest.raises(ValueError, match="--device-memory"):
         plan.parse_bytes("lots")
+
+
+def test_plan_refuses_a_batch_the_mesh_cannot_split(tmp_path):
+    # Before anything is compiled: the error names --batch and the batch axes' size, not a
+    # sharding error of the lowering.
+    path = _tiny(tmp_path)
+    done = _run(str(path), "--mesh", "data=2,expert=2", "--batch", "3", "--seq", "16")
+    assert done.returncode == 2, done.stderr
+    assert "error: jaxops.models.plan: --batch (batch=) must be a positive multiple of 4" in (
+        done.stderr
+    ), done.stderr
+    assert "the size 4 of the mesh's batch axes ('data', 'expert'), got 3" in done.stderr
+    if jax.device_count() >= 4:  # the function itself, in this process
+        with pytest.raises(ValueError, match=r"^jaxops\.models\.plan: --batch .* got 6$") as e:
+            plan.plan(path, {"data": 2, "expert": 2}, batch=6, seq=16)
+        assert isinstance(e.value, jaxops.InvalidArgumentError)
 
 
 def test_collective_traffic_counts_loop_trips():

@@ -16,7 +16,7 @@ import numpy as np
 from jaxops import _ffi
 from jaxops._checks import renamed_keywords
 from jaxops._config import check_impl
-from jaxops._errors import ConfigError
+from jaxops._errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 from jaxops._fp8.quantize import (
     _check_amax_floor,
     _check_dtype,
@@ -141,11 +141,11 @@ def quantize_delayed(
     """
     op = "jaxops.fp8.quantize_delayed"
     if not isinstance(meta, Fp8Meta):
-        raise TypeError(f"{op}: meta must be an Fp8Meta, got {type(meta).__name__}")
+        raise ArgumentTypeError(f"{op}: meta must be an Fp8Meta, got {type(meta).__name__}")
     x, cfg = _make_config(op, x, fp8.dtype, None, fp8.pow2_scale, transpose, "row", fp8.amax_floor)
     scale = jnp.asarray(meta.scale, jnp.float32)
     if scale.shape != ():
-        raise ValueError(f"{op}: meta.scale must have shape (), got {scale.shape}")
+        raise InvalidArgumentError(f"{op}: meta.scale must have shape (), got {scale.shape}")
     # Compared as bits: XLA:CPU would also flush the comparison's operand.
     bits = jax.lax.bitcast_convert_type(scale, jnp.uint32)
     subnormal = (bits > 0) & (bits < np.uint32(0x00800000))

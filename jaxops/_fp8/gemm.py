@@ -28,6 +28,7 @@ from jaxops._cublaslt import (
     gemm_fp8_call,
     kernel_available,
 )
+from jaxops._errors import ArgumentTypeError, InvalidArgumentError
 from jaxops._fp8.scales import QuantizedArray, dequantize
 
 __all__ = ["BLOCK", "fp8_gemm", "fp8_gemm_reference"]
@@ -44,7 +45,7 @@ def _operand_mode(op: str, name: str, q: QuantizedArray, k_axis_of_data: int) ->
         return "tiles"
     if q.block == (1, BLOCK) and k_axis_of_data == 1:
         return "rows"
-    raise ValueError(
+    raise InvalidArgumentError(
         f"{op}: {name} must be quantized per tensor, in 1 x 128 groups along K or in 128 x 128 "
         f"tiles; got block={q.block} with transposed={q.transposed} (its groups run along "
         f"{'K' if k_axis_of_data == 1 else 'the non-contracted axis'})"
@@ -99,32 +100,40 @@ def _fp8_reference(a, b, bias, activation, out_dtype):
 def _fp8_validate(op, a, b, bias, activation, out_dtype):
     for name, q in (("a", a), ("b", b)):
         if not isinstance(q, QuantizedArray):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{op}: {name} must be a jaxops.fp8.QuantizedArray, got {type(q).__name__}"
             )
         if len(q.shape) != 2:
-            raise ValueError(f"{op}: {name} must be a matrix, got logical shape {q.shape}")
+            raise InvalidArgumentError(
+                f"{op}: {name} must be a matrix, got logical shape {q.shape}"
+            )
     (m, k), (b_k, n) = a.shape, b.shape
     if b_k != k:
-        raise ValueError(f"{op}: a [M, K] and b [K, N] must share K; got {a.shape} and {b.shape}")
+        raise InvalidArgumentError(
+            f"{op}: a [M, K] and b [K, N] must share K; got {a.shape} and {b.shape}"
+        )
     out = np.dtype(out_dtype)
     if out not in _checks.FLOAT_DTYPES:
-        raise TypeError(f"{op}: out_dtype must be float32, bfloat16 or float16; got {out.name}")
+        raise ArgumentTypeError(
+            f"{op}: out_dtype must be float32, bfloat16 or float16; got {out.name}"
+        )
     activation = check_activation(op, activation)
     if bias is not None:
         bias = _checks.check_array(op, "bias", bias)
         if bias.shape != (n,):
-            raise ValueError(f"{op}: bias must be [{n}], got {bias.shape}")
+            raise InvalidArgumentError(f"{op}: bias must be [{n}], got {bias.shape}")
     # a's data [M, K] holds K on axis 1 unless transposed; b's logical [K, N] holds K on axis 1
     # of its data only when transposed (data [N, K]).
     a_mode = _operand_mode(op, "a", a, 0 if a.transposed else 1)
     b_mode = _operand_mode(op, "b", b, 1 if b.transposed else 0)
     if (a_mode == "tensor") != (b_mode == "tensor"):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: a and b must both be per-tensor or both block-scaled; got {a_mode} and {b_mode}"
         )
     if a_mode == b_mode == "tiles":
-        raise ValueError(f"{op}: at most one of a and b may use 128 x 128 tiles (cuBLASLt)")
+        raise InvalidArgumentError(
+            f"{op}: at most one of a and b may use 128 x 128 tiles (cuBLASLt)"
+        )
     return m, k, n, out, activation, bias, a_mode, b_mode
 
 

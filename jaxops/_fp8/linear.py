@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxops._checks import renamed_keywords
 from jaxops._config import check_impl
 from jaxops._cublaslt import activate, activation_grad, check_dense
+from jaxops._errors import InvalidArgumentError
 from jaxops._fp8.gemm import BLOCK, fp8_gemm
 from jaxops._fp8.quantize import quantize
 from jaxops._fp8.scales import AMAX_FLOOR, GRAD_AMAX_FLOOR
@@ -136,7 +137,7 @@ def fp8_linear(
     op = "jaxops.fp8.linear"
     x, w, bias, activation, _, n = check_dense(op, x, w, bias, activation, False)
     if fp8 not in RECIPES:
-        raise ValueError(f"{op}: fp8 must be one of {RECIPES}, got {fp8!r}")
+        raise InvalidArgumentError(f"{op}: fp8 must be one of {RECIPES}, got {fp8!r}")
     check_impl(op, impl)
     cfg = _LinearConfig(activation, fp8, impl)
     k = x.shape[-1]

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxops import _checks, _ffi
 from jaxops._config import check_impl
+from jaxops._errors import ArgumentTypeError, InvalidArgumentError
 from jaxops._fp8.partition import (
     _explicit_mesh,
     _partitioned_amax,
@@ -152,17 +153,17 @@ def _check_dtype(op: str, dtype: Any) -> np.dtype:
     try:
         d = np.dtype(dtype)
     except TypeError:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{op}: dtype must be float8_e4m3fn or float8_e5m2, got {dtype!r}"
         ) from None
     if d not in FP8_DTYPES:
-        raise TypeError(f"{op}: dtype must be float8_e4m3fn or float8_e5m2, got {d.name}")
+        raise ArgumentTypeError(f"{op}: dtype must be float8_e4m3fn or float8_e5m2, got {d.name}")
     return d
 
 
 def _check_group(op: str, name: str, g: Any) -> int:
     if isinstance(g, (bool, np.bool_)) or not isinstance(g, (int, np.integer)) or g not in _GROUPS:
-        raise ValueError(f"{op}: {name} must use G in {_GROUPS}, got {g!r}")
+        raise InvalidArgumentError(f"{op}: {name} must use G in {_GROUPS}, got {g!r}")
     return int(g)
 
 
@@ -170,14 +171,14 @@ def _check_block(op: str, block: Any) -> tuple[str, int]:
     if block is None:
         return "tensor", 128
     if not isinstance(block, (tuple, list)) or len(block) != 2:
-        raise ValueError(f"{op}: block must be None, (1, G) or (G, G), got {block!r}")
+        raise InvalidArgumentError(f"{op}: block must be None, (1, G) or (G, G), got {block!r}")
     rows, g = block
     g = _check_group(op, "block", g)
     if rows == 1:
         return "rows", g
     if rows == g:
         return "tiles", g
-    raise ValueError(
+    raise InvalidArgumentError(
         f"{op}: block must be None, (1, G) or (G, G) with G in {_GROUPS}, got {block!r}"
     )
 
@@ -185,7 +186,7 @@ def _check_block(op: str, block: Any) -> tuple[str, int]:
 def _check_amax_floor(op: str, value: Any) -> float:
     floor = _checks.check_positive_float(op, "amax_floor", value)
     if floor < _MIN_AMAX_FLOOR:
-        raise ValueError(f"{op}: amax_floor must be >= {_MIN_AMAX_FLOOR}, got {value!r}")
+        raise InvalidArgumentError(f"{op}: amax_floor must be >= {_MIN_AMAX_FLOOR}, got {value!r}")
     return floor
 
 
@@ -194,14 +195,16 @@ def _make_config(op, x, dtype, block, pow2_scale, transpose, scale_layout, amax_
     mode, g = _check_block(op, block)
     transpose = _checks.check_bool(op, "transpose", transpose)
     if scale_layout not in ("row", "col_tma"):
-        raise ValueError(f"{op}: scale_layout must be 'row' or 'col_tma', got {scale_layout!r}")
+        raise InvalidArgumentError(
+            f"{op}: scale_layout must be 'row' or 'col_tma', got {scale_layout!r}"
+        )
     col_tma = scale_layout == "col_tma"
     if col_tma and mode == "tensor":
-        raise ValueError(f"{op}: scale_layout='col_tma' needs a block, got block=None")
+        raise InvalidArgumentError(f"{op}: scale_layout='col_tma' needs a block, got block=None")
     need_2d = mode == "tiles" or transpose or col_tma
     if need_2d and x.ndim < 2:
         what = "block=(G, G)" if mode == "tiles" else ("transpose" if transpose else "col_tma")
-        raise ValueError(f"{op}: {what} needs x of rank >= 2, got shape {tuple(x.shape)}")
+        raise InvalidArgumentError(f"{op}: {what} needs x of rank >= 2, got shape {tuple(x.shape)}")
     cfg = _Config(
         dtype=_check_dtype(op, dtype),
         mode=mode,

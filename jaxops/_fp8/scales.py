@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxops import _checks
+from jaxops._errors import ArgumentTypeError
 from jaxops._rows import round_up
 
 #: Default lower bound of a block's amax (DeepGEMM's value): an all-zero block gets scale
@@ -128,13 +129,13 @@ def dequantize(q: QuantizedArray, dtype: Any = jnp.bfloat16) -> jax.Array:
       True
     """
     if not isinstance(q, QuantizedArray):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"jaxops.fp8.dequantize: q must be a QuantizedArray, got {type(q).__name__}"
         )
     out_dtype = np.dtype(dtype)
     if out_dtype not in _checks.FLOAT_DTYPES:
         names = ", ".join(_checks.dtype_name(d) for d in _checks.FLOAT_DTYPES)
-        raise TypeError(
+        raise ArgumentTypeError(
             f"jaxops.fp8.dequantize: dtype must be one of {names}; got {out_dtype.name}"
         )
     y = (q.data.astype(jnp.float32) * _expand_scale(q)).astype(out_dtype)

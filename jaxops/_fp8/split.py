@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxops import _checks, _ffi
 from jaxops._config import check_impl
+from jaxops._errors import InvalidArgumentError
 from jaxops._fp8.partition import _explicit_mesh, _named
 from jaxops._fp8.quantize import _check_amax_floor, _check_dtype, _check_group
 from jaxops._fp8.scales import (
@@ -242,12 +243,12 @@ def quantize_split_transpose(
     op = "jaxops.fp8.quantize_split_transpose"
     x = _checks.check_array(op, "x", x, min_rank=2)
     if x.ndim != 2:
-        raise ValueError(f"{op}: x must have shape (M, K), got {tuple(x.shape)}")
+        raise InvalidArgumentError(f"{op}: x must have shape (M, K), got {tuple(x.shape)}")
     group_sizes = _checks.check_array(
         op, "group_sizes", group_sizes, dtypes=(np.dtype(np.int32),), min_rank=1
     )
     if group_sizes.ndim != 1 or group_sizes.shape[0] < 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: group_sizes must have shape (E,) with E >= 1, got {tuple(group_sizes.shape)}"
         )
     cfg = _Config(
@@ -262,7 +263,7 @@ def quantize_split_transpose(
     m, k = x.shape
     columns, _ = _split_shapes(m, k, group_sizes.shape[0], cfg.group)
     if columns >= 2**31:
-        raise ValueError(f"{op}: M + 15 E must stay below 2^31 columns, got M={m}")
+        raise InvalidArgumentError(f"{op}: M + 15 E must stay below 2^31 columns, got M={m}")
     check_impl(op, impl)
     if x.size == 0 or not _ffi.use_kernel(impl, op):
         data, scale, col_offsets, scale_offsets = _split_reference(cfg, x, group_sizes)

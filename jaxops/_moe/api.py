@@ -11,6 +11,7 @@ import numpy as np
 
 from jaxops import _checks, _ffi
 from jaxops._config import check_impl
+from jaxops._errors import ArgumentTypeError, InvalidArgumentError
 from jaxops._moe.autodiff import permute_vjp, unpermute_vjp
 from jaxops._moe.layout import (
     INT32,
@@ -34,12 +35,18 @@ __all__ = ["permute", "permute_reference", "unpermute", "unpermute_reference"]
 
 def _static_int(op: str, name: str, value: Any, minimum: int, maximum: int) -> int:
     if isinstance(value, jax.core.Tracer):
-        raise TypeError(f"jaxops.moe.{op}: {name} must be a static Python int, got a traced value")
+        raise ArgumentTypeError(
+            f"jaxops.moe.{op}: {name} must be a static Python int, got a traced value"
+        )
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"jaxops.moe.{op}: {name} must be an int, got {type(value).__name__}")
+        raise ArgumentTypeError(
+            f"jaxops.moe.{op}: {name} must be an int, got {type(value).__name__}"
+        )
     value = operator.index(value)
     if not minimum <= value <= maximum:
-        raise ValueError(f"jaxops.moe.{op}: {name} must be in [{minimum}, {maximum}], got {value}")
+        raise InvalidArgumentError(
+            f"jaxops.moe.{op}: {name} must be in [{minimum}, {maximum}], got {value}"
+        )
     return value
 
 
@@ -55,7 +62,7 @@ def _check_probs(op: str, probs: Any, shape: tuple[int, ...]) -> jax.Array | Non
         return None
     probs = _checks.check_array(f"jaxops.moe.{op}", "probs", probs)
     if tuple(probs.shape) != shape:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"jaxops.moe.{op}: probs must have expert_ids' shape {shape} (T, K), "
             f"got {tuple(probs.shape)}"
         )
@@ -68,7 +75,7 @@ def _check_scales(op: str, scales: Any, t: int, h: int) -> jax.Array | None:
     scales = _checks.check_array(op, "scales", scales, dtypes=(np.dtype(np.float32),))
     s = scales.shape[1] if scales.ndim == 2 else 0
     if scales.ndim != 2 or scales.shape[0] != t or s < 1 or h % s:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: scales must be float32 (T, H / G) = ({t}, {h} / G) for a group size G "
             f"that divides H, got {tuple(scales.shape)}"
         )
@@ -79,11 +86,13 @@ def _validate_permute(tokens, expert_ids, num_experts, probs, align, scales, cap
     op = "jaxops.moe.permute"
     tokens = _checks.check_array(op, "tokens", tokens, dtypes=TOKEN_DTYPES)
     if tokens.ndim != 2:
-        raise ValueError(f"{op}: tokens must have shape (T, H), got {tuple(tokens.shape)}")
+        raise InvalidArgumentError(
+            f"{op}: tokens must have shape (T, H), got {tuple(tokens.shape)}"
+        )
     expert_ids = _checks.check_array(op, "expert_ids", expert_ids, dtypes=INT32)
     t, h = tokens.shape
     if expert_ids.ndim != 2 or expert_ids.shape[0] != t or expert_ids.shape[1] < 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: expert_ids must have shape (T, K) with T = {t} (tokens' rows) and K >= 1, "
             f"got {tuple(expert_ids.shape)}"
         )
@@ -97,7 +106,7 @@ def _validate_permute(tokens, expert_ids, num_experts, probs, align, scales, cap
     check_impl(op, impl)
     rows = permuted_rows(t, k, num_experts, align, capacity)
     if t * k > MAX_ROWS or rows > MAX_ROWS:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: T * K = {t * k} slots and R = {rows} rows must stay below 2^31 "
             f"(R = T * K + E * (align - 1))"
         )
@@ -186,19 +195,19 @@ def permute(
 def _validate_unpermute(expert_out, permuted, probs, num_tokens, impl):
     op = "jaxops.moe.unpermute"
     if not isinstance(permuted, Permuted):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{op}: permuted must be a jaxops.moe.Permuted, got {type(permuted).__name__}"
         )
     expert_out = _checks.check_array(op, "expert_out", expert_out, dtypes=TOKEN_DTYPES)
     rows = permuted.source.shape[0]
     if expert_out.ndim != 2 or expert_out.shape[0] != rows:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: expert_out must have shape (R, H') with R = {rows} (permuted rows), "
             f"got {tuple(expert_out.shape)}"
         )
     t = permuted.row_map.shape[0]
     if num_tokens is not None and num_tokens != t:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: num_tokens must equal T = {t}, the tokens permute saw, got {num_tokens!r}"
         )
     probs = _check_probs("unpermute", probs, tuple(permuted.row_map.shape))

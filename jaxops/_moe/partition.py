@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxops import _ffi
+from jaxops._errors import InvalidArgumentError
 from jaxops._moe.layout import (
     TARGET_PERMUTE,
     TARGET_ROUTE,
@@ -55,7 +56,7 @@ def explicit_mesh(x: jax.Array):
 def refuse_sharded(op: str, name: str, entry, axis: str) -> None:
     """Raises when `name`'s `axis` (a token or row axis) is sharded over mesh axes `entry`."""
     if entry is not None:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"jaxops.moe.{op}: {name} is sharded along its {axis} axis over mesh axes {entry!r}; "
             "the expert-grouped layout is global, so this needs communication that jaxops will "
             "not insert silently. Call jaxops.moe inside shard_map (each device permutes its own "

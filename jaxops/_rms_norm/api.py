@@ -8,6 +8,7 @@ import jax
 
 from jaxops import _checks, _ffi
 from jaxops._config import check_impl
+from jaxops._errors import ArgumentTypeError, InvalidArgumentError
 from jaxops._rms_norm.autodiff import add_rms_norm_vjp, rms_norm_vjp
 from jaxops._rms_norm.reference import (
     Config,
@@ -22,11 +23,13 @@ __all__ = ["add_rms_norm", "rms_norm"]
 def _validate(op: str, x, weight, eps, zero_centered_weight, impl) -> tuple[jax.Array, Any, Config]:
     x = _checks.check_array(op, "x", x, min_rank=1)
     if x.shape[-1] < 1:
-        raise ValueError(f"{op}: the last axis of x (hidden) must be >= 1, got shape {x.shape}")
+        raise InvalidArgumentError(
+            f"{op}: the last axis of x (hidden) must be >= 1, got shape {x.shape}"
+        )
     if weight is not None:
         weight = _checks.check_array(op, "weight", weight)
         if tuple(weight.shape) != (x.shape[-1],):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{op}: weight must have shape ({x.shape[-1]},) to match the last axis of x, "
                 f"got {tuple(weight.shape)}"
             )
@@ -127,12 +130,12 @@ def add_rms_norm(
     x, weight, cfg = _validate(op, x, weight, eps, zero_centered_weight, impl)
     residual = _checks.check_array(op, "residual", residual)
     if residual.dtype != x.dtype:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{op}: residual must have x's dtype {_checks.dtype_name(x.dtype)}, "
             f"got {_checks.dtype_name(residual.dtype)}"
         )
     if residual.shape != x.shape:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}"
         )
     if not _ffi.use_kernel(impl, "jaxops.add_rms_norm"):

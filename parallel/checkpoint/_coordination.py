@@ -32,7 +32,7 @@ class _Coordinator:
     _counter = 0
     _lock = threading.Lock()
 
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, op: str = "jaxops.parallel.checkpoint.save"):
         self.num_processes = jax.process_count()
         self.process_id = jax.process_index()
         self.timeout_ms = int(timeout * 1000)
@@ -46,7 +46,7 @@ class _Coordinator:
             self.client = distributed.global_state.client
             if self.client is None:
                 raise CheckpointError(
-                    "checkpoint: jax.process_count() > 1 but jax.distributed is not initialized"
+                    f"{op}: jax.process_count() > 1 but jax.distributed is not initialized"
                 )
 
     def publish(self, name: str, value: str) -> None:

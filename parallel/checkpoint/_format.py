@@ -11,7 +11,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from jaxops._errors import JaxopsError
+from jaxops._errors import ArgumentTypeError, JaxopsError
 
 # numpy dtype name <-> safetensors dtype code. float8 names are ml_dtypes'.
 _ST_CODES = {
@@ -85,7 +85,9 @@ def _is_float(dtype: np.dtype) -> bool:
 def _dtype_name(op: str, what: str, dtype: Any) -> str:
     name = np.dtype(dtype).name
     if name not in _ST_CODES:
-        raise TypeError(f"{op}: {what} has dtype {name}; supported dtypes: {', '.join(_ST_CODES)}")
+        raise ArgumentTypeError(
+            f"{op}: {what} has dtype {name}; supported dtypes: {', '.join(_ST_CODES)}"
+        )
     return name
 
 

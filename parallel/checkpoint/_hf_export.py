@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxops._errors import named_errors
+from jaxops._errors import ArgumentTypeError, InvalidArgumentError, named_errors
 
 from ._format import _dtype_name, _is_float, _little_endian, _np_dtype
 from ._index import _load_index
@@ -36,7 +36,7 @@ def _parse_size(op: str, size: int | str) -> int:
         return size
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", str(size).upper())
     if m is None:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: max_shard_size must be bytes or like '5GB' / '500MiB', got {size!r}"
         )
     unit = m.group(2)
@@ -198,7 +198,7 @@ def export_safetensors(
                             if name in planned[i].aliased:
                                 first_key, first = kept[name]
                                 if not _same_bits(first, part):
-                                    raise ValueError(
+                                    raise InvalidArgumentError(
                                         f"{op}: {key!r} and {first_key!r} both map to {name!r} "
                                         "but their tensors differ; two keys may share a name "
                                         "only when the tensors written are bitwise equal (tied "
@@ -299,7 +299,7 @@ def _plan(
             if cast is not None and rule.dtype is None and not coded and _is_float(out_dt):
                 out_dt = cast
             if name == "__metadata__":
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{op}: {key!r} maps to the tensor name '__metadata__', which is the "
                     "safetensors header's own entry; rename the leaf or map it with a Rule"
                 )
@@ -307,14 +307,14 @@ def _plan(
             if name in first:
                 j, (dt_j, shape_j) = first[name]
                 if (entry[1], entry[2]) != (dt_j, shape_j):
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         f"{op}: {key!r} and {items[j][0]!r} both map to {name!r}, as "
                         f"{entry[1]}{list(entry[2])} and {dt_j}{list(shape_j)}; two keys may "
                         "share a name only when the tensors written are bitwise equal (tied "
                         "weights)"
                     )
                 if any(name == e[0] for e in outs):
-                    raise ValueError(f"{op}: {key!r} maps two of its parts to {name!r}")
+                    raise InvalidArgumentError(f"{op}: {key!r} maps two of its parts to {name!r}")
                 aliased.add(name)
                 anchor = max(anchor, j)
             else:
@@ -350,9 +350,13 @@ def _config_dict(op: str, name: str, value: Any) -> dict[str, Any]:
     if hasattr(value, "to_dict"):
         value = value.to_dict()
     if not isinstance(value, Mapping):
-        raise TypeError(f"{op}: the value for {name} must be a dict, got {type(value).__name__}")
+        raise ArgumentTypeError(
+            f"{op}: the value for {name} must be a dict, got {type(value).__name__}"
+        )
     try:
         json.dumps(dict(value))
     except (TypeError, ValueError) as e:
-        raise TypeError(f"{op}: the value for {name} is not JSON-serializable: {e}") from None
+        raise ArgumentTypeError(
+            f"{op}: the value for {name} is not JSON-serializable: {e}"
+        ) from None
     return dict(value)

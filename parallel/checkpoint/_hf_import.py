@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from jaxops._errors import named_errors
+from jaxops._errors import ArgumentTypeError, InvalidArgumentError, named_errors
 
 from ._format import (
     _ST_DTYPES,
@@ -181,7 +181,7 @@ def _stored(codec: Codec | None, name: str, table) -> tuple[str, ...]:
         return (name,)
     out = tuple(stored(name, table))
     if not out or not all(isinstance(n, str) for n in out):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{type(codec).__name__}.stored({name!r}) must give tensor names, got {out!r}"
         )
     return out
@@ -202,7 +202,7 @@ def _files(names: Sequence[str], table, codec: Codec | None) -> str:
 def _read_stored(name: str, table) -> np.ndarray:
     """A codec's read: stored tensor `name`; ValueError if the files lack it."""
     if name not in table:
-        raise ValueError(f"the files hold no tensor {name!r}")
+        raise InvalidArgumentError(f"the files hold no tensor {name!r}")
     return _read_hf_tensor(name, *table[name])
 
 

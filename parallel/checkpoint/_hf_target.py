@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxops._errors import named_errors
+from jaxops._errors import ArgumentTypeError, InvalidArgumentError, named_errors
 
 from ._format import _ST_DTYPES, CheckpointError, _is_float, _np_dtype
 from ._hf_import import _hf_tensors
@@ -89,7 +89,9 @@ def hf_target(
     """
     op = "jaxops.parallel.checkpoint.hf_target"
     if unmapped not in ("error", "skip", "keep"):
-        raise ValueError(f"{op}: unmapped must be 'error', 'skip' or 'keep', got {unmapped!r}")
+        raise InvalidArgumentError(
+            f"{op}: unmapped must be 'error', 'skip' or 'keep', got {unmapped!r}"
+        )
     table = _hf_tensors(Path(src))
     headers = {name: _header_of(op, name, entry) for name, (_, entry, _) in table.items()}
     leaves: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
@@ -124,7 +126,7 @@ def hf_target(
     if mesh is not None and isinstance(specs, Mapping):
         missing = [key for key in leaves if spec_of(key) is _MISSING]
         if missing:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{op}: no spec for {len(missing)} key(s), e.g. {missing[:5]}; give every leaf a "
                 "spec, a template such as 'layers/{i}/...', or pass a callable"
             )
@@ -136,7 +138,7 @@ def hf_target(
             spec = spec_of(key)
             spec = PartitionSpec() if spec is None else spec
             if not isinstance(spec, PartitionSpec) or len(spec) > len(shape):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{op}: the spec of {key!r} (shape {list(shape)}) must be a PartitionSpec "
                     f"with at most {len(shape)} entries, got {spec!r}"
                 )
@@ -161,7 +163,9 @@ def _invert(op, rule: Rule, name_map, headers):
     ours = {m.group(1) for m in _PLACEHOLDER.finditer(rule.ours)}
     first = {m.group(1) for m in _PLACEHOLDER.finditer(templates[0])}
     if not ours <= first:
-        raise ValueError(f"{op}: Rule({rule.ours!r}): {sorted(ours - first)} not in {templates[0]}")
+        raise InvalidArgumentError(
+            f"{op}: Rule({rule.ours!r}): {sorted(ours - first)} not in {templates[0]}"
+        )
     pattern = _template_regex(templates[0], ".")
     inverse = {s: {n: i for i, n in enumerate(ns)} for s, ns in (rule.index or ())}
     found: dict[str, dict[tuple[int, ...], dict[str, str]]] = {}
@@ -238,7 +242,7 @@ def _spec_lookup(op: str, specs: Specs) -> Callable[[str], Any]:
     if callable(specs) and not isinstance(specs, Mapping):
         return specs
     if not isinstance(specs, Mapping):
-        raise TypeError(f"{op}: specs must be a dict, a callable or a PartitionSpec")
+        raise ArgumentTypeError(f"{op}: specs must be a dict, a callable or a PartitionSpec")
     flat: dict[str, Any] = {}
 
     def walk(prefix: str, node: Mapping) -> None:
@@ -269,7 +273,7 @@ def _insert(op: str, tree: dict[str, Any], key: str, leaf: Any) -> None:
     for part in parents:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ValueError(f"{op}: {key!r} lies under another leaf")
+            raise InvalidArgumentError(f"{op}: {key!r} lies under another leaf")
     if last in node:
-        raise ValueError(f"{op}: {key!r} is both a leaf and a subtree")
+        raise InvalidArgumentError(f"{op}: {key!r} is both a leaf and a subtree")
     node[last] = leaf

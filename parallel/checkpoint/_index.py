@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxops._errors import InvalidArgumentError
+
 from ._format import (
     _ST_CODES,
     CheckpointError,
@@ -262,7 +264,7 @@ def _step_value(op: str, step: Any, *, none_ok: bool) -> int | None:
         integral = np.issubdtype(dtype, np.integer)  # numpy or jax integer scalars
     if integral and int(step) >= 0:
         return int(step)
-    raise ValueError(
+    raise InvalidArgumentError(
         f"{op}: step must be a non-negative integer{' or None' if none_ok else ''}, got {step!r}"
     )
 

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxops._errors import InvalidArgumentError
 from jaxops._ffi import crc32c_chunks
 
 from . import _index
@@ -70,7 +71,7 @@ def _write_safetensors(
         placed = []
         for (name, dtype, shape, nbytes), arr in zip(entries, arrays, strict=True):
             if arr.dtype.name != dtype or tuple(arr.shape) != shape:
-                raise ValueError(f"{name}: got {arr.dtype.name}{list(arr.shape)}")
+                raise InvalidArgumentError(f"{name}: got {arr.dtype.name}{list(arr.shape)}")
             view = _byte_view(arr)
             crcs = []
             for i in range(0, len(view), step):

@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxops._errors import InvalidArgumentError
+
 from ._coordination import _Coordinator, _write_checkpoint
 from ._format import CheckpointError, _is_float, _np_dtype
 from ._index import INDEX, _load_index, _step_value
@@ -86,11 +88,13 @@ class CheckpointManager:
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
-                raise ValueError(f"{op}: {name} must be None or an int >= 1, got {value!r}")
+                raise InvalidArgumentError(
+                    f"{op}: {name} must be None or an int >= 1, got {value!r}"
+                )
         if ema_decay is not None and not (
             isinstance(ema_decay, (int, float)) and 0.0 <= float(ema_decay) < 1.0
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{op}: ema_decay must be None or a float in [0, 1), got {ema_decay!r}"
             )
         self.directory = Path(directory)
@@ -172,9 +176,11 @@ class CheckpointManager:
         if self.ema_decay is not None and any(
             k == "ema" or k.startswith("ema/") for k in _flatten(op, tree)[0]
         ):
-            raise ValueError(f"{op}: with ema_decay the tree must not have a top-level 'ema' key")
+            raise InvalidArgumentError(
+                f"{op}: with ema_decay the tree must not have a top-level 'ema' key"
+            )
         snap = _snapshot(op, tree, copy=self.async_save)
-        coord = _Coordinator(self.timeout)
+        coord = _Coordinator(self.timeout, op)
         if self.async_save:
             self._pending = self._executor.submit(self._write, step, snap, metadata, coord)
         else:
@@ -261,7 +267,7 @@ class CheckpointManager:
         path = self.step_path(step)
         if ema:
             if target is None:
-                raise ValueError(
+                raise InvalidArgumentError(
                     "CheckpointManager.restore: ema=True needs a target (the EMA is restored "
                     "into the target's leaves); got None"
                 )

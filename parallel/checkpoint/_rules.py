@@ -9,6 +9,8 @@ from typing import Protocol
 
 import numpy as np
 
+from jaxops._errors import InvalidArgumentError
+
 from ._format import _np_dtype
 
 _PLACEHOLDER = re.compile(r"\{(\w+)(?::([^{}]+))?\}")
@@ -120,7 +122,7 @@ class Rule:
             if not set(index) <= set(stack) or any(
                 min(v, default=0) < 0 or len(set(v)) != len(v) for v in index.values()
             ):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"Rule({self.ours!r}): index must map stacked placeholders {stack} to "
                     f"distinct numbers >= 0, got {self.index!r}"
                 )
@@ -129,17 +131,17 @@ class Rule:
         theirs = {m.group(1) for t in self._theirs for m in _PLACEHOLDER.finditer(t)}
         bad = [s for s in stack if s in ours or s not in theirs]
         if bad or len(set(stack)) != len(stack):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"Rule({self.ours!r}): stack {stack} must name distinct placeholders of theirs "
                 f"that ours does not have; ours has {sorted(ours)}, theirs {sorted(theirs)}"
             )
         sq = self.squeeze
         if sq is not None and (isinstance(sq, bool) or not isinstance(sq, int) or sq < 0):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"Rule({self.ours!r}): squeeze must be an axis >= 0 or None, got {sq!r}"
             )
         if self.rope_ours not in ("interleaved", "rotate_half"):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"Rule({self.ours!r}): rope_ours must be 'interleaved' or 'rotate_half', "
                 f"got {self.rope_ours!r}"
             )
@@ -148,7 +150,7 @@ class Rule:
             if len(dims) != len(self._theirs) or any(
                 d is not None and (not isinstance(d, int) or d <= 0 or d % 2) for d in dims
             ):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"Rule({self.ours!r}): rope must be one positive even head size or one "
                     f"(or None) per part of theirs ({len(self._theirs)}), got {self.rope!r}"
                 )
@@ -179,7 +181,7 @@ class Rule:
             if dh is not None:
                 n = part.shape[self.axis]
                 if n % dh:
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         f"{key!r}: a RoPE part has {n} entries along axis {self.axis}, not a "
                         f"multiple of the head size {dh}"
                     )
@@ -199,26 +201,28 @@ class Rule:
         shapes = [tuple(int(n) for n in s) for s in their_shapes]
         what = f"Rule({self.ours!r}): their shapes {[list(s) for s in shapes]}"
         if len(shapes) != len(self._theirs) or not shapes:
-            raise ValueError(f"{what}: expected {len(self._theirs)} tensors")
+            raise InvalidArgumentError(f"{what}: expected {len(self._theirs)} tensors")
         if self.squeeze is not None:
             a = self.squeeze
             if any(not 0 <= a < len(s) or s[a] != 1 for s in shapes):
-                raise ValueError(f"{what} have no axis {a} of size 1 (squeeze={a})")
+                raise InvalidArgumentError(f"{what} have no axis {a} of size 1 (squeeze={a})")
             shapes = [s[:a] + s[a + 1 :] for s in shapes]
         ndim = len(shapes[0])
         if len(shapes) > 1:
             rest = {s[: self.axis] + s[self.axis + 1 :] for s in shapes}
             if any(len(s) != ndim for s in shapes) or not 0 <= self.axis < ndim or len(rest) > 1:
-                raise ValueError(f"{what} do not concatenate along axis {self.axis}")
+                raise InvalidArgumentError(f"{what} do not concatenate along axis {self.axis}")
             if self.sizes is not None and [s[self.axis] for s in shapes] != list(self.sizes):
-                raise ValueError(f"{what} do not have the sizes {list(self.sizes)}")
+                raise InvalidArgumentError(f"{what} do not have the sizes {list(self.sizes)}")
         fused = list(shapes[0])
         if len(shapes) > 1:
             fused[self.axis] = sum(s[self.axis] for s in shapes)
         if self.transpose is None:
             return tuple(fused)
         if sorted(self.transpose) != list(range(ndim)):
-            raise ValueError(f"{what} have rank {ndim}; the transpose is {self.transpose}")
+            raise InvalidArgumentError(
+                f"{what} have rank {ndim}; the transpose is {self.transpose}"
+            )
         ours = [0] * ndim
         for k, t in enumerate(self.transpose):
             ours[t] = fused[k]
@@ -238,7 +242,7 @@ class Rule:
         index = dict(self.index or ())
         for s, n in zip(self.stack, stack_shape, strict=False):
             if s in index and n > len(index[s]):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"Rule({self.ours!r}): {key!r} stacks {n} along {s!r} but index names "
                     f"{len(index[s])}"
                 )
@@ -263,7 +267,7 @@ class Rule:
         if not self.matches(key):
             return None
         if self.stack and len(tuple(stack_shape)) < len(self.stack):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"Rule({self.ours!r}): {key!r} stacks {self.stack}; give stack_shape, the sizes "
                 "of our leading axes"
             )
@@ -280,7 +284,7 @@ class Rule:
         """
         if self.stack:
             if arr.ndim < len(self.stack):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"export: {key!r} has shape {list(arr.shape)}, fewer axes than the stacked "
                     f"placeholders {self.stack}"
                 )
@@ -304,7 +308,7 @@ class Rule:
             n = arr.shape[self.axis]
             sizes = list(self.sizes) if self.sizes is not None else [n // len(names)] * len(names)
             if len(sizes) != len(names) or sum(sizes) != n:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"export: {key!r} has {n} along axis {self.axis}, which does not split into "
                     f"{len(names)} parts of sizes {sizes}"
                 )
@@ -400,7 +404,7 @@ def _rule_for(name_map: Sequence[Rule] | None, key: str) -> Rule:
         if rule.matches(key):
             return rule
     if "{" in key or "}" in key:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"key {key!r}: no rule of the name map matches it, and as its own name its '{{' or "
             "'}' would read as a placeholder; give it a Rule whose template matches it (e.g. "
             "{name:regex}) or rename the leaf"

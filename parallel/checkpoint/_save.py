@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxops._errors import named_errors
+from jaxops._errors import ArgumentTypeError, InvalidArgumentError, named_errors
 
 from ._coordination import _Coordinator, _write_checkpoint
 from ._format import _dtype_name
@@ -25,7 +25,7 @@ def _snapshot(op: str, tree: Any, *, copy: bool, prefix: str | None = None) -> _
     keys, leaves, _ = _flatten(op, tree)
     for key in keys:
         if key == "__metadata__" or "[" in key or "]" in key:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{op}: leaf key {key!r} is not allowed: keys name the tensors of the files "
                 "(part of a sharded array is key[start:end,...]) and '__metadata__' is the "
                 "safetensors header's own; expected a key without '[' or ']'"
@@ -35,7 +35,7 @@ def _snapshot(op: str, tree: Any, *, copy: bool, prefix: str | None = None) -> _
     for key, leaf in zip(keys, leaves, strict=True):
         if not isinstance(leaf, jax.Array):
             if not isinstance(leaf, (np.ndarray, np.generic, int, float, bool)):
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"{op}: leaf {key!r} must be a jax.Array, numpy array or Python scalar, "
                     f"got {type(leaf).__name__}"
                 )

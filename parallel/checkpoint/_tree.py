@@ -7,6 +7,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxops._errors import ArgumentTypeError, InvalidArgumentError
+
 
 def _key_part(entry: Any) -> str:
     if isinstance(entry, jax.tree_util.DictKey):
@@ -29,13 +31,13 @@ def _flatten(op: str, tree: Any) -> tuple[list[str], list[Any], Any]:
         parts = [_key_part(p) for p in path]
         for part in parts:
             if not part or "/" in part:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{op}: tree key part {part!r} (at {jax.tree_util.keystr(path)}) must be "
                     "non-empty and must not contain '/'"
                 )
         key = "/".join(parts) if parts else "value"
         if key in seen:
-            raise ValueError(f"{op}: two leaves have the key {key!r}")
+            raise InvalidArgumentError(f"{op}: two leaves have the key {key!r}")
         seen.add(key)
         keys.append(key)
         leaves.append(leaf)
@@ -52,7 +54,7 @@ def _target_of(op: str, key: str, leaf: Any) -> tuple[tuple[int, ...], np.dtype,
         sharding = leaf.sharding
         if sharding is None:
             if jax.process_count() > 1:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{op}: target {key!r} has no sharding; with several processes every "
                     "target needs one"
                 )
@@ -60,7 +62,7 @@ def _target_of(op: str, key: str, leaf: Any) -> tuple[tuple[int, ...], np.dtype,
         return tuple(leaf.shape), np.dtype(leaf.dtype), sharding
     if isinstance(leaf, (np.ndarray, np.generic)):
         return tuple(leaf.shape), leaf.dtype.newbyteorder("="), None  # results in native order
-    raise TypeError(
+    raise ArgumentTypeError(
         f"{op}: target leaf {key!r} must be a jax.ShapeDtypeStruct, jax.Array or numpy array, "
         f"got {type(leaf).__name__}"
     )

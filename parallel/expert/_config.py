@@ -18,7 +18,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxops import _checks
 from jaxops import moe as _moe
-from jaxops._errors import ConfigError, public_name, renamed_fields
+from jaxops._errors import (
+    ArgumentTypeError,
+    ConfigError,
+    InvalidArgumentError,
+    public_name,
+    renamed_fields,
+)
 
 __all__ = [
     "DISPATCHES",
@@ -78,7 +84,7 @@ def _choice(name: str, value: Any, choices: tuple) -> Any:
 
 def _nonneg_float(name: str, value: Any) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
-        raise TypeError(f"{_OP}: {name} must be a float, got {type(value).__name__}")
+        raise ArgumentTypeError(f"{_OP}: {name} must be a float, got {type(value).__name__}")
     if not math.isfinite(value) or value < 0:
         raise ConfigError(f"{_OP}: {name} must be finite and >= 0, got {value}")
     return float(value)
@@ -86,7 +92,7 @@ def _nonneg_float(name: str, value: Any) -> float:
 
 def _pos_float(name: str, value: Any) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
-        raise TypeError(f"{_OP}: {name} must be a float, got {type(value).__name__}")
+        raise ArgumentTypeError(f"{_OP}: {name} must be a float, got {type(value).__name__}")
     if not math.isfinite(value) or value <= 0:
         raise ConfigError(f"{_OP}: {name} must be finite and > 0, got {value}")
     return float(value)
@@ -316,7 +322,7 @@ class MoEConfig:
                 "dispatch='dtype' with weight_inputs"
             )
         if not isinstance(self.expert_axis, str):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{_OP}: expert_axis must be a mesh axis name (str), got {self.expert_axis!r}"
             )
         data_axes = self.data_axes
@@ -331,7 +337,9 @@ class MoEConfig:
         self._set("data_axes", tuple(data_axes))
         dtype = np.dtype(self.dtype)
         if dtype not in _checks.FLOAT_DTYPES:
-            raise TypeError(f"{_OP}: dtype must be float32, bfloat16 or float16, got {dtype.name}")
+            raise ArgumentTypeError(
+                f"{_OP}: dtype must be float32, bfloat16 or float16, got {dtype.name}"
+            )
         self._set("dtype", dtype)
 
     @property
@@ -420,7 +428,7 @@ def init_moe_params(key: jax.Array, cfg: MoEConfig) -> dict[str, jax.Array]:
       {'router': (64, 8), 'w_in': (8, 64, 256), 'w_out': (8, 128, 64)}
     """
     if not isinstance(cfg, MoEConfig):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{public_name(init_moe_params)}: cfg must be a MoEConfig, got {type(cfg).__name__}"
         )
     shapes = cfg.param_shapes
@@ -457,11 +465,13 @@ def check_params(op: str, params: Any, cfg: MoEConfig) -> dict[str, jax.Array]:
     want = cfg.param_shapes
     if not isinstance(params, dict) or set(params) != set(want):
         got = sorted(params) if isinstance(params, dict) else type(params).__name__
-        raise ValueError(f"{op}: params must be a dict with keys {sorted(want)}, got {got}")
+        raise InvalidArgumentError(
+            f"{op}: params must be a dict with keys {sorted(want)}, got {got}"
+        )
     for name, shape in want.items():
         arr = _checks.check_array(op, f"params[{name!r}]", params[name])
         if tuple(arr.shape) != shape:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{op}: params[{name!r}] must have shape {shape} for {cfg}, got {tuple(arr.shape)}"
             )
     return params

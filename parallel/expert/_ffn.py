@@ -184,7 +184,10 @@ def _kernel(tile: int, impl) -> bool:
     if tile == 0:
         return False
     available = _grouped_gemm.kernel_available()
-    return resolve_impl(impl, kernel_available=available, op="moe_layer") == "ffi"
+    return (
+        resolve_impl(impl, kernel_available=available, op="jaxops.parallel.expert.moe_layer")
+        == "ffi"
+    )
 
 
 def _gmm(

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxops import _checks, _ffi, fp8
 from jaxops import moe as _moe
+from jaxops._errors import ArgumentTypeError, InvalidArgumentError
 from jaxops._sharding import manual_axes, place
 
 from ._config import (
@@ -213,7 +214,7 @@ def _gathered(cfg: MoEConfig, plan: Plan, impl, params, compute, ids, probs, kep
     # jaxops' unpermute reads the routed rows only, and so does its permute's backward: the FFN
     # may leave its output's and the rows' gradient's rows after the groups unwritten (not for
     # the stage probe, which reads every row).
-    tail_read = upto == "ffn" or not _ffi.use_kernel(impl, "moe_layer")
+    tail_read = upto == "ffn" or not _ffi.use_kernel(impl, "jaxops.parallel.expert.moe_layer")
     out = _ffn(cfg, plan, impl, params, rows, permuted.group_sizes, used, tail_read)
     if upto == "ffn":
         return (out,)
@@ -244,18 +245,20 @@ def _ffn(cfg: MoEConfig, plan: Plan, impl, params, rows, group_sizes, used, tail
 def _check_mesh(op: str, mesh: Any, cfg: MoEConfig) -> tuple[int, int]:
     """(expert axis size N, token shards D) after checking that the mesh fits the config."""
     if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
-        raise TypeError(f"{op}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        raise ArgumentTypeError(
+            f"{op}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}"
+        )
     shape = dict(mesh.shape)
     for name in cfg.token_axes:
         if name not in shape:
             role = "expert_axis" if name == cfg.expert_axis else "data_axes"
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{op}: the mesh has no axis {name!r} (cfg.{role}); its axes are "
                 f"{tuple(shape)}. Set MoEConfig(expert_axis=..., data_axes=...) to its names."
             )
     n = shape[cfg.expert_axis]
     if cfg.num_experts % n:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: num_experts = {cfg.num_experts} must be divisible by the size {n} of the "
             f"expert axis {cfg.expert_axis!r}"
         )
@@ -265,7 +268,7 @@ def _check_mesh(op: str, mesh: Any, cfg: MoEConfig) -> tuple[int, int]:
 def _check_x(op: str, x, cfg: MoEConfig) -> jax.Array:
     x = _checks.check_array(op, "x", x, min_rank=2)
     if x.shape[-1] != cfg.hidden_size:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: x must have shape (B, ..., H) with H = cfg.hidden_size = {cfg.hidden_size}, "
             f"got {tuple(x.shape)}"
         )
@@ -275,12 +278,12 @@ def _check_x(op: str, x, cfg: MoEConfig) -> jax.Array:
 def _prepare(op: str, params, x, cfg: MoEConfig, mesh, impl):
     """Validates the layer's arguments; (params, x) placed for shard_map, the plan and specs."""
     if not isinstance(cfg, MoEConfig):
-        raise TypeError(f"{op}: cfg must be a MoEConfig, got {type(cfg).__name__}")
+        raise ArgumentTypeError(f"{op}: cfg must be a MoEConfig, got {type(cfg).__name__}")
     params = check_params(op, params, cfg)
     x = _check_x(op, x, cfg)
     n, shards = _check_mesh(op, mesh, cfg)
     if x.shape[0] % shards:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: x's leading axis ({x.shape[0]}) must be divisible by the {shards} devices "
             f"of the token axes {cfg.token_axes}"
         )
@@ -295,7 +298,7 @@ def _inside_shard_map(op: str, cfg: MoEConfig) -> bool:
     manual = manual_axes()
     inside = [a in manual for a in cfg.token_axes]
     if any(inside) and not all(inside):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: inside a shard_map, all of cfg's token axes "
             f"{cfg.token_axes} must be manual, got manual axes {tuple(manual)}"
         )
@@ -314,7 +317,7 @@ def _local_call(op: str, params, x, cfg: MoEConfig, mesh, impl, token_mask):
         arr = params.get(name) if isinstance(params, dict) else None
         if arr is None or tuple(arr.shape) != shape:
             got = None if arr is None else tuple(arr.shape)
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{op}: inside a shard_map over {cfg.token_axes}, params[{name!r}] must be this "
                 f"device's shard of shape {shape} (moe_param_specs), got {got}"
             )
@@ -408,7 +411,7 @@ def stage_probe(params, x, cfg: MoEConfig, *, mesh, upto: str, impl: str | None 
     """
     op = f"{_PREFIX}._stage_probe"
     if upto not in STAGES:
-        raise ValueError(f"{op}: upto must be one of {STAGES}, got {upto!r}")
+        raise InvalidArgumentError(f"{op}: upto must be one of {STAGES}, got {upto!r}")
     params, x, plan, specs, x_spec = _prepare(op, params, x, cfg, mesh, impl)
 
     def body(p, x):

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxops import _checks
+from jaxops._errors import ArgumentTypeError, InvalidArgumentError
 
 from ._config import MoEAux, MoEConfig, check_params
 from ._ffn import expert_ffn, shared_expert
@@ -67,11 +68,11 @@ def moe_layer_reference(
     """
     op = "jaxops.parallel.expert.moe_layer_reference"
     if not isinstance(cfg, MoEConfig):
-        raise TypeError(f"{op}: cfg must be a MoEConfig, got {type(cfg).__name__}")
+        raise ArgumentTypeError(f"{op}: cfg must be a MoEConfig, got {type(cfg).__name__}")
     params = check_params(op, params, cfg)
     x = _checks.check_array(op, "x", x, min_rank=1)
     if x.shape[-1] != cfg.hidden_size:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: x must have shape (..., H) with H = cfg.hidden_size = {cfg.hidden_size}, "
             f"got {tuple(x.shape)}"
         )

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxops import _checks
+from jaxops._errors import InvalidArgumentError
 from jaxops._gemm import gemm
 
 from ._config import MoEAux, MoEConfig
@@ -46,7 +47,7 @@ def check_token_mask(op: str, token_mask, x: jax.Array) -> jax.Array | None:
         return None
     mask = _checks.check_array(op, "token_mask", token_mask, dtypes=_MASK_DTYPES)
     if tuple(mask.shape) != tuple(x.shape[:-1]):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: token_mask must have x's leading shape {tuple(x.shape[:-1])} (x: "
             f"{tuple(x.shape)}), got {tuple(mask.shape)}"
         )
@@ -206,7 +207,7 @@ def update_router_bias(
         op, "tokens_per_expert", tokens_per_expert, dtypes=_COUNT_DTYPES, min_rank=1
     )
     if load.shape != bias.shape:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: tokens_per_expert must have bias's shape "
             f"{tuple(bias.shape)}, got {tuple(load.shape)}"
         )

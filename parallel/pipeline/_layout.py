@@ -13,6 +13,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxops._errors import InvalidArgumentError
+
 __all__ = ["deinterleave", "interleave"]
 
 
@@ -57,7 +59,7 @@ def deinterleave(stage_params: Any, *, num_stages: int, virtual_stages: int) -> 
 def _regroup(op: str, a: Any, split: tuple[int, int]) -> Any:
     """``[A * B, ...] -> [B * A, ...]``: row ``i A + j`` moves to ``j B + i``."""
     if a.shape[0] != split[0] * split[1]:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: the stacked stage axis must have size num_stages * virtual_stages = "
             f"{split[0] * split[1]}, got shape {tuple(a.shape)}"
         )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxops._errors import ArgumentTypeError
+
 from ._schedule import FORWARD, IDLE, ScheduleTable, schedule_table
 
 __all__ = ["plot_schedule"]
@@ -44,13 +46,13 @@ def plot_schedule(
     """
     if isinstance(table, str):
         if num_stages is None or num_microbatches is None:
-            raise TypeError(
+            raise ArgumentTypeError(
                 "jaxops.parallel.pipeline.plot_schedule: with a schedule name, give num_stages "
                 "and num_microbatches"
             )
         table = schedule_table(table, num_stages, num_microbatches, virtual_stages)
     if not isinstance(table, ScheduleTable):
-        raise TypeError(
+        raise ArgumentTypeError(
             "jaxops.parallel.pipeline.plot_schedule: table must be a ScheduleTable or a "
             f"schedule name, got {type(table).__name__}"
         )

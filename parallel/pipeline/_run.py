@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxops._errors import InvalidArgumentError
 from jaxops._sharding import vary_like
 
 from ._program import (
@@ -104,9 +105,11 @@ class Prologue:
         if not self.has_aux:
             return out, vary_like(jnp.zeros((), jnp.float32), self.x0)
         if not (isinstance(out, tuple) and len(out) == 2):
-            raise ValueError(f"{op}: with has_aux=True stage_fn must return (x, aux_loss)")
+            raise InvalidArgumentError(
+                f"{op}: with has_aux=True stage_fn must return (x, aux_loss)"
+            )
         if jnp.shape(out[1]) != ():
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{op}: stage_fn's aux_loss must be a scalar, got shape {jnp.shape(out[1])}"
             )
         return out[0], vary_like(out[1].astype(jnp.float32), self.x0)
@@ -203,7 +206,7 @@ def _stage_forward(
     derived: the residuals computed from the params alone (:func:`param_derived`), not stashed.
     """
     (y, aux), vjp_fn = jax.vjp(pro.apply, p_v, x)
-    stash, layout = split_residuals(vjp_fn, p_v, derived)
+    stash, layout = split_residuals(vjp_fn, p_v, derived, op=pro.setup.op)
     return y, aux, stash, layout
 
 
@@ -217,7 +220,7 @@ def _loss_vjp(
 
     loss, vjp_fn = jax.vjp(f, lp, y, float_leaves(t))
     if jnp.shape(loss) != ():
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{pro.setup.op}: loss_fn must return a scalar, got shape {jnp.shape(loss)}"
         )
     dlp, dy, dt = vjp_fn(vary_like(jnp.asarray(seed, loss.dtype), loss))

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from jaxops import _checks
+from jaxops._errors import InvalidArgumentError
 
 __all__ = [
     "BACKWARD",
@@ -45,22 +46,22 @@ def check_schedule(
         not ints >= 1, V that the schedule does not run, M not a multiple of P when V > 1.
     """
     if schedule not in SCHEDULES:
-        raise ValueError(f"{op}: schedule must be one of {SCHEDULES}, got {schedule!r}")
+        raise InvalidArgumentError(f"{op}: schedule must be one of {SCHEDULES}, got {schedule!r}")
     p = _checks.check_int(op, "num_stages", num_stages, 1)
     m = _checks.check_int(op, "num_microbatches", num_microbatches, 1)
     v = _checks.check_int(op, "virtual_stages", virtual_stages, 1)
     if schedule == "1f1b" and v != 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: schedule='1f1b' runs one stage per device (virtual_stages=1), got "
             f"virtual_stages={v}; use schedule='interleaved' for {v} chunks per device"
         )
     if schedule == "interleaved" and v < 2:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: schedule='interleaved' needs virtual_stages >= 2 chunks per device, got "
             f"{v}; use schedule='1f1b' for one"
         )
     if v > 1 and m % p:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: with virtual_stages={v} the microbatches go round the {p} stages in groups "
             f"of {p}, so num_microbatches must be a multiple of {p}, got {m}"
         )

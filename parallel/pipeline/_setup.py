@@ -16,6 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxops._errors import ArgumentTypeError, InvalidArgumentError
+
 from ._program import Program, build_program
 from ._schedule import check_schedule
 
@@ -61,10 +63,12 @@ def check_mesh_axes(
 ) -> tuple[str, tuple[str, ...]]:
     """``(pipe_axis, data_axes)`` checked against `mesh`; data_axes None: every other axis."""
     if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
-        raise TypeError(f"{op}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        raise ArgumentTypeError(
+            f"{op}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}"
+        )
     names = tuple(mesh.axis_names)
     if pipe_axis not in names:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: pipe_axis {pipe_axis!r} is not an axis of the mesh; its axes are {names}"
         )
     if data_axes is None:
@@ -74,7 +78,7 @@ def check_mesh_axes(
     data_axes = tuple(data_axes)
     for a in data_axes:
         if a not in names or a == pipe_axis:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{op}: data_axes must name mesh axes other than the pipeline axis "
                 f"{pipe_axis!r}; got {a!r} (mesh axes {names})"
             )
@@ -85,13 +89,13 @@ def _leading(op: str, name: str, tree: Any, size: int, what: str) -> None:
     """Every leaf of `tree` is an array with leading dim `size` (`what` says why)."""
     leaves = jax.tree_util.tree_leaves_with_path(tree)
     if not leaves:
-        raise ValueError(f"{op}: {name} has no arrays")
+        raise InvalidArgumentError(f"{op}: {name} has no arrays")
     for path, leaf in leaves:
         where = f"{name}{jax.tree_util.keystr(path)}"
         if not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-            raise TypeError(f"{op}: {where} must be an array, got {type(leaf).__name__}")
+            raise ArgumentTypeError(f"{op}: {where} must be an array, got {type(leaf).__name__}")
         if leaf.ndim == 0 or leaf.shape[0] != size:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{op}: every leaf of {name} must be stacked on a leading axis of size "
                 f"{size} ({what}); {where} has shape {tuple(leaf.shape)}"
             )
@@ -109,13 +113,13 @@ def _stage_specs(op: str, pipe_axis: str, param_specs: Any, stage_params: Any) -
             is_leaf=lambda s: isinstance(s, P),
         )
     except ValueError as e:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: param_specs must be a pytree like one stage's params with a "
             f"PartitionSpec per leaf: {e}"
         ) from None
     for spec in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)):
         if pipe_axis in spec_axes(P(*spec[1:])):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{op}: param_specs shard a stage's params within the stage, over mesh axes "
                 f"other than the pipeline axis {pipe_axis!r}; got {P(*spec[1:])}"
             )
@@ -157,14 +161,14 @@ def make_setup(
     shards = math.prod(dict(mesh.shape)[a] for a in data_axes)
     first = jax.tree.leaves(inputs)
     if not first:
-        raise ValueError(f"{op}: inputs has no arrays")
+        raise InvalidArgumentError(f"{op}: inputs has no arrays")
     batch = first[0].shape[0] if first[0].ndim else 0
     what = (
         f"the batch, split over the {shards} devices of data_axes {data_axes} and into "
         f"num_microbatches = {m}, must be a multiple of {shards * m}"
     )
     if batch == 0 or batch % (shards * m):
-        raise ValueError(f"{op}: {what}; inputs has batch {batch}")
+        raise InvalidArgumentError(f"{op}: {what}; inputs has batch {batch}")
     _leading(op, "inputs", inputs, batch, "the batch")
     if targets is not None:
         _leading(op, "targets", targets, batch, "the batch of inputs")
@@ -190,7 +194,7 @@ def checkpointed(op: str, stage_fn: Callable, remat: Any) -> Callable:
         return jax.checkpoint(stage_fn)
     if callable(remat):
         return jax.checkpoint(stage_fn, policy=remat)
-    raise TypeError(
+    raise ArgumentTypeError(
         f"{op}: remat must be True, False or a jax.checkpoint_policies policy, got {remat!r}"
     )
 
@@ -200,7 +204,7 @@ def check_like(op: str, y: Any, x: Any) -> None:
     want = jax.tree.structure(x), [(a.shape, np.dtype(a.dtype)) for a in jax.tree.leaves(x)]
     got = jax.tree.structure(y), [(a.shape, np.dtype(a.dtype)) for a in jax.tree.leaves(y)]
     if got != want:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: stage_fn must return its input's structure, shapes and dtypes (each stage "
             f"feeds the next): for a microbatch {want[1]} it returned {got[1]}"
         )

@@ -18,7 +18,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxops import _checks
-from jaxops._errors import renamed_kwargs
+from jaxops._errors import ArgumentTypeError, renamed_kwargs
 from jaxops._sharding import place
 
 from ._run import run_forward, run_training
@@ -145,7 +145,7 @@ def pipeline_step(
     """
     op = "jaxops.parallel.pipeline.pipeline_step"
     if not callable(stage_fn) or not callable(loss_fn):
-        raise TypeError(f"{op}: stage_fn and loss_fn must be callables")
+        raise ArgumentTypeError(f"{op}: stage_fn and loss_fn must be callables")
     setup = make_setup(
         op,
         stage_params,
@@ -235,7 +235,7 @@ def pipeline_forward(
     """
     op = "jaxops.parallel.pipeline.pipeline_forward"
     if not callable(stage_fn):
-        raise TypeError(f"{op}: stage_fn must be callable")
+        raise ArgumentTypeError(f"{op}: stage_fn must be callable")
     schedule = (
         "interleaved" if _checks.check_int(op, "virtual_stages", virtual_stages, 1) > 1 else "gpipe"
     )

@@ -150,7 +150,11 @@ def param_derived(fn: Any, params: Any, x: Any) -> tuple[dict, Any]:
 
 
 def split_residuals(
-    vjp_fn: Any, params: Any, derived: dict | None = None
+    vjp_fn: Any,
+    params: Any,
+    derived: dict | None = None,
+    *,
+    op: str = "jaxops.parallel.pipeline.pipeline_step",
 ) -> tuple[list, ResidualLayout]:
     """Splits a vjp function into what a stage stashes and how to rebuild it.
 
@@ -175,7 +179,7 @@ def split_residuals(
         elif i in derived:
             if (tuple(leaf.shape), leaf.dtype) != derived[i]:
                 raise RuntimeError(
-                    f"pipeline: stage_fn's vjp residual {i} is {leaf.shape} {leaf.dtype} here "
+                    f"{op}: stage_fn's vjp residual {i} is {leaf.shape} {leaf.dtype} here "
                     f"and {derived[i]} in another trace (stage_fn must trace the same way "
                     "every time)"
                 )
