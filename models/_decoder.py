@@ -1,9 +1,11 @@
 """The MoE decoder laid out on a mesh: every model type of :data:`jaxops.models.MODEL_TYPES`.
 
-:class:`MoEDecoder` holds the mesh layout (parameter specs and shardings, initialization, batch
-placement) and the public methods; the layers it runs are the pure functions of
-:mod:`jaxops.models._layers`. Every public method validates its arguments once and then runs
-the private objective.
+:class:`MoEDecoder` is a facade: its fields are the runtime settings, validated once; from them
+it builds one :class:`~jaxops.models._layout.Layout` (``model.layout``: the parameter layout,
+batch placement, how the layers compute), and its public methods check their arguments and run
+the functions of that value (:mod:`~jaxops.models._run` the layer loops,
+:mod:`~jaxops.models._objective` the loss and gradients, :mod:`~jaxops.models._train` the
+train step). The layers are the pure functions of :mod:`~jaxops.models._layers`.
 """
 
 from __future__ import annotations
@@ -16,19 +18,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 from jaxops.parallel import expert as ep
 from jaxops.parallel import pipeline as pl
 
+import jaxops
 from jaxops import _checks
-from jaxops._errors import ConfigError, renamed_fields
-from jaxops._ffi import has_kernel
-from jaxops._sharding import manual_axes, place
+from jaxops._config import ImplChoice, check_impl
+from jaxops._errors import ConfigError, InvalidArgumentError, renamed_fields
 
-from . import _batch, _layers, _loss, _objective, _train
+from . import _batch, _objective, _run, _train
 from ._config import DecoderConfig
 from ._layout import Layout
-from ._run import Runner
 
 __all__ = [
     "ATTENTION_IMPLS",
@@ -61,6 +61,17 @@ ZERO_STAGES = (0, 1, 3)
 GRAD_REDUCES = ("flat", "partitioner")
 
 
+def _doc(source: Any) -> Callable[[Callable], Callable]:
+    """Gives the decorated delegate the docstring of the Layout member `source` it returns."""
+    doc = (source.fget if isinstance(source, property) else source).__doc__
+
+    def give(f: Callable) -> Callable:
+        f.__doc__ = doc
+        return f
+
+    return give
+
+
 @renamed_fields(
     {
         "microbatches": "num_microbatches",
@@ -69,7 +80,7 @@ GRAD_REDUCES = ("flat", "partitioner")
     }
 )
 @dataclasses.dataclass(frozen=True)
-class MoEDecoder(Runner, Layout):
+class MoEDecoder:
     """A decoder-only MoE transformer laid out on a mesh: parameters, forward, loss, gradients.
 
     Per layer (``L`` of them, parameters stacked on a leading layer axis)::
@@ -103,6 +114,13 @@ class MoEDecoder(Runner, Layout):
     against 58 / P for DeepSeek-V3). Without a pipeline dense layers may sit anywhere
     (Qwen's ``mlp_only_layers``).
 
+    The fields are the runtime settings, validated once. ``model.layout`` is the
+    :class:`~jaxops.models._layout.Layout` built of them: the value the loss, the gradients,
+    the train step and :func:`~jaxops.models.generate` run on (the parameter layout, batch
+    placement, how the layers compute); its public layout members (:attr:`pipe`,
+    :attr:`batch_axes`, :meth:`param_specs`, :meth:`zero_specs`, :meth:`init`,
+    :meth:`place_batch`, ...) are the model's too.
+
     Attributes:
       config: the architecture (:class:`DecoderConfig`).
       mesh: the device mesh.
@@ -117,10 +135,12 @@ class MoEDecoder(Runner, Layout):
         outputs); or a ``jax.checkpoint_policies`` policy.
       dtype: compute dtype (float32, bfloat16 or float16); parameters may be stored in another.
       capacity_factor: None (dropless, as transformers) or the MoE layer's capacity factor.
-      fp8: None or "block": DeepSeek-V3 block-scaled FP8 numerics in the expert GEMMs and the
-        attention projections (``jaxops.fp8.linear``); embedding, output projection, attention
-        scores and norms stay in the compute dtype, as in DeepSeek-V3's recipe. Each device
-        quantizes its own tokens.
+      fp8: None, or the block :class:`jaxops.fp8.Recipe` (``jaxops.fp8.BLOCK`` or its name
+        "block"; the one recipe type of every tier, kept as given): DeepSeek-V3 block-scaled FP8
+        numerics in the expert GEMMs and the attention projections (``jaxops.fp8.linear``);
+        embedding, output projection, attention scores and norms stay in the compute dtype, as
+        in DeepSeek-V3's recipe. Each device quantizes its own tokens. The tensor and delayed
+        recipes are refused.
       dispatch: the MoE layer's dispatch ("dtype", or "fp8" with fp8="block": tokens cross the
         expert exchange as FP8 with their 1 x 128 scales; see ``MoEConfig.dispatch``).
       exchange: the MoE layer's exchange (``MoEConfig.exchange``: "auto" is
@@ -130,9 +150,12 @@ class MoEDecoder(Runner, Layout):
         ``router_aux_loss_coef``). Formerly ``aux_loss_coef``.
       router_z_loss_coef: weight of each layer's router z-loss. Formerly ``z_loss_coef``.
       align: the MoE layer's group alignment.
-      impl: None, "ffi" or "xla": jaxops' kernels or their pure-JAX twins, for every op of the
-        model (norms, projections, FP8, the MoE layer). "ffi" runs a kernel wherever jaxops has
-        one for the platform (the GEMMs run XLA's dot on CPU, where jaxops has no GEMM kernel).
+      impl: jaxops' implementation policy (:func:`jaxops.choose_impl`), passed unchanged to
+        every op of the model (norms, projections, FP8, the MoE layer): None (best available),
+        "xla" (the pure-JAX twins), "ffi" (a custom call required for every op the model runs:
+        refused here on a platform where one is missing, as the GEMMs are on CPU, where XLA's
+        dot runs them) or an order of preference such as ``("ffi", "xla")`` (the kernels
+        wherever jaxops has them).
       moe_impl: "ep": the expert-parallel layer; "dense": its dense twin
         ``moe_layer_reference`` (every expert on every token, experts replicated; no pipeline),
         the baseline of benchmarks/bench_models.py.
@@ -148,7 +171,7 @@ class MoEDecoder(Runner, Layout):
         with the layers unrolled. Same numbers either way.
       zero: ZeRO sharding over the batch axes (:data:`ZERO_STAGES`): 0 none; 1 the optimizer
         state (:meth:`init_optimizer`) and the gradients the update reads
-        (:meth:`train_step`); 3 the parameters too (:meth:`~Layout.zero_specs`), each
+        (:meth:`train_step`); 3 the parameters too (:meth:`zero_specs`), each
         layer's weights all-gathered as the layer runs (again in its backward, instead of
         keeping them), the gradients reduced to the shards; the weights the layers only cast
         (``CAST_BEFORE_GATHER``) cast to a narrower compute dtype first (half the bytes),
@@ -173,6 +196,8 @@ class MoEDecoder(Runner, Layout):
         projection's columns per step of a loop that holds ``[B, S, vocab_chunk]`` of them,
         recomputed in the backward (:mod:`~jaxops.models._loss`): GB per device for a large
         vocabulary, for one more pass of the projection; the same loss up to sum order.
+      layout: the :class:`~jaxops.models._layout.Layout` of the fields above (not a field:
+        built once, on construction).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -196,13 +221,13 @@ class MoEDecoder(Runner, Layout):
     remat: bool | str | Callable = False
     dtype: Any = jnp.float32
     capacity_factor: float | None = None
-    fp8: str | None = None
+    fp8: jaxops.fp8.Recipe | str | None = None
     dispatch: str = "dtype"
     exchange: str = "auto"
     router_aux_loss_coef: float | None = None
     router_z_loss_coef: float = 0.0
     align: int = 8
-    impl: str | None = None
+    impl: ImplChoice = None
     moe_impl: str = "ep"
     attention_impl: str = "auto"
     zero: int = 0
@@ -220,7 +245,6 @@ class MoEDecoder(Runner, Layout):
             raise TypeError(
                 f"{op}: mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}"
             )
-        self._check_mesh(op)
         _checks.check_int(op, "num_microbatches", self.num_microbatches, 1)
         if self.remat is None or isinstance(self.remat, bool):
             object.__setattr__(self, "remat", "full" if self.remat else "none")
@@ -236,14 +260,16 @@ class MoEDecoder(Runner, Layout):
             )
         if self.moe_impl not in MOE_IMPLS:
             raise ConfigError(f"{op}: moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
-        if self.moe_impl == "dense" and self.pipe > 1:
-            raise ConfigError(f"{op}: moe_impl='dense' runs without a pipeline (pipe axis size 1)")
         if self.schedule not in DECODER_SCHEDULES:
             raise ConfigError(
                 f"{op}: schedule must be one of {DECODER_SCHEDULES}, got {self.schedule!r}"
             )
-        if self.impl not in (None, "ffi", "xla"):
-            raise ConfigError(f"{op}: impl must be None, 'ffi' or 'xla', got {self.impl!r}")
+        try:
+            recipe = jaxops.fp8.as_recipe(self.fp8, op, allowed=("block",))
+        except InvalidArgumentError as e:
+            raise ConfigError(str(e)) from None
+        object.__setattr__(self, "fp8", recipe)
+        self._check_impl(op)
         dtype = np.dtype(self.dtype)
         if dtype not in _checks.FLOAT_DTYPES:
             raise TypeError(f"{op}: dtype must be float32, bfloat16 or float16, got {dtype.name}")
@@ -262,131 +288,115 @@ class MoEDecoder(Runner, Layout):
             raise ConfigError(
                 f"{op}: grad_reduce must be one of {GRAD_REDUCES}, got {self.grad_reduce!r}"
             )
+        # the fields validated and normalized: the layout of them, checked against the mesh
+        self.layout.check_mesh(op)
+        if self.moe_impl == "dense" and self.pipe > 1:
+            raise ConfigError(f"{op}: moe_impl='dense' runs without a pipeline (pipe axis size 1)")
         self.moe  # noqa: B018 -- validates the MoE settings now
 
+    def _check_impl(self, op: str) -> None:
+        """`impl` taken, and a required custom call present for every op family the model runs."""
+        try:
+            check_impl(op, self.impl)
+        except InvalidArgumentError as e:
+            raise ConfigError(str(e)) from None
+        platform = self.mesh.devices.flat[0].platform
+        families = ["rms_norm", "gemm", "moe", "grouped_gemm"] + (["fp8"] if self.fp8 else [])
+        for family in families:
+            try:
+                jaxops.choose_impl(family, self.impl, backend=platform)
+            except InvalidArgumentError:
+                raise ConfigError(
+                    f"{op}: impl={self.impl!r} requires a custom call for every op the model "
+                    f"runs, and jaxops has no {family} custom call on {platform}; pass "
+                    "impl=('ffi', 'xla') for the custom calls wherever they exist"
+                ) from None
+
     # ---------------------------------------------------------------------------------------------
-    # The model: unvalidated internals on the layer functions.
+    # The layout value, and the layout's public members as the model's.
 
     @functools.cached_property
-    def _ops(self) -> _layers.Ops:
-        platform = self.mesh.devices.flat[0].platform
-        gemm_impl = self.impl
-        if self.impl == "ffi" and not has_kernel("gemm", platform):
-            gemm_impl = "xla"
-        attention = self.attention_impl
-        if attention == "auto":
-            half = self.dtype in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-            attention = "dot_product" if platform == "gpu" and half else "xla"
-        return _layers.Ops(self.dtype, self.impl, self.fp8, self.mesh, gemm_impl, attention)
-
-    def _place(self, x: jax.Array) -> jax.Array:
-        """Activations ``[B, ...]`` split over the batch axes.
-
-        A no-op off Explicit meshes, and inside a ``shard_map`` over the batch axes (the flat
-        gradient step's), where `x` holds this device's rows.
-        """
-        if all(a in manual_axes() for a in self.batch_axes):
-            return x
-        return place(x, self.mesh, P(self.batch_axes))
+    def layout(self) -> Layout:
+        """The model on its mesh (:class:`~jaxops.models._layout.Layout`), of these fields."""
+        return Layout(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     @property
-    def _flat_grads(self) -> bool:
-        """Whether :meth:`loss_and_grads` runs :func:`_objective.flat_loss_and_grads`."""
-        return (
-            self.grad_reduce == "flat"
-            and self.pipe == 1
-            and self.num_microbatches == 1
-            and self.zero in (0, 1)
-            and self.moe_impl == "ep"
-            and self.batch_devices > 1
-        )
+    @_doc(Layout.pipe)
+    def pipe(self) -> int:
+        return self.layout.pipe
 
     @property
-    def _flat_zero(self) -> bool:
-        """Whether :meth:`train_step` reduce-scatters flat gradient buffers into ZeRO-1 shards.
+    @_doc(Layout.data_axes)
+    def data_axes(self) -> tuple[str, ...]:
+        return self.layout.data_axes
 
-        (:mod:`~jaxops.models._flat`; the updated shards are all-gathered by the partitioner.)
-        """
-        return self._flat_grads and self.zero == 1
+    @property
+    @_doc(Layout.batch_axes)
+    def batch_axes(self) -> tuple[str, ...]:
+        return self.layout.batch_axes
 
-    def _head_params(self, params: dict[str, Any], cast: bool = True) -> dict[str, Any]:
-        """The final norm and output projection, gathered (`cast`: see :meth:`_gather`)."""
-        key = "embed" if self.config.tie_word_embeddings else "lm_head"
-        zero = self.zero_specs()
-        head = {"final_norm": params["final_norm"], key: params[key]}
-        return self._gather(head, P(), {k: zero[k] for k in head}, cast)
+    @property
+    @_doc(Layout.batch_devices)
+    def batch_devices(self) -> int:
+        return self.layout.batch_devices
 
-    def _head(self, head: dict[str, Any], h: jax.Array) -> jax.Array:
-        return _layers.head(self._ops, self.config, head, h)
+    @property
+    @_doc(Layout.moe)
+    def moe(self) -> ep.MoEConfig:
+        return self.layout.moe
 
-    def _losses(self, head: dict[str, Any], h: jax.Array, targets: jax.Array):
-        """``(sum, count)`` of the cross-entropy of ``_head(head, h)`` (by vocab_chunk)."""
-        return _loss.head_losses(self._ops, self.config, head, h, targets, self.vocab_chunk)
+    @_doc(Layout.param_shapes)
+    def param_shapes(self) -> dict[str, Any]:
+        return self.layout.param_shapes()
 
-    def _stages(self, layers: dict[str, Any]) -> dict[str, Any]:
-        """``[L, ...]`` layers as ``[P, L / P, ...]`` pipeline stages (a view of the sharding)."""
-        n = self.pipe
-        return jax.tree.map(lambda a: a.reshape(n, a.shape[0] // n, *a.shape[1:]), layers)
+    @_doc(Layout.compute_specs)
+    def compute_specs(self) -> dict[str, Any]:
+        return self.layout.compute_specs()
 
-    def _pipeline(self) -> dict[str, Any]:
-        """The keywords every pipeline call of the decoder shares."""
-        return {
-            "mesh": self.mesh,
-            "num_microbatches": self.num_microbatches,
-            "pipe_axis": self.pipe_axis,
-            "data_axes": self.batch_axes,
-            "has_aux": True,
-            "param_specs": self._layer_specs(None),
-        }
+    @_doc(Layout.zero_specs)
+    def zero_specs(self) -> dict[str, Any]:
+        return self.layout.zero_specs()
 
-    def _stage(self, sp: dict[str, Any], carry: dict[str, Any]) -> tuple[dict[str, Any], jax.Array]:
-        """One pipeline stage on ``{"h", "where"}``: its layers, the sum of their aux losses."""
-        static, scanned = _layers.layer_kinds(self.config, self.config.moe_layers)
-        if scanned is not None:  # this stage's rows (stage s holds MoE rows s n .. s n + n - 1)
-            n = jax.tree.leaves(sp)[0].shape[0]
-            stage = jax.lax.axis_index(self.pipe_axis)
-            scanned = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, stage * n, n), scanned)
-        h, aux = self._run_layers(sp, carry["h"], carry["where"], "layers", (static, scanned))
-        return {**carry, "h": h}, jnp.sum(aux.loss)
+    @_doc(Layout.param_specs)
+    def param_specs(self) -> dict[str, Any]:
+        return self.layout.param_specs()
 
-    def _where(self, batch: _batch.Batch) -> tuple[_layers.Tokens, jax.Array | None]:
-        """``(where, targets)``: the tokens' placement; targets at padding are ignored."""
-        where = _batch.placement(batch)
-        targets = batch.targets
-        if targets is not None and where.segments is not None:
-            targets = jnp.where(where.valid, targets, _layers.IGNORE_INDEX)
-        return where, targets
+    @_doc(Layout.shardings)
+    def shardings(self) -> dict[str, Any]:
+        return self.layout.shardings()
 
-    def _inputs(self, params: dict[str, Any], batch: _batch.Batch):
-        """``(embedded tokens, where, targets)``: padding embeds as 0, its targets are ignored.
+    @_doc(Layout.named)
+    def named(self, specs: Any) -> Any:
+        return self.layout.named(specs)
 
-        (Zero rows at padding: whatever id a padding token holds, even one out of range, never
-        reaches a real token through the attention's ``0 * value``.)
-        """
-        where, targets = self._where(batch)
-        return self._embed(params["embed"], batch.tokens, where), where, targets
+    @_doc(Layout.optimizer_shardings)
+    def optimizer_shardings(self, optimizer: Any, params: Any = None) -> Any:
+        return self.layout.optimizer_shardings(optimizer, params)
 
-    def _embed(self, table: jax.Array, tokens: jax.Array, where: _layers.Tokens) -> jax.Array:
-        """The tokens' rows of `table`, split over the batch axes; 0 at padding."""
-        x = self._place(
-            _layers.embed(self._ops, self._gather(table, P(), self.zero_specs()["embed"]), tokens)
-        )
-        if where.segments is not None:
-            x = jnp.where(where.valid[..., None], x, jnp.zeros((), x.dtype))
-        return x
+    @_doc(Layout.init_optimizer)
+    def init_optimizer(self, optimizer: Any, params: dict[str, Any]) -> Any:
+        return self.layout.init_optimizer(optimizer, params)
 
-    def _hidden(self, params: dict[str, Any], batch: _batch.Batch) -> jax.Array:
-        x, where, _ = self._inputs(params, batch)
-        if self.pipe > 1:
-            stages = self._stages(params["layers"])
-            carry = {"h": self._run_all(params, x, where, prefix=True)[0], "where": where}
-            return pl.pipeline_forward(self._stage, stages, carry, **self._pipeline())["h"]
-        return self._run_all(params, x, where)[0]
+    @_doc(Layout.gathered)
+    def gathered(self, params: dict[str, Any]) -> dict[str, Any]:
+        return self.layout.gathered(params)
+
+    @_doc(Layout.abstract_params)
+    def abstract_params(self, dtype: Any = jnp.float32) -> dict[str, Any]:
+        return self.layout.abstract_params(dtype)
+
+    @_doc(Layout.init)
+    def init(self, key: jax.Array, dtype: Any = jnp.float32) -> dict[str, Any]:
+        return self.layout.init(key, dtype)
+
+    @_doc(Layout.place_batch)
+    def place_batch(self, *arrays: Any) -> Any:
+        return self.layout.place_batch(*arrays)
 
     @functools.cached_property
     def _pipe_loss(self) -> Callable:
         """The pipe mesh's loss, differentiable: its gradient is the pipeline step's."""
-        return _objective.pipe_loss(self)
+        return _objective.pipe_loss(self.layout)
 
     # ---------------------------------------------------------------------------------------------
     # Public methods: validate once, then run the internals.
@@ -428,7 +438,7 @@ class MoEDecoder(Runner, Layout):
         """
         op = f"{_OP}.hidden_states"
         batch = self._check(op, tokens, None, attention_mask, positions, segment_ids)
-        return self._hidden(params, batch)
+        return _objective.hidden(self.layout, params, batch)
 
     def logits(
         self,
@@ -464,7 +474,8 @@ class MoEDecoder(Runner, Layout):
           float32 ``[B, S, V]``.
         """
         batch = self._check(f"{_OP}.logits", tokens, None, attention_mask, positions, segment_ids)
-        return self._head(self._head_params(params), self._hidden(params, batch))
+        layout = self.layout
+        return layout.head(layout.head_params(params), _objective.hidden(layout, params, batch))
 
     def forward(
         self,
@@ -488,9 +499,10 @@ class MoEDecoder(Runner, Layout):
                 "logits() or loss()"
             )
         batch = self._check(op, tokens, None, attention_mask, positions, segment_ids)
-        x, where, _ = self._inputs(params, batch)
-        h, aux = self._run_all(params, x, where)
-        return self._head(self._head_params(params), h), aux
+        layout = self.layout
+        x, where, _ = _objective.inputs(layout, params, batch)
+        h, aux = _run.run_all(layout, params, x, where)
+        return layout.head(layout.head_params(params), h), aux
 
     def loss(
         self,
@@ -529,7 +541,7 @@ class MoEDecoder(Runner, Layout):
         batch = self._check(f"{_OP}.loss", tokens, targets, attention_mask, positions, segment_ids)
         if self.pipe > 1:
             return self._pipe_loss(params, batch)
-        return _objective.objective(self, params, batch)
+        return _objective.objective(self.layout, params, batch)
 
     def loss_and_grads(
         self,
@@ -553,24 +565,25 @@ class MoEDecoder(Runner, Layout):
         """
         op = f"{_OP}.loss_and_grads"
         batch = self._check(op, tokens, targets, attention_mask, positions, segment_ids)
+        layout = self.layout
         if self.pipe > 1:
-            return _objective.pipeline_step(self, params, batch)
+            return _objective.pipeline_step(layout, params, batch)
         if self.num_microbatches > 1:
-            return _objective.accumulate(self, params, batch, grads=True)
-        if self._flat_grads:
-            return _objective.flat_loss_and_grads(self, params, batch)
-        return jax.value_and_grad(functools.partial(_objective.objective, self))(params, batch)
+            return _objective.accumulate(layout, params, batch, grads=True)
+        if layout.flat_grads:
+            return _objective.flat_loss_and_grads(layout, params, batch)
+        return jax.value_and_grad(functools.partial(_objective.objective, layout))(params, batch)
 
     def _zero_loss_and_grads(
         self, params, tokens, targets, *, attention_mask=None, positions=None, segment_ids=None
     ) -> tuple[jax.Array, dict[str, Any]]:
         """:meth:`loss_and_grads` with the gradients as ZeRO-1 shards (:meth:`zero_specs`).
 
-        Only with :attr:`_flat_zero`; the step's batch is checked as :meth:`train_step`'s.
+        Only with ``layout.flat_zero``; the step's batch is checked as :meth:`train_step`'s.
         """
         op = f"{_OP}.train_step"
         batch = self._check(op, tokens, targets, attention_mask, positions, segment_ids)
-        return _objective.flat_loss_and_grads(self, params, batch, scatter=True)
+        return _objective.flat_loss_and_grads(self.layout, params, batch, scatter=True)
 
     def train_step(self, optimizer: Any) -> _train.TrainStep:
         """A jitted training step: :meth:`loss_and_grads`, ``optimizer.update``, applied.
@@ -598,4 +611,6 @@ class MoEDecoder(Runner, Layout):
           >>> loss.shape
           ()
         """
-        return _train.train_step(self, optimizer)
+        # with flat ZeRO-1 the gradients come reduce-scattered into the ZeRO-1 shards
+        grads = self._zero_loss_and_grads if self.layout.flat_zero else self.loss_and_grads
+        return _train.train_step(self.layout, optimizer, grads)

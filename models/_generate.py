@@ -49,6 +49,8 @@ from ._layers import (
     embed,
     layer_kinds,
 )
+from ._layout import Layout
+from ._run import ffn
 
 __all__ = ["generate"]
 
@@ -156,7 +158,7 @@ def _slots(x: jax.Array, slots: int) -> jax.Array:
 
 
 def _layer(
-    model: MoEDecoder,
+    layout: Layout,
     ffn: Callable,
     where: Tokens,
     keys: Tokens,
@@ -172,7 +174,7 @@ def _layer(
     and its attention pattern when the layers' differ (else `static`). Returns
     ``(h', keep(kv))``: this call's KV entries as the cache stores them.
     """
-    ops, c = model._ops, model.config
+    ops, c = layout.ops, layout.config
     p, past, kind = xs
     kind = static if kind is None else kind
     a = jaxops.rms_norm(h, p["attn_norm"], eps=c.rms_norm_eps, impl=ops.impl)
@@ -187,8 +189,8 @@ def _layer(
     return h + m, tuple(keep(x) for x in kv)
 
 
-def _run(
-    model: MoEDecoder,
+def _forward(
+    layout: Layout,
     params: dict[str, Any],
     tokens: jax.Array,
     where: Tokens,
@@ -201,46 +203,46 @@ def _run(
     Embedding, the layers (one ``lax.scan`` per run of one kind), the head; the KV entries are
     stacked ``[L, ...]`` in layer order.
     """
-    x = model._place(embed(model._ops, params["embed"], jnp.where(where.valid, tokens, 0)))
+    x = layout.place(embed(layout.ops, params["embed"], jnp.where(where.valid, tokens, 0)))
     h, entries = x, []
-    for key, start, stop, first in model._runs:
+    for key, start, stop, first in layout.runs:
         n = stop - start
-        static, scanned = layer_kinds(model.config, range(first, first + n))
-        body = functools.partial(_layer, model, model._ffn(key), where, keys, keep, static)
+        static, scanned = layer_kinds(layout.config, range(first, first + n))
+        body = functools.partial(_layer, layout, ffn(layout, key), where, keys, keep, static)
         stack = jax.tree.map(lambda a, i=start, j=stop: a[i:j], params[key])
         cached = None if past is None else tuple(a[first : first + n] for a in past)
         h, kv = jax.lax.scan(body, h, (stack, cached, scanned))
         entries.append(kv)
     kv = entries[0] if len(entries) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *entries)
-    return model._head(model._head_params(params), h[:, -1:])[:, 0], kv
+    return layout.head(layout.head_params(params), h[:, -1:])[:, 0], kv
 
 
-@functools.partial(jax.jit, static_argnames=("model", "slots", "steps"))
+@functools.partial(jax.jit, static_argnames=("layout", "slots", "steps"))
 def _prefill(
     params: dict[str, Any],
     prompt: jax.Array,
     mask: jax.Array,
     sampling: _Sampling,
     *,
-    model: MoEDecoder,
+    layout: Layout,
     slots: int,
     steps: int,
 ) -> tuple[_Cache, jax.Array, jax.Array]:
     """The prompt through the model: the filled cache, the first new token, the EOS flags."""
     b, s = prompt.shape
     where = Tokens(
-        index=model._place(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))),
+        index=layout.place(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))),
         positions=jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32),
         segments=mask.astype(jnp.int32),
     )
-    logits, kv = _run(model, params, prompt, where, where, lambda x: _slots(x, slots), None)
+    logits, kv = _forward(layout, params, prompt, where, where, lambda x: _slots(x, slots), None)
     cache = _Cache(kv, *(_slots(x, slots) for x in (where.index, where.positions, where.segments)))
-    token, done = _next(sampling, logits, 0, model._place(jnp.zeros((b,), bool)))
+    token, done = _next(sampling, logits, 0, layout.place(jnp.zeros((b,), bool)))
     out = jnp.where(jnp.arange(steps) == 0, token[:, None], sampling.pad)
     return cache, out, done
 
 
-@functools.partial(jax.jit, static_argnames=("model", "start"), donate_argnames=("cache", "out"))
+@functools.partial(jax.jit, static_argnames=("layout", "start"), donate_argnames=("cache", "out"))
 def _decode(
     params: dict[str, Any],
     cache: _Cache,
@@ -249,7 +251,7 @@ def _decode(
     first: jax.Array,
     sampling: _Sampling,
     *,
-    model: MoEDecoder,
+    layout: Layout,
     start: int,
 ) -> tuple[jax.Array, _Cache]:
     """The new tokens after the first: one ``lax.while_loop`` over the decode step.
@@ -274,7 +276,7 @@ def _decode(
             positions=jnp.concatenate([cache.positions, where.positions], 1),
             segments=jnp.concatenate([cache.segments, where.segments], 1),
         )
-        logits, kv = _run(model, params, fed, where, keys, lambda x: x, cache.kv)
+        logits, kv = _forward(layout, params, fed, where, keys, lambda x: x, cache.kv)
         slot = t % slots
         cache = _Cache(
             tuple(
@@ -496,9 +498,9 @@ def generate(
     if model.zero == 3:  # the whole model gathered for generation
         params = model.gathered(params)
     cache, out, done = _prefill(
-        params, prompt, mask_dev, sampling, model=model, slots=slots, steps=steps
+        params, prompt, mask_dev, sampling, layout=model.layout, slots=slots, steps=steps
     )
     if steps > 1:
         first = model.place_batch(mask.sum(1).astype(np.int32))
-        out, _ = _decode(params, cache, out, done, first, sampling, model=model, start=s)
+        out, _ = _decode(params, cache, out, done, first, sampling, layout=model.layout, start=s)
     return jnp.concatenate([prompt, out], axis=1)

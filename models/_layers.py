@@ -1,8 +1,10 @@
 """The decoder's layers as pure functions.
 
-Projections, rotary embedding, the attention mask (:class:`Tokens`, :func:`allowed`: causal,
-sliding window, packed documents, padding, KV-cache slots), attention, the decoder layer,
-embedding, output head and cross-entropy with ignored targets.
+Rotary embedding, the attention mask (:class:`Tokens`, :func:`allowed`: causal, sliding
+window, packed documents, padding, KV-cache slots), attention (grouped-query here, multi-head
+latent in :mod:`~jaxops.models._mla`), the decoder layer, embedding, output head and
+cross-entropy with ignored targets. :class:`Ops`, the projections and the softmax attention
+both attentions share come from :mod:`~jaxops.models._ops` (re-exported here).
 
 Each function takes the arrays it computes on and an :class:`Ops` (compute dtype, FP8 recipe,
 jaxops implementation, mesh) and holds no state; :class:`~jaxops.models.MoEDecoder` lays them
@@ -23,23 +25,33 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxops
 
+from . import _mla
 from ._config import DecoderConfig
+from ._ops import (
+    CAUSAL_BLOCK_MIN,
+    CAUSAL_BLOCKS,
+    PROJECTION,
+    Ops,
+    attend,
+    causal_blocks,
+    projection,
+)
 from ._packing import IGNORE_INDEX
 from ._rope import Rope, apply_rotary
 
 __all__ = [
+    "CAUSAL_BLOCKS",
+    "CAUSAL_BLOCK_MIN",
     "IGNORE_INDEX",
     "PROJECTION",
     "UNLIMITED",
@@ -51,6 +63,7 @@ __all__ = [
     "attention",
     "attention_inputs",
     "attention_output",
+    "causal_blocks",
     "cross_entropy",
     "decoder_layer",
     "embed",
@@ -64,71 +77,6 @@ __all__ = [
     "rotate_half",
     "token_losses",
 ]
-
-
-#: The ``jax.ad_checkpoint.checkpoint_name`` of every projection's output (remat policies).
-PROJECTION = "jaxops.models.projection"
-
-
-@dataclasses.dataclass(frozen=True)
-class Ops:
-    """How the layers compute: the settings every layer function shares.
-
-    Attributes:
-      dtype: compute dtype (float32, bfloat16 or float16).
-      impl: None, "ffi" or "xla", passed to every jaxops op.
-      fp8: None, or "block" for DeepSeek-V3 block-scaled FP8 attention projections.
-      mesh: the mesh batch-sharded tokens live on (each device quantizes its own rows), or None.
-      gemm_impl: the `impl` of the GEMMs (``jaxops.gemm``, and ``fp8.linear`` whose impl covers
-        its GEMMs and quantization): `impl`, except "xla" where ``impl="ffi"`` asks for kernels
-        and jaxops has no GEMM kernel for the platform (CPU: XLA's dot is the GEMM there).
-      attention: how :func:`attend` computes: "xla" (float32 scores and softmax in jnp) or
-        "dot_product" (``jax.nn.dot_product_attention``: cuDNN's fused attention on a GPU where
-        it supports the shapes, else XLA's; for keys and values of one head width, else "xla").
-    """
-
-    dtype: Any
-    impl: str | None = None
-    fp8: str | None = None
-    mesh: jax.sharding.Mesh | None = None
-    gemm_impl: str | None = None
-    attention: str = "xla"
-
-
-def projection(ops: Ops, x: jax.Array, w: jax.Array, bias: jax.Array | None) -> jax.Array:
-    """``x @ w + bias``: ``jaxops.gemm`` (bias in the epilogue), or ``fp8.linear`` with FP8.
-
-    Args:
-      ops: the compute settings.
-      x: ``[..., K]`` in the compute dtype.
-      w: ``[K, N]`` (cast to the compute dtype).
-      bias: ``[N]`` or None.
-
-    Returns:
-      ``[..., N]`` in the compute dtype.
-    """
-    w = w.astype(ops.dtype)
-    if ops.fp8 != "block":
-        return checkpoint_name(jaxops.gemm(x, w, bias, impl=ops.gemm_impl), PROJECTION)
-
-    def linear(x, w, *bias):
-        return jaxops.fp8.linear(x, w, *(bias or (None,)), impl=ops.gemm_impl)
-
-    spec = getattr(jax.typeof(x).sharding, "spec", None)
-    if ops.mesh is None or spec is None or all(s is None for s in spec):
-        # local (a pipeline stage) or whole
-        return checkpoint_name(linear(x, w, *([] if bias is None else [bias])), PROJECTION)
-    # Batch-sharded tokens: each device quantizes its own (the recipe's 128-row blocks of the
-    # weight gradient's transposed operand would otherwise gather every row of x), as inside a
-    # pipeline stage and in the expert GEMMs; the weight gradient is summed.
-    operands = (x, w) if bias is None else (x, w, bias)
-    out = jax.shard_map(
-        linear,
-        mesh=ops.mesh,
-        in_specs=(P(*spec),) + (P(),) * (len(operands) - 1),
-        out_specs=P(*spec),
-    )(*operands)
-    return checkpoint_name(out, PROJECTION)
 
 
 def rotate_half(x: jax.Array) -> jax.Array:
@@ -325,88 +273,6 @@ def qkv(
     return q, k, v
 
 
-def attend(
-    ops: Ops,
-    c: DecoderConfig,
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    mask: jax.Array,
-    scale: float | None = None,
-    causal: bool = False,
-    sinks: jax.Array | None = None,
-) -> jax.Array:
-    """Softmax attention of ``q [b, sq, Hq, Dh]`` over ``k [b, sk, Hkv, Dh]``, ``v [.., Dv]``.
-
-    Returns ``[b, sq, Hq Dv]``. `mask`: bool ``[b, sq, sk]`` (:func:`allowed`). Scores are
-    ``q . k`` times `scale` (default ``Dh ** -0.5``), float32, as is the softmax; a query that
-    sees no key at all (padding) gets zeros, never NaN. `causal`: queries and keys are the same
-    tokens in order and `mask` is causal (a hint: ``ops.attention="dot_product"`` then lets
-    cuDNN skip the masked blocks, and the jnp softmax computes :data:`CAUSAL_BLOCKS` query
-    blocks, each against the keys up to its last query only). `sinks` ``[Hq]`` (gpt-oss): one
-    more logit per head in each query's softmax denominator, whose probability is dropped (the
-    jnp softmax computes it: ``jax.nn.dot_product_attention`` has no sinks).
-    """
-    b, sq, hq, dh = q.shape
-    hkv, dv = k.shape[2], v.shape[-1]
-    if ops.attention == "dot_product" and dv == dh and sinks is None:
-        out = jax.nn.dot_product_attention(
-            q, k, v, mask=mask[:, None], scale=scale, is_causal=causal
-        )  # [b, sq, Hq, Dh]
-        seen = jnp.any(mask, axis=-1)[:, :, None, None]  # a query that sees no key: zeros
-        return jnp.where(seen, out, jnp.zeros((), out.dtype)).reshape(b, sq, hq * dv)
-    q = q.reshape(b, sq, hkv, hq // hkv, dh)
-    scale = dh**-0.5 if scale is None else scale
-    blocks = _causal_blocks(sq) if causal and k.shape[1] == sq else 1
-    if blocks == 1:
-        out = _softmax_attention(ops, q, k, v, mask, scale, sinks)
-    else:  # query block i sees keys up to its last query only: the masked blocks are skipped
-        bounds = [sq * i // blocks for i in range(blocks + 1)]
-        out = jnp.concatenate(
-            [
-                _softmax_attention(
-                    ops, q[:, lo:hi], k[:, :hi], v[:, :hi], mask[:, lo:hi, :hi], scale, sinks
-                )
-                for lo, hi in itertools.pairwise(bounds)
-            ],
-            axis=1,
-        )
-    return out.reshape(b, sq, hq * dv)
-
-
-#: Query blocks of causal self-attention in the jnp softmax (each block computes the scores of
-#: the keys up to its last query only), for sequences of at least 2 * CAUSAL_BLOCK_MIN tokens.
-CAUSAL_BLOCKS = 4
-CAUSAL_BLOCK_MIN = 32
-
-
-def _causal_blocks(s: int) -> int:
-    """How many query blocks causal self-attention over `s` tokens is computed in."""
-    return max(1, min(CAUSAL_BLOCKS, s // CAUSAL_BLOCK_MIN))
-
-
-def _softmax_attention(ops: Ops, q, k, v, mask, scale: float, sinks) -> jax.Array:
-    """``q [b, sq, Hkv, G, Dh]`` over ``k [b, sk, Hkv, Dh]``: ``[b, sq, Hkv, G, Dv]``, ops.dtype.
-
-    float32 scores and softmax; `mask` bool ``[b, sq, sk]``; a query that sees no key gets zeros.
-    """
-    hkv, g = q.shape[2], q.shape[3]
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
-    scores = scores * scale
-    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
-    top = jnp.max(scores, axis=-1, keepdims=True)
-    if sinks is not None:  # [Hq] -> [1, Hkv, G, 1, 1]
-        sink = sinks.astype(jnp.float32).reshape(1, hkv, g, 1, 1)
-        top = jnp.maximum(top, sink)
-    e = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))
-    total = jnp.sum(e, axis=-1, keepdims=True)
-    if sinks is not None:
-        total = total + jnp.exp(sink - top)
-    probs = (e / jnp.where(total > 0, total, 1.0)).astype(ops.dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.astype(ops.dtype)
-
-
 def output(ops: Ops, c: DecoderConfig, p: dict[str, jax.Array], out: jax.Array) -> jax.Array:
     """The attention's output projection of ``out [b, s, Hq Dh]`` (``w_o``, optional ``b_o``)."""
     return projection(ops, out, p["w_o"], p["b_o"].astype(ops.dtype) if c.o_bias else None)
@@ -428,8 +294,6 @@ def attention_inputs(
     shared RoPE key (``jaxops.models._mla``). Either way the arrays of `kv` have time on axis 1.
     """
     if c.mla is not None:
-        from . import _mla
-
         return _mla.inputs(ops, c, p, x, where.positions)
     q, k, v = qkv(ops, c, p, x, where, kind)
     return q, (k, v)
@@ -451,8 +315,6 @@ def attention_output(
     ``sinks`` (``c.attention_sinks``) join the softmax. Returns ``[b, sq, D]``.
     """
     if c.mla is not None:
-        from . import _mla
-
         return _mla.output(ops, c, p, q, kv, mask, causal=causal)
     sinks = p["sinks"] if c.attention_sinks else None
     return output(ops, c, p, attend(ops, c, q, *kv, mask, causal=causal, sinks=sinks))
@@ -559,11 +421,9 @@ def head(ops: Ops, c: DecoderConfig, params: dict[str, Any], h: jax.Array) -> ja
     """
     h = jaxops.rms_norm(h, params["final_norm"], eps=c.rms_norm_eps, impl=ops.impl)
     if "lm_head" in params:
-        logits = jaxops.gemm(h, params["lm_head"].astype(ops.dtype), impl=ops.gemm_impl)
+        logits = jaxops.gemm(h, params["lm_head"].astype(ops.dtype), impl=ops.impl)
     else:  # tied: the embedding table [V, D] is the [N, K] weight
-        logits = jaxops.gemm(
-            h, params["embed"].astype(ops.dtype), transpose_w=True, impl=ops.gemm_impl
-        )
+        logits = jaxops.gemm(h, params["embed"].astype(ops.dtype), transpose_w=True, impl=ops.impl)
     return logits.astype(jnp.float32)
 
 

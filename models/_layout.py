@@ -1,12 +1,18 @@
-"""The decoder's parameter layout on its mesh: shapes, specs, shardings, initialization.
+"""The decoder laid out on its mesh: :class:`Layout`, the value its objective and steps run on.
 
-:class:`Layout` is the part of :class:`~jaxops.models.MoEDecoder` that says where every
-parameter and batch row lives; it reads the decoder's fields (``config``, ``mesh``, ``moe``,
-``pipe``, ``moe_impl``, the axes) and holds none itself.
+:class:`Layout` is built once by :class:`~jaxops.models.MoEDecoder` from its fields (the config,
+the mesh and the runtime settings, validated there) and held as ``model.layout``. It says where
+every parameter and batch row lives (shapes, PartitionSpecs, shardings, ZeRO shards and the
+ZeRO-3 gathers, initialization, batch placement), how the layers compute (:attr:`Layout.ops`,
+remat, scan unroll, the runs of layers of one kind) and computes the embedding and the head.
+The layer loops are the functions of :mod:`~jaxops.models._run`, the objective and the steps
+those of :mod:`~jaxops.models._objective`, :mod:`~jaxops.models._train` and
+:mod:`~jaxops.models._generate`, all of a Layout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -19,9 +25,12 @@ from jax.sharding import PartitionSpec as P
 from jaxops.parallel import expert as ep
 
 from jaxops._errors import ConfigError
-from jaxops._sharding import axes_of, constrain, padded_spec
+from jaxops._sharding import axes_of, constrain, manual_axes, padded_spec, place
 
-__all__ = ["Layout", "without_gathered"]
+from . import _layers, _loss, _mla
+from ._config import DecoderConfig
+
+__all__ = ["CAST_BEFORE_GATHER", "Layout", "without_gathered"]
 
 _INIT_STD = 0.02  # transformers' initializer_range for these models
 # Leaves initialized to zeros: biases and the attention sinks.
@@ -105,10 +114,47 @@ def without_gathered(remat: bool | Callable) -> bool | Callable:
     return policy
 
 
-class Layout:
-    """Parameter shapes, PartitionSpecs, shardings, initialization and batch placement."""
+#: What a layer keeps for its backward under ``remat="matmuls"``: the projections' outputs and
+#: every XLA dot's.
+_MATMULS = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.dots_saveable,
+    jax.checkpoint_policies.save_only_these_names(_layers.PROJECTION),
+)
 
-    def _check_mesh(self, op: str) -> None:
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The decoder on its mesh: parameter layout, batch placement, how the layers compute.
+
+    A frozen value of :class:`~jaxops.models.MoEDecoder`'s fields (the same names and meanings,
+    already validated and normalized by it: ``remat`` a policy name or callable, ``dtype`` a
+    numpy dtype); hashable, so jitted functions take it as a static argument.
+    """
+
+    config: DecoderConfig
+    mesh: jax.sharding.Mesh
+    expert_axis: str
+    pipe_axis: str
+    num_microbatches: int
+    schedule: str
+    remat: str | Callable
+    dtype: Any
+    capacity_factor: float | None
+    fp8: str | None
+    dispatch: str
+    exchange: str
+    router_aux_loss_coef: float | None
+    router_z_loss_coef: float
+    align: int
+    impl: str | None
+    moe_impl: str
+    attention_impl: str
+    zero: int
+    scan_unroll: int | bool
+    grad_reduce: str
+    vocab_chunk: int | None
+
+    def check_mesh(self, op: str) -> None:
         """The mesh's axes fit the config (ConfigError naming what does not)."""
         shape = dict(self.mesh.shape)
         if self.expert_axis not in shape:
@@ -159,7 +205,102 @@ class Layout:
         """The devices of the batch axes: how many shards the batch is split into."""
         return int(np.prod([dict(self.mesh.shape)[a] for a in self.batch_axes]))
 
-    def _gather(self, tree: Any, specs: Any, source: Any, cast: bool = True) -> Any:
+    @functools.cached_property
+    def ops(self) -> _layers.Ops:
+        """How the layers compute: dtype, impl, FP8, mesh, the attention."""
+        platform = self.mesh.devices.flat[0].platform
+        attention = self.attention_impl
+        if attention == "auto":
+            half = np.dtype(self.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+            attention = "dot_product" if platform == "gpu" and half else "xla"
+        return _layers.Ops(self.dtype, self.impl, self.fp8, self.mesh, attention)
+
+    @property
+    def unroll(self) -> int | bool:
+        """``lax.scan``'s unroll for the layer scans (``scan_unroll``; False is 1)."""
+        return self.scan_unroll if self.scan_unroll is True else max(int(self.scan_unroll), 1)
+
+    @property
+    def remat_policy(self) -> bool | Callable:
+        """What a layer keeps for its backward: False (everything), True (its input) or a policy."""
+        if callable(self.remat):
+            return self.remat
+        return {"none": False, "full": True, "matmuls": _MATMULS}[self.remat]
+
+    @property
+    def flat_grads(self) -> bool:
+        """Whether the gradients are reduced as flat buffers in one ``shard_map``.
+
+        (``grad_reduce="flat"`` where it takes over: no pipeline, one microbatch, ``zero`` 0
+        or 1, the expert-parallel MoE layer and more than one device on the batch axes.)
+        """
+        return (
+            self.grad_reduce == "flat"
+            and self.pipe == 1
+            and self.num_microbatches == 1
+            and self.zero in (0, 1)
+            and self.moe_impl == "ep"
+            and self.batch_devices > 1
+        )
+
+    @property
+    def flat_zero(self) -> bool:
+        """Whether the train step reduce-scatters flat gradient buffers into ZeRO-1 shards.
+
+        (:mod:`~jaxops.models._flat`; the updated shards are all-gathered by the partitioner.)
+        """
+        return self.flat_grads and self.zero == 1
+
+    def place(self, x: jax.Array) -> jax.Array:
+        """Activations ``[B, ...]`` split over the batch axes.
+
+        A no-op off Explicit meshes, and inside a ``shard_map`` over the batch axes (the flat
+        gradient step's), where `x` holds this device's rows.
+        """
+        if all(a in manual_axes() for a in self.batch_axes):
+            return x
+        return place(x, self.mesh, P(self.batch_axes))
+
+    def embed(self, table: jax.Array, tokens: jax.Array, where: _layers.Tokens) -> jax.Array:
+        """The tokens' rows of `table`, split over the batch axes; 0 at padding."""
+        table = self.gather(table, P(), self.zero_specs()["embed"])
+        x = self.place(_layers.embed(self.ops, table, tokens))
+        if where.segments is not None:
+            x = jnp.where(where.valid[..., None], x, jnp.zeros((), x.dtype))
+        return x
+
+    def head_params(self, params: dict[str, Any], cast: bool = True) -> dict[str, Any]:
+        """The final norm and output projection, gathered (`cast`: see :meth:`gather`)."""
+        key = "embed" if self.config.tie_word_embeddings else "lm_head"
+        zero = self.zero_specs()
+        head = {"final_norm": params["final_norm"], key: params[key]}
+        return self.gather(head, P(), {k: zero[k] for k in head}, cast)
+
+    def head(self, head: dict[str, Any], h: jax.Array) -> jax.Array:
+        """float32 logits of the last layer's output `h` (`head`: :meth:`head_params`)."""
+        return _layers.head(self.ops, self.config, head, h)
+
+    def losses(self, head: dict[str, Any], h: jax.Array, targets: jax.Array):
+        """``(sum, count)`` of the cross-entropy of ``head(head, h)`` (by ``vocab_chunk``)."""
+        return _loss.head_losses(self.ops, self.config, head, h, targets, self.vocab_chunk)
+
+    def stages(self, layers: dict[str, Any]) -> dict[str, Any]:
+        """``[L, ...]`` layers as ``[P, L / P, ...]`` pipeline stages (a view of the sharding)."""
+        n = self.pipe
+        return jax.tree.map(lambda a: a.reshape(n, a.shape[0] // n, *a.shape[1:]), layers)
+
+    def pipeline_keywords(self) -> dict[str, Any]:
+        """The keywords every pipeline call of the decoder shares."""
+        return {
+            "mesh": self.mesh,
+            "num_microbatches": self.num_microbatches,
+            "pipe_axis": self.pipe_axis,
+            "data_axes": self.batch_axes,
+            "has_aux": True,
+            "param_specs": self.layer_specs(None),
+        }
+
+    def gather(self, tree: Any, specs: Any, source: Any, cast: bool = True) -> Any:
         """ZeRO-3: `tree` (parameters stored on `source` specs) laid out on `specs`.
 
         The weights the layers only use cast to the compute dtype (:data:`CAST_BEFORE_GATHER`)
@@ -250,9 +391,7 @@ class Layout:
         d = c.hidden_size
         attn: dict[str, Any] = {"attn_norm": (d,)}
         if c.mla is not None:
-            from ._mla import param_shapes as mla_shapes
-
-            attn.update(mla_shapes(c))
+            attn.update(_mla.param_shapes(c))
         else:
             qkv = c.q_size + 2 * c.kv_size
             attn["w_qkv"] = (d, qkv)
@@ -284,20 +423,20 @@ class Layout:
         return tree
 
     @property
-    def _runs(self) -> tuple[tuple[str, int, int, int], ...]:
-        """:meth:`_runs_in` of every layer."""
-        return self._runs_in(None)
+    def runs(self) -> tuple[tuple[str, int, int, int], ...]:
+        """:meth:`runs_in` of every layer."""
+        return self.runs_in(None)
 
-    def _key(self, layer: int) -> str:
+    def stack_of(self, layer: int) -> str:
         """The stack of model layer `layer`: "dense_layers" or "layers" (MoE)."""
         return "dense_layers" if layer in self.config.dense_layers else "layers"
 
-    def _stack_rows(self, stop: int) -> dict[str, int]:
+    def stack_rows(self, stop: int) -> dict[str, int]:
         """Per stack, how many of its layers come before model layer `stop`."""
-        keys = [self._key(i) for i in range(stop)]
+        keys = [self.stack_of(i) for i in range(stop)]
         return {k: keys.count(k) for k in ("layers", "dense_layers")}
 
-    def _runs_in(self, stop: int | None) -> tuple[tuple[str, int, int, int], ...]:
+    def runs_in(self, stop: int | None) -> tuple[tuple[str, int, int, int], ...]:
         """``(stack, start, stop, first layer)`` of each run of consecutive layers of one kind.
 
         In layer order, of the layers before `stop` (None: all); `stack` is "layers" (MoE) or
@@ -307,7 +446,7 @@ class Layout:
         runs: list[list] = []
         count = {"layers": 0, "dense_layers": 0}
         for i in range(self.config.num_layers if stop is None else stop):
-            key = self._key(i)
+            key = self.stack_of(i)
             if runs and runs[-1][0] == key:
                 runs[-1][2] += 1
             else:
@@ -316,13 +455,13 @@ class Layout:
         return tuple(tuple(r) for r in runs)
 
     @functools.cached_property
-    def _period(self) -> tuple[int, tuple[str, ...]] | None:
+    def period(self) -> tuple[int, tuple[str, ...]] | None:
         """``(first layer, stacks)`` of layers that repeat one pattern of both kinds, or None.
 
         The layers from `first layer` on repeat the pattern `stacks` at least twice (Llama 4
         Maverick's and ERNIE's dense / MoE alternation): they run as one scan over the repeats.
         """
-        keys = [self._key(i) for i in range(self.config.num_layers)]
+        keys = [self.stack_of(i) for i in range(self.config.num_layers)]
         for first in range(len(keys)):
             tail = keys[first:]
             for n in range(2, len(tail) // 2 + 1):
@@ -331,7 +470,7 @@ class Layout:
                         return first, tuple(tail[:n])
         return None
 
-    def _layer_specs(self, lead: Any) -> dict[str, Any]:
+    def layer_specs(self, lead: Any) -> dict[str, Any]:
         shapes = self.param_shapes()["layers"]
         specs = {k: P(lead) for k in shapes if k != "moe"}
         moe_specs = ep.moe_param_specs(self.moe)
@@ -347,7 +486,7 @@ class Layout:
         replicated (the dense layers too). Without ZeRO-3 the parameters are stored so.
         """
         lead = self.pipe_axis if self.pipe > 1 else None
-        specs = {"embed": P(), "layers": self._layer_specs(lead)}
+        specs = {"embed": P(), "layers": self.layer_specs(lead)}
         if self.config.dense_layers:  # replicated (with a pipeline they run ahead of it)
             shapes = self.param_shapes()["dense_layers"]
             specs["dense_layers"] = jax.tree.map(lambda _: P(), shapes, is_leaf=_is_shape)

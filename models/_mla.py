@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import jaxops
 
 from ._config import DecoderConfig
-from ._layers import Ops, attend, projection
+from ._ops import Ops, attend, projection
 from ._rope import apply_rotary, softmax_scale_factor
 
 __all__ = ["NORM_EPS", "cache_bytes_per_token", "inputs", "output", "param_shapes"]
@@ -104,7 +104,7 @@ def output(
     """Attention of `q` over the keys of ``kv = (latent [b, sk, R], k_rope [b, sk, 1, dr])``.
 
     Each key position's latent expands through ``w_kv_b`` into every head's key part without
-    RoPE and its value. `mask`: bool ``[b, sq, sk]``; `causal` as in ``_layers.attend``.
+    RoPE and its value. `mask`: bool ``[b, sq, sk]``; `causal` as in ``_ops.attend``.
     Returns ``[b, sq, D]``.
     """
     m = c.mla

@@ -1,16 +1,17 @@
 """The decoder's training objective: the loss, gradient accumulation and the pipeline step.
 
-Functions of a :class:`~jaxops.models.MoEDecoder` and a validated batch
-(:class:`~jaxops.models._batch.Batch`): the cross-entropy over the counted targets of the whole
-global batch plus the MoE aux losses, without a pipeline (one pass, or microbatches one after
-another), through a forward-only pipeline, and as one pipeline step (the schedule's backward).
+Functions of the decoder's :class:`~jaxops.models._layout.Layout` (``model.layout``) and a
+validated batch (:class:`~jaxops.models._batch.Batch`): the embedded inputs and the last
+layer's output; the cross-entropy over the counted targets of the whole global batch plus the
+MoE aux losses, without a pipeline (one pass, or microbatches one after another), through a
+forward-only pipeline, and as one pipeline step (the schedule's backward).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,41 +21,72 @@ from jaxops.parallel import pipeline as pl
 
 from jaxops._sharding import place
 
-from . import _batch, _flat, _layers
-
-if TYPE_CHECKING:
-    from ._decoder import MoEDecoder
+from . import _batch, _flat, _layers, _run
+from ._layout import Layout
 
 __all__ = [
     "accumulate",
     "flat_loss_and_grads",
+    "hidden",
+    "inputs",
     "objective",
     "pipe_loss",
     "pipeline_step",
     "terms",
+    "where_targets",
 ]
 
 
-def terms(model: MoEDecoder, params, x, where, targets) -> tuple[jax.Array, jax.Array]:
+def where_targets(batch: _batch.Batch) -> tuple[_layers.Tokens, jax.Array | None]:
+    """``(where, targets)``: the tokens' placement; targets at padding are ignored."""
+    placed = _batch.placement(batch)
+    targets = batch.targets
+    if targets is not None and placed.segments is not None:
+        targets = jnp.where(placed.valid, targets, _layers.IGNORE_INDEX)
+    return placed, targets
+
+
+def inputs(layout: Layout, params: dict[str, Any], batch: _batch.Batch):
+    """``(embedded tokens, where, targets)``: padding embeds as 0, its targets are ignored.
+
+    (Zero rows at padding: whatever id a padding token holds, even one out of range, never
+    reaches a real token through the attention's ``0 * value``.)
+    """
+    placed, targets = where_targets(batch)
+    return layout.embed(params["embed"], batch.tokens, placed), placed, targets
+
+
+def hidden(layout: Layout, params: dict[str, Any], batch: _batch.Batch) -> jax.Array:
+    """The last layer's output ``[B, S, D]`` (through the pipeline's forwards with a pipe axis)."""
+    x, placed, _ = inputs(layout, params, batch)
+    if layout.pipe > 1:
+        stages = layout.stages(params["layers"])
+        carry = {"h": _run.run_all(layout, params, x, placed, prefix=True)[0], "where": placed}
+        stage = functools.partial(_run.stage, layout)
+        return pl.pipeline_forward(stage, stages, carry, **layout.pipeline_keywords())["h"]
+    return _run.run_all(layout, params, x, placed)[0]
+
+
+def terms(layout: Layout, params, x, where, targets) -> tuple[jax.Array, jax.Array]:
     """(summed cross-entropy, summed MoE aux losses) of one batch without a pipeline."""
-    h, aux = model._run_all(params, x, where)
-    total, _ = model._losses(model._head_params(params), h, targets)
+    h, aux = _run.run_all(layout, params, x, where)
+    total, _ = layout.losses(layout.head_params(params), h, targets)
     return total, jnp.sum(aux.loss)
 
 
-def accumulate(model: MoEDecoder, params, batch: _batch.Batch, grads: bool):
+def accumulate(layout: Layout, params, batch: _batch.Batch, grads: bool):
     """The loss (and its gradients) over the microbatches without a pipeline, one at a time.
 
     Each microbatch adds its summed cross-entropy over the global target count and its MoE
     aux losses over M; the gradients accumulate in float32.
     """
-    m = model.num_microbatches
-    count = _target_count(model._where(batch)[1])
-    parts = _batch.split_microbatches(batch, m, (model.mesh, model.batch_axes))
+    m = layout.num_microbatches
+    count = _target_count(where_targets(batch)[1])
+    parts = _batch.split_microbatches(batch, m, (layout.mesh, layout.batch_axes))
 
     def one(params, mb):
-        x, where, targets = model._inputs(params, mb)
-        total, aux = terms(model, params, x, where, targets)
+        x, where, targets = inputs(layout, params, mb)
+        total, aux = terms(layout, params, x, where, targets)
         return total / count + aux / m
 
     f32 = functools.partial(jax.tree.map, lambda a: jnp.zeros_like(a, jnp.float32))
@@ -70,7 +102,7 @@ def accumulate(model: MoEDecoder, params, batch: _batch.Batch, grads: bool):
     return loss, jax.tree.map(lambda a, p: a.astype(p.dtype), g, params)
 
 
-def objective(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch) -> jax.Array:
+def objective(layout: Layout, params: dict[str, Any], batch: _batch.Batch) -> jax.Array:
     """The training loss: cross-entropy over the counted targets plus the MoE aux losses.
 
     The cross-entropy is summed over every target that is not ignored (-100, or padding)
@@ -80,27 +112,28 @@ def objective(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch) ->
     :meth:`MoEDecoder.loss_and_grads` computes them (with a pipeline: from a forward-only
     pipeline in which each stage adds its aux loss to a per-example carry).
     """
-    if model.pipe == 1 and model.num_microbatches > 1:
-        return accumulate(model, params, batch, grads=False)
-    x, where, targets = model._inputs(params, batch)
+    if layout.pipe == 1 and layout.num_microbatches > 1:
+        return accumulate(layout, params, batch, grads=False)
+    x, where, targets = inputs(layout, params, batch)
     count = _target_count(targets)
-    if model.pipe == 1:
-        total, aux = terms(model, params, x, where, targets)
+    if layout.pipe == 1:
+        total, aux = terms(layout, params, x, where, targets)
         return total / count + aux
 
     def stage(sp, carry):
-        out, aux = model._stage(sp, carry)
+        out, aux = _run.stage(layout, sp, carry)
         return {**out, "aux": carry["aux"] + aux}, jnp.zeros((), jnp.float32)
 
-    x = model._run_all(params, x, where, prefix=True)[0]  # the dense layers ahead of the stages
-    carry = {"h": x, "where": where, "aux": model._place(jnp.zeros(x.shape[:1], jnp.float32))}
-    out = pl.pipeline_forward(stage, model._stages(params["layers"]), carry, **model._pipeline())
-    total, _ = model._losses(model._head_params(params), out["h"], targets)
+    x = _run.run_all(layout, params, x, where, prefix=True)[0]  # the dense layers ahead
+    carry = {"h": x, "where": where, "aux": layout.place(jnp.zeros(x.shape[:1], jnp.float32))}
+    stages = layout.stages(params["layers"])
+    out = pl.pipeline_forward(stage, stages, carry, **layout.pipeline_keywords())
+    total, _ = layout.losses(layout.head_params(params), out["h"], targets)
     return total / count + jnp.mean(out["aux"])
 
 
 def flat_loss_and_grads(
-    model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch, scatter: bool = False
+    layout: Layout, params: dict[str, Any], batch: _batch.Batch, scatter: bool = False
 ):
     """``(loss, grads)`` without a pipeline, in one ``shard_map`` over the batch axes.
 
@@ -115,68 +148,68 @@ def flat_loss_and_grads(
     per-device gradients come out unreduced; the transpose of each collective inside (the MoE
     exchange's, the statistics' sums) is then the one the sum of the devices' losses needs.
     """
-    axes = tuple(model.batch_axes)
-    devices = float(model.batch_devices)
-    specs = jax.tree.map(lambda s: s.spec, model.shardings())
-    zero = model.zero_specs()
+    axes = tuple(layout.batch_axes)
+    devices = float(layout.batch_devices)
+    specs = jax.tree.map(lambda s: s.spec, layout.shardings())
+    zero = layout.zero_specs()
     fields = {k: v for k, v in vars(batch).items() if v is not None}
 
     def body(params, fields):
         local = _batch.Batch(**{k: fields.get(k) for k in vars(batch)})
 
         def share(p):
-            x, where, targets = model._inputs(p, local)
+            x, where, targets = inputs(layout, p, local)
             count = jax.lax.psum(_target_count(targets), axes)
-            total, aux = terms(model, p, x, where, targets)
+            total, aux = terms(layout, p, x, where, targets)
             return total / count + aux / devices
 
         loss, grads = jax.value_and_grad(share)(params)
         if scatter:
-            grads = _flat.scatter_flat(grads, specs, zero, model.mesh, axes)
+            grads = _flat.scatter_flat(grads, specs, zero, layout.mesh, axes)
         else:
-            grads = _flat.sum_flat(grads, specs, model.mesh, axes)
+            grads = _flat.sum_flat(grads, specs, layout.mesh, axes)
         return jax.lax.psum(loss, axes), grads
 
     field_specs = jax.tree.map(lambda _: P(axes), fields)
     return jax.shard_map(
         body,
-        mesh=model.mesh,
+        mesh=layout.mesh,
         in_specs=(specs, field_specs),
         out_specs=(P(), zero if scatter else specs),
         check_vma=False,
-    )(place(params, model.mesh, specs), place(fields, model.mesh, field_specs))
+    )(place(params, layout.mesh, specs), place(fields, layout.mesh, field_specs))
 
 
-def pipeline_step(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch):
+def pipeline_step(layout: Layout, params: dict[str, Any], batch: _batch.Batch):
     """``(loss, grads)`` of one pipeline_step (the schedule) over the microbatches."""
-    where, targets = model._where(batch)
+    where, targets = where_targets(batch)
     ahead = {k: params[k] for k in ("embed", "dense_layers") if k in params}
 
-    def inputs(ahead):  # the embedding and the dense layers ahead of the stages
-        x = model._embed(ahead["embed"], batch.tokens, where)
-        return model._run_all(ahead, x, where, prefix=True)[0]
+    def front(ahead):  # the embedding and the dense layers ahead of the stages
+        x = layout.embed(ahead["embed"], batch.tokens, where)
+        return _run.run_all(layout, ahead, x, where, prefix=True)[0]
 
-    x, ahead_vjp = jax.vjp(inputs, ahead)
+    x, ahead_vjp = jax.vjp(front, ahead)
     # pipeline_step averages each microbatch's loss over the M microbatches of each of the
     # data shards: scaling each by M * shards / count makes that the global token mean.
-    shards = model.batch_devices
-    scale = model.num_microbatches * shards / _target_count(targets)
+    shards = layout.batch_devices
+    scale = layout.num_microbatches * shards / _target_count(targets)
 
     def loss_fn(lp, out, t):
         head, s = lp
-        return model._losses(head, out["h"], t)[0] * s
+        return layout.losses(head, out["h"], t)[0] * s
 
     loss, g = pl.pipeline_step(
-        model._stage,
-        model._stages(params["layers"]),
+        functools.partial(_run.stage, layout),
+        layout.stages(params["layers"]),
         {"h": x, "where": where},
         targets=targets,
         # gathered in their own dtype: pipeline_step returns the head's gradient in it
-        loss_params=(model._head_params(params, cast=False), scale),
+        loss_params=(layout.head_params(params, cast=False), scale),
         loss_fn=loss_fn,
-        schedule=model.schedule,
-        remat=model._remat,
-        **model._pipeline(),
+        schedule=layout.schedule,
+        remat=layout.remat_policy,
+        **layout.pipeline_keywords(),
     )
     (d_ahead,) = ahead_vjp(g.inputs["h"])
     d_embed = d_ahead["embed"]
@@ -185,14 +218,14 @@ def pipeline_step(model: MoEDecoder, params: dict[str, Any], batch: _batch.Batch
     grads = {"embed": d_embed, "layers": layers, "final_norm": head["final_norm"]}
     if "dense_layers" in d_ahead:
         grads["dense_layers"] = d_ahead["dense_layers"]
-    if model.config.tie_word_embeddings:
+    if layout.config.tie_word_embeddings:
         grads["embed"] = d_embed + head["embed"]
     else:
         grads["lm_head"] = head["lm_head"]
     return loss, grads
 
 
-def pipe_loss(model: MoEDecoder) -> Callable:
+def pipe_loss(layout: Layout) -> Callable:
     """The pipe mesh's loss, differentiable: its gradient is the pipeline step's.
 
     A ``jax.custom_vjp``: its value is the forward-only pipeline's; under ``jax.grad`` the
@@ -202,10 +235,10 @@ def pipe_loss(model: MoEDecoder) -> Callable:
 
     @jax.custom_vjp
     def loss(params, batch):
-        return objective(model, params, batch)
+        return objective(layout, params, batch)
 
     def fwd(params, batch):
-        value, grads = pipeline_step(model, params, batch)
+        value, grads = pipeline_step(layout, params, batch)
         return value, (grads, batch)
 
     def bwd(res, ct):

@@ -1,10 +1,10 @@
 """How the decoder runs its layers: scans over the stacked layers, remat, ZeRO-3 gathers.
 
-:class:`Runner` is the part of :class:`~jaxops.models.MoEDecoder` that turns the stacked
-parameters into ``lax.scan`` s of :func:`jaxops.models._layers.decoder_layer`: one scan per run
-of consecutive layers of one kind, or one over the repeats of a dense / MoE pattern, each layer
-rematerialized as ``remat`` says and, with ``zero = 3``, its weights gathered as it runs. It
-reads the decoder's fields and holds none itself.
+Functions of a :class:`~jaxops.models._layout.Layout` that turn the stacked parameters into
+``lax.scan`` s of :func:`jaxops.models._layers.decoder_layer`: one scan per run of consecutive
+layers of one kind, or one over the repeats of a dense / MoE pattern, each layer rematerialized
+as ``remat`` says and, with ``zero = 3``, its weights gathered as it runs; and one pipeline
+stage (:func:`stage`).
 """
 
 from __future__ import annotations
@@ -19,166 +19,182 @@ from jax.sharding import PartitionSpec as P
 from jaxops.parallel import expert as ep
 
 from . import _layers
-from ._layout import _is_spec, without_gathered
+from ._layout import Layout, without_gathered
 
-__all__ = ["Runner"]
-
-_MATMULS = jax.checkpoint_policies.save_from_both_policies(
-    jax.checkpoint_policies.dots_saveable,
-    jax.checkpoint_policies.save_only_these_names(_layers.PROJECTION),
-)
+__all__ = ["ffn", "layer_step", "run_all", "run_layers", "stage"]
 
 
-class Runner:
-    """The layer loops of the decoder (see the module docstring)."""
+def _moe_fn(layout: Layout) -> Callable:
+    """``moe(params, y, token_mask)``: the MoE layer; padding (mask False) is not routed."""
+    cfg = layout.moe
 
-    def _moe_fn(self) -> Callable:
-        """``moe(params, y, token_mask)``: the MoE layer; padding (mask False) is not routed."""
-        cfg = self.moe
+    def moe(p, y, token_mask=None):
+        if layout.moe_impl == "dense":
+            return ep.moe_layer_reference(p, y, cfg, impl=layout.impl, token_mask=token_mask)
+        return ep.moe_layer(p, y, cfg, mesh=layout.mesh, impl=layout.impl, token_mask=token_mask)
 
-        def moe(p, y, token_mask=None):
-            if self.moe_impl == "dense":
-                return ep.moe_layer_reference(p, y, cfg, impl=self.impl, token_mask=token_mask)
-            return ep.moe_layer(p, y, cfg, mesh=self.mesh, impl=self.impl, token_mask=token_mask)
+    return moe
 
-        return moe
 
-    def _ffn(self, key: str) -> Callable:
-        """The ffn of the layers of stack `key` for ``_layers.decoder_layer``.
+def ffn(layout: Layout, key: str) -> Callable:
+    """The ffn of the layers of stack `key` for ``_layers.decoder_layer``.
 
-        "layers": the MoE layer on ``p["moe"]`` (aux its MoEAux); "dense_layers": the dense
-        MLP on ``p["mlp"]`` (aux None).
-        """
-        if key == "dense_layers":
-            ops = self._ops
-            return lambda p, y, token_mask: (_layers.mlp(ops, p["mlp"], y), None)
-        moe = self._moe_fn()
-        return lambda p, y, token_mask: moe(p["moe"], y, token_mask)
+    "layers": the MoE layer on ``p["moe"]`` (aux its MoEAux); "dense_layers": the dense
+    MLP on ``p["mlp"]`` (aux None).
+    """
+    if key == "dense_layers":
+        ops = layout.ops
+        return lambda p, y, token_mask: (_layers.mlp(ops, p["mlp"], y), None)
+    moe = _moe_fn(layout)
+    return lambda p, y, token_mask: moe(p["moe"], y, token_mask)
 
-    def _run_all(
-        self, params: dict[str, Any], h: jax.Array, where: _layers.Tokens, *, prefix: bool = False
-    ) -> tuple[jax.Array, ep.MoEAux | None]:
-        """``h`` through every layer in order (one ``lax.scan`` per run of one kind).
 
-        Layers that repeat a pattern of both kinds (:attr:`_period`: Llama 4 Maverick's dense /
-        MoE alternation) run as one scan over the repeats. Returns the MoE layers' MoEAux
-        stacked ``[Lm, ...]``. With `prefix`, only the dense layers before the first MoE layer
-        (what runs ahead of a pipeline; aux None).
-        """
-        period = None if prefix else self._period
+def run_all(
+    layout: Layout,
+    params: dict[str, Any],
+    h: jax.Array,
+    where: _layers.Tokens,
+    *,
+    prefix: bool = False,
+) -> tuple[jax.Array, ep.MoEAux | None]:
+    """``h`` through every layer in order (one ``lax.scan`` per run of one kind).
+
+    Layers that repeat a pattern of both kinds (:attr:`Layout.period`: Llama 4 Maverick's
+    dense / MoE alternation) run as one scan over the repeats. Returns the MoE layers' MoEAux
+    stacked ``[Lm, ...]``. With `prefix`, only the dense layers before the first MoE layer
+    (what runs ahead of a pipeline; aux None).
+    """
+    period = None if prefix else layout.period
+    auxes = []
+    for key, start, stop, first in layout.runs_in(period[0] if period else None):
+        if prefix and key == "layers":
+            break
+        stack = params[key]
+        if (start, stop) != (0, jax.tree.leaves(stack)[0].shape[0]):
+            stack = jax.tree.map(lambda a, i=start, j=stop: a[i:j], stack)
+        rows = range(first, first + stop - start)  # consecutive layers of one kind
+        kinds = _layers.layer_kinds(layout.config, rows)
+        h, aux = run_layers(layout, stack, h, where, key, kinds, gather=True)
+        if key == "layers":
+            auxes.append(aux)
+    if period is not None:
+        h, aux = _run_period(layout, params, h, where, *period)
+        auxes.append(aux)
+    if not auxes:
+        return h, None
+    return h, auxes[0] if len(auxes) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)
+
+
+def _run_period(
+    layout: Layout,
+    params: dict[str, Any],
+    h: jax.Array,
+    where: _layers.Tokens,
+    first: int,
+    keys: tuple[str, ...],
+) -> tuple[jax.Array, ep.MoEAux]:
+    """Layers ``first ..`` as repeats of the stacks `keys`, one ``lax.scan`` over them."""
+    c = layout.config
+    groups = (c.num_layers - first) // len(keys)
+    xs = {}
+    for key in dict.fromkeys(keys):
+        per, start = keys.count(key), layout.stack_rows(first)[key]
+        xs[key] = jax.tree.map(
+            lambda a, i=start, n=per: a[i : i + groups * n].reshape(groups, n, *a.shape[1:]),
+            params[key],
+        )
+    static, scanned = _layers.layer_kinds(c, range(first, c.num_layers))
+    if scanned is not None:
+        scanned = jax.tree.map(lambda a: a.reshape(groups, len(keys)), scanned)
+    steps = {k: layer_step(layout, k, where, static, gather=True) for k in xs}
+
+    def body(h, x):
+        stacks, kinds = x
+        seen = dict.fromkeys(stacks, 0)
         auxes = []
-        for key, start, stop, first in self._runs_in(period[0] if period else None):
-            if prefix and key == "layers":
-                break
-            stack = params[key]
-            if (start, stop) != (0, jax.tree.leaves(stack)[0].shape[0]):
-                stack = jax.tree.map(lambda a, i=start, j=stop: a[i:j], stack)
-            rows = range(first, first + stop - start)  # consecutive layers of one kind
-            kinds = _layers.layer_kinds(self.config, rows)
-            h, aux = self._run_layers(stack, h, where, key, kinds, gather=True)
+        for j, key in enumerate(keys):
+            p = jax.tree.map(lambda a, i=seen[key]: a[i], stacks[key])
+            seen[key] += 1
+            kind = None if kinds is None else jax.tree.map(lambda a, j=j: a[j], kinds)
+            h, aux = steps[key](h, p if kind is None else (p, kind))
             if key == "layers":
                 auxes.append(aux)
-        if period is not None:
-            h, aux = self._run_period(params, h, where, *period)
-            auxes.append(aux)
-        if not auxes:
-            return h, None
-        return h, auxes[0] if len(auxes) == 1 else jax.tree.map(
-            lambda *a: jnp.concatenate(a), *auxes
-        )
+        return h, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 
-    def _run_period(
-        self, params: dict[str, Any], h: jax.Array, where: _layers.Tokens, first: int, keys
-    ) -> tuple[jax.Array, ep.MoEAux]:
-        """Layers ``first ..`` as repeats of the stacks `keys`, one ``lax.scan`` over them."""
-        c = self.config
-        groups = (c.num_layers - first) // len(keys)
-        xs = {}
-        for key in dict.fromkeys(keys):
-            per, start = keys.count(key), self._stack_rows(first)[key]
-            xs[key] = jax.tree.map(
-                lambda a, i=start, n=per: a[i : i + groups * n].reshape(groups, n, *a.shape[1:]),
-                params[key],
-            )
-        static, scanned = _layers.layer_kinds(c, range(first, c.num_layers))
-        if scanned is not None:
-            scanned = jax.tree.map(lambda a: a.reshape(groups, len(keys)), scanned)
-        steps = {k: self._layer_step(k, where, static, gather=True) for k in xs}
+    h, aux = jax.lax.scan(body, h, (xs, scanned), unroll=layout.unroll)
+    return h, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), aux)
 
-        def body(h, x):
-            stacks, kinds = x
-            seen = dict.fromkeys(stacks, 0)
-            auxes = []
-            for j, key in enumerate(keys):
-                p = jax.tree.map(lambda a, i=seen[key]: a[i], stacks[key])
-                seen[key] += 1
-                kind = None if kinds is None else jax.tree.map(lambda a, j=j: a[j], kinds)
-                h, aux = steps[key](h, p if kind is None else (p, kind))
-                if key == "layers":
-                    auxes.append(aux)
-            return h, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 
-        h, aux = jax.lax.scan(body, h, (xs, scanned), unroll=self._unroll)
-        return h, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), aux)
+def layer_step(
+    layout: Layout, key: str, where: _layers.Tokens, static: _layers.LayerKind, gather: bool
+) -> Callable:
+    """One layer of stack `key` as a scan body ``(h, xs) -> (h, aux)``.
 
-    @property
-    def _unroll(self) -> int | bool:
-        """``lax.scan``'s unroll for the layer scans (:attr:`scan_unroll`; False is 1)."""
-        return self.scan_unroll if self.scan_unroll is True else max(int(self.scan_unroll), 1)
+    Rematerialized as ``remat`` says (:attr:`Layout.remat_policy`); `gather`: ZeRO-3 gathers
+    its weights (outside a pipeline stage, whose weights its shard_map gathered) and again in
+    its backward.
+    """
+    layer = functools.partial(
+        _layers.decoder_layer, layout.ops, layout.config, ffn(layout, key), where, static
+    )
+    remat = layout.remat_policy
+    body = layer
+    if gather and layout.zero == 3:
 
-    @property
-    def _remat(self) -> bool | Callable:
-        """What a layer keeps for its backward: False (everything), True (its input) or a policy."""
-        if callable(self.remat):
-            return self.remat
-        return {"none": False, "full": True, "matmuls": _MATMULS}[self.remat]
+        def one(specs):  # a layer's specs: the stack's without its layer axis
+            return jax.tree.map(lambda s: P(*s[1:]), specs[key], is_leaf=_is_spec)
 
-    def _layer_step(
-        self, key: str, where: _layers.Tokens, static: _layers.LayerKind, gather: bool
-    ) -> Callable:
-        """One layer of stack `key` as a scan body ``(h, xs) -> (h, aux)``.
+        specs, source = one(layout.compute_specs()), one(layout.zero_specs())
 
-        Rematerialized as :attr:`remat` says; `gather`: ZeRO-3 gathers its weights (outside a
-        pipeline stage, whose weights its shard_map gathered) and again in its backward.
-        """
-        layer = functools.partial(
-            _layers.decoder_layer, self._ops, self.config, self._ffn(key), where, static
-        )
-        remat = self._remat
-        body = layer
-        if gather and self.zero == 3:
+        def body(h, xs):
+            if isinstance(xs, tuple):
+                return layer(h, (layout.gather(xs[0], specs, source), xs[1]))
+            return layer(h, layout.gather(xs, specs, source))
 
-            def one(specs):  # a layer's specs: the stack's without its layer axis
-                return jax.tree.map(lambda s: P(*s[1:]), specs[key], is_leaf=_is_spec)
+        remat = without_gathered(remat)
+    if remat is not False:
+        body = jax.checkpoint(body, policy=None if remat is True else remat)
+    return body
 
-            specs, source = one(self.compute_specs()), one(self.zero_specs())
 
-            def body(h, xs):
-                if isinstance(xs, tuple):
-                    return layer(h, (self._gather(xs[0], specs, source), xs[1]))
-                return layer(h, self._gather(xs, specs, source))
+def run_layers(
+    layout: Layout,
+    layers: dict[str, Any],
+    h: jax.Array,
+    where: _layers.Tokens,
+    key: str,
+    kinds: tuple[_layers.LayerKind, _layers.LayerKind | None],
+    gather: bool = False,
+) -> tuple[jax.Array, ep.MoEAux]:
+    """``h`` through the stacked `layers` of stack `key` (one lax.scan).
 
-            remat = without_gathered(remat)
-        if remat is not False:
-            body = jax.checkpoint(body, policy=None if remat is True else remat)
-        return body
+    `kinds`: their attention patterns (``_layers.layer_kinds``: one for all, or per-layer
+    arrays scanned with the parameters). Returns ``(h, aux)``: the per-layer aux (MoEAux
+    of MoE layers, None for dense ones), stacked. `gather`: as in :func:`layer_step`.
+    """
+    static, scanned = kinds
+    body = layer_step(layout, key, where, static, gather)
+    xs = layers if scanned is None else (layers, scanned)
+    return jax.lax.scan(body, h, xs, unroll=layout.unroll)
 
-    def _run_layers(
-        self,
-        layers: dict[str, Any],
-        h: jax.Array,
-        where: _layers.Tokens,
-        key: str,
-        kinds: tuple[_layers.LayerKind, _layers.LayerKind | None],
-        gather: bool = False,
-    ) -> tuple[jax.Array, ep.MoEAux]:
-        """``h`` through the stacked `layers` of stack `key` (one lax.scan).
 
-        `kinds`: their attention patterns (``_layers.layer_kinds``: one for all, or per-layer
-        arrays scanned with the parameters). Returns ``(h, aux)``: the per-layer aux (MoEAux
-        of MoE layers, None for dense ones), stacked. `gather`: as in :meth:`_layer_step`.
-        """
-        static, scanned = kinds
-        body = self._layer_step(key, where, static, gather)
-        xs = layers if scanned is None else (layers, scanned)
-        return jax.lax.scan(body, h, xs, unroll=self._unroll)
+def stage(
+    layout: Layout, sp: dict[str, Any], carry: dict[str, Any]
+) -> tuple[dict[str, Any], jax.Array]:
+    """One pipeline stage on ``{"h", "where"}``: its layers, the sum of their aux losses.
+
+    (``functools.partial(stage, layout)`` is the stage function of
+    :func:`jaxops.parallel.pipeline.pipeline_step` and ``pipeline_forward``.)
+    """
+    c = layout.config
+    static, scanned = _layers.layer_kinds(c, c.moe_layers)
+    if scanned is not None:  # this stage's rows (stage s holds MoE rows s n .. s n + n - 1)
+        n = jax.tree.leaves(sp)[0].shape[0]
+        index = jax.lax.axis_index(layout.pipe_axis)
+        scanned = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, index * n, n), scanned)
+    h, aux = run_layers(layout, sp, carry["h"], carry["where"], "layers", (static, scanned))
+    return {**carry, "h": h}, jnp.sum(aux.loss)
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)

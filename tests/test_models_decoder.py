@@ -38,6 +38,10 @@ def _mesh(shape, names):
     return jax.make_mesh(shape, names, devices=jax.devices()[: int(np.prod(shape))])
 
 
+# The custom calls wherever jaxops has them (every op but the GEMMs on CPU; every op on a GPU).
+KERNELS = ("ffi", "xla")
+
+
 def _batch(batch=8, seq=8, seed=0):
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, CFG.vocab_size, (batch, seq)).astype(np.int32)
@@ -53,11 +57,14 @@ def test_impl_reaches_every_op_of_the_loss_gradient(fp8):
     mesh = _mesh((1,), ("expert",))
     tokens, targets = _batch()
     found = {}
-    for impl in ("xla", "ffi"):
+    for impl in ("xla", KERNELS):
         model = models.MoEDecoder(CFG, mesh, impl=impl, fp8=fp8)
         params = model.init(jax.random.key(0))
         found[impl] = _custom_calls(jax.grad(model.loss), params, tokens, targets)
     assert found["xla"] == set(), found["xla"]
+    # "ffi" requires a custom call of every op: on CPU, XLA's dot runs the GEMMs.
+    with pytest.raises(models.ConfigError, match=r"impl='ffi' requires .* no gemm custom call"):
+        models.MoEDecoder(CFG, mesh, impl="ffi", fp8=fp8)
     # The CPU kernels: RMSNorm (q/k norms, layer and final norms) forward and backward, the
     # fused add + RMSNorm, the MoE permute / unpermute, and with FP8 the quantization.
     want = {
@@ -69,7 +76,7 @@ def test_impl_reaches_every_op_of_the_loss_gradient(fp8):
     }
     if fp8:
         want.add("jaxops_fp8_quantize")
-    assert want <= found["ffi"], found["ffi"]
+    assert want <= found[KERNELS], found[KERNELS]
 
 
 def _loss_and_grads(devices, fp8, impl):
@@ -79,7 +86,7 @@ def _loss_and_grads(devices, fp8, impl):
     model = models.MoEDecoder(CFG, mesh, impl=impl, fp8=fp8, dtype=jnp.float32)
     params = model.init(jax.random.key(0))
     step = jax.jit(model.loss_and_grads).lower(params, tokens, targets).compile()
-    if impl == "ffi":
+    if impl != "xla":
         calls = set(_CALL.findall(step.as_text()))
         assert {"jaxops_rms_norm_bwd", "jaxops_moe_permute"} <= calls, calls
     return step(params, tokens, targets)
@@ -88,7 +95,7 @@ def _loss_and_grads(devices, fp8, impl):
 def _kernels_vs_twins(devices, fp8, bound):
     """The decoder's loss and gradients with the custom calls against the pure-JAX twins."""
     (loss, grads), (loss_ref, grads_ref) = (
-        _loss_and_grads(devices, fp8, impl) for impl in ("ffi", "xla")
+        _loss_and_grads(devices, fp8, impl) for impl in (KERNELS, "xla")
     )
     assert abs(float(loss) - float(loss_ref)) <= bound * abs(float(loss_ref)), (loss, loss_ref)
     flat, _ = jax.tree_util.tree_flatten_with_path(grads)
@@ -111,7 +118,7 @@ def test_fp8_kernels_match_twins_in_the_train_step():
     cpu = jax.devices("cpu")[:1]
     _, grads32 = _loss_and_grads(cpu, None, "xla")
     (loss, grads), (loss_twin, grads_twin) = (
-        _loss_and_grads(cpu, "block", impl) for impl in ("ffi", "xla")
+        _loss_and_grads(cpu, "block", impl) for impl in (KERNELS, "xla")
     )
     assert abs(float(loss) - float(loss_twin)) <= 1e-4 * abs(float(loss_twin)), (loss, loss_twin)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
@@ -218,13 +225,15 @@ def test_loss_validates_once(monkeypatch):
     params = model.init(jax.random.key(0))
     tokens, targets = _batch()
     calls = []
-    original = models.MoEDecoder._check
+    from jaxops.models import _batch as batches  # the check every public method runs once
 
-    def counting(self, op, *args):
+    original = batches.check_batch
+
+    def counting(op, *args, **kwargs):
         calls.append(op)
-        return original(self, op, *args)
+        return original(op, *args, **kwargs)
 
-    monkeypatch.setattr(models.MoEDecoder, "_check", counting)
+    monkeypatch.setattr(batches, "check_batch", counting)
     jax.jit(model.loss).trace(params, tokens, targets)  # validation runs while tracing
     assert calls == ["jaxops.models.MoEDecoder.loss"]
     calls.clear()
@@ -298,7 +307,7 @@ def test_causal_query_blocks_equal_the_whole_softmax(seq, monkeypatch):
     """Causal self-attention in query blocks (each against the keys up to its last query)
     against float64 numpy and against one block, with a sliding window, two packed documents,
     a padding row (queries that see no key) and sinks; values and gradients."""
-    from jaxops.models import _layers
+    from jaxops.models import _layers, _ops
 
     rng = np.random.default_rng(seq)
     q = jnp.asarray(rng.standard_normal((3, seq, 4, 8)), jnp.float32)
@@ -318,12 +327,12 @@ def test_causal_query_blocks_equal_the_whole_softmax(seq, monkeypatch):
 
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, sinks)
 
-    assert _layers._causal_blocks(seq) == (1 if seq < 64 else min(_layers.CAUSAL_BLOCKS, seq // 32))
+    assert _layers.causal_blocks(seq) == (1 if seq < 64 else min(_layers.CAUSAL_BLOCKS, seq // 32))
     (_, out), grads = run()
     want = _attention_oracle(q, k, v, mask, sinks)
     assert rel_error(out, want) < 1e-5
     assert not np.asarray(out)[2].any()  # the padding row: no keys, zeros
-    monkeypatch.setattr(_layers, "CAUSAL_BLOCKS", 1)
+    monkeypatch.setattr(_ops, "CAUSAL_BLOCKS", 1)  # where attend reads it
     (_, whole), whole_grads = run()
     np.testing.assert_allclose(np.asarray(out), np.asarray(whole), atol=1e-5)
     for a, b in zip(grads, whole_grads, strict=True):
@@ -343,7 +352,7 @@ def test_dot_product_attention_equals_the_jnp_softmax():
     out = {}
     for attention in ("xla", "dot_product"):
         model = models.MoEDecoder(cfg, mesh, attention_impl=attention)
-        assert model._ops.attention == attention
+        assert model.layout.ops.attention == attention
         params = model.init(jax.random.key(0))
         kw = dict(segment_ids=model.place_batch(segments))
         logits = jax.jit(functools.partial(model.logits, **kw))(params, model.place_batch(tokens))
@@ -360,7 +369,7 @@ def test_dot_product_attention_equals_the_jnp_softmax():
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-6)
     np.testing.assert_array_equal(n2, n1)
     # "auto": the jnp softmax on CPU (dot_product is for GPUs in bfloat16 / float16).
-    assert models.MoEDecoder(cfg, mesh)._ops.attention == "xla"
+    assert models.MoEDecoder(cfg, mesh).layout.ops.attention == "xla"
     with pytest.raises(models.ConfigError, match="attention_impl must be one of"):
         models.MoEDecoder(cfg, mesh, attention_impl="flash")
 
@@ -378,14 +387,14 @@ def test_repeated_dense_moe_pattern_is_one_scan(dense, period):
     independent of the depth), equal to one scan per run of one kind."""
     cfg = dataclasses.replace(CFG, num_layers=8, dense_layers=dense, dense_ffn=24)
     model = models.MoEDecoder(cfg, _mesh((1,), ("expert",)))
-    assert model._period == period
+    assert model.layout.period == period
     for other in ((0,), (0, 1, 3, 5, 7)):  # DeepSeek-V3's dense layers first: runs; a prefix
         found = models.MoEDecoder(dataclasses.replace(cfg, dense_layers=other), model.mesh)
-        assert found._period == (None if other == (0,) else (2, ("layers", "dense_layers")))
+        assert found.layout.period == (None if other == (0,) else (2, ("layers", "dense_layers")))
     params = model.init(jax.random.key(3))
     tokens, targets = _batch()
     no_period = models.MoEDecoder(cfg, _mesh((1,), ("expert",)))
-    object.__setattr__(no_period, "_period", None)  # the cached property, forced off
+    object.__setattr__(no_period.layout, "period", None)  # the cached property, forced off
     loss, grads = jax.jit(model.loss_and_grads)(params, tokens, targets)
     want, want_grads = jax.jit(no_period.loss_and_grads)(params, tokens, targets)
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)

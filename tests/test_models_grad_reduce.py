@@ -70,7 +70,7 @@ CASES = [
 @pytest.mark.parametrize("masks", ["padding", "documents"])
 def test_flat_grads_equal_the_partitioners(kind, shape, kw, masks):
     flat, oracle = _model(kind, shape, "flat", **kw), _model(kind, shape, "partitioner", **kw)
-    assert flat._flat_grads and not oracle._flat_grads
+    assert flat.layout.flat_grads and not oracle.layout.flat_grads
     params = flat.init(jax.random.key(1))
     tokens, targets, mask, segments = _inputs()
     batch = (
