@@ -4,8 +4,11 @@ Public API (everything else is private):
 
 - :func:`rms_norm`, :func:`add_rms_norm` and their pure-JAX twins :func:`rms_norm_reference`,
   :func:`add_rms_norm_reference`.
-- The implementation switch: :func:`set_default_impl`, :func:`get_default_impl`,
-  :func:`default_impl` (or the ``JAXOPS_IMPL=xla`` environment variable).
+- The implementation policy, one vocabulary for every ``impl=`` of every tier (None: best
+  available, "ffi": the custom call required, "xla": the pure-JAX twin, or an order of preference
+  such as ``("ffi", "xla")``): :func:`choose_impl` (which one an op family runs), the global
+  default :func:`set_default_impl`, :func:`get_default_impl`, :func:`default_impl` (or the
+  ``JAXOPS_IMPL=xla`` environment variable), :data:`IMPLS`.
 - :func:`gemm` (GEMM with fused bias and activation, cuBLASLt on CUDA) and its twin
   :func:`gemm_reference`.
 - Matmul precision: :func:`precision` (context manager and decorator), :func:`current_precision`,
@@ -46,12 +49,13 @@ checks both on the installed package.
 """
 
 from jaxops import fp8, moe
-from jaxops._config import default_impl, get_default_impl, set_default_impl
+from jaxops._config import IMPLS, default_impl, get_default_impl, set_default_impl
 from jaxops._errors import ArgumentTypeError, ConfigError, InvalidArgumentError, JaxopsError
 from jaxops._ffi import (
     CudaModuleMissingWarning,
     JaxlibVersionError,
     build_info,
+    choose_impl,
     cuda_available,
 )
 from jaxops._gemm import gemm, gemm_reference
@@ -67,6 +71,7 @@ from jaxops._rms_norm import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "IMPLS",
     "ArgumentTypeError",
     "ConfigError",
     "CudaModuleMissingWarning",
@@ -77,6 +82,7 @@ __all__ = [
     "add_rms_norm",
     "add_rms_norm_reference",
     "build_info",
+    "choose_impl",
     "cuda_available",
     "current_precision",
     "default_impl",

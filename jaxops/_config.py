@@ -1,7 +1,18 @@
-"""The global implementation switch: force the pure-JAX twins of every op.
+"""The implementation policy of every op: one vocabulary, resolved in one place.
 
-The switch is part of jax's configuration and of the jit cache key, so flipping it retraces
-jitted functions instead of silently reusing kernels traced before.
+Every ``impl=`` of jaxops, from :func:`jaxops.rms_norm` to ``MoEDecoder``, takes the same values
+and means the same, resolved per op family by :func:`resolve_impl` (queried publicly through
+:func:`jaxops.choose_impl`):
+
+- None: the global default (below), which is "best available": the custom call where jaxops has
+  one for the platform, the pure-JAX twin elsewhere.
+- "ffi": the custom call is required; an op family without one on the platform raises.
+- "xla": the pure-JAX twin.
+- a tuple such as ``("ffi", "xla")``: an ordered preference, the first the platform has ("xla"
+  always exists), whatever the global default.
+
+The global default is part of jax's configuration and of the jit cache key, so flipping it
+retraces jitted functions instead of silently reusing kernels traced before.
 
 - Environment: ``JAXOPS_IMPL=xla`` (read at import).
 - Python: ``jaxops.set_default_impl("xla")`` / ``jaxops.set_default_impl(None)``, or the context
@@ -21,7 +32,9 @@ from jax._src import config as _jax_config
 from jaxops._errors import InvalidArgumentError
 
 __all__ = [
+    "IMPLS",
     "Impl",
+    "ImplChoice",
     "check_impl",
     "default_impl",
     "get_default_impl",
@@ -30,6 +43,10 @@ __all__ = [
 ]
 
 Impl = Literal["ffi", "xla"]
+#: What ``impl=`` takes: None, one of :data:`IMPLS`, or a tuple of them in order of preference.
+ImplChoice = Impl | tuple[Impl, ...] | None
+#: The implementations: jaxops' custom call ("ffi") and its pure-JAX twin ("xla").
+IMPLS = ("ffi", "xla")
 _CHOICES = ("auto", "ffi", "xla")
 
 
@@ -53,20 +70,32 @@ _impl_state = _jax_config.enum_state(
 )
 
 
-def _check(op: str, impl: str | None) -> str:
-    value = "auto" if impl is None else impl
-    if value not in _CHOICES:
-        raise InvalidArgumentError(f"{op}: impl must be None, 'ffi' or 'xla', got {impl!r}")
-    return value
+def _check(op: str, impl: ImplChoice) -> str | tuple[str, ...]:
+    """The normalized `impl`: "auto" (None), "ffi", "xla" or the preference tuple."""
+    if impl is None:
+        return "auto"
+    if isinstance(impl, str) and impl in IMPLS:
+        return impl
+    if (
+        isinstance(impl, tuple)
+        and impl
+        and all(isinstance(i, str) and i in IMPLS for i in impl)
+        and len(set(impl)) == len(impl)
+    ):
+        return impl
+    raise InvalidArgumentError(
+        f"{op}: impl must be None, 'ffi', 'xla' or a tuple of them in order of preference "
+        f"(e.g. ('ffi', 'xla')), got {impl!r}"
+    )
 
 
-def check_impl(op: str, impl: str | None) -> str | None:
-    """`impl` when it is None, "ffi" or "xla"; else a ValueError whose message starts with `op`."""
+def check_impl(op: str, impl: ImplChoice) -> ImplChoice:
+    """`impl` when :func:`resolve_impl` takes it; else an InvalidArgumentError starting `op`."""
     _check(op, impl)
     return impl
 
 
-def set_default_impl(impl: str | None) -> None:
+def set_default_impl(impl: Impl | None) -> None:
     """Sets the process-wide default implementation of every jaxops op.
 
     Args:
@@ -80,7 +109,7 @@ def set_default_impl(impl: str | None) -> None:
       'xla'
       >>> jaxops.set_default_impl(None)
     """
-    jax.config.update("jaxops_impl", _check("jaxops.set_default_impl", impl))
+    jax.config.update("jaxops_impl", _global("jaxops.set_default_impl", impl))
 
 
 def get_default_impl() -> str:
@@ -89,7 +118,7 @@ def get_default_impl() -> str:
 
 
 @contextlib.contextmanager
-def default_impl(impl: str | None) -> Iterator[None]:
+def default_impl(impl: Impl | None) -> Iterator[None]:
     """Context manager form of :func:`set_default_impl`, local to the current thread.
 
     Example:
@@ -97,31 +126,51 @@ def default_impl(impl: str | None) -> Iterator[None]:
       >>> with jaxops.default_impl("xla"):
       ...     y = jaxops.rms_norm(jnp.ones((2, 8)))
     """
-    with _impl_state(_check("jaxops.default_impl", impl)):
+    with _impl_state(_global("jaxops.default_impl", impl)):
         yield
 
 
-def resolve_impl(impl: str | None, *, kernel_available: bool, op: str = "jaxops") -> Impl:
-    """Picks the implementation of one call: its own `impl`, else the global default.
+def _global(op: str, impl: Impl | None) -> str:
+    """The global default's value of `impl`: None ("auto"), "ffi" or "xla" (no preference)."""
+    value = _check(op, impl)
+    if isinstance(value, tuple):
+        raise InvalidArgumentError(f"{op}: impl must be None, 'ffi' or 'xla', got {impl!r}")
+    return value
+
+
+def resolve_impl(impl: ImplChoice, *, kernel_available: bool, op: str = "jaxops") -> Impl:
+    """The one place an ``impl=`` is resolved: its own value, else the global default.
 
     Args:
-      impl: the op's ``impl`` argument (None, "ffi" or "xla").
-      kernel_available: whether a custom call exists for the platform being traced for.
+      impl: the op's ``impl`` argument (:data:`ImplChoice`).
+      kernel_available: whether a custom call of the op exists for the platform traced for.
       op: the public name of the op, which starts the error messages.
 
+    Returns:
+      "ffi" (run the custom call) or "xla" (run the pure-JAX twin).
+
     Raises:
-      ValueError: on an unknown `impl`, or "ffi" requested where no kernel exists.
+      InvalidArgumentError: an unknown `impl`, or "ffi" required (alone, or as the only
+        preference) where no kernel exists.
+
+    Example:
+      >>> from jaxops._config import resolve_impl
+      >>> resolve_impl(("ffi", "xla"), kernel_available=False)
+      'xla'
+      >>> resolve_impl(None, kernel_available=True)
+      'ffi'
     """
     choice = _check(op, impl)
     if choice == "auto":
         choice = _impl_state.value
-    if choice == "xla":
-        return "xla"
-    if not kernel_available:
-        if choice == "ffi":
-            raise InvalidArgumentError(
-                f"{op}: impl='ffi' was requested but jaxops has no custom call for this platform "
-                "(on GPU, jaxops must be built with CUDA; see jaxops.build_info())"
-            )
-        return "xla"
-    return "ffi"
+    if choice == "auto":  # the best available
+        return "ffi" if kernel_available else "xla"
+    order = (choice,) if isinstance(choice, str) else choice
+    for candidate in order:
+        if candidate == "xla" or kernel_available:
+            return candidate
+    raise InvalidArgumentError(
+        f"{op}: impl={impl!r} requires a custom call, but jaxops has none for this op on this "
+        "platform (on GPU, jaxops must be built with CUDA; see jaxops.build_info() and "
+        "jaxops.choose_impl); pass impl=('ffi', 'xla') to prefer the custom call where it exists"
+    )

@@ -31,7 +31,7 @@ import jax
 import jaxlib.version
 import numpy as np
 
-from jaxops._config import get_default_impl, resolve_impl
+from jaxops._config import ImplChoice, get_default_impl, resolve_impl
 from jaxops._errors import InvalidArgumentError, JaxopsError
 from jaxops._sharding import vary_like
 
@@ -39,6 +39,7 @@ __all__ = [
     "CudaModuleMissingWarning",
     "JaxlibVersionError",
     "build_info",
+    "choose_impl",
     "crc32c_chunks",
     "cuda_available",
     "ensure_registered",
@@ -420,6 +421,44 @@ def has_kernel(family: str, backend: str) -> bool:
       (True, False)
     """
     return _kernel_paths(backend)[family].startswith("custom call")
+
+
+def choose_impl(family: str, impl: ImplChoice = None, *, backend: str | None = None) -> str:
+    """The implementation op `family` runs with `impl` on `backend`: "ffi" or "xla".
+
+    The public query of jaxops' one implementation policy (:mod:`jaxops._config`): every
+    ``impl=`` of every tier (the ops, ``moe_layer``, ``MoEDecoder``) is resolved this way, per
+    op family, when the op is traced. None follows the global default (best available unless
+    :func:`jaxops.set_default_impl` says otherwise); "ffi" requires the custom call and raises
+    where the family has none; "xla" is the pure-JAX twin; a tuple is an order of preference.
+
+    Args:
+      family: an op family of ``jaxops.build_info()["paths"]``: "rms_norm", "fp8" (quantization),
+        "moe", "gemm" (also the FP8 GEMMs) or "grouped_gemm".
+      impl: None, "ffi", "xla" or a tuple such as ``("ffi", "xla")``.
+      backend: "cpu" or "gpu" (default: jax's default backend).
+
+    Raises:
+      InvalidArgumentError: an unknown `family` or `impl`, or a required custom call the family
+        does not have on `backend`.
+
+    Example:
+      >>> import jaxops
+      >>> jaxops.choose_impl("rms_norm", backend="cpu"), jaxops.choose_impl("gemm", backend="cpu")
+      ('ffi', 'xla')
+      >>> jaxops.choose_impl("gemm", ("ffi", "xla"), backend="cpu")
+      'xla'
+      >>> try:
+      ...     jaxops.choose_impl("gemm", "ffi", backend="cpu")
+      ... except jaxops.InvalidArgumentError as e:
+      ...     print(str(e)[:62])
+      jaxops.choose_impl: impl='ffi' requires a custom call, but jax
+    """
+    op = "jaxops.choose_impl"
+    if family not in OP_FAMILIES:
+        raise InvalidArgumentError(f"{op}: family must be one of {OP_FAMILIES}, got {family!r}")
+    backend = jax.default_backend() if backend is None else backend
+    return resolve_impl(impl, kernel_available=has_kernel(family, backend), op=op)
 
 
 def _kernel_paths(backend: str) -> dict[str, str]:

@@ -2,6 +2,9 @@
 
 The public namespace ``jaxops.fp8``; the implementation lives in ``jaxops._fp8``.
 
+- the FP8 recipe every tier takes as ``fp8=``: :class:`Recipe` (tensor current, tensor
+  delayed, or block 1 x 128 / 128 x 128 scaling), :data:`BLOCK`, :data:`TENSOR`,
+  :data:`SCALINGS`, :func:`as_recipe`;
 - :func:`quantize` / :func:`dequantize` and :class:`QuantizedArray`;
 - :func:`quantize_split_transpose` and :class:`SplitQuantized` (per-expert wgrad operands);
 - :func:`fake_quant` (straight-through quantize-dequantize);
@@ -16,10 +19,15 @@ The public namespace ``jaxops.fp8``; the implementation lives in ``jaxops._fp8``
 
 from jaxops._fp8 import (
     AMAX_FLOOR,
+    BLOCK,
+    SCALINGS,
+    TENSOR,
     DelayedScaling,
     Fp8Meta,
     QuantizedArray,
+    Recipe,
     SplitQuantized,
+    as_recipe,
     dequantize,
     fake_quant,
     init_fp8_meta,
@@ -39,10 +47,15 @@ from jaxops._fp8 import fp8_linear as linear
 
 __all__ = [
     "AMAX_FLOOR",
+    "BLOCK",
+    "SCALINGS",
+    "TENSOR",
     "DelayedScaling",
     "Fp8Meta",
     "QuantizedArray",
+    "Recipe",
     "SplitQuantized",
+    "as_recipe",
     "dequantize",
     "fake_quant",
     "gemm",

@@ -16,6 +16,7 @@ import numpy as np
 from jaxops.parallel import checkpoint
 from jaxops.parallel.checkpoint import Rule
 
+from jaxops import fp8
 from jaxops._errors import ConfigError, named_errors
 
 from ._config import read_config
@@ -53,7 +54,8 @@ _FP8_KEYS = frozenset(
 )
 # A published layer index (model.layers.N.) in a tensor name.
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
-_QUANTIZE = (None, "fp8-block")
+# save_pretrained's quantize=: the checkpoint format's name, a spelling of the block recipe.
+_FORMATS = {"fp8-block": "block"}
 
 
 def _expected_names(model: MoEDecoder, rules: Sequence[Rule]) -> set[str]:
@@ -217,7 +219,7 @@ def save_pretrained(
     max_shard_size: int | str = "5GB",
     generation_config: dict[str, Any] | None = None,
     progress: bool | None = None,
-    quantize: str | None = None,
+    quantize: fp8.Recipe | str | None = None,
 ) -> list[str]:
     """Writes `params` as a Hugging Face model directory that transformers loads.
 
@@ -227,7 +229,9 @@ def save_pretrained(
     published names (per-expert weights unstacked). Every process must call it (the arrays are
     gathered to process 0, which writes, one array at a time). `path` must not exist or be empty.
 
-    With ``quantize="fp8-block"`` the files are a block-scaled FP8 checkpoint as DeepSeek-V3 and
+    With ``quantize=jaxops.fp8.BLOCK`` (the block :class:`jaxops.fp8.Recipe`, the one FP8
+    recipe type of every tier; or its names ``"block"`` and ``"fp8-block"``) the files are a
+    block-scaled FP8 checkpoint as DeepSeek-V3 and
     Qwen3-30B-A3B-FP8 ship them: the decoder layers' linear weights (q/k/v/o projections,
     expert and shared-expert gate/up/down) are written as F8_E4M3 ``X.weight`` with a float32
     ``X.weight_scale_inv`` per 128 x 128 block (``scale = amax / 448``, quantized by
@@ -245,28 +249,31 @@ def save_pretrained(
       max_shard_size: bytes per file, an int or a string like "5GB".
       generation_config: a dict written as generation_config.json.
       progress: a progress bar (None: only on a terminal).
-      quantize: None (as they are) or ``"fp8-block"``.
+      quantize: None (as they are) or the block recipe (``jaxops.fp8.BLOCK``, ``"block"`` or
+        ``"fp8-block"``); the tensor and delayed recipes have no published format.
 
     Returns:
       The tensor names written (with the ``weight_scale_inv`` scales of an FP8 checkpoint).
 
     Raises:
-      ConfigError (ValueError): an unknown `quantize`, or a config the model type cannot express.
+      InvalidArgumentError (ValueError): an unknown `quantize`; ConfigError (one too): a config
+        the model type cannot express.
 
     Example:
       >>> from jaxops.models import save_pretrained  # doctest: +SKIP
       >>> save_pretrained(model, params, "/tmp/finetuned", dtype="bfloat16")  # doctest: +SKIP
       >>> save_pretrained(model, params, "/tmp/fp8", dtype="bfloat16",
-      ...                 quantize="fp8-block")  # doctest: +SKIP
+      ...                 quantize=jaxops.fp8.BLOCK)  # doctest: +SKIP
     """
     op = "jaxops.models.save_pretrained"
     if not isinstance(model, MoEDecoder):
         raise TypeError(f"{op}: model must be a MoEDecoder, got {type(model).__name__}")
-    if quantize not in _QUANTIZE:
-        raise ConfigError(f"{op}: quantize must be None or 'fp8-block', got {quantize!r}")
+    if isinstance(quantize, str):
+        quantize = _FORMATS.get(quantize, quantize)
+    quantize = fp8.as_recipe(quantize, op, allowed=("block",), name="quantize")
     if quantize and family(model.config.model_type).names.fused_experts:
         raise ConfigError(
-            f"{op}: quantize='fp8-block' writes each expert's [out, in] weights in 128 x 128 "
+            f"{op}: quantize={quantize!r} writes each expert's [out, in] weights in 128 x 128 "
             f"blocks; {model.config.model_type} checkpoints hold a layer's experts as one "
             "[E, in, out] tensor, for which that format has no published layout"
         )
@@ -274,7 +281,7 @@ def save_pretrained(
     rules = name_map(model.config)
     config = model.config.to_hf(written)
     codec = None
-    if quantize == "fp8-block":
+    if quantize == fp8.BLOCK:
         quant = Fp8Block()
         codec = Fp8Codec(quant, _expected_names(model, [r for r in rules if r.ours in _FP8_KEYS]))
         config["quantization_config"] = quant.to_hf(_unquantized_linears(model))

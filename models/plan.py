@@ -129,7 +129,7 @@ def plan(
     batch: int,
     seq: int,
     zero: int = 0,
-    fp8: str | None = None,
+    fp8: Any = None,
     remat: str = "full",
     dtype: str = "bfloat16",
     param_dtype: str = "float32",
@@ -148,7 +148,7 @@ def plan(
         the microbatches), refused before anything is compiled otherwise.
       seq: their length in tokens.
       zero: :attr:`MoEDecoder.zero` (0, 1 or 3).
-      fp8: None or "block" (:attr:`MoEDecoder.fp8`).
+      fp8: None or the block :class:`jaxops.fp8.Recipe` (or "block"; :attr:`MoEDecoder.fp8`).
       remat: a :data:`~jaxops.models.REMAT_POLICIES` name.
       dtype: the compute dtype.
       param_dtype: the parameters' and the Adam moments' dtype.
@@ -256,7 +256,7 @@ def plan(
         "batch": batch,
         "seq": seq,
         "zero": zero,
-        "fp8": fp8,
+        "fp8": None if model.fp8 is None else model.fp8.scaling,
         "remat": remat,
         "dtype": str(jnp.dtype(dtype)),
         "param_dtype": str(jnp.dtype(param_dtype)),

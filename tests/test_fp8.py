@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -444,6 +445,77 @@ def test_delayed_scaling_raises_a_subnormal_scale_to_the_smallest_normal(impl):
         assert_scale_equal(q.scale, np.float32(tiny))
         assert_fp8_equal(q.data, np_encode(x, np.float32(tiny), jnp.float8_e4m3fn))
         assert not np.isnan(np.asarray(q.data, np.float32)).any()
+
+
+def test_recipe_is_one_value_its_names_stand_for():
+    assert fp8.as_recipe("block") is fp8.BLOCK and fp8.as_recipe("tensor") is fp8.TENSOR
+    assert fp8.BLOCK == "block" and "tensor" == fp8.TENSOR and fp8.BLOCK != fp8.TENSOR
+    assert {fp8.BLOCK: 1}["block"] == 1  # equal to its name, hashed alike
+    delayed = fp8.as_recipe(fp8.DelayedScaling(history_len=4))
+    assert delayed == fp8.Recipe("delayed", fp8.DelayedScaling(history_len=4))
+    assert delayed != fp8.Recipe("delayed") and delayed != "delayed"  # settings tell them apart
+    assert fp8.Recipe("delayed").delayed == fp8.DelayedScaling()
+    assert fp8.BLOCK.block_shapes == ((1, 128), (128, 128)) and fp8.TENSOR.block_shapes is None
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: fp8.Recipe("row"), r"^jaxops\.fp8\.Recipe: scaling must be one of"),
+        (lambda: fp8.Recipe("block", fp8.DelayedScaling()), r"delayed settings belong"),
+        (lambda: fp8.as_recipe("e4m3"), r"^jaxops\.fp8\.as_recipe: fp8 must be None, a jaxops"),
+        (
+            lambda: fp8.linear(jnp.ones((8, 128)), jnp.ones((128, 128)), fp8=fp8.Recipe("delayed")),
+            r"^jaxops\.fp8\.linear: fp8=Recipe\('delayed'.* it takes 'block' or 'tensor'",
+        ),
+        (
+            lambda: fp8.quantize_delayed(jnp.ones((4, 32)), fp8.init_fp8_meta(), fp8.BLOCK),
+            r"^jaxops\.fp8\.quantize_delayed: fp8 must be a jaxops\.fp8\.DelayedScaling",
+        ),
+    ],
+    ids=[
+        "unknown-scaling",
+        "block-with-history",
+        "unknown-name",
+        "linear-delayed",
+        "delayed-block",
+    ],
+)
+def test_recipe_refusals_name_the_call(call, match):
+    with pytest.raises(jaxops.JaxopsError, match=match):
+        call()
+
+
+def test_recipe_is_taken_unchanged_by_every_consumer():
+    """The same Recipe objects as fp8= of the layer, the delayed functions and the expert layer;
+    each gives what its name gives."""
+    from jaxops.parallel.expert import MoEConfig
+
+    x = jax.random.normal(jax.random.key(0), (128, 256), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (256, 128), jnp.float32) / 16
+    for recipe in (fp8.BLOCK, fp8.TENSOR):
+        by_recipe = fp8.linear(x, w, fp8=recipe)
+        by_name = fp8.linear(x, w, fp8=recipe.scaling)
+        np.testing.assert_array_equal(np.asarray(by_recipe), np.asarray(by_name))
+    settings = fp8.DelayedScaling(history_len=4)
+    recipe = fp8.Recipe("delayed", settings)
+    q1, m1 = fp8.quantize_delayed(x, fp8.init_fp8_meta(recipe), recipe)
+    q2, m2 = fp8.quantize_delayed(x, fp8.init_fp8_meta(settings), settings)
+    np.testing.assert_array_equal(np.asarray(q1.data), np.asarray(q2.data))
+    np.testing.assert_array_equal(np.asarray(m1.amax_history), np.asarray(m2.amax_history))
+    cfg = MoEConfig(num_experts=4, top_k=2, hidden_size=128, expert_ffn=128, fp8=fp8.BLOCK)
+    assert cfg.fp8 is fp8.BLOCK and cfg == dataclasses.replace(cfg, fp8="block")
+    with pytest.raises(jaxops.ConfigError, match=r"MoEConfig: fp8=Recipe\('tensor'\)"):
+        dataclasses.replace(cfg, fp8=fp8.TENSOR)
+    from jaxops.models import DecoderConfig, MoEDecoder, family
+
+    mesh = jax.make_mesh((1,), ("expert",), devices=jax.devices()[:1])
+    config = DecoderConfig.from_hf(family("mixtral").tiny_config(hidden_size=128))
+    model = MoEDecoder(config, mesh, fp8=fp8.BLOCK)
+    assert model.fp8 is fp8.BLOCK and model.moe.fp8 is fp8.BLOCK
+    assert MoEDecoder(config, mesh, fp8="block").layout == model.layout
+    with pytest.raises(jaxops.ConfigError, match=r"MoEDecoder: fp8=Recipe\('tensor'\)"):
+        MoEDecoder(config, mesh, fp8=fp8.TENSOR)
 
 
 def test_delayed_scaling_recipe_keyword_is_deprecated():

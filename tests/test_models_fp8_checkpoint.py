@@ -32,6 +32,7 @@ from _hf_families import COMMON, FAMILIES, max_rel_err  # noqa: E402
 from jaxops.models._quant import Fp8Block, Fp8Codec  # noqa: E402
 from jaxops.parallel import checkpoint  # noqa: E402
 
+import jaxops  # noqa: E402
 from jaxops import models  # noqa: E402
 
 B = 128
@@ -293,7 +294,7 @@ def test_save_fp8_block_round_trip(dirs, tmp_path):
 
 def test_transformers_reads_save_pretrained_fp8(dirs, tmp_path, monkeypatch):
     model, params = models.from_pretrained(dirs["aligned"][0].parent / "f32")  # unquantized
-    models.save_pretrained(model, params, tmp_path / "fp8", quantize="fp8-block")
+    models.save_pretrained(model, params, tmp_path / "fp8", quantize=jaxops.fp8.BLOCK)
     _, again = models.from_pretrained(tmp_path / "fp8")
     tokens = _tokens()
     ours = _logits(model, again, tokens)
@@ -398,5 +399,7 @@ def test_scales_without_quantization_config_and_bad_quantize_are_refused(dirs, t
     with pytest.raises(checkpoint.CheckpointError, match=r"weight_scale_inv.*quantization_config"):
         models.from_pretrained(path)
     model, params = models.from_pretrained(dirs["qwen3_moe"][1])
-    with pytest.raises(models.ConfigError, match=r"quantize must be None or 'fp8-block'"):
+    with pytest.raises(jaxops.InvalidArgumentError, match=r"quantize must be None, a jaxops\.fp8"):
         models.save_pretrained(model, params, tmp_path / "out", quantize="fp8")
+    with pytest.raises(jaxops.InvalidArgumentError, match=r"quantize=Recipe\('tensor'\) is not"):
+        models.save_pretrained(model, params, tmp_path / "out", quantize=jaxops.fp8.TENSOR)

@@ -20,8 +20,9 @@ of the targets below, for CPU and CUDA.
 Modules by concern: ``scales`` (QuantizedArray, dequantize, scale math, the pure-JAX twin),
 ``partition`` (the custom calls and their custom_partitioning / Shardy rules), ``quantize``
 (quantize, fake_quant), ``delayed`` (delayed scaling), ``split`` (quantize_split_transpose),
-``gemm`` (the FP8 GEMM on cuBLASLt, through :mod:`jaxops._cublaslt`) and ``linear`` (the
-differentiable FP8 layer ``jaxops.fp8.linear``).
+``gemm`` (the FP8 GEMM on cuBLASLt, through :mod:`jaxops._cublaslt`), ``linear`` (the
+differentiable FP8 layer ``jaxops.fp8.linear``) and ``recipe`` (the one FP8 recipe type every
+tier takes).
 """
 
 from jaxops._fp8.delayed import (
@@ -36,6 +37,7 @@ from jaxops._fp8.gemm import fp8_gemm, fp8_gemm_reference
 from jaxops._fp8.linear import fp8_linear
 from jaxops._fp8.partition import TARGET_AMAX, TARGET_QUANTIZE
 from jaxops._fp8.quantize import fake_quant, quantize, quantize_reference
+from jaxops._fp8.recipe import BLOCK, SCALINGS, TENSOR, Recipe, as_recipe
 from jaxops._fp8.scales import (
     AMAX_FLOOR,
     QuantizedArray,
@@ -52,6 +54,11 @@ from jaxops._fp8.split import (
 
 __all__ = [
     "AMAX_FLOOR",
+    "BLOCK",
+    "SCALINGS",
+    "TENSOR",
+    "Recipe",
+    "as_recipe",
     "TARGET_AMAX",
     "TARGET_QUANTIZE",
     "TARGET_SPLIT_TRANSPOSE",

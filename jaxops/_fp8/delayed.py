@@ -1,7 +1,8 @@
 """Delayed scaling: amax histories and scales from them (TransformerEngine's recipe).
 
-The recipe (a :class:`DelayedScaling`) is the ``fp8`` argument of every function here; its old
-keyword ``recipe=`` still works for one release, with a DeprecationWarning.
+The recipe (a :class:`DelayedScaling`, or the "delayed" :class:`jaxops.fp8.Recipe` that holds one)
+is the ``fp8`` argument of every function here; its old keyword ``recipe=`` still works for one
+release, with a DeprecationWarning.
 """
 
 from __future__ import annotations
@@ -76,6 +77,18 @@ class Fp8Meta(NamedTuple):
 _RENAMED = {"recipe": "fp8"}
 
 
+def _settings(op: str, fp8: Any) -> DelayedScaling:
+    """The DelayedScaling of `fp8`: itself, or a "delayed" :class:`jaxops.fp8.Recipe`'s."""
+    if isinstance(fp8, DelayedScaling):
+        return fp8
+    if getattr(fp8, "scaling", None) == "delayed":  # a Recipe (jaxops._fp8.recipe imports us)
+        return fp8.delayed
+    raise ArgumentTypeError(
+        f"{op}: fp8 must be a jaxops.fp8.DelayedScaling or a 'delayed' jaxops.fp8.Recipe, "
+        f"got {fp8!r}"
+    )
+
+
 @renamed_keywords("jaxops.fp8.init_fp8_meta", _RENAMED)
 def init_fp8_meta(fp8: DelayedScaling = DelayedScaling()) -> Fp8Meta:
     """A fresh state: an all-zero history and scale 1.
@@ -86,12 +99,14 @@ def init_fp8_meta(fp8: DelayedScaling = DelayedScaling()) -> Fp8Meta:
       >>> meta.amax_history.shape, float(meta.scale)
       ((4,), 1.0)
     """
+    fp8 = _settings("jaxops.fp8.init_fp8_meta", fp8)
     return Fp8Meta(jnp.zeros((fp8.history_len,), jnp.float32), jnp.ones((), jnp.float32))
 
 
 @renamed_keywords("jaxops.fp8.scale_from_amax_history", _RENAMED)
 def scale_from_amax_history(amax_history: jax.Array, fp8: DelayedScaling) -> jax.Array:
     """The scale the recipe `fp8` derives from a history (float32 ``[]``)."""
+    fp8 = _settings("jaxops.fp8.scale_from_amax_history", fp8)
     amax = amax_history[0] if fp8.amax_compute == "most_recent" else jnp.max(amax_history)
     amax = amax * np.float32(2.0**fp8.margin)  # exact: a power of two
     return scale_from_amax(amax, fp8.dtype, pow2_scale=fp8.pow2_scale, amax_floor=fp8.amax_floor)
@@ -101,6 +116,7 @@ def scale_from_amax_history(amax_history: jax.Array, fp8: DelayedScaling) -> jax
 def update_fp8_meta(meta: Fp8Meta, amax: jax.Array, fp8: DelayedScaling) -> Fp8Meta:
     """Pushes `amax` into the history (dropping the oldest) and recomputes the scale."""
     history = jnp.roll(meta.amax_history, 1).at[0].set(jnp.asarray(amax, jnp.float32))
+    fp8 = _settings("jaxops.fp8.update_fp8_meta", fp8)
     return Fp8Meta(history, scale_from_amax_history(history, fp8))
 
 
@@ -124,7 +140,8 @@ def quantize_delayed(
     Args:
       x: float32, bfloat16 or float16 array, rank >= 1 (>= 2 with `transpose`).
       meta: the tensor's :class:`Fp8Meta`.
-      fp8: the :class:`DelayedScaling` recipe (the keyword ``recipe=`` is its deprecated name).
+      fp8: the :class:`DelayedScaling` (or a "delayed" ``jaxops.fp8.Recipe``; the keyword
+        ``recipe=`` is its deprecated name).
       transpose: also return the quantized transpose.
       impl: None, ``"ffi"`` or ``"xla"``.
 
@@ -140,6 +157,7 @@ def quantize_delayed(
       3.0
     """
     op = "jaxops.fp8.quantize_delayed"
+    fp8 = _settings(op, fp8)
     if not isinstance(meta, Fp8Meta):
         raise ArgumentTypeError(f"{op}: meta must be an Fp8Meta, got {type(meta).__name__}")
     x, cfg = _make_config(op, x, fp8.dtype, None, fp8.pow2_scale, transpose, "row", fp8.amax_floor)

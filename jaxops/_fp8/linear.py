@@ -13,17 +13,18 @@ import jax
 import jax.numpy as jnp
 
 from jaxops._checks import renamed_keywords
-from jaxops._config import check_impl
+from jaxops._config import ImplChoice, check_impl
 from jaxops._cublaslt import activate, activation_grad, check_dense
 from jaxops._errors import InvalidArgumentError
 from jaxops._fp8.gemm import BLOCK, fp8_gemm
 from jaxops._fp8.quantize import quantize
+from jaxops._fp8.recipe import Recipe, as_recipe
 from jaxops._fp8.scales import AMAX_FLOOR, GRAD_AMAX_FLOOR
 from jaxops._sharding import cotangent_like, vary_like
 
 __all__ = ["RECIPES", "fp8_linear"]
 
-#: The values of ``fp8=``.
+#: The scalings ``fp8=`` runs (as names or :class:`~jaxops.fp8.Recipe` s).
 RECIPES = ("block", "tensor")
 
 
@@ -100,8 +101,8 @@ def fp8_linear(
     bias: jax.Array | None = None,
     *,
     activation: str | None = None,
-    fp8: str = "block",
-    impl: str | None = None,
+    fp8: Recipe | str = "block",
+    impl: ImplChoice = None,
 ) -> jax.Array:
     """A differentiable FP8 dense layer: ``act(x @ w + bias)`` with FP8 GEMMs forward and backward.
 
@@ -117,8 +118,11 @@ def fp8_linear(
       w: x's dtype ``[K, N]``.
       bias: None or ``[N]``.
       activation: None, "relu", "gelu", "gelu_tanh" or "silu".
-      fp8: the recipe, "block" or "tensor" (the keyword ``recipe=`` is its deprecated name).
-      impl: None, "ffi" or "xla" (quantization and GEMMs).
+      fp8: the :class:`~jaxops.fp8.Recipe` (or its name), block or tensor scaling; a delayed
+        recipe is refused (its scales are state: ``quantize_delayed``). The keyword ``recipe=``
+        is its deprecated name.
+      impl: jaxops' implementation policy (:func:`jaxops.choose_impl`) of the quantization and
+        the GEMMs.
 
     Returns:
       ``[..., N]`` in x's dtype.
@@ -136,10 +140,11 @@ def fp8_linear(
     """
     op = "jaxops.fp8.linear"
     x, w, bias, activation, _, n = check_dense(op, x, w, bias, activation, False)
-    if fp8 not in RECIPES:
-        raise InvalidArgumentError(f"{op}: fp8 must be one of {RECIPES}, got {fp8!r}")
+    recipe = as_recipe(fp8, op, allowed=RECIPES)
+    if recipe is None:
+        raise InvalidArgumentError(f"{op}: fp8 must be a recipe (block or tensor), got None")
     check_impl(op, impl)
-    cfg = _LinearConfig(activation, fp8, impl)
+    cfg = _LinearConfig(activation, recipe.scaling, impl)
     k = x.shape[-1]
     y = _linear(cfg, x.reshape(-1, k), w, bias)
     return y.reshape(*x.shape[:-1], n)

@@ -25,6 +25,7 @@ from jaxops._errors import (
     public_name,
     renamed_fields,
 )
+from jaxops.fp8 import Recipe, as_recipe
 
 __all__ = [
     "DISPATCHES",
@@ -50,7 +51,6 @@ ROUTERS = ("softmax", "sigmoid")
 EXCHANGES = ("auto", "ragged", "dense", "gather")
 #: What crosses the dispatch exchange (MoEConfig.dispatch).
 DISPATCHES = ("dtype", "fp8")
-FP8_RECIPES = (None, "block")
 #: FP8 group width (1 x 128 row groups, 128 x 128 weight tiles).
 FP8_BLOCK = 128
 
@@ -156,9 +156,11 @@ class MoEConfig:
         expert axis; () for none.
       dtype: compute dtype of the experts (float32, bfloat16 or float16). The router runs in
         float32.
-      fp8: None or "block": expert GEMMs with DeepSeek-V3 block-scaled FP8 numerics (tokens and
-        gradients in 1 x 128 groups, weights in 128 x 128 tiles, wgrad operands in 128-token
-        groups per expert, float8_e4m3fn, fp32 accumulation).
+      fp8: None, or the block :class:`jaxops.fp8.Recipe` (``jaxops.fp8.BLOCK``, or its name
+        "block"; kept as the Recipe, equal to "block"): expert GEMMs with DeepSeek-V3
+        block-scaled FP8 numerics (tokens and gradients in 1 x 128 groups, weights in 128 x 128
+        tiles, wgrad operands in 128-token groups per expert, float8_e4m3fn, fp32
+        accumulation). The tensor and delayed recipes are refused.
       exchange: how tokens reach their experts' devices. "ragged": ``ragged_all_to_all``
         (GPU; XLA:CPU cannot compile it). "dense": its exact twin from rounds of a dense
         all_to_all of ``[N, block]`` rows and a scatter (``block`` about 1.25x the mean rows
@@ -231,7 +233,7 @@ class MoEConfig:
     expert_axis: str = "expert"
     data_axes: tuple[str, ...] = ("data",)
     dtype: Any = jnp.bfloat16
-    fp8: str | None = None
+    fp8: Recipe | str | None = None
     exchange: str = "auto"
     dispatch: str = "dtype"
     expert_bias: bool = False
@@ -307,7 +309,10 @@ class MoEConfig:
             self._set(name, _nonneg_float(name, getattr(self, name)))
 
     def _check_layout(self) -> None:
-        _choice("fp8", self.fp8, FP8_RECIPES)
+        try:  # one FP8 recipe type for every tier; the expert GEMMs run block scaling
+            self._set("fp8", as_recipe(self.fp8, _OP, allowed=("block",)))
+        except InvalidArgumentError as err:
+            raise ConfigError(str(err)) from None
         _choice("exchange", self.exchange, EXCHANGES)
         _choice("dispatch", self.dispatch, DISPATCHES)
         if self.dispatch == "fp8" and self.fp8 != "block":

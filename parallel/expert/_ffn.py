@@ -427,8 +427,7 @@ def grouped_ffn(
 def _linear(cfg: MoEConfig, impl, a: jax.Array, w: jax.Array) -> jax.Array:
     """``a @ w`` as float32: a dense GEMM, or with cfg.fp8 the block-scaled fp8.linear."""
     if cfg.fp8 == "block":
-        linear_impl = "xla" if impl == "xla" else None
-        return fp8.linear(a, w, impl=linear_impl).astype(jnp.float32)
+        return fp8.linear(a, w, impl=impl).astype(jnp.float32)
     return jnp.dot(a, w, preferred_element_type=jnp.float32)
 
 

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxops import _checks, _ffi, fp8
 from jaxops import moe as _moe
+from jaxops._config import ImplChoice
 from jaxops._errors import ArgumentTypeError, InvalidArgumentError
 from jaxops._sharding import manual_axes, place
 
@@ -333,7 +334,7 @@ def moe_layer(
     cfg: MoEConfig,
     *,
     mesh: jax.sharding.Mesh,
-    impl: str | None = None,
+    impl: ImplChoice = None,
     token_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, MoEAux]:
     """The expert-parallel MoE layer: ``y[t] = sum_k probs[t, k] * FFN_{ids[t, k]}(x[t])``.
@@ -365,8 +366,10 @@ def moe_layer(
         which B is sharded.
       cfg: a :class:`MoEConfig`.
       mesh: the mesh holding cfg's axes (other axes hold replicas).
-      impl: None, "ffi" or "xla": which implementation of jaxops' kernels (permute, unpermute,
-        FP8 quantization) to use; "xla" runs their pure-JAX twins.
+      impl: jaxops' implementation policy (:func:`jaxops.choose_impl`: None, "ffi", "xla" or an
+        order of preference such as ``("ffi", "xla")``) for every kernel the layer runs
+        (permute, unpermute, FP8 quantization, the grouped GEMMs, and with ``cfg.fp8`` the FP8
+        GEMMs); "ffi" requires a custom call for each of them.
       token_mask: None (every token counts) or a bool array of shape ``x.shape[:-1]``, True for
         the tokens that count (an integer array is read as ``!= 0``); sharded like x.
 
