@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jaxops.parallel import checkpoint
 from jaxops.parallel import expert as ep
 
-from jaxops._errors import ConfigError, named_errors
+from jaxops._errors import ConfigError, InvalidArgumentError, named_errors
 
 from ._families._keys import experts_key, get, positive
 from ._names import moe_block_rules
@@ -198,9 +198,9 @@ def load_moe_block(
     op = "jaxops.models.load_moe_block"
     layers = positive(hf, "num_hidden_layers")
     if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
-        raise ValueError(f"{op}: layer must be an int in [0, {layers}), got {layer!r}")
+        raise InvalidArgumentError(f"{op}: layer must be an int in [0, {layers}), got {layer!r}")
     if not is_moe_layer(hf, layer):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{op}: layer {layer} of {root} is a dense layer (first_k_dense_replace / "
             "mlp_only_layers / decoder_sparse_step in config.json)"
         )

@@ -24,7 +24,7 @@ from jaxops.parallel import pipeline as pl
 import jaxops
 from jaxops import _checks
 from jaxops._config import ImplChoice, check_impl
-from jaxops._errors import ConfigError, InvalidArgumentError, renamed_fields
+from jaxops._errors import ArgumentTypeError, ConfigError, InvalidArgumentError, renamed_fields
 
 from . import _batch, _objective, _run, _train
 from ._config import DecoderConfig
@@ -238,11 +238,11 @@ class MoEDecoder:
     def __post_init__(self):
         op = _OP
         if not isinstance(self.config, DecoderConfig):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{op}: config must be a DecoderConfig, got {type(self.config).__name__}"
             )
         if not isinstance(self.mesh, jax.sharding.Mesh):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{op}: mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}"
             )
         _checks.check_int(op, "num_microbatches", self.num_microbatches, 1)
@@ -272,7 +272,9 @@ class MoEDecoder:
         self._check_impl(op)
         dtype = np.dtype(self.dtype)
         if dtype not in _checks.FLOAT_DTYPES:
-            raise TypeError(f"{op}: dtype must be float32, bfloat16 or float16, got {dtype.name}")
+            raise ArgumentTypeError(
+                f"{op}: dtype must be float32, bfloat16 or float16, got {dtype.name}"
+            )
         object.__setattr__(self, "dtype", dtype)
         if not isinstance(self.scan_unroll, bool | int | np.integer) or (
             not isinstance(self.scan_unroll, bool) and self.scan_unroll < 1
@@ -494,7 +496,7 @@ class MoEDecoder:
         """
         op = f"{_OP}.forward"
         if self.pipe > 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{op}: per-layer MoE statistics are not available through the pipeline; use "
                 "logits() or loss()"
             )

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxops
 from jaxops import _checks
-from jaxops._errors import ConfigError
+from jaxops._errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 
 from ._decoder import MoEDecoder
 from ._layers import (
@@ -309,23 +309,29 @@ def _check_mask(mask: Any, shape: tuple[int, ...]) -> np.ndarray:
     if mask is None:
         return np.ones(shape, np.int32)
     if not hasattr(mask, "shape") or not hasattr(mask, "dtype"):
-        raise TypeError(f"{_OP}: attention_mask must be an array, got {type(mask).__name__}")
+        raise ArgumentTypeError(
+            f"{_OP}: attention_mask must be an array, got {type(mask).__name__}"
+        )
     values = np.asarray(mask)
     if values.shape != shape:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{_OP}: attention_mask must have the prompt's shape {shape}, got {values.shape}"
         )
     if values.dtype != bool and not np.issubdtype(values.dtype, np.integer):
-        raise TypeError(f"{_OP}: attention_mask must be bool or int, got {values.dtype.name}")
+        raise ArgumentTypeError(
+            f"{_OP}: attention_mask must be bool or int, got {values.dtype.name}"
+        )
     if not np.isin(values, (0, 1)).all():
-        raise ValueError(f"{_OP}: attention_mask must hold 0 and 1 only")
+        raise InvalidArgumentError(f"{_OP}: attention_mask must hold 0 and 1 only")
     values = values.astype(np.int32)
     empty = np.flatnonzero(values.sum(1) == 0)
     if empty.size:
-        raise ValueError(f"{_OP}: attention_mask row {empty[0]} has no real token (all 0)")
+        raise InvalidArgumentError(
+            f"{_OP}: attention_mask row {empty[0]} has no real token (all 0)"
+        )
     right = np.flatnonzero((np.diff(values, axis=1) < 0).any(1))
     if right.size:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{_OP}: attention_mask must be left-padded (padding first, as transformers' "
             f"padding_side='left' gives), got a 0 after a 1 in row {right[0]}"
         )
@@ -347,15 +353,17 @@ def _sampling(
         if not optional and (
             isinstance(value, bool) or not isinstance(value, (int, float, np.number))
         ):
-            raise TypeError(f"{_OP}: {name} must be a number, got {type(value).__name__}")
+            raise ArgumentTypeError(f"{_OP}: {name} must be a number, got {type(value).__name__}")
     if not (np.isfinite(temperature) and temperature >= 0):
-        raise ValueError(f"{_OP}: temperature must be finite and >= 0, got {temperature!r}")
+        raise InvalidArgumentError(
+            f"{_OP}: temperature must be finite and >= 0, got {temperature!r}"
+        )
     if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"{_OP}: top_p must be in (0, 1], got {top_p!r}")
+        raise InvalidArgumentError(f"{_OP}: top_p must be in (0, 1], got {top_p!r}")
     if top_k is not None:
         top_k = _checks.check_int(_OP, "top_k", top_k, 1)
     if temperature > 0 and key is None:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{_OP}: key is required when temperature > 0 (sampling), e.g. jax.random.key(0); "
             "got None"
         )
@@ -370,7 +378,7 @@ def _sampling(
     if key is None:
         key = jax.random.key(0)  # unused: greedy
     elif not isinstance(key, jax.Array):
-        raise TypeError(f"{_OP}: key must be a jax.random key, got {type(key).__name__}")
+        raise ArgumentTypeError(f"{_OP}: key must be a jax.random key, got {type(key).__name__}")
     elif not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.wrap_key_data(key)  # a raw uint32 key: one compile for both kinds
     return _Sampling(
@@ -458,7 +466,7 @@ def generate(
       True
     """
     if not isinstance(model, MoEDecoder):
-        raise TypeError(f"{_OP}: model must be a MoEDecoder, got {type(model).__name__}")
+        raise ArgumentTypeError(f"{_OP}: model must be a MoEDecoder, got {type(model).__name__}")
     if model.pipe > 1:
         raise ConfigError(
             f"{_OP}: generation needs a mesh without pipeline stages, got the pipe axis "
@@ -467,14 +475,16 @@ def generate(
             "params onto it: jax.device_put(params, new_model.shardings())"
         )
     if isinstance(prompt, jax.core.Tracer):
-        raise TypeError(f"{_OP}: call generate outside jax.jit (it got a traced prompt)")
+        raise ArgumentTypeError(f"{_OP}: call generate outside jax.jit (it got a traced prompt)")
     prompt = _checks.check_array(_OP, "prompt", prompt, dtypes=_TOKEN_DTYPES, min_rank=2)
     if prompt.ndim != 2 or prompt.shape[1] < 1:
-        raise ValueError(f"{_OP}: prompt must be [batch, seq], got shape {tuple(prompt.shape)}")
+        raise InvalidArgumentError(
+            f"{_OP}: prompt must be [batch, seq], got shape {tuple(prompt.shape)}"
+        )
     b, s = prompt.shape
     shards = model.batch_devices
     if b % shards:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{_OP}: prompt's batch ({b}) must be a multiple of {shards} (the devices of the "
             f"batch axes {model.batch_axes})"
         )
@@ -484,7 +494,7 @@ def generate(
     if isinstance(prompt, np.ndarray):
         real = prompt[mask == 1]
         if real.min() < 0 or real.max() >= vocab:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{_OP}: prompt token ids must be in [0, {vocab}) (the vocabulary), got ids "
                 f"from {real.min()} to {real.max()}"
             )

@@ -17,7 +17,7 @@ from jaxops.parallel import checkpoint
 from jaxops.parallel.checkpoint import Rule
 
 from jaxops import fp8
-from jaxops._errors import ConfigError, named_errors
+from jaxops._errors import ArgumentTypeError, ConfigError, named_errors
 
 from ._config import read_config
 from ._decoder import MoEDecoder
@@ -267,7 +267,7 @@ def save_pretrained(
     """
     op = "jaxops.models.save_pretrained"
     if not isinstance(model, MoEDecoder):
-        raise TypeError(f"{op}: model must be a MoEDecoder, got {type(model).__name__}")
+        raise ArgumentTypeError(f"{op}: model must be a MoEDecoder, got {type(model).__name__}")
     if isinstance(quantize, str):
         quantize = _FORMATS.get(quantize, quantize)
     quantize = fp8.as_recipe(quantize, op, allowed=("block",), name="quantize")

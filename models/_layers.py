@@ -34,6 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxops
+from jaxops._errors import InvalidArgumentError
 
 from . import _mla
 from ._config import DecoderConfig
@@ -341,7 +342,7 @@ def attention(
     if kind is None:
         kind, scanned = layer_kinds(c, ())
         if scanned is not None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "jaxops.models._layers.attention: the config's layers have different attention "
                 "patterns (layer_types / nope_layers); pass the layer's kind"
             )

@@ -22,7 +22,7 @@ from typing import Any
 from jaxops.parallel import expert as ep
 from jaxops.parallel.checkpoint import Rule
 
-from jaxops._errors import named_errors
+from jaxops._errors import ArgumentTypeError, InvalidArgumentError, named_errors
 
 from ._config import DecoderConfig
 from ._families import family
@@ -315,7 +315,7 @@ def _config_dict(config: Any) -> dict[str, Any]:
     elif hasattr(config, "to_dict"):
         config = config.to_dict()
     if not isinstance(config, Mapping):
-        raise TypeError(
+        raise ArgumentTypeError(
             "config must be a dict, an object with to_dict() or a "
             f"path to a config.json, got {type(config).__name__}"
         )
@@ -361,14 +361,14 @@ def llama_name_map(config: Any, *, rope: str = "rotate_half") -> tuple[Rule, ...
     """
     c = _config_dict(config)
     if rope not in ("rotate_half", "interleaved"):
-        raise ValueError(f"rope must be 'rotate_half' or 'interleaved', got {rope!r}")
+        raise InvalidArgumentError(f"rope must be 'rotate_half' or 'interleaved', got {rope!r}")
     heads = c.get("num_attention_heads")
     kv = c.get("num_key_value_heads") or heads
     head_dim = c.get("head_dim") or (
         c["hidden_size"] // heads if isinstance(heads, int) and c.get("hidden_size") else None
     )
     if not all(isinstance(v, int) and v > 0 for v in (heads, kv, head_dim)) or heads % kv:
-        raise ValueError(
+        raise InvalidArgumentError(
             "the config needs num_attention_heads, a "
             "num_key_value_heads that divides it and head_dim or hidden_size; got "
             f"{ {k: c.get(k) for k in ('num_attention_heads', 'num_key_value_heads', 'head_dim')} }"

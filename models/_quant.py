@@ -46,7 +46,7 @@ import numpy as np
 from jaxops.parallel.checkpoint import CheckpointError, HFTensor
 
 import jaxops
-from jaxops._errors import ConfigError
+from jaxops._errors import ConfigError, InvalidArgumentError
 
 __all__ = [
     "Fp8Block",
@@ -172,12 +172,12 @@ def dequantize_blocks(data: np.ndarray, scale: np.ndarray, block: Fp8Block) -> n
         infinite, zero or negative (a weight of NaN or of flipped sign: the file is corrupt).
     """
     if data.ndim != 2:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"a block-scaled weight must be 2-d [out, in], got shape {list(data.shape)}"
         )
     want = block.scale_shape(data.shape)
     if tuple(scale.shape) != want:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"the scale has shape {list(scale.shape)}; a {list(data.shape)} weight in "
             f"{list(block.block)} blocks needs {list(want)}"
         )
@@ -185,7 +185,7 @@ def dequantize_blocks(data: np.ndarray, scale: np.ndarray, block: Fp8Block) -> n
     bad = np.flatnonzero(~(np.isfinite(scale) & (scale > 0)))
     if bad.size:
         at = [int(i) for i in np.unravel_index(bad[0], scale.shape)]
-        raise ValueError(
+        raise InvalidArgumentError(
             f"the scale must be finite and > 0 in every block, got {scale.flat[bad[0]]} at "
             f"{at} ({bad.size} block(s)); refusing to load NaN, infinite, zero or negative "
             "weights"
@@ -246,18 +246,20 @@ class Fp8Codec:
         data = read(name)
         if data.dtype != _E4M3:
             if data.dtype.name.startswith("float8"):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{name!r} is stored as {data.dtype.name}; quantization_config says e4m3"
                 )
             return data
         try:
             scale = read(scale_name(name))
         except ValueError as e:
-            raise ValueError(f"{name!r} is float8_e4m3fn but its scale is missing: {e}") from None
+            raise InvalidArgumentError(
+                f"{name!r} is float8_e4m3fn but its scale is missing: {e}"
+            ) from None
         try:
             return dequantize_blocks(data, scale, self.block)
         except ValueError as e:
-            raise ValueError(f"{scale_name(name)!r}: {e}") from None
+            raise InvalidArgumentError(f"{scale_name(name)!r}: {e}") from None
 
     def encode(
         self, name: str, tensor: np.ndarray, *, shapes_only: bool = False
@@ -265,7 +267,7 @@ class Fp8Codec:
         if name not in self.quantize:
             return None
         if tensor.ndim != 2:
-            raise ValueError(f"{name!r}: only 2-d [out, in] weights quantize in blocks")
+            raise InvalidArgumentError(f"{name!r}: only 2-d [out, in] weights quantize in blocks")
         if shapes_only:
             data = np.broadcast_to(np.zeros((), _E4M3), tensor.shape)
             scale = np.broadcast_to(np.zeros((), np.float32), self.block.scale_shape(tensor.shape))
@@ -387,24 +389,24 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
         ``blocks.shape[:-1]``, or a scale code 255 (E8M0's NaN).
     """
     if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"MXFP4 blocks and scales must be uint8, got {blocks.dtype.name} and "
             f"{scales.dtype.name}"
         )
     if blocks.ndim < 2 or blocks.shape[-1] != MXFP4_BLOCK // 2:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"MXFP4 blocks must have shape [..., out, in / {MXFP4_BLOCK}, {MXFP4_BLOCK // 2}] "
             f"({MXFP4_BLOCK} FP4 elements in {MXFP4_BLOCK // 2} bytes per block), got "
             f"{list(blocks.shape)}"
         )
     if tuple(scales.shape) != tuple(blocks.shape[:-1]):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"MXFP4 scales have shape {list(scales.shape)}; blocks {list(blocks.shape)} need one "
             f"per block, {list(blocks.shape[:-1])}"
         )
     nan = np.flatnonzero(scales.reshape(-1) == 255)
     if nan.size:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"MXFP4 scale code 255 (NaN in E8M0) at "
             f"{[int(i) for i in np.unravel_index(nan[0], scales.shape)]} ({nan.size} block(s)); "
             "refusing to load NaN weights"
@@ -467,16 +469,20 @@ class Mxfp4Codec:
         try:
             scales = read(scales_name)
         except ValueError as e:
-            raise ValueError(f"{blocks_name!r} is stored but its scales are missing: {e}") from None
+            raise InvalidArgumentError(
+                f"{blocks_name!r} is stored but its scales are missing: {e}"
+            ) from None
         if blocks.ndim != 4:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{blocks_name!r} has shape {list(blocks.shape)}; MXFP4 expert weights are "
                 f"[experts, out, in / {MXFP4_BLOCK}, {MXFP4_BLOCK // 2}]"
             )
         try:
             values = dequantize_mxfp4(blocks, scales)
         except ValueError as e:
-            raise ValueError(f"{name!r} ({blocks_name!r}, {scales_name!r}): {e}") from None
+            raise InvalidArgumentError(
+                f"{name!r} ({blocks_name!r}, {scales_name!r}): {e}"
+            ) from None
         return values.swapaxes(-1, -2)  # [E, out, in] -> the module layout [E, in, out]
 
     def encode(
