@@ -82,6 +82,16 @@ def _restore_default_impl():
     jax.config.update("jaxops_impl", before)
 
 
+@pytest.fixture(scope="session")
+def hf_families(tmp_path_factory):
+    """The tiny transformers models of tests/_hf_families.TABLE, one per family for the whole
+    session (per xdist worker): each built and saved once, loaded by jaxops once per mesh, on
+    first use (`_hf_families.Session`)."""
+    import _hf_families
+
+    return _hf_families.Session(tmp_path_factory.mktemp("hf_families"))
+
+
 @pytest.fixture
 def ragged_on_cpu():
     """ragged_all_to_all lowered on CPU as the expert exchange's exact dense twin, for one test:

@@ -1,9 +1,8 @@
-"""jaxops.models against transformers: tiny random Mixtral, Qwen3-MoE and Qwen2-MoE models made by
-transformers in the test, loaded with from_pretrained on 1 and 8 CPU devices (data x expert and
-pipe x expert meshes), trained, written back with save_pretrained and loaded by transformers;
-DeepSeek-V3's and Qwen2-MoE's MoE blocks against transformers' modules.
-
-Tolerance: float32 logits within 1e-4 of the logit scale (max |logit|); measured ~3e-7.
+"""jaxops.models beyond the float32 parity suite every family runs (tests/test_models_families.py):
+the session's tiny random Mixtral, Qwen3-MoE and Qwen2-MoE (tests/_hf_families.TABLE) in
+bfloat16 and FP8, DeepSeek-V3's and Qwen2-MoE's MoE blocks against transformers' modules
+(within 1e-4 of the output scale), the errors bad configs, files and layouts raise, and the
+config's defaults and refusals.
 """
 
 from __future__ import annotations
@@ -16,14 +15,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from _hf_families import COMMON, FAMILIES, MESHES, TOL  # noqa: E402
-from _hf_families import hf_model as _hf_model  # noqa: E402
+from _hf_families import FAMILIES, TOL, hf_model, mesh  # noqa: E402
 from _hf_families import max_rel_err as _max_rel_err  # noqa: E402
 from jaxops.parallel import checkpoint  # noqa: E402
 from jaxops.parallel import expert as ep  # noqa: E402
@@ -32,148 +29,31 @@ from jaxops import models  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory):
-    """family -> a directory written by transformers' save_pretrained, sharded with an index."""
-    root = tmp_path_factory.mktemp("hf")
-    out = {}
-    for family in FAMILIES:
-        path = root / family
-        _hf_model(family).save_pretrained(path, max_shard_size="200KB")
-        assert (path / "model.safetensors.index.json").is_file()
-        out[family] = path
-    return out
-
-
-def _mesh(name):
-    shape, names = MESHES[name]
-    return jax.make_mesh(shape, names, devices=jax.devices()[: int(np.prod(shape))])
+def hf_dirs(hf_families):
+    """family -> the directory transformers' save_pretrained wrote (sharded, with an index) of the
+    session's model of the family (tests/_hf_families.TABLE)."""
+    return {family: hf_families.hf(family)[1] for family in FAMILIES}
 
 
 def _tokens(vocab: int, batch: int = 2, seq: int = 16, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, (batch, seq)).astype(np.int32)
 
 
-def _hf_logits(path_or_model, tokens: np.ndarray) -> np.ndarray:
-    model = path_or_model
-    if not isinstance(model, torch.nn.Module):
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path_or_model, dtype=torch.float32
-        )
-    model.eval()
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
-
-
 # -------------------------------------------------------------------------------------------------
-# Logits equal transformers'.
+# Other dtypes (float32 parity of every family: tests/test_models_families.py).
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_logits_match_transformers(hf_dirs, family, mesh_name):
-    mesh = _mesh(mesh_name)
-    model, params = models.from_pretrained(
-        hf_dirs[family], mesh=mesh, dtype=jnp.float32, num_microbatches=2
-    )
-    assert model.config.model_type == family
-    assert model.pipe == (2 if mesh_name == "p2e4" else 1)
-    # The experts are sharded over the expert axis, the layers over the pipe axis.
-    spec = params["layers"]["moe"]["w_in"].sharding.spec
-    assert spec[:2] == (("pipe" if mesh_name == "p2e4" else None), "expert")
-    tokens = _tokens(model.config.vocab_size, batch=2 if mesh_name == "1dev" else 16)
-    got = jax.jit(model.logits)(params, model.place_batch(tokens))
-    want = _hf_logits(hf_dirs[family], tokens)
-    err = _max_rel_err(got, want)
-    print(f"{family} {mesh_name}: max |logit error| / max |logit| = {err:.2e}")
-    assert err <= TOL, err
-
-
-def test_pipeline_loss_and_grads_equal_the_unpipelined_model(hf_dirs):
-    """The 1F1B pipe x expert model and the data x expert model: same loss and gradients."""
-    tokens = _tokens(128, batch=16, seq=12, seed=1)
-    targets = np.roll(tokens, -1, axis=1)
-    results = {}
-    for mesh_name in ("d2e4", "p2e4"):
-        model, params = models.from_pretrained(
-            hf_dirs["qwen3_moe"],
-            mesh=_mesh(mesh_name),
-            num_microbatches=2,
-            router_aux_loss_coef=0.0,
-        )
-        results[mesh_name] = jax.jit(model.loss_and_grads)(
-            params, *model.place_batch(tokens, targets)
-        )
-    (l1, g1), (l2, g2) = results["d2e4"], results["p2e4"]
-    np.testing.assert_allclose(l1, l2, rtol=2e-6)
-    flat = jax.tree_util.tree_leaves_with_path(g1)
-    for (path, a), b in zip(flat, jax.tree.leaves(g2), strict=True):
-        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
-    # Tied embeddings: the gradient adds the input and the output uses.
-    assert "lm_head" not in g2 and float(jnp.abs(g2["embed"]).max()) > 0
-
-
-# -------------------------------------------------------------------------------------------------
-# Round trip: HF -> train on 8 devices -> HF, loaded by transformers.
-
-
-@pytest.mark.parametrize(
-    "family,mesh_name",
-    [("qwen3_moe", "d2e4"), ("mixtral", "p2e4")],
-    ids=["qwen3-d2e4", "mixtral-p2e4"],
-)
-def test_finetune_and_save_round_trip(hf_dirs, tmp_path, family, mesh_name):
-    model, params = models.from_pretrained(
-        hf_dirs[family], mesh=_mesh(mesh_name), num_microbatches=2
-    )
-    opt = optax.adam(3e-3)
-    rng = np.random.default_rng(5)
-    tokens = rng.integers(0, 16, (16, 12)).astype(np.int32)  # a small sub-vocabulary: learnable
-    targets = (tokens + 1) % 16
-
-    @jax.jit
-    def step(params, state, tokens, targets):
-        loss, grads = model.loss_and_grads(params, tokens, targets)
-        updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss
-
-    with jax.set_mesh(model.mesh):
-        state = jax.jit(opt.init)(params)
-        losses = []
-        for _ in range(3):
-            params, state, loss = step(params, state, *model.place_batch(tokens, targets))
-            losses.append(float(loss))
-    assert losses[2] < losses[1] < losses[0], losses
-    out = tmp_path / "trained"
-    names = models.save_pretrained(model, params, out, max_shard_size="200KB")
-    assert "model.layers.1.mlp.experts.7.down_proj.weight" in names or (
-        "model.layers.1.block_sparse_moe.experts.7.w2.weight" in names
-    )
-    saved = json.loads((out / "config.json").read_text())
-    assert saved["model_type"] == family and saved["dtype"] == "float32"
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    assert index["metadata"]["total_size"] > 0
-    probe = _tokens(128, batch=16, seed=9)
-    want = _hf_logits(out, probe)
-    got = jax.jit(model.logits)(params, model.place_batch(probe))
-    err = _max_rel_err(got, want)
-    print(f"{family} trained on {mesh_name}: losses {losses}, saved logit error {err:.2e}")
-    assert err <= TOL, err
-    # And back in: the written files load into the same parameters.
-    _, again = models.from_pretrained(out, mesh=_mesh(mesh_name), num_microbatches=2)
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_bfloat16_and_fp8_load_and_run(hf_dirs):
+def test_bfloat16_and_fp8_load_and_run(tmp_path):
+    torch_model = hf_model("qwen2_moe")  # its layers' weights as initialized: bfloat16's bar
+    torch_model.save_pretrained(tmp_path)
     tokens = _tokens(128, batch=16)
-    want = _hf_logits(hf_dirs["qwen2_moe"], tokens)
-    model, params = models.from_pretrained(
-        hf_dirs["qwen2_moe"], mesh=_mesh("d2e4"), dtype="bfloat16"
-    )
+    with torch.no_grad():
+        want = torch_model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    model, params = models.from_pretrained(tmp_path, mesh=mesh("d2e4"), dtype="bfloat16")
     assert params["layers"]["w_qkv"].dtype == jnp.bfloat16 and model.dtype == jnp.bfloat16
     got = jax.jit(model.logits)(params, model.place_batch(tokens))
     assert _max_rel_err(got, want) < 0.05
-    model8, params8 = models.from_pretrained(hf_dirs["qwen2_moe"], mesh=_mesh("d2e4"), fp8="block")
+    model8, params8 = models.from_pretrained(tmp_path, mesh=mesh("d2e4"), fp8="block")
     got8 = jax.jit(model8.logits)(params8, model8.place_batch(tokens))
     assert 1e-4 < _max_rel_err(got8, want) < 0.1  # quantized, and close
 
@@ -207,15 +87,15 @@ def _deepseek(tmp_path, n_group, topk_group, seed=0):
 @pytest.mark.parametrize("mesh_name", ["1dev", "d2e4"])
 def test_deepseek_v3_moe_block_matches_transformers(tmp_path, groups, mesh_name):
     model, path = _deepseek(tmp_path, *groups)
-    mesh = _mesh(mesh_name)
+    where = mesh(mesh_name)
     data_axes = ("data",) if mesh_name == "d2e4" else ()
-    cfg, params = models.load_moe_block(path, 1, mesh=mesh, data_axes=data_axes)
+    cfg, params = models.load_moe_block(path, 1, mesh=where, data_axes=data_axes)
     assert (cfg.router, cfg.router_bias, cfg.n_group, cfg.topk_group) == ("sigmoid", True, *groups)
     assert cfg.shared_ffn == 64 and cfg.routed_scaling_factor == 2.5
     x = np.random.default_rng(3).normal(size=(16, 8, 64)).astype(np.float32)
     with torch.no_grad():
         want = model.model.layers[1].mlp(torch.tensor(x)).numpy()
-    got, _ = jax.jit(lambda p, x: ep.moe_layer(p, x, cfg, mesh=mesh))(params, x)
+    got, _ = jax.jit(lambda p, x: ep.moe_layer(p, x, cfg, mesh=where))(params, x)
     err = _max_rel_err(got, want)
     print(f"DeepSeek-V3 block {groups} {mesh_name}: {err:.2e}")
     assert err <= TOL, err
@@ -241,17 +121,17 @@ def _fields(cfg):
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 
 
-def test_qwen2_moe_sparse_block_matches_transformers(hf_dirs):
-    hf = _hf_model("qwen2_moe")
+def test_qwen2_moe_sparse_block_matches_transformers(hf_families):
+    hf, path = hf_families.hf("qwen2_moe")
     block = hf.model.layers[0].mlp
     assert type(block).__name__ == "Qwen2MoeSparseMoeBlock"
-    mesh = _mesh("d2e4")
-    cfg, params = models.load_moe_block(hf_dirs["qwen2_moe"], 0, mesh=mesh, data_axes=("data",))
+    where = mesh("d2e4")
+    cfg, params = models.load_moe_block(path, 0, mesh=where, data_axes=("data",))
     assert cfg.shared_gate and cfg.shared_ffn == 48 and not cfg.normalize_topk
     x = np.random.default_rng(4).normal(size=(8, 6, 64)).astype(np.float32)
     with torch.no_grad():
         want = block(torch.tensor(x)).numpy()
-    got, _ = jax.jit(lambda p, x: ep.moe_layer(p, x, cfg, mesh=mesh))(params, x)
+    got, _ = jax.jit(lambda p, x: ep.moe_layer(p, x, cfg, mesh=where))(params, x)
     assert _max_rel_err(got, want) <= TOL
 
 
@@ -345,7 +225,7 @@ def test_bad_layout_and_block_layer(hf_dirs, tmp_path):
         models.from_pretrained(
             hf_dirs["mixtral"], mesh=jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
         )
-    model, params = models.from_pretrained(hf_dirs["mixtral"], mesh=_mesh("d2e4"))
+    model, params = models.from_pretrained(hf_dirs["mixtral"], mesh=mesh("d2e4"))
     with pytest.raises(ValueError, match=r"batch \(3\) must be a multiple of 8"):
         model.logits(params, jnp.zeros((3, 4), jnp.int32))
     with pytest.raises(TypeError, match=r"tokens must have dtype int32, int64"):
@@ -357,28 +237,15 @@ def test_bad_layout_and_block_layer(hf_dirs, tmp_path):
         models.load_moe_block(path, 2)
 
 
-def test_decoder_config_round_trips_through_hf_dict(hf_dirs):
-    for family, path in hf_dirs.items():
-        cfg = models.read_config(path)
-        again = models.DecoderConfig.from_hf(cfg.to_hf())
-        assert again == cfg, family
-        hf_cfg = transformers.AutoConfig.for_model(**cfg.to_hf("bfloat16"))
-        assert hf_cfg.model_type == family
-
-
 def test_docstring_examples():
     from jaxops import testing
 
     assert testing.run_docstring_examples(models) >= 20
 
 
-def test_absent_config_keys_take_transformers_defaults():
-    """A config.json without the optional keys reads as transformers reads it (its defaults)."""
-    optional = ("rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling")
-    for family, (cfg_cls, _, extra) in FAMILIES.items():
-        full = getattr(transformers, cfg_cls)(**COMMON, **extra).to_dict()
-        bare = {k: v for k, v in full.items() if k not in optional}
-        assert models.DecoderConfig.from_hf(bare) == models.DecoderConfig.from_hf(full), family
+def test_absent_moe_block_keys_take_transformers_defaults():
+    """A config.json without DeepSeek-V3's optional MoE keys reads as transformers reads it (the
+    decoder's optional keys: tests/test_models_families.py)."""
     full = transformers.DeepseekV3Config(hidden_size=64, moe_intermediate_size=32).to_dict()
     keys = ("n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor", "n_shared_experts")
     bare = {k: v for k, v in full.items() if k not in keys}

@@ -1,13 +1,9 @@
 """jaxops.models against transformers' DeepSeek-V3 (``DeepseekV3ForCausalLM``, multi-head latent
-attention) and GLM-4.5 (``Glm4MoeForCausalLM``), and dense layers among MoE layers.
-
-Tiny models made by transformers in the test with every weight random (norms, biases and the
-router's correction bias included; the layers' matrices scaled up for clear router choices),
-loaded with from_pretrained on 1 device and on 8 CPU devices (data x expert, pipe x expert):
-logits, the loss with ignored targets, training through the pipeline (dense layers ahead of the
-stages), save_pretrained back to transformers, greedy generation with the MLA latent cache,
-multi-token-prediction tensors skipped, FP8 block checkpoints, Qwen's dense layers between MoE
-layers, and the refused config keys.
+attention) and GLM-4.5 (``Glm4MoeForCausalLM``) beyond the parity suite of
+tests/test_models_families.py (MLA with a q LoRA, 4 expert groups, a dense layer ahead of the
+MoE layers; GLM's partial RoPE, q/k norms and biases): DeepSeek-V3 without a q LoRA (rotate-half
+RoPE, YaRN with mscale_all_dim), the MLA latent cache, multi-token-prediction tensors skipped,
+Qwen's dense layers between MoE layers, FP8 block checkpoints, and the refused config keys.
 
 Tolerance: float32 logits within 1e-4 of the logit scale (max |logit|).
 """
@@ -28,212 +24,49 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from _hf_families import (  # noqa: E402
-    check_greedy_generate,
-    check_logits,
-    mesh,
-    pipeline_and_scan_grads,
-    random_tokens,
-    randomize,
-    train_save_reload,
-)
+import _hf_families as fam  # noqa: E402
 from jaxops.parallel import checkpoint  # noqa: E402
 
 from jaxops import models  # noqa: E402
 
-BASE = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=3,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-    norm_topk_prob=True,
-    eos_token_id=None,
-    pad_token_id=0,
-)
-CONFIGS = {
-    # DeepSeek-V3: MLA with a q LoRA, interleaved RoPE pairs, 8 experts in 4 groups.
-    "deepseek": (
-        "DeepseekV3Config",
-        "DeepseekV3ForCausalLM",
-        dict(
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            n_routed_experts=8,
-            n_shared_experts=1,
-            n_group=4,
-            topk_group=2,
-            routed_scaling_factor=2.5,
-            q_lora_rank=24,
-            kv_lora_rank=16,
-            qk_nope_head_dim=8,
-            qk_rope_head_dim=8,
-            v_head_dim=12,
-        ),
-    ),
-    # Moonlight / DeepSeek-V2-Lite style: no q LoRA, rotate-half pairs, YaRN with mscale_all_dim
-    # (the softmax-scale correction), no groups.
-    "deepseek_yarn": (
-        "DeepseekV3Config",
-        "DeepseekV3ForCausalLM",
-        dict(
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            n_routed_experts=8,
-            n_shared_experts=2,
-            n_group=1,
-            topk_group=1,
-            routed_scaling_factor=1.5,
-            q_lora_rank=None,
-            kv_lora_rank=16,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=8,
-            rope_interleave=False,
-            max_position_embeddings=64,
-            rope_parameters=dict(
-                rope_type="yarn",
-                rope_theta=10000.0,
-                factor=4.0,
-                original_max_position_embeddings=16,
-                mscale=1.0,
-                mscale_all_dim=0.8,
-                beta_fast=32.0,
-                beta_slow=1.0,
-            ),
-        ),
-    ),
-    # GLM-4.5: GQA 4:2, half the head rotated, per-head q/k norms, q/k/v biases, 8 experts in 2
-    # groups (1 chosen).
-    "glm": (
-        "Glm4MoeConfig",
-        "Glm4MoeForCausalLM",
-        dict(
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            n_routed_experts=8,
-            n_shared_experts=1,
-            n_group=2,
-            topk_group=1,
-            routed_scaling_factor=1.5,
-            use_qk_norm=True,
-            attention_bias=True,
-            partial_rotary_factor=0.5,
-        ),
-    ),
-}
+# Moonlight / DeepSeek-V2-Lite style: no q LoRA, rotate-half pairs, YaRN with mscale_all_dim
+# (the softmax-scale correction), no groups.
+YARN = dict(
+    n_shared_experts=2, n_group=1, topk_group=1, routed_scaling_factor=1.5, q_lora_rank=None,
+    kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=8, rope_interleave=False,
+    max_position_embeddings=64,
+    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                         original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=0.8,
+                         beta_fast=32.0, beta_slow=1.0),
+)  # fmt: skip
 
 
-def _hf(name: str, seed: int = 0, **extra):
-    """A transformers model of CONFIGS[name], every weight random."""
-    cfg_cls, model_cls, kw = CONFIGS[name]
-    torch.manual_seed(seed)
-    config = getattr(transformers, cfg_cls)(**{**BASE, **kw, **extra})
-    return randomize(getattr(transformers, model_cls)(config), 4.0)
-
-
-@pytest.fixture(scope="module")
-def hf(tmp_path_factory):
-    """name -> (transformers model, the directory save_pretrained wrote, sharded)."""
-    root = tmp_path_factory.mktemp("deepseek")
-    out = {}
-    for name in CONFIGS:
-        model = _hf(name)
-        model.save_pretrained(root / name, max_shard_size="200KB")
-        assert (root / name / "model.safetensors.index.json").is_file()
-        out[name] = (model, root / name)
-    return out
-
-
-@pytest.mark.parametrize(
-    "name,mesh_name",
-    [
-        ("deepseek", "1dev"),
-        ("deepseek", "p2e4"),
-        ("deepseek_yarn", "1dev"),
-        ("glm", "1dev"),
-        ("glm", "d2e4"),
-        ("glm", "p2e4"),
-    ],
-)
-def test_logits_match_transformers(hf, name, mesh_name):
-    torch_model, path = hf[name]
-    model, params = models.from_pretrained(
-        path, mesh=mesh(mesh_name), dtype=jnp.float32, num_microbatches=2
-    )
+def test_no_q_lora_yarn_logits_match_transformers(tmp_path):
+    torch_model = fam.build("deepseek_v3", **YARN)
+    torch_model.save_pretrained(tmp_path, max_shard_size="200KB")
+    model, params = models.from_pretrained(tmp_path, mesh=fam.mesh("1dev"), dtype=jnp.float32)
     c = model.config
     assert c.dense_layers == (0,) and c.moe_layers == (1, 2) and c.dense_ffn == 96
     assert (c.router, c.router_bias, c.shared_gate) == ("sigmoid", True, False)
-    assert params["layers"]["moe"]["router_bias"].dtype == jnp.float32
-    assert params["dense_layers"]["mlp"]["w_in"].shape == (1, 64, 192)
-    if name.startswith("deepseek"):
-        assert c.model_type == "deepseek_v3" and c.mla is not None
-        assert c.rope.interleave == (name == "deepseek")
-    else:
-        assert c.rope.partial_rotary_factor == 0.5 and c.qk_norm and c.qkv_bias
-    tokens = random_tokens(2 if mesh_name == "1dev" else 16)
-    check_logits(model, params, torch_model, tokens, f"{name} {mesh_name}")
-
-
-@pytest.mark.parametrize("name", ["deepseek", "glm"])
-def test_loss_with_ignored_targets_matches_transformers(hf, name):
-    torch_model, path = hf[name]
-    model, params = models.from_pretrained(path, mesh=mesh("d2e4"))
-    assert model.config.router_aux_loss_coef == 0.0  # these models balance by the bias
-    tokens = random_tokens(8, seed=3)
-    labels = tokens.copy()
-    labels[:, :4] = -100
-    labels[1, 7:] = -100
-    targets = np.concatenate([labels[:, 1:], np.full((8, 1), -100, np.int32)], axis=1)
-    got = jax.jit(model.loss)(params, *model.place_batch(tokens, targets))
-    with torch.no_grad():
-        want = torch_model(
-            torch.tensor(tokens, dtype=torch.long), labels=torch.tensor(labels, dtype=torch.long)
-        ).loss.item()
-    np.testing.assert_allclose(float(got), want, rtol=2e-5)
-
-
-def test_pipeline_gradients_equal_the_scan_gradients(hf):
-    """pipe x expert (the dense layer ahead of the stages) against data x expert, same batch."""
-    g2 = pipeline_and_scan_grads(hf["deepseek"][1])
-    assert float(np.abs(g2["dense_layers"]["mlp"]["w_in"]).max()) > 0
-    assert float(np.abs(g2["layers"]["moe"]["router_bias"]).max()) == 0  # choice only
-
-
-@pytest.mark.parametrize("name", ["deepseek", "glm"])
-def test_adamw_steps_and_save_pretrained_round_trip(hf, name, tmp_path):
-    # DeepSeek through the pipeline (dense layer ahead of the stages), GLM on data x expert.
-    where = mesh("p2e4" if name == "deepseek" else "d2e4")
-    model, params = models.from_pretrained(hf[name][1], mesh=where, num_microbatches=2)
-    names, saved = train_save_reload(model, params, hf[name][0], tmp_path / "out", name)
-    assert "model.layers.0.mlp.gate_proj.weight" in names
-    assert "model.layers.2.mlp.gate.e_score_correction_bias" in names
-    assert saved["first_k_dense_replace"] == 1
-
-
-@pytest.mark.parametrize("name", ["deepseek", "glm"])
-def test_greedy_generate_matches_transformers(hf, name):
-    torch_model, path = hf[name]
-    model, params = models.from_pretrained(path, mesh=mesh("1dev"), dtype=jnp.float32)
-    check_greedy_generate(model, params, torch_model)
+    assert c.model_type == "deepseek_v3" and c.mla is not None and not c.rope.interleave
+    assert c.mla.q_lora_rank is None and c.rope.kind == "yarn"
+    fam.check_logits(
+        model, params, torch_model, fam.random_tokens(2), "deepseek_v3 no q LoRA, YaRN"
+    )
 
 
 def test_mla_cache_holds_the_latent():
     from jaxops.models._mla import cache_bytes_per_token
 
-    hf_cfg = _hf("deepseek").config.to_dict()
-    c = models.DecoderConfig.from_hf(hf_cfg)
+    c = models.DecoderConfig.from_hf(fam.hf_config("deepseek_v3").to_dict())
     assert cache_bytes_per_token(c, 2) == (16 + 8) * 2  # kv_lora_rank + rope dims
     v3 = models.DecoderConfig.from_hf(transformers.DeepseekV3Config().to_dict())
     assert cache_bytes_per_token(v3, 2) == 576 * 2
     assert (v3.q_size, v3.qk_head_dim, v3.v_head_dim, v3.n_group) == (128 * 192, 192, 128, 8)
 
 
-def test_mtp_layers_are_skipped_with_a_warning(hf, tmp_path):
-    torch_model, path = hf["deepseek"]
+def test_mtp_layers_are_skipped_with_a_warning(hf_families, tmp_path):
+    torch_model, path = hf_families.hf("deepseek_v3")
     dst = shutil.copytree(path, tmp_path / "mtp")
     mtp = {
         "model.layers.3.eh_proj.weight": torch.zeros(64, 128),
@@ -253,7 +86,9 @@ def test_mtp_layers_are_skipped_with_a_warning(hf, tmp_path):
     with pytest.warns(UserWarning, match=r"skipped 3 multi-token-prediction tensor\(s\) of "
                       r"model\.layers\.3\.\*"):  # fmt: skip
         model, params = models.from_pretrained(dst)
-    check_logits(model, params, torch_model, random_tokens(2), "deepseek with MTP tensors skipped")
+    fam.check_logits(
+        model, params, torch_model, fam.random_tokens(2), "deepseek with MTP tensors skipped"
+    )
 
 
 def test_qwen_dense_layers_between_moe_layers(tmp_path):
@@ -271,45 +106,37 @@ def test_qwen_dense_layers_between_moe_layers(tmp_path):
             if "norm" in n or n.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     torch_model.save_pretrained(tmp_path / "q")
-    model, params = models.from_pretrained(tmp_path / "q", mesh=mesh("d2e4"))
+    model, params = models.from_pretrained(tmp_path / "q", mesh=fam.mesh("d2e4"))
     # decoder_sparse_step 2: layers 1 and 3 MoE; mlp_only_layers takes 2 (already dense).
     assert model.config.dense_layers == (0, 2) and model.config.moe_layers == (1, 3)
-    assert model._runs == (
+    assert model.layout.runs == (
         ("dense_layers", 0, 1, 0), ("layers", 0, 1, 1), ("dense_layers", 1, 2, 2),
         ("layers", 1, 2, 3),
     )  # fmt: skip
-    check_logits(model, params, torch_model, random_tokens(16), "qwen2_moe dense 0, 2")
-    _, aux = jax.jit(model.forward)(params, model.place_batch(random_tokens(16)))
+    fam.check_logits(model, params, torch_model, fam.random_tokens(16), "qwen2_moe dense 0, 2")
+    _, aux = jax.jit(model.forward)(params, model.place_batch(fam.random_tokens(16)))
     assert aux.tokens_per_expert.shape == (2, 8)  # the MoE layers only
     out = tmp_path / "back"
     models.save_pretrained(model, params, out)
     back = json.loads((out / "config.json").read_text())
     assert back["mlp_only_layers"] == [0, 2] and back["decoder_sparse_step"] == 1
     trained = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    check_logits(model, params, trained, random_tokens(16, seed=1), "qwen2_moe dense saved")
+    fam.check_logits(model, params, trained, fam.random_tokens(16, seed=1), "qwen2_moe dense saved")
     with pytest.raises(models.ConfigError, match="dense layers must come first"):
-        models.MoEDecoder(model.config, mesh("p2e4"))
+        models.MoEDecoder(model.config, fam.mesh("p2e4"))
 
 
-def test_config_round_trip_defaults_and_refused_keys(hf):
-    for name in CONFIGS:
-        hf_cfg = hf[name][0].config.to_dict()
-        cfg = models.DecoderConfig.from_hf(hf_cfg)
-        assert models.DecoderConfig.from_hf(cfg.to_hf()) == cfg, name
+def test_config_defaults_and_refused_keys():
+    yarn = models.DecoderConfig.from_hf(fam.hf_config("deepseek_v3", **YARN).to_dict())
+    assert models.DecoderConfig.from_hf(yarn.to_hf()) == yarn
     # Absent keys take transformers' defaults (the published DeepSeek-V3 and GLM-4.5 shapes).
     # (GLM-4.5's config.json gives head_dim = 128; 4096 / 96 heads is no width.)
-    for cls, extra in (("DeepseekV3Config", {}), ("Glm4MoeConfig", {"head_dim": 128})):
-        full = getattr(transformers, cls)(**extra).to_dict()
-        keep = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers",
-                "num_attention_heads", "num_experts_per_tok", *extra)  # fmt: skip
-        got = models.DecoderConfig.from_hf({k: full[k] for k in keep})
-        assert got == models.DecoderConfig.from_hf(full), cls
-    v3 = models.DecoderConfig.from_hf(transformers.DeepseekV3Config().to_dict())
+    v3 = fam.published("deepseek_v3", "num_experts_per_tok")
     assert (v3.num_experts, v3.dense_layers, v3.shared_ffn, v3.routed_scaling_factor) == (
         256, (0, 1, 2), 2048, 2.5)  # fmt: skip
-    glm = models.DecoderConfig.from_hf(transformers.Glm4MoeConfig(head_dim=128).to_dict())
+    glm = fam.published("glm4_moe", "num_experts_per_tok", head_dim=128)
     assert glm.rope.partial_rotary_factor == 0.5 and glm.dense_layers == (0,)
-    ds = hf["deepseek"][0].config.to_dict()
+    ds = fam.hf_config("deepseek_v3").to_dict()
     (bias,) = [r for r in models.name_map(v3) if r.ours == "layers/moe/router_bias"]
     assert bias.dtype == "float32" and bias.index == (("i", tuple(range(3, 61))),)
     with pytest.raises(models.ConfigError, match="attention_bias = true is not supported"):
@@ -327,7 +154,7 @@ def test_config_round_trip_defaults_and_refused_keys(hf):
             "mixtral", 128, 64, 2, 4, 2, 16, 8, 2, 32, rope=models.Rope(partial_rotary_factor=0.5)
         )
     # Dense layers not first cannot be said as glm4_moe's first_k_dense_replace.
-    glm_cfg = models.DecoderConfig.from_hf(hf["glm"][0].config.to_dict())
+    glm_cfg = models.DecoderConfig.from_hf(fam.hf_config("glm4_moe").to_dict())
     moved = dataclasses.replace(glm_cfg, dense_layers=(1,))
     with pytest.raises(models.ConfigError, match="glm4_moe cannot express"):
         moved.to_hf()
@@ -341,10 +168,10 @@ DEEPSEEK_FP8 = re.compile(
 )
 
 
-def test_fp8_deepseek_checkpoint_loads_and_saves(hf, tmp_path):
+def test_fp8_deepseek_checkpoint_loads_and_saves(hf_families, tmp_path):
     import test_models_fp8_checkpoint as f8
 
-    fp8, deq = f8.fp8_checkpoint(hf["deepseek"][1], tmp_path, quantized=DEEPSEEK_FP8)
+    fp8, deq = f8.fp8_checkpoint(hf_families.hf("deepseek_v3")[1], tmp_path, quantized=DEEPSEEK_FP8)
     source = f8.read_dir(deq)
     quantized = {n for n in source if DEEPSEEK_FP8.fullmatch(n)}
     assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in quantized
@@ -355,7 +182,7 @@ def test_fp8_deepseek_checkpoint_loads_and_saves(hf, tmp_path):
     _, want = models.from_pretrained(deq)
     f8._assert_same(got, want)
     # Written back as the same format: the same tensors quantized, the rest as they are.
-    model, params = models.from_pretrained(deq, mesh=mesh("d2e4"))
+    model, params = models.from_pretrained(deq, mesh=fam.mesh("d2e4"))
     out = tmp_path / "saved"
     names = models.save_pretrained(model, params, out, quantize="fp8-block")
     stored = f8.read_dir(out)
@@ -373,7 +200,7 @@ def test_fp8_deepseek_checkpoint_loads_and_saves(hf, tmp_path):
     f8._assert_same(again, models.from_pretrained(ref)[1])
 
 
-def test_fp8_training_requantizes_fp8_files_exactly(hf, tmp_path):
+def test_fp8_training_requantizes_fp8_files_exactly(hf_families, tmp_path):
     """fp8="block" on weights loaded from FP8 files (float32): the 128 x 128 quantization of the
     forward gives back the very FP8 values stored (no requantization error), for every weight
     whose blocks our layout keeps (unfused ones; fused q/k/v and gate/up keep them when the
@@ -383,7 +210,7 @@ def test_fp8_training_requantizes_fp8_files_exactly(hf, tmp_path):
 
     import jaxops
 
-    fp8, _ = f8.fp8_checkpoint(hf["deepseek"][1], tmp_path, quantized=DEEPSEEK_FP8)
+    fp8, _ = f8.fp8_checkpoint(hf_families.hf("deepseek_v3")[1], tmp_path, quantized=DEEPSEEK_FP8)
     stored = f8.read_dir(fp8)
     _, params = models.from_pretrained(fp8, dtype=jnp.float32, fp8="block")
     checks = {  # our [K, N] weight -> their [N, K] tensor

@@ -115,6 +115,7 @@ FAMILY = Family(
         routed_scaling_factor=1.5,
         use_qk_norm=True,
         attention_bias=True,
+        partial_rotary_factor=0.5,
     ),
     rms_norm_eps=1e-5,
     rope_theta=10000.0,
