@@ -1267,7 +1267,7 @@ def test_token_mask_padding_takes_no_capacity():
         ({"router": "argmax"}, ConfigError, "router must be one of"),
         ({"capacity_factor": 0.0}, ConfigError, "capacity_factor must be > 0"),
         ({"capacity_factor": -1.0}, ConfigError, "capacity_factor must be finite and >= 0"),
-        ({"fp8": "tensor"}, ConfigError, "fp8 must be one of"),
+        ({"fp8": "tensor"}, ConfigError, r"fp8=Recipe\('tensor'\) is not a recipe this call runs"),
         ({"align": 0}, ConfigError, "align must be >= 1"),
         ({"dtype": jnp.int32}, TypeError, "dtype must be float32, bfloat16 or float16"),
         ({"data_axes": ("expert",)}, ConfigError, "data_axes must be mesh axis names other"),
