@@ -16,11 +16,23 @@ from typing import Any, NamedTuple
 
 from jaxops._errors import ConfigError
 
-__all__ = ["INTERLEAVE", "Family", "Names", "Shape", "Wrapper"]
+__all__ = ["INTERLEAVE", "TINY", "Family", "Names", "Shape", "Wrapper"]
 
 #: How a family's RoPE pairs the rotated dims: "never" (rotate-half), "always" (interleaved
 #: pairs) or "key" (config.json's ``rope_interleave``, default true: DeepSeek-V3).
 INTERLEAVE = ("never", "always", "key")
+
+
+#: The sizes every family's tiny config starts from (:attr:`Family.tiny`): a 128-token
+#: vocabulary, width 64, 2 layers of 4 query and 2 key/value heads, 2 experts per token.
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts_per_tok=2,
+)
 
 
 class Shape(NamedTuple):

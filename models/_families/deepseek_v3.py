@@ -11,7 +11,7 @@ from typing import Any
 from jaxops._errors import ConfigError
 
 from .._spec import Mla
-from ._family import Family, Shape
+from ._family import TINY, Family, Shape
 from ._keys import get, positive
 from .glm4_moe import read_grouped_sigmoid, write_grouped_sigmoid
 
@@ -65,16 +65,13 @@ FAMILY = Family(
     description="deepseek_v3 has multi-head latent attention, a sigmoid router and its dense "
     "layers first",
     tiny=dict(
-        vocab_size=128,
-        hidden_size=64,
+        TINY,
         intermediate_size=96,
         moe_intermediate_size=32,
         num_hidden_layers=3,
-        num_attention_heads=4,
         num_key_value_heads=4,
         n_routed_experts=8,
         n_shared_experts=1,
-        num_experts_per_tok=2,
         first_k_dense_replace=1,
         norm_topk_prob=True,
         n_group=4,

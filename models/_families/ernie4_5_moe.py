@@ -10,7 +10,7 @@ from typing import Any
 
 from jaxops._errors import ConfigError
 
-from ._family import Family, Names, Shape
+from ._family import TINY, Family, Names, Shape
 from ._keys import get, positive
 
 
@@ -84,12 +84,9 @@ FAMILY = Family(
     description="ernie4_5_moe renormalizes the top-k weights, has a correction bias, ungated "
     "shared experts and interleaved RoPE",
     tiny=dict(
-        vocab_size=128,
-        hidden_size=64,
+        TINY,
         intermediate_size=96,
         num_hidden_layers=5,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         moe_num_experts=8,
         moe_k=2,
         moe_intermediate_size=32,

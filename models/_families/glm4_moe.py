@@ -11,7 +11,7 @@ from typing import Any
 
 from jaxops._errors import ConfigError
 
-from ._family import Family, Shape
+from ._family import TINY, Family, Shape
 from ._keys import first_dense, get, positive, rope_has_partial, routed_key
 
 
@@ -97,17 +97,13 @@ FAMILY = Family(
     write=_write,
     description="glm4_moe has a sigmoid router and its dense layers first",
     tiny=dict(
-        vocab_size=128,
-        hidden_size=64,
+        TINY,
         intermediate_size=96,
         moe_intermediate_size=32,
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
         n_routed_experts=8,
         n_shared_experts=1,
-        num_experts_per_tok=2,
         first_k_dense_replace=1,
         norm_topk_prob=True,
         n_group=2,

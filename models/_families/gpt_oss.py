@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._family import Family, Names, Shape
+from ._family import TINY, Family, Names, Shape
 from ._keys import experts_key, get, layer_types, positive
 
 # gpt-oss's rope_parameters when config.json has none (transformers' GptOssConfig).
@@ -76,15 +76,11 @@ FAMILY = Family(
     write=_write,
     description="gpt_oss has attention sinks, biases everywhere and the clamped SwiGLU",
     tiny=dict(
-        vocab_size=128,
-        hidden_size=64,
+        TINY,
         intermediate_size=32,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
         num_local_experts=8,
-        num_experts_per_tok=2,
         sliding_window=4,  # sliding layers 0 and 2 see 4 of the 12 tokens
         swiglu_limit=0.3,  # the clamp acts on the tiny model's activations
     ),

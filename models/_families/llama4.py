@@ -13,7 +13,7 @@ from typing import Any
 
 from jaxops._errors import ConfigError
 
-from ._family import Family, Names, Shape, Wrapper
+from ._family import TINY, Family, Names, Shape, Wrapper
 from ._keys import get, layer_types, no_jitter, positive
 
 
@@ -89,13 +89,10 @@ FAMILY = Family(
     description="llama4_text has a top-k sigmoid router weighting the experts' inputs and a "
     "shared expert of the experts' width",
     tiny=dict(
-        vocab_size=128,
-        hidden_size=64,
+        TINY,
         intermediate_size=32,
         intermediate_size_mlp=48,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
         num_local_experts=4,
         num_experts_per_tok=1,

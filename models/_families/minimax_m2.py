@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._family import Family, Names, Shape
+from ._family import TINY, Family, Names, Shape
 from ._keys import experts_key, get, no_jitter, positive
 
 
@@ -55,16 +55,11 @@ FAMILY = Family(
     description="minimax_m2 has whole-projection q/k norms and a sigmoid router with a "
     "correction bias",
     tiny=dict(
-        vocab_size=128,
-        hidden_size=64,
+        TINY,
         intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
         rotary_dim=8,  # published configs say partial RoPE this way
         num_local_experts=8,
-        num_experts_per_tok=2,
     ),
     rms_norm_eps=1e-6,
     rope_theta=5000000.0,

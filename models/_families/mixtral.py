@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._family import Family, Names, Shape
+from ._family import TINY, Family, Names, Shape
 from ._keys import get, no_jitter, positive
 
 
@@ -39,13 +39,8 @@ FAMILY = Family(
     description="mixtral renormalizes the top-k weights and has no shared expert, biases or "
     "dense layers",
     tiny=dict(
-        vocab_size=128,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        TINY,
         num_local_experts=8,
-        num_experts_per_tok=2,
         intermediate_size=48,
     ),
     rms_norm_eps=1e-5,

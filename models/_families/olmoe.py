@@ -10,7 +10,7 @@ from typing import Any
 
 from jaxops._errors import ConfigError
 
-from ._family import Family, Shape
+from ._family import TINY, Family, Shape
 from ._keys import experts_key, get, positive
 
 
@@ -57,13 +57,8 @@ FAMILY = Family(
     description="olmoe has whole-projection q/k norms, head_dim = hidden_size / "
     "num_attention_heads, no shared expert and no sliding window",
     tiny=dict(
-        vocab_size=128,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        TINY,
         num_experts=8,
-        num_experts_per_tok=2,
         intermediate_size=32,
     ),
     rms_norm_eps=1e-5,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._family import Family, Names, Shape
+from ._family import TINY, Family, Names, Shape
 from ._keys import get
 from .qwen3_moe import read_qwen, write_qwen
 
@@ -35,13 +35,8 @@ FAMILY = Family(
     write=_write,
     description="qwen2_moe has no q/k norms and a gated shared expert",
     tiny=dict(
-        vocab_size=128,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        TINY,
         num_experts=8,
-        num_experts_per_tok=2,
         moe_intermediate_size=32,
         shared_expert_intermediate_size=48,
     ),

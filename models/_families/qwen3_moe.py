@@ -9,7 +9,7 @@ from typing import Any
 
 from jaxops._errors import ConfigError
 
-from ._family import Family, Shape
+from ._family import TINY, Family, Shape
 from ._keys import experts_key, get, positive, sparse_step_dense
 
 
@@ -59,13 +59,8 @@ FAMILY = Family(
     write=_write,
     description="qwen3_moe has q/k norms and no shared expert",
     tiny=dict(
-        vocab_size=128,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        TINY,
         num_experts=8,
-        num_experts_per_tok=2,
         moe_intermediate_size=32,
         head_dim=16,
         norm_topk_prob=True,
