@@ -13,6 +13,8 @@ keys); :func:`hf_keys` writes a config back.
 
 from __future__ import annotations
 
+import types
+from collections.abc import Mapping
 from typing import Any
 
 from jaxops._errors import ConfigError
@@ -48,22 +50,24 @@ __all__ = [
     "hf_keys",
 ]
 
-#: model_type -> :class:`Family`, every family jaxops.models reads.
-FAMILIES: dict[str, Family] = {
-    f.model_type: f
-    for f in (
-        mixtral.FAMILY,
-        qwen3_moe.FAMILY,
-        qwen2_moe.FAMILY,
-        olmoe.FAMILY,
-        glm4_moe.FAMILY,
-        deepseek_v3.FAMILY,
-        ernie4_5_moe.FAMILY,
-        gpt_oss.FAMILY,
-        llama4.FAMILY,
-        minimax_m2.FAMILY,
-    )
-}
+#: model_type -> :class:`Family`, every family jaxops.models reads (read-only).
+FAMILIES: Mapping[str, Family] = types.MappingProxyType(
+    {
+        f.model_type: f
+        for f in (
+            mixtral.FAMILY,
+            qwen3_moe.FAMILY,
+            qwen2_moe.FAMILY,
+            olmoe.FAMILY,
+            glm4_moe.FAMILY,
+            deepseek_v3.FAMILY,
+            ernie4_5_moe.FAMILY,
+            gpt_oss.FAMILY,
+            llama4.FAMILY,
+            minimax_m2.FAMILY,
+        )
+    }
+)
 #: The ``model_type`` values :class:`~jaxops.models.DecoderConfig` reads.
 MODEL_TYPES = tuple(FAMILIES)
 # A wrapper's model_type (llama4) -> the family inside it.
