@@ -92,7 +92,8 @@ router="sigmoid", normalize_topk=False).
 
 The package's modules, by concern:
 
-- ``_config``: :class:`MoEConfig`, the choice tuples (:data:`FFN_ACTIVATIONS`, :data:`ROUTERS`,
+- ``_config``: :class:`MoESpec` (the layer's architecture), :class:`MoEConfig` (a spec, the
+  width and the runtime settings), the choice tuples (:data:`FFN_ACTIVATIONS`, :data:`ROUTERS`,
   :data:`EXCHANGES`, :data:`DISPATCHES`), :class:`MoEAux`, :func:`init_moe_params`,
   :func:`moe_param_specs`;
 - ``_routing``: the router, the auxiliary losses, :func:`update_router_bias`;
@@ -124,6 +125,7 @@ from ._config import (
     ROUTERS,
     MoEAux,
     MoEConfig,
+    MoESpec,
     init_moe_params,
     moe_param_specs,
 )
@@ -140,6 +142,7 @@ __all__ = [
     "STAGES",
     "MoEAux",
     "MoEConfig",
+    "MoESpec",
     "exchange_bounds",
     "init_moe_params",
     "moe_layer",

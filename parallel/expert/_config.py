@@ -1,6 +1,8 @@
-"""The layer's static configuration: MoEConfig, its choices, MoEAux, the parameters' shapes.
+"""The layer's static configuration: MoESpec, MoEConfig, its choices, MoEAux, the parameters.
 
-:class:`MoEConfig` (validated, hashable: a jit static argument), the tuples of allowed choices,
+:class:`MoESpec` (the layer's architecture: experts, router, shared expert, biases, activation),
+:class:`MoEConfig` (a spec plus the width and the runtime settings: validated, hashable, a jit
+static argument), the tuples of allowed choices,
 :class:`MoEAux` (what the layer reports besides its output), :func:`init_moe_params`,
 :func:`moe_param_specs` and the check of a params dict against a config.
 """
@@ -8,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from typing import Any, NamedTuple
 
@@ -22,6 +25,7 @@ from jaxops._errors import (
     ArgumentTypeError,
     ConfigError,
     InvalidArgumentError,
+    named_errors,
     public_name,
     renamed_fields,
 )
@@ -36,6 +40,7 @@ __all__ = [
     "ROUTERS",
     "MoEAux",
     "MoEConfig",
+    "MoESpec",
     "check_params",
     "init_moe_params",
     "moe_param_specs",
@@ -65,54 +70,53 @@ RENAMED_FIELDS = {
 }
 
 _OP = "jaxops.parallel.expert.MoEConfig"
+_SPEC_OP = "jaxops.parallel.expert.MoESpec"
 
 
-def _int(name: str, value: Any, minimum: int) -> int:
+def _int(name: str, value: Any, minimum: int, op: str = _OP) -> int:
     try:
-        return _checks.check_int(_OP, name, value, minimum)
+        return _checks.check_int(op, name, value, minimum)
     except TypeError:
         raise
     except ValueError as err:
         raise ConfigError(str(err)) from None
 
 
-def _choice(name: str, value: Any, choices: tuple) -> Any:
+def _choice(name: str, value: Any, choices: tuple, op: str = _OP) -> Any:
     if value not in choices:
-        raise ConfigError(f"{_OP}: {name} must be one of {choices}, got {value!r}")
+        raise ConfigError(f"{op}: {name} must be one of {choices}, got {value!r}")
     return value
 
 
-def _nonneg_float(name: str, value: Any) -> float:
+def _nonneg_float(name: str, value: Any, op: str = _OP) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
-        raise ArgumentTypeError(f"{_OP}: {name} must be a float, got {type(value).__name__}")
+        raise ArgumentTypeError(f"{op}: {name} must be a float, got {type(value).__name__}")
     if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{_OP}: {name} must be finite and >= 0, got {value}")
+        raise ConfigError(f"{op}: {name} must be finite and >= 0, got {value}")
     return float(value)
 
 
-def _pos_float(name: str, value: Any) -> float:
+def _pos_float(name: str, value: Any, op: str = _OP) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
-        raise ArgumentTypeError(f"{_OP}: {name} must be a float, got {type(value).__name__}")
+        raise ArgumentTypeError(f"{op}: {name} must be a float, got {type(value).__name__}")
     if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{_OP}: {name} must be finite and > 0, got {value}")
+        raise ConfigError(f"{op}: {name} must be finite and > 0, got {value}")
     return float(value)
 
 
-@renamed_fields(RENAMED_FIELDS)
 @dataclasses.dataclass(frozen=True)
-class MoEConfig:
-    """Static configuration of :func:`moe_layer` (hashable: use it as a jit static argument).
+class MoESpec:
+    """The architecture of an MoE layer: its experts, router, shared expert, biases, activation.
 
-    Invalid values raise :class:`jaxops.ConfigError` (a ValueError), or TypeError for a wrong
-    type, naming the field. The fields ``hidden``, ``ffn_hidden``, ``shared_ffn_hidden``,
-    ``normalize_probs``, ``aux_loss_coef`` and ``z_loss_coef`` were renamed (see below); their
-    old names still work, as keywords and attributes, with a DeprecationWarning.
+    What a checkpoint's config.json says about the layer (``jaxops.models.DecoderConfig.moe`` is
+    one); the layer's width and how it runs on a mesh are :class:`MoEConfig`'s. Hashable and
+    validated: invalid values raise :class:`jaxops.ConfigError` (a ValueError), or TypeError for
+    a wrong type, naming the field.
 
     Attributes:
       num_experts: E >= 1.
       top_k: K, 1 <= K <= E: experts per token.
-      hidden_size: H, the model width (x's last axis). Formerly ``hidden``.
-      expert_ffn: F, each expert's inner width. Formerly ``ffn_hidden``.
+      expert_ffn: F, each expert's inner width.
       activation: one of :data:`FFN_ACTIVATIONS`: "swiglu" (``silu(x W_gate) * (x W_up)``, w_in
         holds ``[W_gate | W_up]``), "gelu" (exact, erf), "silu" or "clamped_swiglu" (gpt-oss,
         transformers' ``GptOssExperts._apply_gate``: w_in's columns hold gate and up
@@ -125,7 +129,7 @@ class MoEConfig:
         (scores = sigmoid(logits), DeepSeek-V3). The k experts are chosen by their scores (plus
         the correction bias, within the chosen groups, see below) and weighted by their scores.
       normalize_topk: divide each token's k weights by their sum (Mixtral: always; Qwen-MoE and
-        DeepSeek-V3: ``norm_topk_prob``). Formerly ``normalize_probs``.
+        DeepSeek-V3: ``norm_topk_prob``).
       router_bias: a per-expert correction bias (params["router_bias"], float32 ``[E]``,
         DeepSeek-V3's ``e_score_correction_bias``) added to the scores for the choice of experts
         only: the weights use the raw scores, and the bias gets no gradient. Update it between
@@ -140,13 +144,180 @@ class MoEConfig:
         ones (0: none). DeepSeek-V3's ``n_shared_experts`` shared experts are one FFN of width
         ``n_shared_experts * moe_intermediate_size``; Qwen2-MoE's
         ``shared_expert_intermediate_size``. Same activation as the routed experts; params
-        ``shared_w_in [H, F_s']``, ``shared_w_out [F_s, H]``. Formerly ``shared_ffn_hidden``.
+        ``shared_w_in [H, F_s']``, ``shared_w_out [F_s, H]``.
       shared_gate: scale the shared expert's output per token by
         ``sigmoid(x @ params["shared_gate"])`` (Qwen2-MoE; ``shared_gate [H, 1]``).
+      expert_bias: each routed expert's two projections have biases (gpt-oss's
+        ``gate_up_proj_bias`` and ``down_proj_bias``): params ``b_in [E, F']`` and
+        ``b_out [E, H]``, sharded over the expert axis like w_in and w_out, and
+        ``FFN_e(x) = act(x @ w_in[e] + b_in[e]) @ w_out[e] + b_out[e]``, each bias added in
+        float32 to its GEMM's float32 output (with fp8="block", to the FP8 GEMM's output). The
+        shared expert has no biases.
+      swiglu_alpha: clamped_swiglu's sigmoid scale alpha (finite, > 0; gpt-oss: 1.702).
+      swiglu_limit: clamped_swiglu's clamp limit (finite, > 0; gpt-oss: 7.0).
+      router_logit_bias: a learned per-expert bias added to the router's float32 logits
+        (gpt-oss's ``mlp.router.bias``): param ``router_logit_bias [E]`` (replicated) and
+        ``logits = x @ router + router_logit_bias``. It moves the choice, the weights and the
+        auxiliary losses, and gets a gradient -- unlike router_bias (a no-gradient correction of
+        the choice only), with which it may be combined. gpt-oss's router takes the softmax over
+        the top-k logits: that is router="softmax" with normalize_topk=True (the softmax over
+        all E experts, then the k chosen renormalized: the partition function cancels).
+      weight_inputs: Llama 4's combine (transformers' ``Llama4TextMoe``): each chosen expert
+        receives its token scaled by the routing weight and the chosen experts' outputs are
+        summed unweighted, ``y[t] = sum_k FFN_{ids[t, k]}(probs[t, k] * x[t])`` (the shared
+        expert still sees the unscaled x[t]); the scaled rows are rounded to the compute dtype.
+        The router gets its gradient through the scaled rows. Llama 4's router is
+        router="sigmoid" with normalize_topk=False. Not with ``MoEConfig.dispatch="fp8"`` (its
+        rows are quantized before any weight could apply). False:
+        ``y[t] = sum_k probs[t, k] * FFN_{ids[t, k]}(x[t])``.
+      router_aux_loss_coef: weight of the load-balancing loss in ``MoEAux.loss`` (the
+        config.json key of the same name).
+
+    Example:
+      >>> from jaxops.parallel.expert import MoEConfig, MoESpec
+      >>> spec = MoESpec(num_experts=8, top_k=2, expert_ffn=128, shared_ffn=64)
+      >>> cfg = MoEConfig(spec=spec, hidden_size=64)
+      >>> cfg.spec is spec, cfg.num_experts, cfg.param_shapes["shared_w_in"]
+      (True, 8, (64, 128))
+    """
+
+    num_experts: int
+    top_k: int
+    expert_ffn: int
+    activation: str = "swiglu"
+    router: str = "softmax"
+    normalize_topk: bool = True
+    router_bias: bool = False
+    n_group: int = 1
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    shared_ffn: int = 0
+    shared_gate: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    router_logit_bias: bool = False
+    weight_inputs: bool = False
+    router_aux_loss_coef: float = 1e-2
+
+    def __post_init__(self):
+        self._check_sizes()
+        self._check_routing()
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+
+    def _check_sizes(self) -> None:
+        op = _SPEC_OP
+        e = _int("num_experts", self.num_experts, 1, op)
+        k = _int("top_k", self.top_k, 1, op)
+        if k > e:
+            raise ConfigError(f"{op}: top_k must be <= num_experts = {e}, got {k}")
+        _int("expert_ffn", self.expert_ffn, 1, op)
+        _choice("activation", self.activation, FFN_ACTIVATIONS, op)
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            self._set(name, _pos_float(name, getattr(self, name), op))
+        _checks.check_bool(op, "expert_bias", self.expert_bias)
+        _int("shared_ffn", self.shared_ffn, 0, op)
+        _checks.check_bool(op, "shared_gate", self.shared_gate)
+        if self.shared_gate and not self.shared_ffn:
+            raise ConfigError(f"{op}: shared_gate needs a shared expert (shared_ffn > 0)")
+
+    def _check_routing(self) -> None:
+        op = _SPEC_OP
+        e, k = self.num_experts, self.top_k
+        _choice("router", self.router, ROUTERS, op)
+        for name in ("normalize_topk", "router_bias", "router_logit_bias", "weight_inputs"):
+            _checks.check_bool(op, name, getattr(self, name))
+        groups = _int("n_group", self.n_group, 1, op)
+        if e % groups:
+            raise ConfigError(
+                f"{op}: num_experts = {e} must be divisible by n_group, got n_group = {groups}"
+            )
+        if groups > 1 and e // groups < 2:
+            raise ConfigError(
+                f"{op}: n_group = {groups} leaves {e // groups} expert per group; a group's "
+                "score is the sum of its 2 best experts, so groups need at least 2"
+            )
+        kept = groups if self.topk_group is None else self.topk_group
+        kept = _int("topk_group", kept, 1, op)
+        if kept > groups:
+            raise ConfigError(f"{op}: topk_group must be <= n_group = {groups}, got {kept}")
+        if k > kept * (e // groups):
+            raise ConfigError(
+                f"{op}: top_k = {k} exceeds the {kept * (e // groups)} experts of the "
+                f"topk_group = {kept} groups a token may use"
+            )
+        self._set("topk_group", kept)
+        scale = _nonneg_float("routed_scaling_factor", self.routed_scaling_factor, op)
+        if scale == 0:
+            raise ConfigError(f"{op}: routed_scaling_factor must be > 0")
+        self._set("routed_scaling_factor", scale)
+        name = "router_aux_loss_coef"
+        self._set(name, _nonneg_float(name, getattr(self, name), op))
+
+    @property
+    def w_in_width(self) -> int:
+        """F': the width of w_in (2F for the gated activations' gate and up projections, else F)."""
+        return 2 * self.expert_ffn if self.activation in GATED_ACTIVATIONS else self.expert_ffn
+
+
+#: The fields of a :class:`MoESpec`: :class:`MoEConfig` takes them as keywords and reads them.
+SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(MoESpec))
+
+
+def _spec_keywords(cls: type) -> type:
+    """`cls`'s constructor also takes the :class:`MoESpec` fields as keywords (see MoEConfig)."""
+    init = cls.__init__
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        given = {k: kwargs.pop(k) for k in SPEC_FIELDS if k in kwargs}
+        spec = args[0] if args else kwargs.pop("spec", None)
+        if spec is not None and not isinstance(spec, MoESpec):
+            raise ArgumentTypeError(f"{_OP}: spec must be a MoESpec, got {type(spec).__name__}")
+        if spec is None:
+            missing = [k for k in ("num_experts", "top_k", "expert_ffn") if k not in given]
+            if missing:
+                raise ArgumentTypeError(
+                    f"{_OP}: give spec= (a MoESpec) or the keywords {', '.join(missing)}"
+                )
+            spec = MoESpec(**given)
+        elif given:
+            spec = dataclasses.replace(spec, **given)
+        init(self, spec, *args[1:], **kwargs)
+
+    __init__.__doc__ = init.__doc__
+    __init__.__signature__ = inspect.signature(init)  # type: ignore[attr-defined]
+    cls.__init__ = named_errors(_OP)(__init__)  # type: ignore[method-assign]
+    for name in SPEC_FIELDS:
+        doc = f"The spec's :attr:`MoESpec.{name}` (``cfg.spec.{name}``)."
+        setattr(cls, name, property(lambda self, _n=name: getattr(self.spec, _n), doc=doc))
+    return cls
+
+
+@renamed_fields(RENAMED_FIELDS)
+@_spec_keywords
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Static configuration of :func:`moe_layer` (hashable: use it as a jit static argument).
+
+    A :class:`MoESpec` (the layer's architecture), the model width and the settings of how the
+    layer runs. The spec's fields may be given as keywords instead of `spec` (``MoEConfig(
+    num_experts=8, top_k=2, hidden_size=64, expert_ffn=128)`` builds the spec; with `spec`
+    they replace its fields, as ``dataclasses.replace(cfg, top_k=1)`` does), and read through
+    the config (``cfg.num_experts`` is ``cfg.spec.num_experts``). Invalid values raise
+    :class:`jaxops.ConfigError` (a ValueError), or TypeError for a wrong type, naming the
+    field. The fields ``hidden``, ``ffn_hidden``, ``shared_ffn_hidden``, ``normalize_probs``,
+    ``aux_loss_coef`` and ``z_loss_coef`` were renamed (``hidden_size``, ``expert_ffn``,
+    ``shared_ffn``, ``normalize_topk``, ``router_aux_loss_coef``, ``router_z_loss_coef``); their
+    old names still work, as keywords and attributes, with a DeprecationWarning.
+
+    Attributes:
+      spec: the layer's architecture (:class:`MoESpec`: experts, router, shared expert, biases,
+        activation, the load-balancing loss's weight).
+      hidden_size: H, the model width (x's last axis). Formerly ``hidden``.
       capacity_factor: None (dropless) or > 0: ``C = ceil(capacity_factor * T * K / E)`` slots per
         expert over the global batch (see the package docstring).
-      router_aux_loss_coef: weight of the load-balancing loss in ``MoEAux.loss``. Formerly
-        ``aux_loss_coef``.
       router_z_loss_coef: weight of the router z-loss in ``MoEAux.loss``. Formerly
         ``z_loss_coef``.
       align: each local expert's group of received rows is padded to a multiple of this
@@ -182,29 +353,7 @@ class MoEConfig:
         they are quantized only where the recipe quantizes them (the grouped GEMMs' dgrad and
         wgrad); the weight gradient of the first expert GEMM requantizes the received FP8
         tokens in 128-token groups (the sender's original tokens never cross), so it differs
-        from "dtype"'s by FP8 rounding.
-      expert_bias: each routed expert's two projections have biases (gpt-oss's
-        ``gate_up_proj_bias`` and ``down_proj_bias``): params ``b_in [E, F']`` and
-        ``b_out [E, H]``, sharded over the expert axis like w_in and w_out, and
-        ``FFN_e(x) = act(x @ w_in[e] + b_in[e]) @ w_out[e] + b_out[e]``, each bias added in
-        float32 to its GEMM's float32 output (with fp8="block", to the FP8 GEMM's output). The
-        shared expert has no biases.
-      swiglu_alpha: clamped_swiglu's sigmoid scale alpha (finite, > 0; gpt-oss: 1.702).
-      swiglu_limit: clamped_swiglu's clamp limit (finite, > 0; gpt-oss: 7.0).
-      router_logit_bias: a learned per-expert bias added to the router's float32 logits
-        (gpt-oss's ``mlp.router.bias``): param ``router_logit_bias [E]`` (replicated) and
-        ``logits = x @ router + router_logit_bias``. It moves the choice, the weights and the
-        auxiliary losses, and gets a gradient -- unlike router_bias (a no-gradient correction of
-        the choice only), with which it may be combined. gpt-oss's router takes the softmax over
-        the top-k logits: that is router="softmax" with normalize_topk=True (the softmax over
-        all E experts, then the k chosen renormalized: the partition function cancels).
-      weight_inputs: Llama 4's combine (transformers' ``Llama4TextMoe``): each chosen expert
-        receives its token scaled by the routing weight and the chosen experts' outputs are
-        summed unweighted, ``y[t] = sum_k FFN_{ids[t, k]}(probs[t, k] * x[t])`` (the shared
-        expert still sees the unscaled x[t]); the scaled rows are rounded to cfg.dtype. The
-        router gets its gradient through the scaled rows. Llama 4's router is router="sigmoid"
-        with normalize_topk=False. Not with dispatch="fp8" (its rows are quantized before any
-        weight could apply). False: ``y[t] = sum_k probs[t, k] * FFN_{ids[t, k]}(x[t])``.
+        from "dtype"'s by FP8 rounding. Not with the spec's ``weight_inputs``.
 
     Example:
       >>> from jaxops.parallel.expert import MoEConfig
@@ -213,21 +362,9 @@ class MoEConfig:
       (256, ('data', 'expert'), None)
     """
 
-    num_experts: int
-    top_k: int
+    spec: MoESpec
     hidden_size: int
-    expert_ffn: int
-    activation: str = "swiglu"
-    router: str = "softmax"
-    normalize_topk: bool = True
-    router_bias: bool = False
-    n_group: int = 1
-    topk_group: int | None = None
-    routed_scaling_factor: float = 1.0
-    shared_ffn: int = 0
-    shared_gate: bool = False
     capacity_factor: float | None = None
-    router_aux_loss_coef: float = 1e-2
     router_z_loss_coef: float = 1e-3
     align: int = 8
     expert_axis: str = "expert"
@@ -236,77 +373,23 @@ class MoEConfig:
     fp8: Recipe | str | None = None
     exchange: str = "auto"
     dispatch: str = "dtype"
-    expert_bias: bool = False
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
-    router_logit_bias: bool = False
-    weight_inputs: bool = False
 
     def __post_init__(self):
-        self._check_sizes()
-        self._check_routing()
-        self._check_layout()
-
-    def _set(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)
-
-    def _check_sizes(self) -> None:
-        e = _int("num_experts", self.num_experts, 1)
-        k = _int("top_k", self.top_k, 1)
-        if k > e:
-            raise ConfigError(f"{_OP}: top_k must be <= num_experts = {e}, got {k}")
         _int("hidden_size", self.hidden_size, 1)
-        _int("expert_ffn", self.expert_ffn, 1)
         align = _int("align", self.align, 1)
         if align > _moe.MAX_ALIGN:
             raise ConfigError(f"{_OP}: align must be <= {_moe.MAX_ALIGN}, got {align}")
-        _choice("activation", self.activation, FFN_ACTIVATIONS)
-        for name in ("swiglu_alpha", "swiglu_limit"):
-            self._set(name, _pos_float(name, getattr(self, name)))
-        _checks.check_bool(_OP, "expert_bias", self.expert_bias)
-        _int("shared_ffn", self.shared_ffn, 0)
-        _checks.check_bool(_OP, "shared_gate", self.shared_gate)
-        if self.shared_gate and not self.shared_ffn:
-            raise ConfigError(f"{_OP}: shared_gate needs a shared expert (shared_ffn > 0)")
-
-    def _check_routing(self) -> None:
-        e, k = self.num_experts, self.top_k
-        _choice("router", self.router, ROUTERS)
-        _checks.check_bool(_OP, "normalize_topk", self.normalize_topk)
-        _checks.check_bool(_OP, "router_bias", self.router_bias)
-        _checks.check_bool(_OP, "router_logit_bias", self.router_logit_bias)
-        _checks.check_bool(_OP, "weight_inputs", self.weight_inputs)
-        groups = _int("n_group", self.n_group, 1)
-        if e % groups:
-            raise ConfigError(
-                f"{_OP}: num_experts = {e} must be divisible by n_group, got n_group = {groups}"
-            )
-        if groups > 1 and e // groups < 2:
-            raise ConfigError(
-                f"{_OP}: n_group = {groups} leaves {e // groups} expert per group; a group's "
-                "score is the sum of its 2 best experts, so groups need at least 2"
-            )
-        kept = groups if self.topk_group is None else self.topk_group
-        kept = _int("topk_group", kept, 1)
-        if kept > groups:
-            raise ConfigError(f"{_OP}: topk_group must be <= n_group = {groups}, got {kept}")
-        if k > kept * (e // groups):
-            raise ConfigError(
-                f"{_OP}: top_k = {k} exceeds the {kept * (e // groups)} experts of the "
-                f"topk_group = {kept} groups a token may use"
-            )
-        self._set("topk_group", kept)
-        scale = _nonneg_float("routed_scaling_factor", self.routed_scaling_factor)
-        if scale == 0:
-            raise ConfigError(f"{_OP}: routed_scaling_factor must be > 0")
-        self._set("routed_scaling_factor", scale)
         if self.capacity_factor is not None:
             cf = _nonneg_float("capacity_factor", self.capacity_factor)
             if cf == 0:
                 raise ConfigError(f"{_OP}: capacity_factor must be > 0 or None (dropless)")
             self._set("capacity_factor", cf)
-        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
-            self._set(name, _nonneg_float(name, getattr(self, name)))
+        name = "router_z_loss_coef"
+        self._set(name, _nonneg_float(name, getattr(self, name)))
+        self._check_layout()
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
 
     def _check_layout(self) -> None:
         try:  # one FP8 recipe type for every tier; the expert GEMMs run block scaling
@@ -360,8 +443,8 @@ class MoEConfig:
 
     @property
     def w_in_width(self) -> int:
-        """F': the width of w_in (2F for the gated activations' gate and up projections, else F)."""
-        return 2 * self.expert_ffn if self.activation in GATED_ACTIVATIONS else self.expert_ffn
+        """F': the spec's :attr:`MoESpec.w_in_width`."""
+        return self.spec.w_in_width
 
     @property
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
