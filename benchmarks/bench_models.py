@@ -85,14 +85,17 @@ import optax
 from jaxops.models import (
     MODEL_TYPES,
     REMAT_POLICIES,
+    AttentionSpec,
     DecoderConfig,
     Mla,
     MoEDecoder,
+    MoESpec,
     Rope,
     from_pretrained,
     save_pretrained,
 )
 from jaxops.models._mla import cache_bytes_per_token
+from jaxops.models._spec import compose
 
 # The harness and the A/B tool next to this script (also under ``python -m benchmarks.<script>``).
 H = importlib.import_module(f"{__package__}._harness" if __package__ else "_harness")
@@ -145,14 +148,10 @@ def _config(case: str) -> tuple[DecoderConfig, int, int]:
         vocab_size=1024,
         hidden_size=hidden,
         num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=max(heads // 2, 1),
-        head_dim=hidden // heads,
-        num_experts=experts,
-        top_k=top_k,
-        expert_ffn=ffn,
-        normalize_topk=True,
-        qk_norm=True,
+        attention=AttentionSpec(
+            num_heads=heads, num_kv_heads=max(heads // 2, 1), head_dim=hidden // heads, qk_norm=True
+        ),
+        moe=MoESpec(num_experts=experts, top_k=top_k, expert_ffn=ffn),
     )
     return cfg, b, s
 
@@ -228,7 +227,12 @@ def _torch_step(path: Path, tokens: np.ndarray, targets: np.ndarray, dtype: str 
 def _family_config(family: str, case: str) -> tuple[DecoderConfig, int, int]:
     """The case's sizes with `family`'s features (attention, router, shared and dense layers)."""
     cfg, b, s = _config(case)
-    d, ffn, heads, dh = cfg.hidden_size, cfg.expert_ffn, cfg.num_heads, cfg.head_dim
+    d, ffn, heads, dh = (
+        cfg.hidden_size,
+        cfg.moe.expert_ffn,
+        cfg.attention.num_heads,
+        cfg.attention.head_dim,
+    )
     layers = cfg.num_layers
     alternate = ("sliding_attention", "full_attention") * (layers // 2) + (
         "sliding_attention",) * (layers % 2)  # fmt: skip
@@ -238,7 +242,7 @@ def _family_config(family: str, case: str) -> tuple[DecoderConfig, int, int]:
     kw: dict[str, Any] = {
         "mixtral": dict(qk_norm=False),
         "qwen3_moe": {},
-        "qwen2_moe": dict(qk_norm=False, qkv_bias=True, shared_ffn=ffn),
+        "qwen2_moe": dict(qk_norm=False, qkv_bias=True, shared_ffn=ffn, shared_gate=True),
         "olmoe": dict(qk_norm_width="projection", normalize_topk=False),
         "glm4_moe": dict(rope=Rope(partial_rotary_factor=0.5), qkv_bias=True, **routed),
         "ernie4_5_moe": dict(
@@ -312,7 +316,9 @@ def _family_config(family: str, case: str) -> tuple[DecoderConfig, int, int]:
             router_bias=True,
         ),
     }[family]
-    return dataclasses.replace(cfg, model_type=family, **kw), b, s
+    # the family's fields replace those of the specs (attention, moe, pattern)
+    specs = compose({"attention": cfg.attention, "moe": cfg.moe, **kw})
+    return dataclasses.replace(cfg, model_type=family, **specs), b, s
 
 
 def _family(args, mesh, family: str, case: str) -> dict[str, Any]:
@@ -324,8 +330,12 @@ def _family(args, mesh, family: str, case: str) -> dict[str, Any]:
         **row,
         "family": family,
         "kv_bytes": cfg.num_layers * cache_bytes_per_token(cfg, itemsize),
-        "kv_expanded": cfg.num_layers * 2 * cfg.num_heads * cfg.qk_head_dim * itemsize
-        if cfg.mla is not None
+        "kv_expanded": cfg.num_layers
+        * 2
+        * cfg.attention.num_heads
+        * cfg.attention.qk_head_dim
+        * itemsize
+        if cfg.attention.mla is not None
         else cfg.num_layers * cache_bytes_per_token(cfg, itemsize),
     }
 

@@ -106,7 +106,7 @@ def main() -> None:
         while devices < MAX_DEVICES and devices * H100 < 12 * _params(cfg):
             devices *= 2
         while True:
-            r = _run(name, _mesh(cfg.num_experts, devices), args.seq)
+            r = _run(name, _mesh(cfg.moe.num_experts, devices), args.seq)
             tried.append((name, devices, r))
             print(name, devices, json.dumps(r)[:400], flush=True)
             if "error" in r or r["fits"] or devices >= MAX_DEVICES:

@@ -41,7 +41,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from jaxops.models import DecoderConfig, MoEDecoder
+from jaxops.models import AttentionSpec, DecoderConfig, MoEDecoder, MoESpec
 
 import jaxops
 
@@ -116,14 +116,13 @@ def decoder_config(cfg: Config) -> DecoderConfig:
         vocab_size=cfg.vocab,
         hidden_size=cfg.d_model,
         num_layers=cfg.layers,
-        num_heads=cfg.heads,
-        num_kv_heads=cfg.kv_heads,
-        head_dim=cfg.d_model // cfg.heads,
-        num_experts=cfg.experts,
-        top_k=cfg.top_k,
-        expert_ffn=cfg.d_ff,
-        normalize_topk=True,
-        qk_norm=cfg.arch == "qwen3_moe",
+        attention=AttentionSpec(
+            num_heads=cfg.heads,
+            num_kv_heads=cfg.kv_heads,
+            head_dim=cfg.d_model // cfg.heads,
+            qk_norm=cfg.arch == "qwen3_moe",
+        ),
+        moe=MoESpec(num_experts=cfg.experts, top_k=cfg.top_k, expert_ffn=cfg.d_ff),
     )
 
 

@@ -8,7 +8,9 @@
   :class:`Mla`, multi-head latent attention), ERNIE-4.5-MoE (ernie4_5_moe), gpt-oss
   (gpt_oss), Llama 4 (llama4_text, and llama4's text model) and MiniMax-M2 (minimax_m2);
   dense layers among the MoE layers, per-layer attention patterns (sliding, chunked, NoPE);
-  its :class:`Rope`: default, linear, dynamic, yarn or llama3 scaling, :func:`read_rope`)
+  composed of specs: :class:`AttentionSpec`, :class:`MoESpec` (the expert layer's own),
+  :class:`LayerPattern` and its :class:`Rope`: default, linear, dynamic, yarn or llama3
+  scaling, :func:`read_rope`)
   and :class:`MoEDecoder`: the decoder laid out on a mesh (experts over an ``expert`` axis,
   layers over a ``pipe`` axis as pipeline stages, the batch over the rest) with ``init``,
   ``logits``, ``loss`` and ``loss_and_grads``.
@@ -53,8 +55,11 @@ from ._config import (
     MODEL_TYPES,
     QK_NORM_WIDTHS,
     ROUTERS,
+    AttentionSpec,
     DecoderConfig,
+    LayerPattern,
     Mla,
+    MoESpec,
     read_config,
 )
 from ._decoder import (
@@ -88,11 +93,14 @@ __all__ = [
     "ROPE_KINDS",
     "ROUTERS",
     "ZERO_STAGES",
+    "AttentionSpec",
     "ConfigError",
     "DecoderConfig",
     "Family",
+    "LayerPattern",
     "Mla",
     "MoEDecoder",
+    "MoESpec",
     "PackedBatch",
     "Rope",
     "family",

@@ -1,11 +1,13 @@
 """MoE blocks of published models as ``jaxops.parallel.expert`` layers.
 
 DeepSeek-V3, Qwen-MoE, OLMoE and Mixtral: the router, routed experts and shared experts of one
-layer, read from Hugging Face files.
+layer, read from Hugging Face files. The MoE spec is the family registry's
+(:func:`~jaxops.models._families.moe_layers`: each family's own ``read``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,8 @@ from jaxops.parallel import expert as ep
 
 from jaxops._errors import ConfigError, InvalidArgumentError, named_errors
 
-from ._families._keys import experts_key, get, positive
+from ._families import moe_layers
+from ._families._keys import positive
 from ._names import moe_block_rules
 from ._quant import read_quantization
 
@@ -46,23 +49,19 @@ def is_moe_layer(hf: dict[str, Any], layer: int) -> bool:
     """Whether layer `layer` of the model is an MoE layer.
 
     DeepSeek-V3's first ``first_k_dense_replace`` layers are dense FFNs; so are Qwen's
-    ``mlp_only_layers`` and the layers ``decoder_sparse_step`` skips.
+    ``mlp_only_layers`` and the layers ``decoder_sparse_step`` skips. `hf` needs the MoE keys
+    a published config.json holds (the family's keys without a transformers default).
 
     Example:
       >>> from jaxops.models import is_moe_layer
-      >>> [is_moe_layer({"model_type": "deepseek_v3", "first_k_dense_replace": 3}, i)
-      ...  for i in range(5)]
+      >>> hf = {"model_type": "deepseek_v3", "num_experts_per_tok": 8, "first_k_dense_replace": 3}
+      >>> [is_moe_layer(hf, i) for i in range(5)]
       [False, False, False, True, True]
     """
-    kind = _model_type(hf)
-    if kind == "deepseek_v3":
-        return layer >= get(hf, "first_k_dense_replace", int, 3)
-    if kind in ("qwen2_moe", "qwen3_moe"):
-        step = get(hf, "decoder_sparse_step", int, 1)
-        if step < 1:
-            raise ConfigError(f"config.json: 'decoder_sparse_step' must be >= 1, got {step}")
-        return layer not in get(hf, "mlp_only_layers", list, []) and (layer + 1) % step == 0
-    return True
+    _model_type(hf)
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise InvalidArgumentError(f"layer must be an int >= 0, got {layer!r}")
+    return layer in moe_layers(hf, layer + 1)[1]
 
 
 @named_errors("jaxops.models.moe_block_config")
@@ -100,57 +99,17 @@ def moe_block_config(
       >>> cfg.router, cfg.router_bias, cfg.routed_scaling_factor, cfg.shared_ffn
       ('sigmoid', True, 2.5, 64)
     """
-    kind = _model_type(hf)
-    act = get(hf, "hidden_act", str, "silu")
-    if act != "silu":
-        raise ConfigError(f"config.json: hidden_act {act!r} is not supported; supported: silu")
-    kw: dict[str, Any] = {
-        "hidden_size": positive(hf, "hidden_size"),
-        "top_k": positive(hf, "num_experts_per_tok"),
-        "activation": "swiglu",
-        "expert_axis": expert_axis,
-        "data_axes": data_axes,
-        "dtype": dtype,
-        "router_aux_loss_coef": 0.0,
-        "router_z_loss_coef": 0.0,
-    }
-    if kind == "deepseek_v3":
-        f = positive(hf, "moe_intermediate_size")
-        kw.update(
-            num_experts=positive(hf, "n_routed_experts"),
-            expert_ffn=f,
-            router="sigmoid",
-            router_bias=True,
-            # Absent keys take transformers' DeepseekV3Config defaults.
-            n_group=positive(hf, "n_group", 8),
-            topk_group=positive(hf, "topk_group", 4),
-            normalize_topk=get(hf, "norm_topk_prob", bool, True),
-            routed_scaling_factor=get(hf, "routed_scaling_factor", float, 2.5),
-            shared_ffn=get(hf, "n_shared_experts", int, 1) * f,
-        )
-    elif kind == "mixtral":
-        kw.update(
-            num_experts=positive(hf, "num_local_experts"),
-            expert_ffn=positive(hf, "intermediate_size"),
-            normalize_topk=True,
-        )
-    elif kind == "olmoe":
-        kw.update(
-            num_experts=positive(hf, experts_key(hf)),
-            expert_ffn=positive(hf, "intermediate_size"),
-            normalize_topk=get(hf, "norm_topk_prob", bool, False),
-        )
-    else:
-        kw.update(
-            num_experts=positive(hf, experts_key(hf)),
-            expert_ffn=positive(hf, "moe_intermediate_size"),
-            normalize_topk=get(hf, "norm_topk_prob", bool, False),
-        )
-        if kind == "qwen2_moe":
-            shared = get(hf, "shared_expert_intermediate_size", int, 0)
-            kw.update(shared_ffn=shared, shared_gate=shared > 0)
-    kw.update(overrides)
-    return ep.MoEConfig(**kw)
+    _model_type(hf)
+    spec, _ = moe_layers(hf, 1)  # the family's read (transformers' defaults)
+    return ep.MoEConfig(
+        spec=dataclasses.replace(spec, router_aux_loss_coef=0.0),
+        hidden_size=positive(hf, "hidden_size"),
+        router_z_loss_coef=0.0,
+        expert_axis=expert_axis,
+        data_axes=data_axes,
+        dtype=dtype,
+        **overrides,
+    )
 
 
 @named_errors("jaxops.models.load_moe_block")

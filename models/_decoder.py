@@ -201,10 +201,10 @@ class MoEDecoder:
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from jaxops.models import DecoderConfig, MoEDecoder
+      >>> from jaxops.models import AttentionSpec, DecoderConfig, MoEDecoder, MoESpec
       >>> cfg = DecoderConfig("mixtral", vocab_size=64, hidden_size=32, num_layers=2,
-      ...                     num_heads=4, num_kv_heads=2, head_dim=8, num_experts=4, top_k=2,
-      ...                     expert_ffn=16)
+      ...                     attention=AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8),
+      ...                     moe=MoESpec(num_experts=4, top_k=2, expert_ffn=16))
       >>> model = MoEDecoder(cfg, jax.make_mesh((1,), ("expert",)))
       >>> params = model.init(jax.random.key(0))
       >>> tokens = jnp.zeros((2, 8), jnp.int32)
@@ -600,10 +600,10 @@ class MoEDecoder:
 
         Example:
           >>> import jax, numpy as np, optax
-          >>> from jaxops.models import DecoderConfig, MoEDecoder
+          >>> from jaxops.models import AttentionSpec, DecoderConfig, MoEDecoder, MoESpec
           >>> cfg = DecoderConfig("mixtral", vocab_size=64, hidden_size=32, num_layers=2,
-          ...                     num_heads=4, num_kv_heads=2, head_dim=8, num_experts=4,
-          ...                     top_k=2, expert_ffn=16)
+          ...                     attention=AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8),
+          ...                     moe=MoESpec(num_experts=4, top_k=2, expert_ffn=16))
           >>> model = MoEDecoder(cfg, jax.make_mesh((1,), ("expert",)), zero=1)
           >>> opt = optax.adamw(1e-3)
           >>> params = model.init(jax.random.key(0))

@@ -448,10 +448,10 @@ def generate(
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from jaxops.models import DecoderConfig, MoEDecoder, generate
+      >>> from jaxops.models import AttentionSpec, DecoderConfig, MoEDecoder, MoESpec, generate
       >>> cfg = DecoderConfig("mixtral", vocab_size=64, hidden_size=32, num_layers=2,
-      ...                     num_heads=4, num_kv_heads=2, head_dim=8, num_experts=4, top_k=2,
-      ...                     expert_ffn=16)
+      ...                     attention=AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8),
+      ...                     moe=MoESpec(num_experts=4, top_k=2, expert_ffn=16))
       >>> model = MoEDecoder(cfg, jax.make_mesh((1,), ("expert",)))
       >>> params = model.init(jax.random.key(0))
       >>> prompt = jnp.array([[0, 0, 5, 7], [1, 2, 3, 4]], jnp.int32)

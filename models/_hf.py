@@ -60,7 +60,7 @@ _FORMATS = {"fp8-block": "block"}
 
 def _expected_names(model: MoEDecoder, rules: Sequence[Rule]) -> set[str]:
     c = model.config
-    counts = {"i": c.num_layers, "e": c.num_experts}
+    counts = {"i": c.num_layers, "e": c.moe.num_experts}
     names: set[str] = set()
     for rule in rules:
         templates = (rule.theirs,) if isinstance(rule.theirs, str) else tuple(rule.theirs)
@@ -182,7 +182,7 @@ def from_pretrained(
         raise checkpoint.CheckpointError(
             f"{op}: {root} lacks {len(missing)} tensor(s) config.json implies, e.g. "
             f"{missing[:3]} (num_hidden_layers = {config.num_layers}, num_experts = "
-            f"{config.num_experts})"
+            f"{config.moe.num_experts})"
         )
     if isinstance(quant, Fp8Block):  # the float8 weights' scales are read with them
         stored |= fp8_scale_names(op, quant, tensors, want)
@@ -196,7 +196,7 @@ def from_pretrained(
         raise checkpoint.CheckpointError(
             f"{op}: {root} holds {len(extra)} tensor(s) config.json does not account "
             f"for, e.g. {extra[:3]} (num_hidden_layers = {config.num_layers}, num_experts = "
-            f"{config.num_experts}, tie_word_embeddings = {config.tie_word_embeddings}, "
+            f"{config.moe.num_experts}, tie_word_embeddings = {config.tie_word_embeddings}, "
             f"quantization_config = {method})"
         )
     params = checkpoint.import_safetensors(
@@ -367,6 +367,6 @@ def _unquantized_linears(model: MoEDecoder) -> list[str]:
     """
     names = family(model.config.model_type).names
     out = ["lm_head", f"{names.moe}.{names.router}"]
-    if model.config.shared_ffn and model.config.shared_gate:
+    if model.config.moe.shared_ffn and model.config.moe.shared_gate:
         out.append(f"{names.moe}.{names.shared}_gate")
     return out

@@ -239,36 +239,40 @@ def qkv(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Queries ``[b, s, Hq, Dh]``, keys and values ``[b, s, Hkv, Dh]`` of ``x [b, s, D]``.
 
-    The fused projection (``w_qkv``, optional ``b_qkv``), the q/k RMSNorm (``c.qk_norm``: of
+    The fused projection (``w_qkv``, optional ``b_qkv``), the q/k RMSNorm (``attention.qk_norm``: of
     each head, Qwen3, or of the whole q and k projections before the split into heads, OLMoE),
     then the rotary embedding of q and k at the rotary positions of `where` (not in the NoPE
-    layers of `kind`), Llama 4's L2 norm after it (``c.qk_l2_norm``, RoPE layers) and its
-    temperature of the NoPE layers' queries (``c.attn_temperature_tuning``, by time step).
+    layers of `kind`), Llama 4's L2 norm after it (``qk_l2_norm``, RoPE layers) and its
+    temperature of the NoPE layers' queries (``attn_temperature_tuning``, by time step).
     """
     dt = ops.dtype
     b, s, _ = x.shape
-    hq, hkv, dh = c.num_heads, c.num_kv_heads, c.head_dim
+    hq, hkv, dh = c.attention.num_heads, c.attention.num_kv_heads, c.attention.head_dim
     rope = True if kind is None else kind.rope
-    out = projection(ops, x, p["w_qkv"], p["b_qkv"].astype(dt) if c.qkv_bias else None)
-    q, k, v = jnp.split(out, [c.q_size, c.q_size + c.kv_size], axis=-1)
-    whole = c.qk_norm and c.qk_norm_width == "projection"
+    out = projection(ops, x, p["w_qkv"], p["b_qkv"].astype(dt) if c.attention.qkv_bias else None)
+    q, k, v = jnp.split(
+        out, [c.attention.q_size, c.attention.q_size + c.attention.kv_size], axis=-1
+    )
+    whole = c.attention.qk_norm and c.attention.qk_norm_width == "projection"
     if whole:  # q_norm [Hq Dh], k_norm [Hkv Dh]
         q = jaxops.rms_norm(q, p["q_norm"], eps=c.rms_norm_eps, impl=ops.impl)
         k = jaxops.rms_norm(k, p["k_norm"], eps=c.rms_norm_eps, impl=ops.impl)
     q = q.reshape(b, s, hq, dh)
     k = k.reshape(b, s, hkv, dh)
     v = v.reshape(b, s, hkv, dh)
-    if c.qk_norm and not whole:  # q_norm, k_norm [Dh]
+    if c.attention.qk_norm and not whole:  # q_norm, k_norm [Dh]
         q = jaxops.rms_norm(q, p["q_norm"], eps=c.rms_norm_eps, impl=ops.impl)
         k = jaxops.rms_norm(k, p["k_norm"], eps=c.rms_norm_eps, impl=ops.impl)
     q = _maybe(rope, lambda a: rotary(a, c.rope, where.positions), q)
     k = _maybe(rope, lambda a: rotary(a, c.rope, where.positions), k)
-    if c.qk_l2_norm:
+    if c.attention.qk_l2_norm:
         l2 = functools.partial(_l2_norm, eps=c.rms_norm_eps)
         q, k = _maybe(rope, l2, q), _maybe(rope, l2, k)
-    if c.attn_temperature_tuning and rope is not True:  # the NoPE layers' queries
+    if c.attention.attn_temperature_tuning and rope is not True:  # the NoPE layers' queries
         t = where.index.astype(jnp.float32)
-        scale = jnp.log1p(jnp.floor((t + 1.0) / c.floor_scale)) * c.attn_scale + 1.0
+        scale = (
+            jnp.log1p(jnp.floor((t + 1.0) / c.attention.floor_scale)) * c.attention.attn_scale + 1.0
+        )
         warm = (q.astype(jnp.float32) * scale[:, :, None, None]).astype(dt)
         q = warm if rope is False else jnp.where(rope, q, warm)
     return q, k, v
@@ -276,7 +280,9 @@ def qkv(
 
 def output(ops: Ops, c: DecoderConfig, p: dict[str, jax.Array], out: jax.Array) -> jax.Array:
     """The attention's output projection of ``out [b, s, Hq Dh]`` (``w_o``, optional ``b_o``)."""
-    return projection(ops, out, p["w_o"], p["b_o"].astype(ops.dtype) if c.o_bias else None)
+    return projection(
+        ops, out, p["w_o"], p["b_o"].astype(ops.dtype) if c.attention.o_bias else None
+    )
 
 
 def attention_inputs(
@@ -290,11 +296,11 @@ def attention_inputs(
     """``(q, kv)`` of ``x [b, s, D]``: the queries and what a KV cache keeps of each token.
 
     GQA: ``q [b, s, Hq, Dh]`` and ``kv = (k, v)``, each ``[b, s, Hkv, Dh]`` (:func:`qkv`; `kind`
-    says whether the layer applies RoPE). MLA (``c.mla``): ``q [b, s, H, dn + dr]`` and ``kv =
+    says whether the layer applies RoPE). MLA (``mla``): ``q [b, s, H, dn + dr]`` and ``kv =
     (latent [b, s, kv_lora_rank], k_rope [b, s, 1, dr])``, the normalized compressed KV and the
     shared RoPE key (``jaxops.models._mla``). Either way the arrays of `kv` have time on axis 1.
     """
-    if c.mla is not None:
+    if c.attention.mla is not None:
         return _mla.inputs(ops, c, p, x, where.positions)
     q, k, v = qkv(ops, c, p, x, where, kind)
     return q, (k, v)
@@ -313,11 +319,11 @@ def attention_output(
     """The attention of queries `q` over the keys of `kv` (:func:`attention_inputs`), projected.
 
     `mask`: bool ``[b, sq, sk]`` (:func:`allowed`); `causal` as in :func:`attend`; the layer's
-    ``sinks`` (``c.attention_sinks``) join the softmax. Returns ``[b, sq, D]``.
+    ``sinks`` (``c.attention.attention_sinks``) join the softmax. Returns ``[b, sq, D]``.
     """
-    if c.mla is not None:
+    if c.attention.mla is not None:
         return _mla.output(ops, c, p, q, kv, mask, causal=causal)
-    sinks = p["sinks"] if c.attention_sinks else None
+    sinks = p["sinks"] if c.attention.attention_sinks else None
     return output(ops, c, p, attend(ops, c, q, *kv, mask, causal=causal, sinks=sinks))
 
 

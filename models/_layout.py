@@ -162,22 +162,22 @@ class Layout:
                 f"{op}: the mesh has no axis {self.expert_axis!r} (expert_axis); its axes are "
                 f"{tuple(shape)}. On one device use jax.make_mesh((1,), ('expert',))"
             )
-        if self.config.num_experts % shape[self.expert_axis]:
+        if self.config.moe.num_experts % shape[self.expert_axis]:
             raise ConfigError(
-                f"{op}: num_experts = {self.config.num_experts} must be divisible by the size "
+                f"{op}: num_experts = {self.config.moe.num_experts} must be divisible by the size "
                 f"{shape[self.expert_axis]} of the expert axis {self.expert_axis!r}"
             )
         c = self.config
         if len(c.moe_layers) % self.pipe:
             raise ConfigError(
                 f"{op}: the {len(c.moe_layers)} MoE layers (num_layers = {c.num_layers} less "
-                f"{len(c.dense_layers)} dense) must be divisible by the size {self.pipe} of the "
-                f"pipe axis {self.pipe_axis!r}"
+                f"{len(c.pattern.dense_layers)} dense) must be divisible by the size {self.pipe} "
+                f"of the pipe axis {self.pipe_axis!r}"
             )
-        if self.pipe > 1 and c.dense_layers != tuple(range(len(c.dense_layers))):
+        if self.pipe > 1 and c.pattern.dense_layers != tuple(range(len(c.pattern.dense_layers))):
             raise ConfigError(
                 f"{op}: with a pipeline the dense layers must come first (they run ahead of "
-                f"the pipeline stages); got dense_layers = {c.dense_layers}"
+                f"the pipeline stages); got dense_layers = {c.pattern.dense_layers}"
             )
         if self.expert_axis == self.pipe_axis:
             raise ConfigError(
@@ -337,18 +337,17 @@ class Layout:
 
     @functools.cached_property
     def moe(self) -> ep.MoEConfig:
-        """The MoE layer's config (the experts, router and shared expert the config says)."""
-        c = self.config
-        coef = self.router_aux_loss_coef
+        """The MoE layer's config: the config's MoE spec and how it runs on this mesh.
+
+        (``router_aux_loss_coef``, when given, replaces the spec's.)
+        """
+        spec = self.config.moe
+        if self.router_aux_loss_coef is not None:
+            spec = dataclasses.replace(spec, router_aux_loss_coef=self.router_aux_loss_coef)
         return ep.MoEConfig(
-            num_experts=c.num_experts,
-            top_k=c.top_k,
-            hidden_size=c.hidden_size,
-            expert_ffn=c.expert_ffn,
-            activation=c.activation,
-            normalize_topk=c.normalize_topk,
+            spec=spec,
+            hidden_size=self.config.hidden_size,
             capacity_factor=self.capacity_factor,
-            router_aux_loss_coef=c.router_aux_loss_coef if coef is None else coef,
             router_z_loss_coef=self.router_z_loss_coef,
             align=self.align,
             expert_axis=self.expert_axis,
@@ -357,18 +356,6 @@ class Layout:
             fp8=self.fp8,
             dispatch=self.dispatch,
             exchange=self.exchange,
-            shared_ffn=c.shared_ffn,
-            shared_gate=c.shared_ffn > 0 and c.shared_gate,
-            router=c.router,
-            router_bias=c.router_bias,
-            n_group=c.n_group,
-            topk_group=c.topk_group,
-            routed_scaling_factor=c.routed_scaling_factor,
-            swiglu_alpha=c.swiglu_alpha,
-            swiglu_limit=c.swiglu_limit,
-            expert_bias=c.expert_bias,
-            router_logit_bias=c.router_logit_bias,
-            weight_inputs=c.weight_inputs,
         )
 
     def param_shapes(self) -> dict[str, Any]:
@@ -390,22 +377,22 @@ class Layout:
         c = self.config
         d = c.hidden_size
         attn: dict[str, Any] = {"attn_norm": (d,)}
-        if c.mla is not None:
+        if c.attention.mla is not None:
             attn.update(_mla.param_shapes(c))
         else:
-            qkv = c.q_size + 2 * c.kv_size
+            qkv = c.attention.q_size + 2 * c.attention.kv_size
             attn["w_qkv"] = (d, qkv)
-            if c.qkv_bias:
+            if c.attention.qkv_bias:
                 attn["b_qkv"] = (qkv,)
-            if c.qk_norm:
-                whole = c.qk_norm_width == "projection"
-                attn["q_norm"] = (c.q_size,) if whole else (c.head_dim,)
-                attn["k_norm"] = (c.kv_size,) if whole else (c.head_dim,)
-            attn["w_o"] = (c.q_size, d)
-            if c.o_bias:
+            if c.attention.qk_norm:
+                whole = c.attention.qk_norm_width == "projection"
+                attn["q_norm"] = (c.attention.q_size,) if whole else (c.attention.head_dim,)
+                attn["k_norm"] = (c.attention.kv_size,) if whole else (c.attention.head_dim,)
+            attn["w_o"] = (c.attention.q_size, d)
+            if c.attention.o_bias:
                 attn["b_o"] = (d,)
-            if c.attention_sinks:
-                attn["sinks"] = (c.num_heads,)
+            if c.attention.attention_sinks:
+                attn["sinks"] = (c.attention.num_heads,)
         attn["mlp_norm"] = (d,)
 
         def stack(layer, n):
@@ -413,10 +400,10 @@ class Layout:
 
         moe = {**attn, "moe": dict(self.moe.param_shapes)}
         tree = {"embed": (c.vocab_size, d), "layers": stack(moe, len(c.moe_layers))}
-        if c.dense_layers:
-            f = c.dense_ffn
+        if c.pattern.dense_layers:
+            f = c.pattern.dense_ffn
             dense = {**attn, "mlp": {"w_in": (d, 2 * f), "w_out": (f, d)}}
-            tree["dense_layers"] = stack(dense, len(c.dense_layers))
+            tree["dense_layers"] = stack(dense, len(c.pattern.dense_layers))
         tree["final_norm"] = (d,)
         if not c.tie_word_embeddings:
             tree["lm_head"] = (d, c.vocab_size)
@@ -429,7 +416,7 @@ class Layout:
 
     def stack_of(self, layer: int) -> str:
         """The stack of model layer `layer`: "dense_layers" or "layers" (MoE)."""
-        return "dense_layers" if layer in self.config.dense_layers else "layers"
+        return "dense_layers" if layer in self.config.pattern.dense_layers else "layers"
 
     def stack_rows(self, stop: int) -> dict[str, int]:
         """Per stack, how many of its layers come before model layer `stop`."""
@@ -487,7 +474,7 @@ class Layout:
         """
         lead = self.pipe_axis if self.pipe > 1 else None
         specs = {"embed": P(), "layers": self.layer_specs(lead)}
-        if self.config.dense_layers:  # replicated (with a pipeline they run ahead of it)
+        if self.config.pattern.dense_layers:  # replicated (with a pipeline they run ahead of it)
             shapes = self.param_shapes()["dense_layers"]
             specs["dense_layers"] = jax.tree.map(lambda _: P(), shapes, is_leaf=_is_shape)
         specs["final_norm"] = P()

@@ -18,10 +18,11 @@ the softmax scale is ``(dn + dr) ** -0.5`` times YaRN's ``mscale_all_dim`` corre
 
 Example:
   >>> import jax, jax.numpy as jnp
-  >>> from jaxops.models import DecoderConfig, Mla, MoEDecoder
-  >>> cfg = DecoderConfig("deepseek_v3", 64, 32, 2, 4, 4, 8, 4, 2, 16,
-  ...                     mla=Mla(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-  ...                             v_head_dim=8, q_lora_rank=24), router="sigmoid")
+  >>> from jaxops.models import AttentionSpec, DecoderConfig, Mla, MoEDecoder, MoESpec
+  >>> mla = Mla(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+  ...           q_lora_rank=24)
+  >>> cfg = DecoderConfig("deepseek_v3", 64, 32, 2, AttentionSpec(4, 4, 8, mla=mla),
+  ...                     MoESpec(4, 2, 16, router="sigmoid"))
   >>> model = MoEDecoder(cfg, jax.make_mesh((1,), ("expert",)))
   >>> params = model.init(jax.random.key(0))
   >>> params["layers"]["w_kv_a"].shape, params["layers"]["w_kv_b"].shape
@@ -50,13 +51,13 @@ NORM_EPS = 1e-6
 
 def param_shapes(c: DecoderConfig) -> dict[str, tuple[int, ...]]:
     """One layer's attention parameter shapes (see the module docstring)."""
-    m, h, d = c.mla, c.num_heads, c.hidden_size
+    m, h, d = c.attention.mla, c.attention.num_heads, c.hidden_size
     out: dict[str, tuple[int, ...]] = {}
     if m.q_lora_rank is None:
-        out["w_q"] = (d, c.q_size)
+        out["w_q"] = (d, c.attention.q_size)
     else:
         out.update(w_q_a=(d, m.q_lora_rank), q_a_norm=(m.q_lora_rank,))
-        out["w_q_b"] = (m.q_lora_rank, c.q_size)
+        out["w_q_b"] = (m.q_lora_rank, c.attention.q_size)
     out.update(
         w_kv_a=(d, m.kv_lora_rank + m.qk_rope_head_dim),
         kv_a_norm=(m.kv_lora_rank,),
@@ -74,7 +75,7 @@ def inputs(
     The rotary embedding (at int `positions` ``[b, s]``) is applied to the queries' last `dr`
     dims and to `k_rope`.
     """
-    m = c.mla
+    m = c.attention.mla
     b, s, _ = x.shape
     dn = m.qk_nope_head_dim
     if m.q_lora_rank is None:
@@ -83,7 +84,7 @@ def inputs(
         q = projection(ops, x, p["w_q_a"], None)
         q = jaxops.rms_norm(q, p["q_a_norm"], eps=NORM_EPS, impl=ops.impl)
         q = projection(ops, q, p["w_q_b"], None)
-    q = q.reshape(b, s, c.num_heads, c.qk_head_dim)
+    q = q.reshape(b, s, c.attention.num_heads, c.attention.qk_head_dim)
     q = jnp.concatenate([q[..., :dn], apply_rotary(q[..., dn:], c.rope, positions)], axis=-1)
     kv = projection(ops, x, p["w_kv_a"], None)
     latent = jaxops.rms_norm(kv[..., : m.kv_lora_rank], p["kv_a_norm"], eps=NORM_EPS, impl=ops.impl)
@@ -107,15 +108,15 @@ def output(
     RoPE and its value. `mask`: bool ``[b, sq, sk]``; `causal` as in ``_ops.attend``.
     Returns ``[b, sq, D]``.
     """
-    m = c.mla
+    m = c.attention.mla
     latent, k_rope = kv
     b, sk, _ = latent.shape
-    h, dn = c.num_heads, m.qk_nope_head_dim
+    h, dn = c.attention.num_heads, m.qk_nope_head_dim
     expanded = projection(ops, latent, p["w_kv_b"], None).reshape(b, sk, h, dn + m.v_head_dim)
     k_nope, v = expanded[..., :dn], expanded[..., dn:]
     rope = jnp.broadcast_to(k_rope.astype(k_nope.dtype), (b, sk, h, m.qk_rope_head_dim))
     k = jnp.concatenate([k_nope, rope], axis=-1)
-    scale = c.qk_head_dim**-0.5 * softmax_scale_factor(c.rope)
+    scale = c.attention.qk_head_dim**-0.5 * softmax_scale_factor(c.rope)
     out = attend(ops, c, q, k, v, mask, scale, causal)  # dn + dr != dv: the jnp softmax
     return projection(ops, out, p["w_o"], None)
 
@@ -125,6 +126,6 @@ def cache_bytes_per_token(c: DecoderConfig, itemsize: int) -> int:
 
     ``(R + dr) * itemsize`` with MLA, else ``2 Hkv Dh * itemsize`` (keys and values).
     """
-    if c.mla is None:
-        return 2 * c.kv_size * itemsize
-    return (c.mla.kv_lora_rank + c.mla.qk_rope_head_dim) * itemsize
+    if c.attention.mla is None:
+        return 2 * c.attention.kv_size * itemsize
+    return (c.attention.mla.kv_lora_rank + c.attention.mla.qk_rope_head_dim) * itemsize

@@ -64,8 +64,8 @@ def name_map(config: DecoderConfig) -> tuple[Rule, ...]:
     ``kv_b_proj``, ``o_proj``).
 
     Example:
-      >>> from jaxops.models import DecoderConfig, name_map
-      >>> cfg = DecoderConfig("mixtral", 128, 64, 2, 4, 2, 16, 8, 2, 96)
+      >>> from jaxops.models import AttentionSpec, DecoderConfig, MoESpec, name_map
+      >>> cfg = DecoderConfig("mixtral", 128, 64, 2, AttentionSpec(4, 2, 16), MoESpec(8, 2, 96))
       >>> rule = [r for r in name_map(cfg) if r.ours == "layers/moe/w_in"][0]
       >>> rule.stack, rule.theirs[1]
       (('i', 'e'), 'model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight')
@@ -74,10 +74,10 @@ def name_map(config: DecoderConfig) -> tuple[Rule, ...]:
     t = (1, 0)
     rules = [Rule("embed", "model.embed_tokens.weight")]
     stacks = [("layers", c.moe_layers)]
-    if c.dense_layers:
-        stacks.append(("dense_layers", c.dense_layers))
+    if c.pattern.dense_layers:
+        stacks.append(("dense_layers", c.pattern.dense_layers))
     for key, layers in stacks:
-        index = {"i": layers} if c.dense_layers else None
+        index = {"i": layers} if c.pattern.dense_layers else None
         rules += _attention_rules(c, key, index)
         if key == "layers":
             rules += _moe_rules(c, index)
@@ -118,8 +118,8 @@ def _attention_rules(c: DecoderConfig, key: str, index: dict | None) -> list[Rul
         rule("mlp_norm", lay + "post_attention_layernorm.weight"),
     ]
     attn = lay + "self_attn."
-    if c.mla is not None:
-        if c.mla.q_lora_rank is None:
+    if c.attention.mla is not None:
+        if c.attention.mla.q_lora_rank is None:
             rules.append(rule("w_q", attn + "q_proj.weight", transpose=t))
         else:
             rules += [
@@ -134,20 +134,20 @@ def _attention_rules(c: DecoderConfig, key: str, index: dict | None) -> list[Rul
             rule("w_o", attn + "o_proj.weight", transpose=t),
         ]
         return rules
-    sizes = (c.q_size, c.kv_size, c.kv_size)
+    sizes = (c.attention.q_size, c.attention.kv_size, c.attention.kv_size)
     qkv = [attn + f"{n}_proj" for n in ("q", "k", "v")]
     rules += [
         rule("w_qkv", tuple(n + ".weight" for n in qkv), transpose=t, sizes=sizes),
         rule("w_o", attn + "o_proj.weight", transpose=t),
     ]
-    if c.qkv_bias:
+    if c.attention.qkv_bias:
         rules.append(rule("b_qkv", tuple(n + ".bias" for n in qkv), sizes=sizes))
-    if c.o_bias:
+    if c.attention.o_bias:
         rules.append(rule("b_o", attn + "o_proj.bias"))
-    if c.qk_norm:
+    if c.attention.qk_norm:
         rules.append(rule("q_norm", attn + "q_norm.weight"))
         rules.append(rule("k_norm", attn + "k_norm.weight"))
-    if c.attention_sinks:
+    if c.attention.attention_sinks:
         rules.append(rule("sinks", attn + "sinks"))
     return rules
 
@@ -175,13 +175,13 @@ def _moe_rules(c: DecoderConfig, index: dict | None) -> list[Rule]:
         Rule("layers/moe/w_out", experts + f"{down}.weight", transpose=t, stack=("i", "e"),
              index=index),
     ]  # fmt: skip
-    if c.router_bias:  # kept float32, as published
+    if c.moe.router_bias:  # kept float32, as published
         rules.append(
             Rule("layers/moe/router_bias", lay + f"{moe}.{names.router_bias}", stack=("i",),
                  index=index, dtype="float32", squeeze=0 if names.router_bias_squeeze else None)
         )  # fmt: skip
-    if c.shared_ffn:
-        gated = c.shared_gate
+    if c.moe.shared_ffn:
+        gated = c.moe.shared_gate
         shared = lay + f"{moe}.{names.shared}."
         rules += [
             Rule(
@@ -217,14 +217,14 @@ def _fused_moe_rules(c: DecoderConfig, index: dict | None) -> list[Rule]:
         rule("w_in", "experts.gate_up_proj"),  # [E, D, 2F], as ours
         rule("w_out", "experts.down_proj"),  # [E, F, D]
     ]
-    if c.router_logit_bias:
+    if c.moe.router_logit_bias:
         rules.append(rule("router_logit_bias", f"{names.router}.bias"))
-    if c.expert_bias:
+    if c.moe.expert_bias:
         rules += [
             rule("b_in", "experts.gate_up_proj_bias"),
             rule("b_out", "experts.down_proj_bias"),
         ]
-    if c.shared_ffn:  # Llama 4's shared expert
+    if c.moe.shared_ffn:  # Llama 4's shared expert
         shared = f"{names.shared}."
         rules += [
             rule(

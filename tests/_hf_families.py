@@ -82,10 +82,8 @@ def row(model_type: str, test_keys: dict[str, Any] | None = None, **fields: Any)
     return Family(f.transformers_config, f.architecture, {**extra, **(test_keys or {})}, **fields)
 
 
-_DENSE_FIRST_EXPECT = {
-    "dense_layers": (0,), "moe_layers": (1, 2), "dense_ffn": 96, "router": "sigmoid",
-    "router_bias": True, "shared_gate": False,
-}  # fmt: skip
+_DENSE_FIRST_EXPECT = {"pattern.dense_layers": (0,), "moe_layers": (1, 2), "pattern.dense_ffn": 96,
+    "moe.router": "sigmoid", "moe.router_bias": True, "moe.shared_gate": False}  # fmt: skip
 _DENSE_FIRST_ROW = dict(
     shapes={"dense_layers/mlp/w_in": (1, 64, 192)},
     saved={"first_k_dense_replace": 1},
@@ -98,30 +96,31 @@ TABLE: dict[str, Family] = {
     # Every layer MoE, GQA 4:2.
     "mixtral": row(
         "mixtral", layer_scale=5.0, train_mesh="p2e4",
-        expect={"normalize_topk": True, "shared_ffn": 0, "qk_norm": False},
+        expect={"moe.normalize_topk": True, "moe.shared_ffn": 0, "attention.qk_norm": False},
         names=("model.layers.1.block_sparse_moe.experts.7.w2.weight",)),
     "qwen3_moe": row(
         "qwen3_moe", layer_scale=5.0,
-        expect={"qk_norm": True, "tie_word_embeddings": True, "normalize_topk": True},
+        expect={"attention.qk_norm": True, "tie_word_embeddings": True, "moe.normalize_topk": True},
         names=("model.layers.1.mlp.experts.7.down_proj.weight",
                "model.layers.1.self_attn.k_norm.weight")),
     "qwen2_moe": row(
         "qwen2_moe", layer_scale=5.0,
-        expect={"shared_ffn": 48, "shared_gate": True, "qkv_bias": True, "normalize_topk": False},
+        expect={"moe.shared_ffn": 48, "moe.shared_gate": True, "attention.qkv_bias": True,
+                "moe.normalize_topk": False},
         names=("model.layers.1.mlp.shared_expert_gate.weight",)),
     # Whole-projection q/k norms.
     "olmoe": row(
         "olmoe", _IDS, layer_scale=5.0,
-        expect={"qk_norm": True, "qk_norm_width": "projection", "normalize_topk": False,
-                "qkv_bias": False, "shared_ffn": 0},
+        expect={"attention.qk_norm": True, "attention.qk_norm_width": "projection",
+                "moe.normalize_topk": False, "attention.qkv_bias": False, "moe.shared_ffn": 0},
         shapes={"layers/q_norm": (2, 64), "layers/k_norm": (2, 32)},
         saved={"clip_qkv": None, "head_dim": ABSENT},
         names=("model.layers.1.self_attn.q_norm.weight",)),
     # GLM-4.5: half the head rotated, per-head q/k norms, q/k/v biases, 8 experts in 2 groups.
     "glm4_moe": row(
         "glm4_moe", _IDS,
-        expect={**_DENSE_FIRST_EXPECT, "rope.partial_rotary_factor": 0.5, "qk_norm": True,
-                "qkv_bias": True},
+        expect={**_DENSE_FIRST_EXPECT, "rope.partial_rotary_factor": 0.5, "attention.qk_norm": True,
+                "attention.qkv_bias": True},
         **_DENSE_FIRST_ROW),
     # DeepSeek-V3: MLA with a q LoRA, interleaved RoPE pairs, 8 experts in 4 groups.
     "deepseek_v3": row(
@@ -136,9 +135,10 @@ TABLE: dict[str, Family] = {
         pipe=dict(moe_layer_interval=1, seed=1),
         # Tied embeddings make the tiny model repeat its input token; generation needs variety.
         generate=dict(tie_word_embeddings=False, seed=1),
-        expect={"dense_layers": (0, 2, 4), "tie_word_embeddings": True, "rope.interleave": True,
-                "router": "softmax", "router_bias": True, "shared_ffn": 32,
-                "shared_gate": False},
+        expect={"pattern.dense_layers": (0, 2, 4), "tie_word_embeddings": True,
+                "rope.interleave": True,
+                "moe.router": "softmax", "moe.router_bias": True, "moe.shared_ffn": 32,
+                "moe.shared_gate": False},
         shapes={"layers/moe/router_bias": (2, 8)},
         saved={"moe_layer_start_index": 1, "moe_layer_end_index": 3, "moe_layer_interval": 2,
                "moe_k": 2},
@@ -147,9 +147,10 @@ TABLE: dict[str, Family] = {
     # the clamped SwiGLU (a small swiglu_limit so that the clamp acts).
     "gpt_oss": row(
         "gpt_oss", _IDS,
-        expect={"layer_types": _SLIDING_FULL * 2, "sliding_window": 4, "attention_sinks": True,
-                "expert_bias": True, "router_logit_bias": True, "qkv_bias": True,
-                "activation": "clamped_swiglu", "swiglu_limit": 0.3, "rope.kind": "yarn"},
+        expect={"pattern.layer_types": _SLIDING_FULL * 2, "attention.sliding_window": 4,
+                "attention.attention_sinks": True, "moe.expert_bias": True,
+                "moe.router_logit_bias": True, "attention.qkv_bias": True,
+                "moe.activation": "clamped_swiglu", "moe.swiglu_limit": 0.3, "rope.kind": "yarn"},
         shapes={"layers/moe/b_in": (4, 8, 64), "layers/moe/router_logit_bias": (4, 8),
                 "layers/sinks": (4, 4)},
         saved={"layer_types": list(_SLIDING_FULL) * 2, "swiglu_limit": 0.3,
@@ -164,10 +165,12 @@ TABLE: dict[str, Family] = {
         "llama4_text", {**_IDS, "bos_token_id": None},
         pipe=dict(interleave_moe_layer_step=1, seed=1),
         prompt=10,  # and 6 new tokens: past two chunk boundaries and the temperature's floor
-        expect={"nope_layers": (1, 3), "attention_chunk_size": 4, "rope.interleave": True,
-                "layer_types": ("chunked_attention", "full_attention") * 2, "qk_l2_norm": True,
-                "attn_temperature_tuning": True, "weight_inputs": True, "router": "sigmoid",
-                "normalize_topk": False, "shared_ffn": 32, "dense_layers": (0, 2)},
+        expect={"pattern.nope_layers": (1, 3), "attention.attention_chunk_size": 4,
+                "rope.interleave": True,
+                "pattern.layer_types": ("chunked_attention", "full_attention") * 2,
+                "attention.qk_l2_norm": True, "attention.attn_temperature_tuning": True,
+                "moe.weight_inputs": True, "moe.router": "sigmoid", "moe.normalize_topk": False,
+                "moe.shared_ffn": 32, "pattern.dense_layers": (0, 2)},
         saved={"moe_layers": [1, 3], "no_rope_layers": [1, 0, 1, 0], "floor_scale": 4,
                "intermediate_size_mlp": 48},
         names=("model.layers.1.feed_forward.experts.gate_up_proj",
@@ -177,8 +180,9 @@ TABLE: dict[str, Family] = {
     "minimax_m2": row(
         "minimax_m2", {**_IDS, "bos_token_id": None},
         train_mesh="p2e4",
-        expect={"qk_norm": True, "qk_norm_width": "projection", "rope.partial_rotary_factor": 0.5,
-                "router": "sigmoid", "router_bias": True, "normalize_topk": True, "shared_ffn": 0},
+        expect={"attention.qk_norm": True, "attention.qk_norm_width": "projection",
+                "rope.partial_rotary_factor": 0.5, "moe.router": "sigmoid",
+                "moe.router_bias": True, "moe.normalize_topk": True, "moe.shared_ffn": 0},
         shapes={"layers/q_norm": (2, 64), "layers/k_norm": (2, 32)},
         saved={"rope_parameters.partial_rotary_factor": 0.5, "rotary_dim": ABSENT},
         names=("model.layers.1.block_sparse_moe.e_score_correction_bias",)),

@@ -24,17 +24,15 @@ from jaxops import _errors, fp8, moe
 
 X = np.ones((4, 8), np.float32)
 CFG = dict(num_experts=2, top_k=1, hidden_size=8, expert_ffn=8)
-DECODER = dict(
-    vocab_size=32,
-    hidden_size=16,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=8,
-    num_experts=2,
-    top_k=1,
-    expert_ffn=8,
-)
+DECODER = dict(vocab_size=32, hidden_size=16, num_layers=1)
+ATTENTION = dict(num_heads=2, num_kv_heads=1, head_dim=8)
+MOE = dict(num_experts=2, top_k=1, expert_ffn=8)
+
+
+def _config(**kw):
+    m = _models()
+    attention, moe = m.AttentionSpec(**ATTENTION), m.MoESpec(**MOE)
+    return m.DecoderConfig("qwen3_moe", **{**DECODER, "attention": attention, "moe": moe, **kw})
 
 
 def _mesh():
@@ -49,7 +47,7 @@ def _models():
 
 def _decoder():
     models = _models()
-    return models.MoEDecoder(models.DecoderConfig("qwen3_moe", **DECODER), _mesh())
+    return models.MoEDecoder(_config(), _mesh())
 
 
 IVE, ATE = jaxops.InvalidArgumentError, jaxops.ArgumentTypeError
@@ -104,8 +102,13 @@ CASES: list[tuple[str, Callable[[], object], type, type]] = [
      RuntimeError),
     # models
     ("jaxops.models.DecoderConfig",
-     lambda: _models().DecoderConfig("qwen3_moe", **{**DECODER, "top_k": 3}),
+     lambda: _config(pattern=_models().LayerPattern(dense_layers=(1,), dense_ffn=8)),
      jaxops.ConfigError, ValueError),
+    ("jaxops.models.AttentionSpec",
+     lambda: _models().AttentionSpec(**{**ATTENTION, "num_kv_heads": 3}),
+     jaxops.ConfigError, ValueError),
+    ("jaxops.parallel.expert.MoESpec",
+     lambda: ep.MoESpec(**{**MOE, "top_k": 3}), jaxops.ConfigError, ValueError),
     ("jaxops.models.MoEDecoder.logits",
      lambda: _decoder().logits(None, np.zeros((2, 6), np.float32)), ATE, TypeError),
     ("jaxops.models.MoEDecoder.logits",

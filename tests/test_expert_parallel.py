@@ -757,9 +757,10 @@ def test_fp8_dispatch_of_the_gather_exchange_gathers_fp8_tokens_and_scales():
 
 def test_fp8_dispatch_in_a_pipeline_stage():
     """The decoder on a pipe x expert mesh (1F1B stages holding the MoE layer)."""
-    from jaxops.models import DecoderConfig, MoEDecoder
+    from jaxops.models import AttentionSpec, DecoderConfig, MoEDecoder, MoESpec
 
-    dcfg = DecoderConfig("qwen3_moe", 64, 128, 2, 4, 2, 32, 8, 2, 64, qk_norm=True)
+    attention = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True)
+    dcfg = DecoderConfig("qwen3_moe", 64, 128, 2, attention, MoESpec(8, 2, 64))
     mesh = jax.make_mesh((2, 4), ("pipe", "expert"))
     tokens = np.random.default_rng(0).integers(0, 64, (8, 16)).astype(np.int32)
     targets = np.roll(tokens, -1, axis=1)

@@ -243,6 +243,42 @@ def test_docstring_examples():
     assert testing.run_docstring_examples(models) >= 20
 
 
+def test_config_is_composed_of_specs_and_the_flat_fields_are_deprecated():
+    """DecoderConfig: sizes and specs (no more than 20 fields in any); the MoE layer takes the
+    config's MoE spec as it is; the former flat keywords, positional order and attributes work,
+    each with a DeprecationWarning, and build the same config (with the former defaults)."""
+    attention = models.AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True)
+    moe = models.MoESpec(num_experts=8, top_k=2, expert_ffn=32, router_aux_loss_coef=1e-3)
+    cfg = models.DecoderConfig("qwen3_moe", 128, 64, 2, attention, moe)
+    for value in (cfg, attention, moe, cfg.pattern, cfg.rope, ep.MoEConfig(moe, 64)):
+        assert len(dataclasses.fields(value)) <= 20, type(value).__name__
+    model = models.MoEDecoder(cfg, jax.make_mesh((1,), ("expert",)))
+    assert model.moe.spec is cfg.moe and model.moe.hidden_size == 64
+    weighed = models.MoEDecoder(cfg, model.mesh, router_aux_loss_coef=0.5).moe.spec
+    assert weighed == dataclasses.replace(moe, router_aux_loss_coef=0.5)
+
+    moved = "the flat keywords .* moved into the specs"
+    with pytest.warns(DeprecationWarning, match=moved):
+        assert (
+            models.DecoderConfig("qwen3_moe", 128, 64, 2, 4, 2, 16, 8, 2, 32, qk_norm=True) == cfg
+        )
+    flat = dict(num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8, top_k=2, expert_ffn=32)
+    with pytest.warns(DeprecationWarning, match=moved):
+        assert models.DecoderConfig("qwen3_moe", 128, 64, 2, qk_norm=True, **flat) == cfg
+    with pytest.warns(DeprecationWarning, match=r"DecoderConfig\.num_heads moved to attention\."):
+        assert cfg.num_heads == 4
+    with pytest.warns(DeprecationWarning, match=r"DecoderConfig\.q_size moved to attention\."):
+        assert cfg.q_size == 64
+    with pytest.warns(DeprecationWarning, match=moved):  # dataclasses.replace with a flat name
+        wider = dataclasses.replace(cfg, top_k=4)
+    assert wider.moe == dataclasses.replace(moe, top_k=4) and wider.attention is attention
+    with pytest.warns(DeprecationWarning, match=moved):  # the former default: a gated shared expert
+        qwen2 = models.DecoderConfig("qwen2_moe", 128, 64, 2, shared_ffn=48, qkv_bias=True, **flat)
+    assert qwen2.moe.shared_gate and qwen2.moe.router_aux_loss_coef == 1e-3
+    with pytest.raises(TypeError, match="DecoderConfig: attention must be a AttentionSpec"):
+        models.DecoderConfig("qwen3_moe", 128, 64, 2, moe, attention)
+
+
 def test_absent_moe_block_keys_take_transformers_defaults():
     """A config.json without DeepSeek-V3's optional MoE keys reads as transformers reads it (the
     decoder's optional keys: tests/test_models_families.py)."""
@@ -265,14 +301,17 @@ def test_quantized_block_and_inexpressible_configs_are_refused(hf_dirs, tmp_path
     with pytest.raises(models.ConfigError, match="quant_method 'awq' is not supported"):
         models.load_moe_block(path, 0)
     with pytest.raises(models.ConfigError, match=r"sparse_step' must be >= 1, got 0"):
-        models.is_moe_layer({"model_type": "qwen2_moe", "decoder_sparse_step": 0}, 1)
+        qwen2 = {"num_experts": 8, "moe_intermediate_size": 32, "num_experts_per_tok": 2}
+        models.is_moe_layer({"model_type": "qwen2_moe", "decoder_sparse_step": 0, **qwen2}, 1)
     # A config transformers would build as another model is not written.
+    attention = models.AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16)
     for family, kw, what in [
-        ("qwen3_moe", {}, "qk_norm=False"),
-        ("mixtral", {"normalize_topk": False}, "normalize_topk=False"),
-        ("mixtral", {"shared_ffn": 32}, "shared_ffn=32"),
+        ("qwen3_moe", {}, "attention.qk_norm=False"),
+        ("mixtral", {"normalize_topk": False}, "moe.normalize_topk=False"),
+        ("mixtral", {"shared_ffn": 32}, "moe.shared_ffn=32"),
     ]:
-        cfg = models.DecoderConfig(family, 128, 64, 2, 4, 2, 16, 8, 2, 32, **kw)
+        moe = models.MoESpec(num_experts=8, top_k=2, expert_ffn=32, **kw)
+        cfg = models.DecoderConfig(family, 128, 64, 2, attention, moe)
         with pytest.raises(models.ConfigError, match=f"{family} cannot express {what}"):
             cfg.to_hf()
     # A changed layer count drops the source's now stale layer_types.

@@ -23,13 +23,8 @@ CFG = models.DecoderConfig(
     vocab_size=64,
     hidden_size=32,
     num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    num_experts=4,
-    top_k=2,
-    expert_ffn=16,
-    qk_norm=True,
+    attention=models.AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True),
+    moe=models.MoESpec(num_experts=4, top_k=2, expert_ffn=16),
 )
 _CALL = re.compile(r'custom_call_target="(jaxops_[a-z0-9_]+)"')
 
@@ -343,7 +338,8 @@ def test_dot_product_attention_equals_the_jnp_softmax():
     """attention_impl="dot_product" (jax.nn.dot_product_attention: cuDNN on GPUs) against the
     jnp softmax, with every mask the decoder builds: left padding, packed documents, a sliding
     window; logits, gradients and generated tokens."""
-    cfg = dataclasses.replace(CFG, model_type="mixtral", qk_norm=False, sliding_window=5)
+    attention = dataclasses.replace(CFG.attention, qk_norm=False, sliding_window=5)
+    cfg = dataclasses.replace(CFG, model_type="mixtral", attention=attention)
     mesh = _mesh((1,), ("expert",))  # (the attention is per token row: any mesh is the same)
     tokens, targets = _batch(seq=12)
     mask = (np.arange(12)[None, :] >= np.arange(8)[:, None] % 4).astype(np.int32)
@@ -385,11 +381,14 @@ def test_dot_product_attention_equals_the_jnp_softmax():
 def test_repeated_dense_moe_pattern_is_one_scan(dense, period):
     """Layers repeating a dense / MoE pattern run as one scan over the repeats (compile time
     independent of the depth), equal to one scan per run of one kind."""
-    cfg = dataclasses.replace(CFG, num_layers=8, dense_layers=dense, dense_ffn=24)
+    cfg = dataclasses.replace(
+        CFG, num_layers=8, pattern=models.LayerPattern(dense_layers=dense, dense_ffn=24)
+    )
     model = models.MoEDecoder(cfg, _mesh((1,), ("expert",)))
     assert model.layout.period == period
     for other in ((0,), (0, 1, 3, 5, 7)):  # DeepSeek-V3's dense layers first: runs; a prefix
-        found = models.MoEDecoder(dataclasses.replace(cfg, dense_layers=other), model.mesh)
+        pattern = models.LayerPattern(dense_layers=other, dense_ffn=24)
+        found = models.MoEDecoder(dataclasses.replace(cfg, pattern=pattern), model.mesh)
         assert found.layout.period == (None if other == (0,) else (2, ("layers", "dense_layers")))
     params = model.init(jax.random.key(3))
     tokens, targets = _batch()

@@ -46,10 +46,10 @@ def test_no_q_lora_yarn_logits_match_transformers(tmp_path):
     torch_model.save_pretrained(tmp_path, max_shard_size="200KB")
     model, params = models.from_pretrained(tmp_path, mesh=fam.mesh("1dev"), dtype=jnp.float32)
     c = model.config
-    assert c.dense_layers == (0,) and c.moe_layers == (1, 2) and c.dense_ffn == 96
-    assert (c.router, c.router_bias, c.shared_gate) == ("sigmoid", True, False)
-    assert c.model_type == "deepseek_v3" and c.mla is not None and not c.rope.interleave
-    assert c.mla.q_lora_rank is None and c.rope.kind == "yarn"
+    assert c.pattern.dense_layers == (0,) and c.moe_layers == (1, 2) and c.pattern.dense_ffn == 96
+    assert (c.moe.router, c.moe.router_bias, c.moe.shared_gate) == ("sigmoid", True, False)
+    assert c.model_type == "deepseek_v3" and c.attention.mla is not None and not c.rope.interleave
+    assert c.attention.mla.q_lora_rank is None and c.rope.kind == "yarn"
     fam.check_logits(
         model, params, torch_model, fam.random_tokens(2), "deepseek_v3 no q LoRA, YaRN"
     )
@@ -62,7 +62,12 @@ def test_mla_cache_holds_the_latent():
     assert cache_bytes_per_token(c, 2) == (16 + 8) * 2  # kv_lora_rank + rope dims
     v3 = models.DecoderConfig.from_hf(transformers.DeepseekV3Config().to_dict())
     assert cache_bytes_per_token(v3, 2) == 576 * 2
-    assert (v3.q_size, v3.qk_head_dim, v3.v_head_dim, v3.n_group) == (128 * 192, 192, 128, 8)
+    assert (
+        v3.attention.q_size,
+        v3.attention.qk_head_dim,
+        v3.attention.v_head_dim,
+        v3.moe.n_group,
+    ) == (128 * 192, 192, 128, 8)
 
 
 def test_mtp_layers_are_skipped_with_a_warning(hf_families, tmp_path):
@@ -108,7 +113,7 @@ def test_qwen_dense_layers_between_moe_layers(tmp_path):
     torch_model.save_pretrained(tmp_path / "q")
     model, params = models.from_pretrained(tmp_path / "q", mesh=fam.mesh("d2e4"))
     # decoder_sparse_step 2: layers 1 and 3 MoE; mlp_only_layers takes 2 (already dense).
-    assert model.config.dense_layers == (0, 2) and model.config.moe_layers == (1, 3)
+    assert model.config.pattern.dense_layers == (0, 2) and model.config.moe_layers == (1, 3)
     assert model.layout.runs == (
         ("dense_layers", 0, 1, 0), ("layers", 0, 1, 1), ("dense_layers", 1, 2, 2),
         ("layers", 1, 2, 3),
@@ -132,10 +137,11 @@ def test_config_defaults_and_refused_keys():
     # Absent keys take transformers' defaults (the published DeepSeek-V3 and GLM-4.5 shapes).
     # (GLM-4.5's config.json gives head_dim = 128; 4096 / 96 heads is no width.)
     v3 = fam.published("deepseek_v3", "num_experts_per_tok")
-    assert (v3.num_experts, v3.dense_layers, v3.shared_ffn, v3.routed_scaling_factor) == (
+    m = v3.moe
+    assert (m.num_experts, v3.pattern.dense_layers, m.shared_ffn, m.routed_scaling_factor) == (
         256, (0, 1, 2), 2048, 2.5)  # fmt: skip
     glm = fam.published("glm4_moe", "num_experts_per_tok", head_dim=128)
-    assert glm.rope.partial_rotary_factor == 0.5 and glm.dense_layers == (0,)
+    assert glm.rope.partial_rotary_factor == 0.5 and glm.pattern.dense_layers == (0,)
     ds = fam.hf_config("deepseek_v3").to_dict()
     (bias,) = [r for r in models.name_map(v3) if r.ours == "layers/moe/router_bias"]
     assert bias.dtype == "float32" and bias.index == (("i", tuple(range(3, 61))),)
@@ -143,19 +149,23 @@ def test_config_defaults_and_refused_keys():
         models.DecoderConfig.from_hf({**ds, "attention_bias": True})
     with pytest.raises(models.ConfigError, match="scoring_func = 'softmax' is not supported"):
         models.DecoderConfig.from_hf({**ds, "scoring_func": "softmax"})
-    with pytest.raises(models.ConfigError, match=r"top_k \(6\) exceeds"):
+    with pytest.raises(models.ConfigError, match=r"top_k = 6 exceeds"):
         models.DecoderConfig.from_hf({**ds, "num_experts_per_tok": 6})
+    moe = models.MoESpec(num_experts=8, top_k=2, expert_ffn=32)
+    attention = models.AttentionSpec(num_heads=4, num_kv_heads=4, head_dim=8)
     with pytest.raises(models.ConfigError, match=r"mla .* is deepseek_v3's"):
-        models.DecoderConfig("mixtral", 128, 64, 2, 4, 4, 8, 8, 2, 32, mla=models.Mla(16, 8, 8, 8))
+        mla = dataclasses.replace(attention, mla=models.Mla(16, 8, 8, 8))
+        models.DecoderConfig("mixtral", 128, 64, 2, mla, moe)
     with pytest.raises(models.ConfigError, match="dense_ffn must be an int >= 1"):
-        models.DecoderConfig("mixtral", 128, 64, 2, 4, 2, 16, 8, 2, 32, dense_layers=(0,))
+        models.LayerPattern(dense_layers=(0,))
     with pytest.raises(models.ConfigError, match="rope must rotate the whole head for mixtral"):
         models.DecoderConfig(
-            "mixtral", 128, 64, 2, 4, 2, 16, 8, 2, 32, rope=models.Rope(partial_rotary_factor=0.5)
+            "mixtral", 128, 64, 2, attention, moe, rope=models.Rope(partial_rotary_factor=0.5)
         )
     # Dense layers not first cannot be said as glm4_moe's first_k_dense_replace.
     glm_cfg = models.DecoderConfig.from_hf(fam.hf_config("glm4_moe").to_dict())
-    moved = dataclasses.replace(glm_cfg, dense_layers=(1,))
+    pattern = dataclasses.replace(glm_cfg.pattern, dense_layers=(1,))
+    moved = dataclasses.replace(glm_cfg, pattern=pattern)
     with pytest.raises(models.ConfigError, match="glm4_moe cannot express"):
         moved.to_hf()
 

@@ -19,7 +19,12 @@ def test_config_defaults_and_refused_keys():
     hf_cfg = hf_config("ernie4_5_moe").to_dict()
     cfg = models.DecoderConfig.from_hf(hf_cfg)
     got = published("ernie4_5_moe")  # ERNIE-4.5-21B-A3B's shapes
-    assert (got.num_experts, got.top_k, got.dense_layers, got.rope.theta) == (64, 6, (0,), 5e5)
+    assert (got.moe.num_experts, got.moe.top_k, got.pattern.dense_layers, got.rope.theta) == (
+        64,
+        6,
+        (0,),
+        5e5,
+    )
     with pytest.raises(models.ConfigError, match="use_bias = true is not supported"):
         models.DecoderConfig.from_hf({**hf_cfg, "use_bias": True})
     with pytest.raises(models.ConfigError, match=r"moe_norm_min = 0\.5 is not supported"):

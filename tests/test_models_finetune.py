@@ -244,7 +244,7 @@ def test_padding_never_reaches_the_router(hf):
     a, b = run(params, tokens, mask), run(params, other, mask)
     np.testing.assert_array_equal(a.tokens_per_expert, b.tokens_per_expert)
     np.testing.assert_allclose(a.load_balancing_loss, b.load_balancing_loss, rtol=1e-6)
-    top_k = model.config.top_k
+    top_k = model.config.moe.top_k
     assert np.all(np.asarray(a.tokens_per_expert).sum(-1) == mask.sum() * top_k)
     # The padded loss equals the loss of the same real tokens in another padding.
     targets = np.where(mask == 1, np.roll(tokens, -1, axis=1), IGNORE)

@@ -110,7 +110,7 @@ def test_sliding_window_matches_transformers_on_8_devices(hf):
     buffer of 6 slots), batch 8 with 0..7 padding tokens, on a data x expert mesh."""
     torch_model, path = hf["window"]
     model, params = _load(path, (2, 4), ("data", "expert"))
-    assert model.config.sliding_window == 6
+    assert model.config.attention.sliding_window == 6
     prompt, mask = _prompt(8, list(range(8)), seed=1)
     got = generate(model, params, prompt, N, attention_mask=mask)
     assert got.sharding.spec[0] == ("data", "expert")
@@ -240,7 +240,9 @@ def test_bad_arguments_are_named(mixtral, change, error, match):
 
 
 def test_pipeline_mesh_and_batch_layout_are_refused():
-    cfg = models.DecoderConfig("mixtral", 64, 32, 2, 4, 2, 8, 4, 2, 16)
+    attention = models.AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8)
+    moe = models.MoESpec(num_experts=4, top_k=2, expert_ffn=16)
+    cfg = models.DecoderConfig("mixtral", 64, 32, 2, attention, moe)
     piped = models.MoEDecoder(cfg, _mesh((2, 4), ("pipe", "expert")))
     with pytest.raises(models.ConfigError, match="needs a mesh without pipeline stages"):
         generate(piped, None, np.ones((8, 4), np.int32), 2)

@@ -9,6 +9,8 @@ Tolerance: float32 logits within 1e-4 of the logit scale (max |logit|).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -40,18 +42,24 @@ def test_config_defaults_and_refusals():
     hf_cfg = hf_config("gpt_oss").to_dict()
     cfg = models.DecoderConfig.from_hf(hf_cfg)
     got = published("gpt_oss")  # gpt-oss-120b's shapes
-    assert (got.num_experts, got.top_k, got.head_dim, got.expert_ffn) == (128, 4, 64, 2880)
+    assert (got.moe.num_experts, got.moe.top_k, got.attention.head_dim, got.moe.expert_ffn) == (
+        128,
+        4,
+        64,
+        2880,
+    )
     assert got.rope.kind == "yarn" and got.rope.factor == 32.0 and not got.rope.truncate
-    assert got.layer_types[:2] == ("sliding_attention", "full_attention")
+    assert got.pattern.layer_types[:2] == ("sliding_attention", "full_attention")
     with pytest.raises(models.ConfigError, match="'layer_types' must hold"):
         models.DecoderConfig.from_hf({**hf_cfg, "layer_types": ["full_attention"]})
     with pytest.raises(models.ConfigError, match="'layer_types' must hold"):
         models.DecoderConfig.from_hf({**hf_cfg, "layer_types": ["local"] * 4})
-    with pytest.raises(models.ConfigError, match="swiglu_limit must be a finite number > 0"):
+    with pytest.raises(models.ConfigError, match="swiglu_limit must be finite and > 0"):
         models.DecoderConfig.from_hf({**hf_cfg, "swiglu_limit": -1.0})
     from jaxops.models import _layers
 
     with pytest.raises(ValueError, match="different attention patterns"):  # needs the kind
         _layers.attention(_layers.Ops(np.float32), cfg, {}, None, None)
     with pytest.raises(models.ConfigError, match="cannot express"):
-        models.DecoderConfig(**{**cfg.__dict__, "attention_sinks": False}).to_hf()
+        no_sinks = dataclasses.replace(cfg.attention, attention_sinks=False)
+        dataclasses.replace(cfg, attention=no_sinks).to_hf()

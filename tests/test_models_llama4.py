@@ -28,23 +28,28 @@ def test_top2_logits_match_transformers(tmp_path):
     torch_model = fam.build("llama4_text", seed=2, num_experts_per_tok=2)
     torch_model.save_pretrained(tmp_path)
     model, params = models.from_pretrained(tmp_path, mesh=fam.mesh("1dev"))
-    assert model.config.top_k == 2 and model.config.router == "sigmoid"
+    assert model.config.moe.top_k == 2 and model.config.moe.router == "sigmoid"
     fam.check_logits(model, params, torch_model, fam.random_tokens(2), "llama4_text top2 1dev")
 
 
 def test_config_defaults_round_trip_and_refusals(hf_families):
     hf_cfg = fam.hf_config("llama4_text").to_dict()
     got = fam.published("llama4_text")  # Llama-4-Scout's shapes
-    assert (got.num_experts, got.top_k, got.head_dim, got.attention_chunk_size) == (
+    assert (
+        got.moe.num_experts,
+        got.moe.top_k,
+        got.attention.head_dim,
+        got.attention.attention_chunk_size,
+    ) == (
         16,
         1,
         128,
         8192,
     )
-    assert got.nope_layers == tuple(range(3, 48, 4)) and got.dense_layers == ()
+    assert got.pattern.nope_layers == tuple(range(3, 48, 4)) and got.pattern.dense_layers == ()
     no_chunk = models.DecoderConfig.from_hf({**hf_cfg, "attention_chunk_size": None,
                                              "layer_types": None})  # fmt: skip
-    assert no_chunk.layer_types == ("full_attention",) * 4
+    assert no_chunk.pattern.layer_types == ("full_attention",) * 4
     with pytest.raises(models.ConfigError, match=r"router_jitter_noise = 0\.5 is not supported"):
         models.DecoderConfig.from_hf({**hf_cfg, "router_jitter_noise": 0.5})
     with pytest.raises(models.ConfigError, match="'no_rope_layers' must hold"):
@@ -68,7 +73,7 @@ def test_published_multimodal_checkpoint_loads_its_text_model(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "llama4"
     with pytest.warns(UserWarning, match=r"skipped \d+ tensor\(s\) of Llama 4's vision tower"):
         model, params = models.from_pretrained(tmp_path, mesh=fam.mesh("d2e4"))
-    assert model.config.model_type == "llama4_text" and model.config.nope_layers == (1, 3)
+    assert model.config.model_type == "llama4_text" and model.config.pattern.nope_layers == (1, 3)
     # transformers' text path of the multimodal model is its Llama4ForCausalLM
     text_model = torch_model.language_model.eval()
     fam.check_logits(model, params, text_model, fam.random_tokens(8), "llama4_text multimodal")

@@ -98,19 +98,17 @@ def test_chunked_losses_of_no_tokens_and_bad_targets():
     assert np.isclose(float(ignored), 2 * np.log(V), rtol=1e-6)
 
 
-_TINY = dict(vocab_size=96, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
+_TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    attention=models.AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True),
+)
 
 
 def _config(tied):
+    moe = models.MoESpec(num_experts=8, top_k=2, expert_ffn=32)
     return models.DecoderConfig(
-        "qwen3_moe",
-        num_layers=2,
-        num_experts=8,
-        top_k=2,
-        expert_ffn=32,
-        qk_norm=True,
-        tie_word_embeddings=tied,
-        **_TINY,
+        "qwen3_moe", num_layers=2, moe=moe, tie_word_embeddings=tied, **_TINY
     )
 
 
@@ -148,10 +146,8 @@ def test_decoder_loss_by_vocab_chunks_equals_whole(tied, name, shape, names, kw)
 def test_train_step_by_vocab_chunks_holds_less_than_the_logits():
     """A 4096-token vocabulary, 64 tokens per device: their float32 logits (1 MB) and softmax
     whole, or 512 columns at a time; the same losses over two adamw steps."""
-    cfg = models.DecoderConfig(
-        "qwen3_moe", num_layers=1, num_experts=4, top_k=2, expert_ffn=32, qk_norm=True,
-        **{**_TINY, "vocab_size": 4096},
-    )  # fmt: skip
+    moe = models.MoESpec(num_experts=4, top_k=2, expert_ffn=32)
+    cfg = models.DecoderConfig("qwen3_moe", num_layers=1, moe=moe, **{**_TINY, "vocab_size": 4096})
     mesh = jax.make_mesh((1, 2), ("data", "expert"))
     tokens = np.random.default_rng(0).integers(0, 4096, (8, 16)).astype(np.int32)
     opt = optax.adamw(1e-3)

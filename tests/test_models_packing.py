@@ -359,12 +359,8 @@ def _tiny_decoder():
         vocab_size=32,
         hidden_size=16,
         num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=8,
-        num_experts=2,
-        top_k=1,
-        expert_ffn=8,
+        attention=models.AttentionSpec(num_heads=2, num_kv_heads=1, head_dim=8),
+        moe=models.MoESpec(num_experts=2, top_k=1, expert_ffn=8),
     )
     return models.MoEDecoder(cfg, jax.make_mesh((1,), ("expert",), devices=jax.devices()[:1]))
 

@@ -63,13 +63,8 @@ def _tiny(tmp_path) -> pathlib.Path:
         vocab_size=96,
         hidden_size=64,
         num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        num_experts=8,
-        top_k=2,
-        expert_ffn=32,
-        qk_norm=True,
+        attention=models.AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True),
+        moe=models.MoESpec(num_experts=8, top_k=2, expert_ffn=32),
     )
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_hf()))
     return tmp_path

@@ -381,10 +381,11 @@ def test_decoder_config_rope_and_rope_theta():
         assert out["rope_parameters"] == rope_to_hf(cfg.rope)["rope_parameters"]
         assert read_rope(transformers.Qwen3MoeConfig(**out).to_dict(), 16) == cfg.rope, variant
     # rope_theta: a keyword (sets the base of rope), a positional number, and a property.
-    args = ("qwen3_moe", 128, 64, 2, 4, 2, 16, 8, 2, 32, True, 0, True)
+    attention = models.AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True)
+    args = ("qwen3_moe", 128, 64, 2, attention, models.MoESpec(8, 2, 32))
     cfg = models.DecoderConfig(*args, rope_theta=1e6)
     assert cfg.rope == Rope(theta=1e6) and cfg.rope_theta == 1e6
-    assert models.DecoderConfig(*args, False, False, 1e-6, 1e6) == cfg
+    assert models.DecoderConfig(*args, 1e6) == cfg
     yarn = Rope("yarn", 1e4, factor=4.0, original_max_position_embeddings=8)
     scaled = dataclasses.replace(cfg, rope=yarn)
     assert scaled.rope == yarn and scaled.rope_theta == 1e4

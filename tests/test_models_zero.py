@@ -17,25 +17,26 @@ from jaxops.models._hlo import collective_traffic
 from jaxops import models
 from jaxops.testing import count_collectives
 
-_TINY = dict(vocab_size=96, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
+_TINY = dict(vocab_size=96, hidden_size=64)
 
 
 def _config(kind: str) -> models.DecoderConfig:
     if kind == "deepseek":  # MLA, a dense layer first, a shared expert, sigmoid router
+        mla = models.Mla(16, 8, 16, 8, q_lora_rank=24)
         return models.DecoderConfig(
             "deepseek_v3",
             num_layers=3,
-            num_experts=8,
-            top_k=2,
-            expert_ffn=32,
-            dense_layers=(0,),
-            dense_ffn=48,
-            shared_ffn=32,
-            mla=models.Mla(16, 8, 16, 8, q_lora_rank=24),
-            **{**_TINY, "num_kv_heads": 4},
+            attention=models.AttentionSpec(num_heads=4, num_kv_heads=4, head_dim=16, mla=mla),
+            moe=models.MoESpec(num_experts=8, top_k=2, expert_ffn=32, shared_ffn=32),
+            pattern=models.LayerPattern(dense_layers=(0,), dense_ffn=48),
+            **_TINY,
         )
     return models.DecoderConfig(
-        "qwen3_moe", num_layers=2, num_experts=8, top_k=2, expert_ffn=32, qk_norm=True, **_TINY
+        "qwen3_moe",
+        num_layers=2,
+        attention=models.AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True),
+        moe=models.MoESpec(num_experts=8, top_k=2, expert_ffn=32),
+        **_TINY,
     )
 
 

@@ -17,10 +17,13 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
+from jaxops.parallel.expert import MoESpec
+
 from jaxops._errors import ConfigError
 
 from .._quant import read_quantization
 from .._rope import Rope, read_rope, rope_to_hf
+from .._spec import LAYER_TYPES, SPEC_FIELDS, compose
 from . import (
     deepseek_v3,
     ernie4_5_moe,
@@ -34,7 +37,7 @@ from . import (
     qwen3_moe,
 )
 from ._family import INTERLEAVE, Family, Names, Shape, Wrapper
-from ._keys import LAYER_TYPES, get, positive
+from ._keys import get, positive
 
 __all__ = [
     "FAMILIES",
@@ -48,6 +51,7 @@ __all__ = [
     "config_fields",
     "family",
     "hf_keys",
+    "moe_layers",
 ]
 
 #: model_type -> :class:`Family`, every family jaxops.models reads (read-only).
@@ -104,6 +108,9 @@ def family(model_type: str) -> Family:
 def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """The :class:`~jaxops.models.DecoderConfig` keywords of a config.json dict.
 
+    The keys every family shares and the family's own (:attr:`Family.read`, which names the
+    specs' fields), composed into the specs (``attention``, ``moe``, ``pattern``, ``rope``).
+
     Raises:
       ConfigError: an unsupported model_type, feature or key value (naming it), a missing or
         mistyped key.
@@ -150,22 +157,55 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
         fam.interleave == "key" and get(hf, "rope_interleave", bool, True)
     )
     rope_hf = hf if fam.rope_keys is None else fam.rope_keys(hf, head_dim)
-    return dict(
-        model_type=model_type,
-        vocab_size=positive(hf, "vocab_size"),
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=positive(hf, "num_key_value_heads", fam.kv_heads or heads),
-        head_dim=head_dim,
-        top_k=positive(hf, fam.top_k_key, ... if fam.top_k is None else fam.top_k),
-        rms_norm_eps=get(hf, "rms_norm_eps", float, fam.rms_norm_eps),
-        rope=_read_rope(fam, rope_hf, head_dim, interleave),
-        tie_word_embeddings=get(hf, "tie_word_embeddings", bool, fam.tie_word_embeddings),
-        router_aux_loss_coef=get(hf, "router_aux_loss_coef", float, fam.aux_loss_coef),
-        hf=dict(hf),
-        **kw,
+    return compose(
+        dict(
+            model_type=model_type,
+            vocab_size=positive(hf, "vocab_size"),
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=positive(hf, "num_key_value_heads", fam.kv_heads or heads),
+            head_dim=head_dim,
+            rms_norm_eps=get(hf, "rms_norm_eps", float, fam.rms_norm_eps),
+            rope=_read_rope(fam, rope_hf, head_dim, interleave),
+            tie_word_embeddings=get(hf, "tie_word_embeddings", bool, fam.tie_word_embeddings),
+            hf=dict(hf),
+            **_moe_keys(hf, fam),
+            **kw,
+        )
     )
+
+
+def _moe_keys(hf: dict[str, Any], fam: Family) -> dict[str, Any]:
+    """The MoE keys every family reads alike: experts per token, the load-balancing weight."""
+    return dict(
+        top_k=positive(hf, fam.top_k_key, ... if fam.top_k is None else fam.top_k),
+        router_aux_loss_coef=get(hf, "router_aux_loss_coef", float, fam.aux_loss_coef),
+    )
+
+
+def moe_layers(hf: dict[str, Any], layers: int) -> tuple[MoESpec, tuple[int, ...]]:
+    """The MoE spec of a config.json's MoE layers, and which of its first `layers` layers are.
+
+    What one MoE block needs (``jaxops.models.moe_block_config``), read as :func:`config_fields`
+    reads it (the family's ``read``) from a config.json that may hold the MoE keys only: the
+    attention's keys take placeholders where absent, and the layer count is `layers` where the
+    file has fewer or none.
+
+    Raises:
+      ConfigError: an unsupported model_type or MoE feature, a missing or mistyped key.
+    """
+    fam = family(hf.get("model_type"))
+    act = get(hf, "hidden_act", str, "silu")
+    if act != "silu":
+        raise ConfigError(f"config.json: hidden_act {act!r} is not supported; supported: silu")
+    hidden = positive(hf, "hidden_size", 1)
+    layers = max(layers, get(hf, "num_hidden_layers", int, 1))
+    kw = fam.read(hf, Shape(hidden, 1, layers, hidden))  # one head of the whole width
+    spec = {k: v for k, v in kw.items() if k in SPEC_FIELDS["moe"]}
+    moe = compose({**_moe_keys(hf, fam), **spec})["moe"]
+    dense = kw.get("dense_layers", ())
+    return moe, tuple(i for i in range(layers) if i not in dense)
 
 
 def _read_rope(fam: Family, hf: dict[str, Any], head_dim: int, interleave: bool) -> Rope:
@@ -191,6 +231,7 @@ def hf_keys(c: Any, out: dict[str, Any]) -> dict[str, Any]:
     (:attr:`Family.write`), as transformers' configuration class of the model type reads them.
     """
     fam = family(c.model_type)
+    a = c.attention
     out.pop("quantization_config", None)  # written back by save_pretrained when it quantizes
     out.update(
         model_type=c.model_type,
@@ -198,20 +239,20 @@ def hf_keys(c: Any, out: dict[str, Any]) -> dict[str, Any]:
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
         num_hidden_layers=c.num_layers,
-        num_attention_heads=c.num_heads,
-        num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        num_experts_per_tok=c.top_k,
+        num_attention_heads=a.num_heads,
+        num_key_value_heads=a.num_kv_heads,
+        head_dim=a.head_dim,
+        num_experts_per_tok=c.moe.top_k,
         hidden_act="silu",
         rms_norm_eps=c.rms_norm_eps,
         tie_word_embeddings=c.tie_word_embeddings,
-        router_aux_loss_coef=c.router_aux_loss_coef,
+        router_aux_loss_coef=c.moe.router_aux_loss_coef,
     )
     for key in ("rope_theta", "rope_scaling", "partial_rotary_factor"):
         out.pop(key, None)  # all in rope_parameters
     out.update(rope_to_hf(c.rope))
-    if c.dense_layers:
-        out[fam.dense_ffn_key] = c.dense_ffn
+    if c.pattern.dense_layers:
+        out[fam.dense_ffn_key] = c.pattern.dense_ffn
     fam.write(c, out)
     if len(out.get("layer_types") or []) != c.num_layers:
         out.pop("layer_types", None)  # stale (e.g. after a change of num_layers)

@@ -100,9 +100,10 @@ class Family:
       model_type: config.json's ``model_type`` (:attr:`DecoderConfig.model_type`).
       architecture: transformers' ``*ForCausalLM`` class, written to ``architectures``.
       transformers_config: transformers' configuration class name (tests build tiny models).
-      read: ``read(hf, shape) -> dict``: the family's own keys as DecoderConfig keywords
-        (``num_experts``, ``expert_ffn`` and every field only this family sets); `shape` holds
-        what every family reads alike.
+      read: ``read(hf, shape) -> dict``: the family's own keys as spec fields by name
+        (``num_experts``, ``expert_ffn`` and every field only this family sets: ``qk_norm``,
+        ``dense_layers``, ...), which ``config_fields`` composes into the config's specs;
+        `shape` holds what every family reads alike.
       write: ``write(config, out)``: the family's own keys of a DecoderConfig into the dict
         `out` (the inverse of `read`).
       description: what transformers builds for this model_type, in a clause (the message of a

@@ -11,6 +11,8 @@ from typing import Any
 
 from jaxops._errors import ConfigError
 
+from .._spec import LAYER_TYPES
+
 __all__ = [
     "LAYER_TYPES",
     "experts_key",
@@ -23,9 +25,6 @@ __all__ = [
     "routed_key",
     "sparse_step_dense",
 ]
-
-#: A layer's attention pattern (transformers' ``layer_types`` values).
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 def get(cfg: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:

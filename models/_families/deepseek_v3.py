@@ -44,7 +44,7 @@ def _read(hf: dict[str, Any], shape: Shape) -> dict[str, Any]:
 
 def _write(c: Any, out: dict[str, Any]) -> None:
     write_grouped_sigmoid(c, out)
-    m = c.mla
+    m = c.attention.mla
     out.update(
         q_lora_rank=m.q_lora_rank,
         kv_lora_rank=m.kv_lora_rank,

@@ -64,10 +64,10 @@ def _range(moe: tuple[int, ...], layers: int) -> dict[str, int]:
 
 def _write(c: Any, out: dict[str, Any]) -> None:
     out.update(
-        moe_num_experts=c.num_experts,
-        moe_intermediate_size=c.expert_ffn,
-        moe_k=c.top_k,
-        moe_num_shared_experts=c.shared_ffn // c.expert_ffn,
+        moe_num_experts=c.moe.num_experts,
+        moe_intermediate_size=c.moe.expert_ffn,
+        moe_k=c.moe.top_k,
+        moe_num_shared_experts=c.moe.shared_ffn // c.moe.expert_ffn,
         use_bias=False,
         **_range(c.moe_layers, c.num_layers),
     )

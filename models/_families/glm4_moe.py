@@ -54,17 +54,17 @@ def read_grouped_sigmoid(
 
 def write_grouped_sigmoid(c: Any, out: dict[str, Any]) -> None:
     """The inverse of :func:`read_grouped_sigmoid`."""
-    dense = c.dense_layers
+    dense = c.pattern.dense_layers
     out.update(
-        n_routed_experts=c.num_experts,
-        moe_intermediate_size=c.expert_ffn,
-        norm_topk_prob=c.normalize_topk,
+        n_routed_experts=c.moe.num_experts,
+        moe_intermediate_size=c.moe.expert_ffn,
+        norm_topk_prob=c.moe.normalize_topk,
         # dense layers other than the first k: refused when read back
         first_k_dense_replace=len(dense) if dense == tuple(range(len(dense))) else -1,
-        n_group=c.n_group,
-        topk_group=c.topk_group,
-        routed_scaling_factor=c.routed_scaling_factor,
-        n_shared_experts=c.shared_ffn // c.expert_ffn,
+        n_group=c.moe.n_group,
+        topk_group=c.moe.topk_group,
+        routed_scaling_factor=c.moe.routed_scaling_factor,
+        n_shared_experts=c.moe.shared_ffn // c.moe.expert_ffn,
     )
     out.pop("num_local_experts", None)
 
@@ -80,7 +80,7 @@ def _read(hf: dict[str, Any], shape: Shape) -> dict[str, Any]:
 
 def _write(c: Any, out: dict[str, Any]) -> None:
     write_grouped_sigmoid(c, out)
-    out.update(use_qk_norm=c.qk_norm, attention_bias=c.qkv_bias)
+    out.update(use_qk_norm=c.attention.qk_norm, attention_bias=c.attention.qkv_bias)
 
 
 def _rope_keys(hf: dict[str, Any], head_dim: int) -> dict[str, Any]:

@@ -51,13 +51,13 @@ def _read(hf: dict[str, Any], shape: Shape) -> dict[str, Any]:
 
 def _write(c: Any, out: dict[str, Any]) -> None:
     out.update(
-        num_local_experts=c.num_experts,
-        intermediate_size=c.expert_ffn,
-        attention_bias=c.qkv_bias,
-        swiglu_alpha=c.swiglu_alpha,
-        swiglu_limit=c.swiglu_limit,
-        sliding_window=c.sliding_window,
-        layer_types=list(c.layer_types) or ["full_attention"] * c.num_layers,
+        num_local_experts=c.moe.num_experts,
+        intermediate_size=c.moe.expert_ffn,
+        attention_bias=c.attention.qkv_bias,
+        swiglu_alpha=c.moe.swiglu_alpha,
+        swiglu_limit=c.moe.swiglu_limit,
+        sliding_window=c.attention.sliding_window,
+        layer_types=list(c.pattern.layer_types) or ["full_attention"] * c.num_layers,
     )
     out.pop("num_experts", None)
 

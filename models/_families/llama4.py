@@ -63,18 +63,18 @@ def _read(hf: dict[str, Any], shape: Shape) -> dict[str, Any]:
 
 def _write(c: Any, out: dict[str, Any]) -> None:
     out.update(
-        num_local_experts=c.num_experts,
-        intermediate_size=c.expert_ffn,
+        num_local_experts=c.moe.num_experts,
+        intermediate_size=c.moe.expert_ffn,
         moe_layers=list(c.moe_layers),
         interleave_moe_layer_step=1,
-        no_rope_layers=[int(i not in c.nope_layers) for i in range(c.num_layers)],
-        attention_chunk_size=c.attention_chunk_size,
-        layer_types=list(c.layer_types) or ["full_attention"] * c.num_layers,
-        use_qk_norm=c.qk_l2_norm,
-        attn_temperature_tuning=c.attn_temperature_tuning,
-        floor_scale=_number(c.floor_scale),
-        attn_scale=c.attn_scale,
-        attention_bias=c.qkv_bias,
+        no_rope_layers=[int(i not in c.pattern.nope_layers) for i in range(c.num_layers)],
+        attention_chunk_size=c.attention.attention_chunk_size,
+        layer_types=list(c.pattern.layer_types) or ["full_attention"] * c.num_layers,
+        use_qk_norm=c.attention.qk_l2_norm,
+        attn_temperature_tuning=c.attention.attn_temperature_tuning,
+        floor_scale=_number(c.attention.floor_scale),
+        attn_scale=c.attention.attn_scale,
+        attention_bias=c.attention.qkv_bias,
         router_jitter_noise=0.0,
     )
     out.pop("num_experts", None)

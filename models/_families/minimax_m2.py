@@ -29,8 +29,8 @@ def _read(hf: dict[str, Any], shape: Shape) -> dict[str, Any]:
 
 def _write(c: Any, out: dict[str, Any]) -> None:
     out.update(
-        num_local_experts=c.num_experts,
-        intermediate_size=c.expert_ffn,
+        num_local_experts=c.moe.num_experts,
+        intermediate_size=c.moe.expert_ffn,
         scoring_func="sigmoid",
         use_routing_bias=True,
         router_jitter_noise=0.0,

@@ -24,9 +24,9 @@ def _read(hf: dict[str, Any], shape: Shape) -> dict[str, Any]:
 
 def _write(c: Any, out: dict[str, Any]) -> None:
     out.update(
-        num_local_experts=c.num_experts,
-        intermediate_size=c.expert_ffn,
-        sliding_window=c.sliding_window,
+        num_local_experts=c.moe.num_experts,
+        intermediate_size=c.moe.expert_ffn,
+        sliding_window=c.attention.sliding_window,
     )
 
 

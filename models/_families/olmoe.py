@@ -38,10 +38,10 @@ def _read(hf: dict[str, Any], shape: Shape) -> dict[str, Any]:
 
 def _write(c: Any, out: dict[str, Any]) -> None:
     out.update(
-        num_experts=c.num_experts,
-        intermediate_size=c.expert_ffn,
-        norm_topk_prob=c.normalize_topk,
-        attention_bias=c.qkv_bias,
+        num_experts=c.moe.num_experts,
+        intermediate_size=c.moe.expert_ffn,
+        norm_topk_prob=c.moe.normalize_topk,
+        attention_bias=c.attention.qkv_bias,
         clip_qkv=None,
     )
     out.pop("num_local_experts", None)

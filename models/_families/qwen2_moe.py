@@ -14,17 +14,19 @@ from .qwen3_moe import read_qwen, write_qwen
 
 
 def _read(hf: dict[str, Any], shape: Shape) -> dict[str, Any]:
+    shared = get(hf, "shared_expert_intermediate_size", int, 5632)
     return dict(
         read_qwen(hf, shape),
         qkv_bias=get(hf, "qkv_bias", bool, True),
-        shared_ffn=get(hf, "shared_expert_intermediate_size", int, 5632),
+        shared_ffn=shared,
+        shared_gate=shared > 0,  # its shared expert is always gated
     )
 
 
 def _write(c: Any, out: dict[str, Any]) -> None:
     write_qwen(c, out)
-    out["qkv_bias"] = c.qkv_bias
-    out["shared_expert_intermediate_size"] = c.shared_ffn
+    out["qkv_bias"] = c.attention.qkv_bias
+    out["shared_expert_intermediate_size"] = c.moe.shared_ffn
 
 
 FAMILY = Family(

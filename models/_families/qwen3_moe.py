@@ -31,11 +31,11 @@ def read_qwen(hf: dict[str, Any], shape: Shape) -> dict[str, Any]:
 def write_qwen(c: Any, out: dict[str, Any]) -> None:
     """The inverse of :func:`read_qwen`."""
     out.update(
-        num_experts=c.num_experts,
-        moe_intermediate_size=c.expert_ffn,
-        norm_topk_prob=c.normalize_topk,
+        num_experts=c.moe.num_experts,
+        moe_intermediate_size=c.moe.expert_ffn,
+        norm_topk_prob=c.moe.normalize_topk,
         decoder_sparse_step=1,
-        mlp_only_layers=list(c.dense_layers),
+        mlp_only_layers=list(c.pattern.dense_layers),
         use_sliding_window=False,
     )
     out.pop("num_local_experts", None)
@@ -48,7 +48,7 @@ def _read(hf: dict[str, Any], shape: Shape) -> dict[str, Any]:
 
 def _write(c: Any, out: dict[str, Any]) -> None:
     write_qwen(c, out)
-    out["attention_bias"] = c.qkv_bias
+    out["attention_bias"] = c.attention.qkv_bias
 
 
 FAMILY = Family(
