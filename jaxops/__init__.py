@@ -18,6 +18,8 @@ Public API (everything else is private):
   call cannot take, :class:`ArgumentTypeError` (a ``TypeError``) for arguments of the wrong type,
   and :class:`ConfigError` (an ``InvalidArgumentError``) for configurations it cannot build.
   Every message starts with the public dotted name of what was called.
+- :class:`Lora`: low-rank adapters (rank, alpha, rsLoRA, the weights they adapt), the one
+  adapter setting the expert layer (``MoEConfig.lora``) takes.
 - :func:`reuse_host_memory`: keep freed host memory in the process (glibc ``mallopt``), so
   XLA:CPU's per-step temporaries are not page-faulted in again every step.
 - :func:`build_info` (what was built, and which path each op family takes here),
@@ -60,6 +62,7 @@ from jaxops._ffi import (
 )
 from jaxops._gemm import gemm, gemm_reference
 from jaxops._host import reuse_host_memory
+from jaxops._lora import Lora
 from jaxops._precision import current_precision, precision, precision_report
 from jaxops._rms_norm import (
     add_rms_norm,
@@ -78,6 +81,7 @@ __all__ = [
     "InvalidArgumentError",
     "JaxlibVersionError",
     "JaxopsError",
+    "Lora",
     "__version__",
     "add_rms_norm",
     "add_rms_norm_reference",

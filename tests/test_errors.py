@@ -109,6 +109,8 @@ CASES: list[tuple[str, Callable[[], object], type, type]] = [
      jaxops.ConfigError, ValueError),
     ("jaxops.parallel.expert.MoESpec",
      lambda: ep.MoESpec(**{**MOE, "top_k": 3}), jaxops.ConfigError, ValueError),
+    ("jaxops.Lora", lambda: jaxops.Lora(4, -1.0, ("w_in",)), jaxops.ConfigError, ValueError),
+    ("jaxops.Lora", lambda: jaxops.Lora(4, 1.0, (1,)), ATE, TypeError),
     ("jaxops.models.MoEDecoder.logits",
      lambda: _decoder().logits(None, np.zeros((2, 6), np.float32)), ATE, TypeError),
     ("jaxops.models.MoEDecoder.logits",

@@ -29,6 +29,7 @@ from jaxops._errors import (
     public_name,
     renamed_fields,
 )
+from jaxops._lora import Lora, as_lora, lora_init
 from jaxops.fp8 import Recipe, as_recipe
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "EXPERT_PARAMS",
     "FFN_ACTIVATIONS",
     "GATED_ACTIVATIONS",
+    "LORA_TARGETS",
     "ROUTERS",
     "MoEAux",
     "MoEConfig",
@@ -56,6 +58,8 @@ ROUTERS = ("softmax", "sigmoid")
 EXCHANGES = ("auto", "ragged", "dense", "gather")
 #: What crosses the dispatch exchange (MoEConfig.dispatch).
 DISPATCHES = ("dtype", "fp8")
+#: The weights that take low-rank adapters (MoEConfig.lora.targets): the routed experts' two.
+LORA_TARGETS = ("w_in", "w_out")
 #: FP8 group width (1 x 128 row groups, 128 x 128 weight tiles).
 FP8_BLOCK = 128
 
@@ -354,6 +358,15 @@ class MoEConfig:
         wgrad); the weight gradient of the first expert GEMM requantizes the received FP8
         tokens in 128-token groups (the sender's original tokens never cross), so it differs
         from "dtype"'s by FP8 rounding. Not with the spec's ``weight_inputs``.
+      lora: None, or low-rank adapters (:class:`jaxops.Lora`) on the routed experts' weights
+        its ``targets`` name (of :data:`LORA_TARGETS`): each expert e gets its own
+        ``A_e [in, r]`` and ``B_e [r, out]`` (params ``<target>_lora_a [E, in, r]`` and
+        ``<target>_lora_b [E, r, out]``, sharded over the expert axis like the weights), and
+        its GEMM ``x @ W_e`` becomes ``x @ W_e + scaling * (x @ A_e) @ B_e``: two grouped GEMMs
+        of rank r on the same permuted rows as the expert GEMM, in cfg.dtype with float32
+        accumulation (with fp8="block" the base GEMM stays FP8 and the adapter does not). PEFT's
+        ``target_parameters`` LoRA on the fused ``gate_up_proj`` / ``down_proj`` is this
+        (:attr:`adapter_names` are the parameters to train; the rest stay frozen by the caller).
 
     Example:
       >>> from jaxops.parallel.expert import MoEConfig
@@ -373,9 +386,13 @@ class MoEConfig:
     fp8: Recipe | str | None = None
     exchange: str = "auto"
     dispatch: str = "dtype"
+    lora: Lora | None = None
 
     def __post_init__(self):
         _int("hidden_size", self.hidden_size, 1)
+        lora = as_lora(_OP, self.lora)
+        if lora is not None:
+            lora.check_targets(_OP, LORA_TARGETS)
         align = _int("align", self.align, 1)
         if align > _moe.MAX_ALIGN:
             raise ConfigError(f"{_OP}: align must be <= {_moe.MAX_ALIGN}, got {align}")
@@ -464,7 +481,20 @@ class MoEConfig:
             shapes["shared_w_out"] = (fs, h)
             if self.shared_gate:
                 shapes["shared_gate"] = (h, 1)
+        if self.lora is not None:
+            r = self.lora.rank
+            for target in self.lora.targets:
+                _, n_in, n_out = shapes[target]
+                shapes[f"{target}_lora_a"] = (e, n_in, r)
+                shapes[f"{target}_lora_b"] = (e, r, n_out)
         return shapes
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """The adapter parameters (``<target>_lora_a``, ``<target>_lora_b``; () without lora)."""
+        if self.lora is None:
+            return ()
+        return tuple(f"{t}_lora_{ab}" for t in self.lora.targets for ab in "ab")
 
 
 class MoEAux(NamedTuple):
@@ -493,7 +523,10 @@ class MoEAux(NamedTuple):
 #: The parameters init_moe_params starts at zero (the biases).
 _ZERO_INIT = ("b_in", "b_out", "router_bias", "router_logit_bias")
 #: The parameters sharded over the expert axis (their leading axis is E).
-EXPERT_PARAMS = ("w_in", "w_out", "b_in", "b_out")
+EXPERT_PARAMS = (
+    *("w_in", "w_out", "b_in", "b_out"),
+    *(f"{t}_lora_{ab}" for t in LORA_TARGETS for ab in "ab"),
+)
 
 
 def init_moe_params(key: jax.Array, cfg: MoEConfig) -> dict[str, jax.Array]:
@@ -506,7 +539,10 @@ def init_moe_params(key: jax.Array, cfg: MoEConfig) -> dict[str, jax.Array]:
     ``router_logit_bias [E]`` (zeros); with a shared expert ``shared_w_in [H, F_s']``,
     ``shared_w_out [F_s, H]`` and with ``cfg.shared_gate`` ``shared_gate [H, 1]``
     (:attr:`MoEConfig.param_shapes`). The biases start at zero, so a fresh layer computes what
-    the same layer without them would. Place them with :func:`moe_param_specs`.
+    the same layer without them would. With ``cfg.lora`` each target's adapters as PEFT
+    initializes them (:func:`jaxops._lora.lora_init`: ``<target>_lora_a`` uniform in
+    ``+-1 / sqrt(in)``, ``<target>_lora_b`` zeros, so the adapters add nothing yet). Place
+    them with :func:`moe_param_specs`.
 
     Example:
       >>> import jax
@@ -528,9 +564,14 @@ def init_moe_params(key: jax.Array, cfg: MoEConfig) -> dict[str, jax.Array]:
     for name, shape in shapes.items():
         if name in _ZERO_INIT:
             params[name] = jnp.zeros(shape, jnp.float32)
+        elif name in cfg.adapter_names:
+            continue
         else:  # [..., in, out]: scaled by 1 / sqrt(in)
             params[name] = jax.random.normal(keys[name], shape, jnp.float32) / math.sqrt(shape[-2])
-    return params
+    for i, target in enumerate(cfg.lora.targets if cfg.lora is not None else ()):
+        a, b = f"{target}_lora_a", f"{target}_lora_b"
+        params[a], params[b] = lora_init(jax.random.fold_in(key, 2 + i), shapes[a], shapes[b])
+    return {name: params[name] for name in shapes}
 
 
 def moe_param_specs(cfg: MoEConfig) -> dict[str, P]:

@@ -385,6 +385,7 @@ def grouped_ffn(
     b_out=None,
     used=None,
     tail_read: bool = True,
+    adapters=None,
 ) -> jax.Array:
     """Each group of rows through its expert's FFN: ``[R, H] -> [R, H]`` in cfg.dtype.
 
@@ -399,6 +400,11 @@ def grouped_ffn(
     becomes of the rows' gradient there (the gather exchange: jaxops' unpermute reads the
     routed rows only, and so does its permute's backward). The output and the rows' gradient
     then leave those rows unwritten too, wherever the intermediates do.
+
+    adapters: with cfg.lora, the local experts' adapters by parameter name
+    (``w_in_lora_a [L, H, r]``, ``w_in_lora_b [L, r, F']``, ``w_out_lora_a``, ``w_out_lora_b``):
+    each adapted GEMM adds ``scaling * (x @ A) @ B``, two grouped GEMMs of rank r on the same
+    rows and groups (in cfg.dtype, float32 accumulation; never FP8).
     """
     groups = _groups(group_sizes)
     quantized = cfg.fp8 == "block"
@@ -411,6 +417,7 @@ def grouped_ffn(
     zero = not (grouped and first is False and bias_rows is None) or _checking_floats()
     edge = zero or tail_read  # the output's and the rows' gradient's rows after the groups
     h = _grouped_linear(tile, first, impl, rows, w_in.astype(cfg.dtype), groups, (zero, edge))
+    h = _adapt(cfg, tile, impl, adapters, "w_in", h, rows, groups, (zero, edge))
     if bias_rows is not None:
         h = _add_bias(h, b_in, bias_rows)
     if grouped:  # the groups' rows only (the buffer's worst case)
@@ -419,9 +426,21 @@ def grouped_ffn(
         a = activate(cfg, h).astype(cfg.dtype)
     w_out = w_out.astype(cfg.dtype)
     out = _grouped_linear(tile, quantized, impl, a, w_out, groups, (edge, zero))
+    out = _adapt(cfg, tile, impl, adapters, "w_out", out, a, groups, (edge, zero))
     if bias_rows is not None:
         out = _add_bias(out, b_out, bias_rows)
     return out.astype(cfg.dtype)
+
+
+def _adapt(cfg: MoEConfig, tile: int, impl, adapters, target: str, y, x, groups, tails):
+    """float32 `y` (``x @ W``) plus the target's adapter ``scaling * (x @ A) @ B``, if any."""
+    if cfg.lora is None or target not in cfg.lora.targets:
+        return y
+    dt = cfg.dtype
+    a, b = adapters[f"{target}_lora_a"].astype(dt), adapters[f"{target}_lora_b"].astype(dt)
+    t = _grouped_linear(tile, False, impl, x.astype(dt), a, groups, tails)
+    d = _grouped_linear(tile, False, impl, t.astype(dt), b, groups, tails)
+    return y + cfg.lora.scaling * d
 
 
 def _linear(cfg: MoEConfig, impl, a: jax.Array, w: jax.Array) -> jax.Array:
@@ -429,6 +448,16 @@ def _linear(cfg: MoEConfig, impl, a: jax.Array, w: jax.Array) -> jax.Array:
     if cfg.fp8 == "block":
         return fp8.linear(a, w, impl=impl).astype(jnp.float32)
     return jnp.dot(a, w, preferred_element_type=jnp.float32)
+
+
+def _dense_adapt(cfg: MoEConfig, adapters, target: str, y: jax.Array, x: jax.Array) -> jax.Array:
+    """float32 `y` (``x @ W``) plus the target's adapter ``scaling * (x @ A) @ B``, if any."""
+    if not adapters or cfg.lora is None or target not in cfg.lora.targets:
+        return y
+    dt = cfg.dtype
+    a, b = adapters[f"{target}_lora_a"].astype(dt), adapters[f"{target}_lora_b"].astype(dt)
+    t = jnp.dot(x.astype(dt), a, preferred_element_type=jnp.float32).astype(dt)
+    return y + cfg.lora.scaling * jnp.dot(t, b, preferred_element_type=jnp.float32)
 
 
 def expert_ffn(
@@ -439,6 +468,7 @@ def expert_ffn(
     impl: str | None = None,
     b_in: jax.Array | None = None,
     b_out: jax.Array | None = None,
+    adapters: dict[str, jax.Array] | None = None,
 ) -> jax.Array:
     """One dense FFN ``act(xs @ w_in + b_in) @ w_out + b_out``, float32 ``[T, H]``.
 
@@ -446,12 +476,15 @@ def expert_ffn(
     ``jaxops.fp8.linear``, its output in cfg.dtype). The biases (None: none), ``b_in [F']`` and
     ``b_out [H]``, are added in float32 to the GEMMs' outputs. The activation's input is float32.
     impl="xla" runs fp8.linear's pure-JAX twin; otherwise its default (its GEMMs have no CPU
-    kernel, so "ffi" is not forced on it).
+    kernel, so "ffi" is not forced on it). adapters: this expert's LoRA factors by parameter
+    name (``w_in_lora_a [H, r]``, ...), each adapted GEMM adding ``scaling * (x @ A) @ B`` in
+    float32 (``x @ A`` rounded to cfg.dtype), as :func:`grouped_ffn` does.
     """
-    hid = _linear(cfg, impl, xs, w_in)
+    hid = _dense_adapt(cfg, adapters, "w_in", _linear(cfg, impl, xs, w_in), xs)
     if b_in is not None:
         hid = hid + b_in.astype(jnp.float32)
-    out = _linear(cfg, impl, activate(cfg, hid).astype(cfg.dtype), w_out)
+    act = activate(cfg, hid).astype(cfg.dtype)
+    out = _dense_adapt(cfg, adapters, "w_out", _linear(cfg, impl, act, w_out), act)
     if b_out is not None:
         out = out + b_out.astype(jnp.float32)
     return out

@@ -101,7 +101,9 @@ def moe_layer_reference(
         else:
             inputs = xs
         # Each expert's output is rounded to cfg.dtype, as the layer's grouped GEMM's is.
-        out = expert_ffn(cfg, inputs, w_in, w_out, impl, *biases).astype(cfg.dtype)
+        adapters = {name: params[name][i] for name in cfg.adapter_names}
+        out = expert_ffn(cfg, inputs, w_in, w_out, impl, *biases, adapters=adapters)
+        out = out.astype(cfg.dtype)
         if cfg.weight_inputs:  # unweighted, where chosen (with biases FFN_e(0) is not 0)
             y = y + jnp.where(chosen[:, i : i + 1], out.astype(jnp.float32), 0.0)
         else:
