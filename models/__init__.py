@@ -76,6 +76,7 @@ from ._generate import generate
 from ._hf import from_pretrained, save_pretrained
 from ._names import LLAMA_NAME_MAP, llama_name_map, name_map
 from ._packing import IGNORE_INDEX, PackedBatch, pack_sequences
+from ._peft import load_adapters, save_adapters
 from ._rope import ROPE_KINDS, Rope, read_rope
 
 __all__ = [
@@ -107,6 +108,7 @@ __all__ = [
     "from_pretrained",
     "generate",
     "is_moe_layer",
+    "load_adapters",
     "llama_name_map",
     "load_moe_block",
     "moe_block_config",
@@ -114,6 +116,7 @@ __all__ = [
     "pack_sequences",
     "read_config",
     "read_rope",
+    "save_adapters",
     "save_pretrained",
 ]
 

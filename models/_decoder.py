@@ -25,10 +25,11 @@ import jaxops
 from jaxops import _checks
 from jaxops._config import ImplChoice, check_impl
 from jaxops._errors import ArgumentTypeError, ConfigError, InvalidArgumentError, renamed_fields
+from jaxops._lora import Lora, as_lora
 
 from . import _batch, _objective, _run, _train
 from ._config import DecoderConfig
-from ._layout import Layout
+from ._layout import Layout, lora_targets
 
 __all__ = [
     "ATTENTION_IMPLS",
@@ -196,6 +197,15 @@ class MoEDecoder:
         projection's columns per step of a loop that holds ``[B, S, vocab_chunk]`` of them,
         recomputed in the backward (:mod:`~jaxops.models._loss`): GB per device for a large
         vocabulary, for one more pass of the projection; the same loss up to sum order.
+      lora: None, or low-rank adapters (:class:`jaxops.Lora`) on the weights its ``targets``
+        name as PEFT names them: the GQA attention's ``q_proj``, ``k_proj``, ``v_proj``,
+        ``o_proj`` (adapters ``<name>_lora_a [L, in, r]``, ``<name>_lora_b [L, r, out]`` in each
+        stack) and the routed experts' ``experts.gate_up_proj`` / ``experts.down_proj``
+        (``MoEConfig.lora``: one pair per expert, sharded with the experts). The base weights
+        are frozen: :meth:`loss_and_grads` differentiates the adapters only
+        (:meth:`trainable`), :meth:`init_optimizer` and :meth:`train_step` update them alone.
+        :meth:`add_adapters` adds fresh ones to loaded weights, ``save_adapters`` /
+        ``load_adapters`` write and read them in PEFT's format. Not with a pipeline.
       layout: the :class:`~jaxops.models._layout.Layout` of the fields above (not a field:
         built once, on construction).
 
@@ -234,6 +244,7 @@ class MoEDecoder:
     scan_unroll: int | bool = 1
     grad_reduce: str = "flat"
     vocab_chunk: int | None = None
+    lora: Lora | None = None
 
     def __post_init__(self):
         op = _OP
@@ -290,11 +301,20 @@ class MoEDecoder:
             raise ConfigError(
                 f"{op}: grad_reduce must be one of {GRAD_REDUCES}, got {self.grad_reduce!r}"
             )
+        self._check_lora(op)
         # the fields validated and normalized: the layout of them, checked against the mesh
         self.layout.check_mesh(op)
         if self.moe_impl == "dense" and self.pipe > 1:
             raise ConfigError(f"{op}: moe_impl='dense' runs without a pipeline (pipe axis size 1)")
         self.moe  # noqa: B018 -- validates the MoE settings now
+
+    def _check_lora(self, op: str) -> None:
+        lora = as_lora(op, self.lora)
+        if lora is None:
+            return
+        lora.check_targets(op, lora_targets(self.config))
+        if dict(self.mesh.shape).get(self.pipe_axis, 1) > 1:
+            raise ConfigError(f"{op}: lora runs without a pipeline (pipe axis size 1) for now")
 
     def _check_impl(self, op: str) -> None:
         """`impl` taken, and a required custom call present for every op family the model runs."""
@@ -390,6 +410,14 @@ class MoEDecoder:
     @_doc(Layout.init)
     def init(self, key: jax.Array, dtype: Any = jnp.float32) -> dict[str, Any]:
         return self.layout.init(key, dtype)
+
+    @_doc(Layout.add_adapters)
+    def add_adapters(self, params: dict[str, Any], key: jax.Array) -> dict[str, Any]:
+        return self.layout.add_adapters(params, key)
+
+    @_doc(Layout.trainable)
+    def trainable(self, params: Any) -> Any:
+        return self.layout.trainable(params)
 
     @_doc(Layout.place_batch)
     def place_batch(self, *arrays: Any) -> Any:
@@ -555,7 +583,10 @@ class MoEDecoder:
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, Any]]:
-        """``(loss, grads)`` of :meth:`loss`, grads like params.
+        """``(loss, grads)`` of :meth:`loss`, grads like params (with ``lora``: the adapters').
+
+        With ``lora`` the gradients are shaped like ``trainable(params)``: the adapter leaves,
+        every other leaf None (no base weight's gradient is computed).
 
         With a pipe axis: one :func:`~jaxops.parallel.pipeline.pipeline_step` (the schedule,
         ``num_microbatches`` per data shard; the MoE aux losses per microbatch). Without one:
@@ -570,11 +601,9 @@ class MoEDecoder:
         layout = self.layout
         if self.pipe > 1:
             return _objective.pipeline_step(layout, params, batch)
-        if self.num_microbatches > 1:
-            return _objective.accumulate(layout, params, batch, grads=True)
         if layout.flat_grads:
             return _objective.flat_loss_and_grads(layout, params, batch)
-        return jax.value_and_grad(functools.partial(_objective.objective, layout))(params, batch)
+        return _objective.loss_and_grads(layout, params, batch)
 
     def _zero_loss_and_grads(
         self, params, tokens, targets, *, attention_mask=None, positions=None, segment_ids=None

@@ -135,7 +135,9 @@ def from_pretrained(
       progress: a progress bar (None: only on a terminal).
       **options: further :class:`MoEDecoder` fields (expert_axis, pipe_axis, num_microbatches,
         schedule, remat, capacity_factor, fp8, dispatch, router_aux_loss_coef,
-        router_z_loss_coef, align, impl).
+        router_z_loss_coef, align, impl, lora). With ``lora`` (a :class:`jaxops.Lora`) the base
+        weights load as published and the adapters are added fresh (PEFT's initialization,
+        ``MoEDecoder.add_adapters`` with key 0), the only parameters training updates.
 
     Returns:
       ``(model, params)``.
@@ -167,6 +169,7 @@ def from_pretrained(
         dtype = np.dtype(jnp.dtype(dtype))
     except TypeError:
         raise ConfigError(f"{op}: dtype {dtype!r} is not a dtype") from None
+    lora = options.pop("lora", None)
     model = MoEDecoder(config, mesh, dtype=compute_dtype or dtype, **options)
     rules = name_map(config)
     tensors = checkpoint.hf_tensors(root)  # validated headers and index
@@ -206,6 +209,9 @@ def from_pretrained(
         progress=progress,
         codec=codec,
     )
+    if lora is not None:  # the base as published, the adapters fresh (PEFT's initialization)
+        model = dataclasses.replace(model, lora=lora)
+        params = model.add_adapters(params, jax.random.key(0))
     return model, params
 
 
@@ -268,6 +274,11 @@ def save_pretrained(
     op = "jaxops.models.save_pretrained"
     if not isinstance(model, MoEDecoder):
         raise ArgumentTypeError(f"{op}: model must be a MoEDecoder, got {type(model).__name__}")
+    if model.lora is not None:
+        raise ConfigError(
+            f"{op}: the model has LoRA adapters; write them with jaxops.models.save_adapters "
+            "(PEFT's format, over the base checkpoint it was loaded from)"
+        )
     if isinstance(quantize, str):
         quantize = _FORMATS.get(quantize, quantize)
     quantize = fp8.as_recipe(quantize, op, allowed=("block",), name="quantize")

@@ -43,6 +43,7 @@ from ._ops import (
     CAUSAL_BLOCKS,
     PROJECTION,
     Ops,
+    adapted,
     attend,
     causal_blocks,
     projection,
@@ -55,6 +56,7 @@ __all__ = [
     "CAUSAL_BLOCK_MIN",
     "IGNORE_INDEX",
     "PROJECTION",
+    "QKV",
     "UNLIMITED",
     "LayerKind",
     "Ops",
@@ -78,6 +80,10 @@ __all__ = [
     "rotate_half",
     "token_losses",
 ]
+
+
+#: The fused ``w_qkv``'s parts by the names transformers gives their projections (LoRA targets).
+QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def rotate_half(x: jax.Array) -> jax.Array:
@@ -253,6 +259,7 @@ def qkv(
     q, k, v = jnp.split(
         out, [c.attention.q_size, c.attention.q_size + c.attention.kv_size], axis=-1
     )
+    q, k, v = (adapted(ops, p, n, x, y) for n, y in zip(QKV, (q, k, v), strict=True))
     whole = c.attention.qk_norm and c.attention.qk_norm_width == "projection"
     if whole:  # q_norm [Hq Dh], k_norm [Hkv Dh]
         q = jaxops.rms_norm(q, p["q_norm"], eps=c.rms_norm_eps, impl=ops.impl)
@@ -280,9 +287,8 @@ def qkv(
 
 def output(ops: Ops, c: DecoderConfig, p: dict[str, jax.Array], out: jax.Array) -> jax.Array:
     """The attention's output projection of ``out [b, s, Hq Dh]`` (``w_o``, optional ``b_o``)."""
-    return projection(
-        ops, out, p["w_o"], p["b_o"].astype(ops.dtype) if c.attention.o_bias else None
-    )
+    y = projection(ops, out, p["w_o"], p["b_o"].astype(ops.dtype) if c.attention.o_bias else None)
+    return adapted(ops, p, "o_proj", out, y)
 
 
 def attention_inputs(

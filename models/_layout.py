@@ -25,12 +25,59 @@ from jax.sharding import PartitionSpec as P
 from jaxops.parallel import expert as ep
 
 from jaxops._errors import ConfigError
+from jaxops._lora import Lora
 from jaxops._sharding import axes_of, constrain, manual_axes, padded_spec, place
 
 from . import _layers, _loss, _mla
 from ._config import DecoderConfig
 
-__all__ = ["CAST_BEFORE_GATHER", "Layout", "without_gathered"]
+__all__ = [
+    "ATTENTION_TARGETS",
+    "CAST_BEFORE_GATHER",
+    "EXPERT_TARGETS",
+    "Layout",
+    "adapters_of",
+    "lora_targets",
+    "with_frozen",
+    "without_gathered",
+]
+
+#: LoRA targets of the GQA attention, by transformers' projection names (``w_qkv`` holds the
+#: first three side by side, ``w_o`` is ``o_proj``).
+ATTENTION_TARGETS = (*_layers.QKV, "o_proj")
+#: LoRA targets of the routed experts (PEFT's ``target_parameters`` names, relative to the MoE
+#: module) -> the expert layer's weights (``MoEConfig.lora``).
+EXPERT_TARGETS = {"experts.gate_up_proj": "w_in", "experts.down_proj": "w_out"}
+
+
+def lora_targets(config: DecoderConfig) -> tuple[str, ...]:
+    """The LoRA targets a decoder of `config` has (MLA's projections: not yet)."""
+    attention = () if config.attention.mla is not None else ATTENTION_TARGETS
+    return (*attention, *EXPERT_TARGETS)
+
+
+def _is_adapter(path: tuple) -> bool:
+    last = path[-1] if path else None
+    return isinstance(last, jax.tree_util.DictKey) and "_lora_" in str(last.key)
+
+
+def adapters_of(tree: Any, is_leaf: Callable | None = None) -> Any:
+    """`tree` with every leaf but the adapters' (``*_lora_a``, ``*_lora_b``) None.
+
+    The trainable part of a model with LoRA; `tree` is the parameters, or their specs,
+    shardings or shapes (give `is_leaf` for a leaf type that is a pytree node itself).
+    """
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x if _is_adapter(path) else None, tree, is_leaf=is_leaf
+    )
+
+
+def with_frozen(adapters: Any, params: Any) -> Any:
+    """`params` with its adapter leaves taken from `adapters` (:func:`adapters_of`'s shape)."""
+    return jax.tree.map(
+        lambda a, p: p if a is None else a, adapters, params, is_leaf=lambda x: x is None
+    )
+
 
 _INIT_STD = 0.02  # transformers' initializer_range for these models
 # Leaves initialized to zeros: biases and the attention sinks.
@@ -99,6 +146,48 @@ def _gather_as_bwd(compute, stored, target, source, _, ct):
 _gather_as.defvjp(_gather_as_fwd, _gather_as_bwd)
 
 
+def _initialized(abstract: Any, key: jax.Array) -> Any:
+    """Arrays for the ``jax.ShapeDtypeStruct`` leaves of `abstract`, placed on their shardings.
+
+    normal(0, 0.02) matrices (transformers' initializer_range), unit norms, zero biases; LoRA
+    adapters as PEFT: A uniform in ``+-1 / sqrt(in)``, B zero. None leaves stay None.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+
+    def make(key):
+        keys = jax.random.split(key, len(leaves))
+        out = []
+        for (path, leaf), k in zip(leaves, keys, strict=True):
+            name = jax.tree_util.keystr(path)
+            if name.endswith("_lora_b']") or (
+                not _is_adapter(path) and "norm" not in name and name.endswith(_ZERO_INIT)
+            ):
+                out.append(jnp.zeros(leaf.shape, leaf.dtype))
+            elif _is_adapter(path):
+                bound = 1.0 / np.sqrt(leaf.shape[-2])
+                u = jax.random.uniform(k, leaf.shape, jnp.float32, -bound, bound)
+                out.append(u.astype(leaf.dtype))
+            elif "norm" in name:
+                out.append(jnp.ones(leaf.shape, leaf.dtype))
+            else:
+                out.append((jax.random.normal(k, leaf.shape) * _INIT_STD).astype(leaf.dtype))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    out_shardings = jax.tree.map(lambda a: a.sharding, abstract)
+    return jax.jit(make, out_shardings=out_shardings)(key)
+
+
+def _inserted(params: Any, extra: Any) -> Any:
+    """`params` (nested dicts) with the non-None leaves of `extra` added at their paths."""
+    if not isinstance(extra, dict):
+        return extra
+    out = dict(params)
+    for k, v in extra.items():
+        if v is not None:
+            out[k] = _inserted(params.get(k, {}), v)
+    return out
+
+
 def without_gathered(remat: bool | Callable) -> bool | Callable:
     """`remat` keeping nothing named :data:`_GATHERED` (False: everything else)."""
     if remat is True:
@@ -153,6 +242,7 @@ class Layout:
     scan_unroll: int | bool
     grad_reduce: str
     vocab_chunk: int | None
+    lora: Lora | None
 
     def check_mesh(self, op: str) -> None:
         """The mesh's axes fit the config (ConfigError naming what does not)."""
@@ -213,7 +303,8 @@ class Layout:
         if attention == "auto":
             half = np.dtype(self.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
             attention = "dot_product" if platform == "gpu" and half else "xla"
-        return _layers.Ops(self.dtype, self.impl, self.fp8, self.mesh, attention)
+        scaling = None if self.lora is None else self.lora.scaling
+        return _layers.Ops(self.dtype, self.impl, self.fp8, self.mesh, attention, scaling)
 
     @property
     def unroll(self) -> int | bool:
@@ -236,6 +327,7 @@ class Layout:
         """
         return (
             self.grad_reduce == "flat"
+            and self.lora is None
             and self.pipe == 1
             and self.num_microbatches == 1
             and self.zero in (0, 1)
@@ -344,7 +436,12 @@ class Layout:
         spec = self.config.moe
         if self.router_aux_loss_coef is not None:
             spec = dataclasses.replace(spec, router_aux_loss_coef=self.router_aux_loss_coef)
+        lora = self.lora
+        experts = (
+            () if lora is None else [EXPERT_TARGETS[t] for t in lora.targets if t in EXPERT_TARGETS]
+        )
         return ep.MoEConfig(
+            lora=dataclasses.replace(lora, targets=tuple(experts)) if experts else None,
             spec=spec,
             hidden_size=self.config.hidden_size,
             capacity_factor=self.capacity_factor,
@@ -393,6 +490,14 @@ class Layout:
                 attn["b_o"] = (d,)
             if c.attention.attention_sinks:
                 attn["sinks"] = (c.attention.num_heads,)
+            a = c.attention
+            widths = {"q_proj": (d, a.q_size), "k_proj": (d, a.kv_size)}
+            widths.update(v_proj=(d, a.kv_size), o_proj=(a.q_size, d))
+            for name in () if self.lora is None else self.lora.targets:
+                if name in widths:
+                    n_in, n_out = widths[name]
+                    attn[f"{name}_lora_a"] = (n_in, self.lora.rank)
+                    attn[f"{name}_lora_b"] = (self.lora.rank, n_out)
         attn["mlp_norm"] = (d,)
 
         def stack(layer, n):
@@ -554,10 +659,10 @@ class Layout:
           optimizer: anything with ``init(params)`` (an ``optax.GradientTransformation``).
           params: the parameters or their abstract twin (default :meth:`abstract_params`).
         """
-        params = self.abstract_params() if params is None else params
+        params = self.trainable(self.abstract_params() if params is None else params)
         state = jax.eval_shape(optimizer.init, params)
         treedef = jax.tree.structure(params)
-        specs = self.zero_specs() if self.zero >= 1 else self.param_specs()
+        specs = self.trainable_specs(self.zero_specs() if self.zero >= 1 else self.param_specs())
         moments = self.named(specs)
         replicated = NamedSharding(self.mesh, P())
 
@@ -571,7 +676,24 @@ class Layout:
         shardings = self.optimizer_shardings(optimizer, params)
         with jax.set_mesh(self.mesh):
             init = jax.jit(lambda p: constrain(optimizer.init(p), shardings))
-            return init(params)
+            return init(self.trainable(params))
+
+    def trainable(self, params: Any) -> Any:
+        """The parameters training updates: all, or with ``lora`` the adapters only.
+
+        (:func:`adapters_of`: every other leaf None.)
+        """
+        return params if self.lora is None else adapters_of(params)
+
+    def trainable_specs(self, specs: Any) -> Any:
+        """:meth:`trainable` of a tree of PartitionSpecs (or NamedShardings)."""
+        if self.lora is None:
+            return specs
+        return adapters_of(specs, is_leaf=lambda x: isinstance(x, P | NamedSharding))
+
+    def with_trained(self, trained: Any, params: Any) -> Any:
+        """`params` with :meth:`trainable`'s leaves from `trained`."""
+        return trained if self.lora is None else with_frozen(trained, params)
 
     def gathered(self, params: dict[str, Any]) -> dict[str, Any]:
         """`params` laid out as the layers use them (:meth:`compute_specs`; ZeRO-3 gathered)."""
@@ -605,24 +727,18 @@ class Layout:
         normal(0, 0.02) matrices (transformers' initializer_range), unit norms, zero biases
         (the router's correction bias too).
         """
-        abstract = self.abstract_params(dtype)
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+        return _initialized(self.abstract_params(dtype), key)
 
-        def make(key):
-            keys = jax.random.split(key, len(leaves))
-            out = []
-            for (path, leaf), k in zip(leaves, keys, strict=True):
-                name = jax.tree_util.keystr(path)
-                if "norm" in name:
-                    out.append(jnp.ones(leaf.shape, leaf.dtype))
-                elif name.endswith(_ZERO_INIT):
-                    out.append(jnp.zeros(leaf.shape, leaf.dtype))
-                else:
-                    out.append((jax.random.normal(k, leaf.shape) * _INIT_STD).astype(leaf.dtype))
-            return jax.tree_util.tree_unflatten(treedef, out)
+    def add_adapters(self, params: dict[str, Any], key: jax.Array) -> dict[str, Any]:
+        """`params` (the base weights, as loaded) with :attr:`lora`'s adapters added, placed.
 
-        out_shardings = jax.tree.map(lambda a: a.sharding, abstract)
-        return jax.jit(make, out_shardings=out_shardings)(key)
+        Initialized as PEFT does: each ``*_lora_a`` uniform in ``+-1 / sqrt(in)``, each
+        ``*_lora_b`` zero, so the adapters add nothing until trained.
+        """
+        if self.lora is None:
+            return params
+        fresh = _initialized(adapters_of(self.abstract_params()), key)
+        return _inserted(params, fresh)
 
     def place_batch(self, *arrays: Any) -> Any:
         """Host arrays ``[B, ...]`` as global arrays split over the batch axes.

@@ -22,17 +22,19 @@ from jaxops.parallel import pipeline as pl
 from jaxops._sharding import place
 
 from . import _batch, _flat, _layers, _run
-from ._layout import Layout
+from ._layout import Layout, adapters_of, with_frozen
 
 __all__ = [
     "accumulate",
     "flat_loss_and_grads",
     "hidden",
     "inputs",
+    "loss_and_grads",
     "objective",
     "pipe_loss",
     "pipeline_step",
     "terms",
+    "trainable",
     "where_targets",
 ]
 
@@ -78,28 +80,55 @@ def accumulate(layout: Layout, params, batch: _batch.Batch, grads: bool):
     """The loss (and its gradients) over the microbatches without a pipeline, one at a time.
 
     Each microbatch adds its summed cross-entropy over the global target count and its MoE
-    aux losses over M; the gradients accumulate in float32.
+    aux losses over M; the gradients accumulate in float32 (with LoRA the adapters' only:
+    :func:`trainable`).
     """
     m = layout.num_microbatches
     count = _target_count(where_targets(batch)[1])
     parts = _batch.split_microbatches(batch, m, (layout.mesh, layout.batch_axes))
+    wrt = trainable(layout, params)
 
-    def one(params, mb):
-        x, where, targets = inputs(layout, params, mb)
-        total, aux = terms(layout, params, x, where, targets)
+    def one(wrt, mb):
+        p = with_frozen(wrt, params) if layout.lora is not None else wrt
+        x, where, targets = inputs(layout, p, mb)
+        total, aux = terms(layout, p, x, where, targets)
         return total / count + aux / m
 
     f32 = functools.partial(jax.tree.map, lambda a: jnp.zeros_like(a, jnp.float32))
     if not grads:
-        return jax.lax.scan(lambda acc, mb: (acc + one(params, mb), None), 0.0, parts)[0]
+        return jax.lax.scan(lambda acc, mb: (acc + one(wrt, mb), None), 0.0, parts)[0]
 
     def body(acc, mb):
-        loss, g = jax.value_and_grad(one)(params, mb)
+        loss, g = jax.value_and_grad(one)(wrt, mb)
         g = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc[1], g)
         return (acc[0] + loss, g), None
 
-    (loss, g), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), f32(params)), parts)
-    return loss, jax.tree.map(lambda a, p: a.astype(p.dtype), g, params)
+    (loss, g), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), f32(wrt)), parts)
+    return loss, jax.tree.map(lambda a, p: a.astype(p.dtype), g, wrt)
+
+
+def trainable(layout: Layout, params: dict[str, Any]) -> Any:
+    """What the gradients are taken of: `params`, or with LoRA the adapters only.
+
+    (Every other leaf None: the base weights frozen, their gradients never computed.)
+    """
+    return params if layout.lora is None else adapters_of(params)
+
+
+def loss_and_grads(layout: Layout, params: dict[str, Any], batch: _batch.Batch):
+    """``(loss, grads of :func:`trainable`)`` without a pipeline, by ``jax.value_and_grad``.
+
+    Over the microbatches one at a time when there are several.
+    """
+    if layout.num_microbatches > 1:
+        return accumulate(layout, params, batch, grads=True)
+    wrt = trainable(layout, params)
+
+    def loss(wrt, batch):
+        p = with_frozen(wrt, params) if layout.lora is not None else wrt
+        return objective(layout, p, batch)
+
+    return jax.value_and_grad(loss)(wrt, batch)
 
 
 def objective(layout: Layout, params: dict[str, Any], batch: _batch.Batch) -> jax.Array:

@@ -25,6 +25,7 @@ __all__ = [
     "CAUSAL_BLOCK_MIN",
     "PROJECTION",
     "Ops",
+    "adapted",
     "attend",
     "causal_blocks",
     "projection",
@@ -49,6 +50,9 @@ class Ops:
       attention: how :func:`attend` computes: "xla" (float32 scores and softmax in jnp) or
         "dot_product" (``jax.nn.dot_product_attention``: cuDNN's fused attention on a GPU where
         it supports the shapes, else XLA's; for keys and values of one head width, else "xla").
+      lora_scaling: the low-rank adapters' scale (``Lora.scaling``), or None without adapters:
+        a projection whose layer holds ``<name>_lora_a`` / ``<name>_lora_b`` adds
+        ``scaling * (x @ A) @ B`` (:func:`adapted`).
     """
 
     dtype: Any
@@ -56,6 +60,22 @@ class Ops:
     fp8: Any = None
     mesh: jax.sharding.Mesh | None = None
     attention: str = "xla"
+    lora_scaling: float | None = None
+
+
+def adapted(ops: Ops, p: dict[str, jax.Array], name: str, x: jax.Array, y: jax.Array) -> jax.Array:
+    """``y`` (the projection `name` of ``x``) plus its adapter ``scaling * (x @ A) @ B``, if any.
+
+    ``A = p[name + "_lora_a"] [K, r]``, ``B = p[name + "_lora_b"] [r, N]``, in the compute dtype
+    (never FP8: the base projection may be), float32 accumulation, the sum in the compute dtype.
+    """
+    a = p.get(f"{name}_lora_a")
+    if a is None or ops.lora_scaling is None:
+        return y
+    dt = ops.dtype
+    t = jnp.dot(x.astype(dt), a.astype(dt), preferred_element_type=jnp.float32).astype(dt)
+    d = jnp.dot(t, p[f"{name}_lora_b"].astype(dt), preferred_element_type=jnp.float32)
+    return (y.astype(jnp.float32) + ops.lora_scaling * d).astype(y.dtype)
 
 
 def projection(ops: Ops, x: jax.Array, w: jax.Array, bias: jax.Array | None) -> jax.Array:

@@ -54,17 +54,19 @@ def train_step(layout: Layout, optimizer: Any, loss_and_grads: Callable[..., Any
     """
     params_sharding = layout.shardings()
     state_sharding = layout.optimizer_shardings(optimizer)
-    zero_sharding = layout.named(layout.zero_specs())
+    zero_sharding = layout.named(layout.trainable_specs(layout.zero_specs()))
 
     def step(params, opt_state, tokens, targets, **batch):
         loss, grads = loss_and_grads(params, tokens, targets, **batch)
+        trained = layout.trainable(params)  # with LoRA the adapters; the rest stays as it is
         if layout.zero >= 1:  # each device keeps the slice of the reduced gradient it updates
             grads = constrain(grads, zero_sharding)
             # and of the parameters (a local slice of replicated ones): the update reads and
             # adds to them shard by shard, as laid out as the optimizer state
-            params = constrain(params, zero_sharding)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+            trained = constrain(trained, zero_sharding)
+        updates, opt_state = optimizer.update(grads, opt_state, trained)
+        trained = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), trained, updates)
+        params = layout.with_trained(trained, params)
         return constrain(params, params_sharding), constrain(opt_state, state_sharding), loss
 
     return TrainStep(layout.mesh, step)

@@ -130,6 +130,12 @@ class Family:
       mla: the attention is multi-head latent attention (:class:`~jaxops.models.Mla`).
       names: its tensor names.
       wrapper: the published wrapper it may come in, or None.
+      moe_module: the MoE block's module name in transformers' model (PEFT's adapter names
+        follow the modules, not the checkpoint's tensor names: Mixtral's ``block_sparse_moe``
+        tensors load into ``mlp``).
+      peft_swapped: PEFT reads the family's fused ``[E, H, 2F]`` expert tensors as ``[E, out,
+        in]`` (Llama 4's experts have no ``is_transposed`` flag): its ``lora_A`` holds our B
+        and its ``lora_B`` our A (:mod:`~jaxops.models._peft`).
     """
 
     model_type: str
@@ -156,6 +162,8 @@ class Family:
     mla: bool = False
     names: Names = Names()
     wrapper: Wrapper | None = None
+    moe_module: str = "mlp"
+    peft_swapped: bool = False
 
     def __post_init__(self):
         if self.interleave not in INTERLEAVE:

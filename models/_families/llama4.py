@@ -119,4 +119,6 @@ FAMILY = Family(
         skipped=("vision_model.", "multi_modal_projector."),
         skipped_what="Llama 4's vision tower and projector",
     ),
+    moe_module="feed_forward",
+    peft_swapped=True,
 )

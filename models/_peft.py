@@ -1,0 +1,256 @@
+"""LoRA adapters in PEFT's format: ``adapter_config.json`` and ``adapter_model.safetensors``.
+
+What PEFT's ``PeftModel.from_pretrained`` loads onto transformers' model of the family (and
+:func:`load_adapters` reads back). The attention's adapters are PEFT's ``lora.Linear`` ones
+(``target_modules``): ``...self_attn.q_proj.lora_A.weight [r, in]`` (our ``A`` transposed) and
+``lora_B.weight [out, r]``. The routed experts' are PEFT's ``target_parameters`` LoRA on the
+fused expert tensors (``ParamWrapper``, one rank-r pair per expert): ``lora_A.weight [E r, in]``
+holds expert e's ``A_e`` transposed in rows ``e r .. e r + r`` (expert-major), ``lora_B.weight
+[out, E r]`` its ``B_e`` transposed in columns ``k E + e`` (rank-major), and PEFT's delta of
+expert e is ``scaling * B_e^T A_e^T`` in the tensor's own ``[out, in]`` layout, our ``A_e @ B_e``
+transposed. Both expert tensors of a module targeted, the first (``gate_up_proj``) is wrapped
+inside the second: its names carry ``.base_layer``. Llama 4's fused tensors are read by PEFT
+as ``[E, out, in]`` (:attr:`Family.peft_swapped`): there ``lora_A`` holds B and ``lora_B`` A.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jaxops.parallel import checkpoint
+
+from jaxops._errors import ConfigError, named_errors
+
+from ._decoder import MoEDecoder
+from ._families import family
+from ._layout import ATTENTION_TARGETS, EXPERT_TARGETS
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "load_adapters", "save_adapters"]
+
+#: The adapter directory's files, as PEFT names them.
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PREFIX = "base_model.model.model.layers"
+
+
+def _layer_stacks(model: MoEDecoder) -> dict[str, tuple[int, ...]]:
+    """Our stacks and the model layers their rows are."""
+    c = model.config
+    return {"layers": c.moe_layers, "dense_layers": c.pattern.dense_layers}
+
+
+def _expert_names(model: MoEDecoder) -> dict[str, str]:
+    """Our expert weight -> its PEFT module path below ``model.layers.{i}``."""
+    fam = family(model.config.model_type)
+    experts = [EXPERT_TARGETS[t] for t in model.lora.targets if t in EXPERT_TARGETS]
+    base = f"{fam.moe_module}.experts"
+    nested = len(experts) == 2  # gate_up_proj's wrapper inside down_proj's
+    return {w: base + (".base_layer" if nested and w == "w_in" else "") for w in experts}
+
+
+def _to_peft(a: np.ndarray, b: np.ndarray, swapped: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Our ``a [E, in, r]``, ``b [E, r, out]`` as PEFT's ``(lora_A [E r, .], lora_B [., E r])``."""
+    e, n_in, r = a.shape
+    n_out = b.shape[-1]
+    if swapped:
+        return b.reshape(e * r, n_out), a.transpose(1, 2, 0).reshape(n_in, r * e)
+    return a.transpose(0, 2, 1).reshape(e * r, n_in), b.transpose(2, 1, 0).reshape(n_out, r * e)
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    """float32 numpy copy of a (small) global array, on every process."""
+    if not getattr(x, "is_fully_addressable", True):
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(x, np.float32)
+
+
+def _from_peft(lora_a: np.ndarray, lora_b: np.ndarray, e: int, swapped: bool):
+    """The inverse of :func:`_to_peft`: ``(a [E, in, r], b [E, r, out])``."""
+    if swapped:
+        lora_a, lora_b = lora_b, lora_a  # lora_A [E r, out] <- b, lora_B [in, r E] <- a
+        n_in, n_out = lora_a.shape[0], lora_b.shape[1]
+        r = lora_b.shape[0] // e
+        a = lora_a.reshape(n_in, r, e).transpose(2, 0, 1)
+        b = lora_b.reshape(e, r, n_out)
+        return a, b
+    r = lora_a.shape[0] // e
+    a = lora_a.reshape(e, r, -1).transpose(0, 2, 1)
+    b = lora_b.reshape(lora_b.shape[0], r, e).transpose(2, 1, 0)
+    return a, b
+
+
+def _peft_tensors(model: MoEDecoder, params: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Every adapter tensor by its PEFT name (float32, on the host of every process)."""
+    out: dict[str, np.ndarray] = {}
+    for stack, layers in _layer_stacks(model).items():
+        p = params.get(stack, {})
+        for name in ATTENTION_TARGETS:
+            if f"{name}_lora_a" not in p:
+                continue
+            a, b = _host(p[f"{name}_lora_a"]), _host(p[f"{name}_lora_b"])
+            for row, layer in enumerate(layers):
+                key = f"{_PREFIX}.{layer}.self_attn.{name}"
+                out[f"{key}.lora_A.weight"] = a[row].T
+                out[f"{key}.lora_B.weight"] = b[row].T
+    swapped = family(model.config.model_type).peft_swapped
+    moe = params["layers"]["moe"]
+    for weight, module in _expert_names(model).items():
+        a, b = _host(moe[f"{weight}_lora_a"]), _host(moe[f"{weight}_lora_b"])
+        for row, layer in enumerate(model.config.moe_layers):
+            lora_a, lora_b = _to_peft(a[row], b[row], swapped)
+            key = f"{_PREFIX}.{layer}.{module}"
+            out[f"{key}.lora_A.weight"], out[f"{key}.lora_B.weight"] = lora_a, lora_b
+    return out
+
+
+def _adapter_config(model: MoEDecoder) -> dict[str, Any]:
+    lora = model.lora
+    fam = family(model.config.model_type)
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": None,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "use_rslora": lora.rslora,
+        "target_modules": [t for t in lora.targets if t in ATTENTION_TARGETS],
+        "target_parameters": [f"{fam.moe_module}.{t}" for t in lora.targets if t in EXPERT_TARGETS],
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+
+
+def _check_lora(op: str, model: Any) -> None:
+    if not isinstance(model, MoEDecoder):
+        raise ConfigError(f"{op}: model must be a MoEDecoder, got {type(model).__name__}")
+    if model.lora is None:
+        raise ConfigError(f"{op}: the model has no adapters (MoEDecoder(..., lora=jaxops.Lora))")
+
+
+@named_errors("jaxops.models.save_adapters")
+def save_adapters(model: MoEDecoder, params: dict[str, Any], path: str | os.PathLike) -> Path:
+    """Writes the model's LoRA adapters as a PEFT adapter directory (float32).
+
+    ``adapter_config.json`` (r, lora_alpha, use_rslora, the attention's ``target_modules`` and
+    the experts' ``target_parameters``) and ``adapter_model.safetensors``, which
+    ``peft.PeftModel.from_pretrained(model, path)`` loads onto transformers' model of the
+    family (the base checkpoint :func:`~jaxops.models.from_pretrained` read) and
+    :func:`load_adapters` reads back. The base weights are not written. Every process calls it
+    (the adapters are gathered); process 0 writes.
+
+    Args:
+      model: a :class:`~jaxops.models.MoEDecoder` with ``lora``.
+      params: its parameters (the adapters' leaves are read).
+      path: the directory; must not exist, or be empty.
+
+    Returns:
+      The directory.
+    """
+    op = "jaxops.models.save_adapters"
+    _check_lora(op, model)
+    out = Path(path)
+    tensors = {k: np.ascontiguousarray(v) for k, v in _peft_tensors(model, params).items()}
+    scratch = Path(tempfile.mkdtemp(prefix="jaxops-adapters-"))
+    try:
+        checkpoint.export_safetensors(tensors, scratch / "out", progress=False)
+        if jax.process_index() == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            if any(out.iterdir()):
+                raise ConfigError(f"{op}: {out} is not empty")
+            shutil.move(str(scratch / "out" / "model.safetensors"), out / ADAPTER_WEIGHTS)
+            (out / ADAPTER_CONFIG).write_text(json.dumps(_adapter_config(model), indent=2))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return out
+
+
+@named_errors("jaxops.models.load_adapters")
+def load_adapters(
+    model: MoEDecoder, params: dict[str, Any], path: str | os.PathLike
+) -> dict[str, Any]:
+    """`params` with its adapters read from a PEFT adapter directory (:func:`save_adapters`).
+
+    The directory's rank, alpha, rsLoRA and targets must be the model's ``lora`` (its
+    ``adapter_config.json`` is checked), and every adapter tensor the model has must be there
+    with its shape; the adapters are placed as the parameters are.
+    """
+    op = "jaxops.models.load_adapters"
+    _check_lora(op, model)
+    root = Path(path)
+    try:
+        config = json.loads((root / ADAPTER_CONFIG).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{op}: {root} has no {ADAPTER_CONFIG}") from None
+    want = _adapter_config(model)
+    keys = ("r", "lora_alpha", "use_rslora", "target_modules", "target_parameters")
+    differ = [
+        f"{k}={config.get(k)!r} (the model's {want[k]!r})"
+        for k in keys
+        if (sorted(config.get(k) or []) if k.startswith("target") else config.get(k))
+        != (sorted(want[k]) if k.startswith("target") else want[k])
+    ]
+    if differ:
+        raise ConfigError(f"{op}: {root} holds other adapters: {', '.join(differ)}")
+    from safetensors.numpy import load_file
+
+    stored = load_file(str(root / ADAPTER_WEIGHTS))
+    expected = _peft_tensors(model, params)
+    missing = sorted(set(expected) - set(stored))
+    if missing:
+        raise ConfigError(
+            f"{op}: {root} lacks {len(missing)} adapter tensor(s), e.g. {missing[:3]}"
+        )
+    for k, v in expected.items():
+        if stored[k].shape != v.shape:
+            raise ConfigError(
+                f"{op}: {k} has shape {stored[k].shape} in {root}, the model's is {v.shape}"
+            )
+    return _place(model, params, stored)
+
+
+def _place(model: MoEDecoder, params: dict[str, Any], stored: dict[str, np.ndarray]):
+    """`params` with the adapter leaves built from PEFT's tensors `stored`, on their shardings."""
+    out = jax.tree.map(lambda x: x, params)
+    shardings = model.shardings()
+    for stack, layers in _layer_stacks(model).items():
+        p = out.get(stack, {})
+        for name in ATTENTION_TARGETS:
+            if f"{name}_lora_a" not in p:
+                continue
+            key = f"{_PREFIX}.{{}}.self_attn.{name}"
+            a = np.stack([stored[key.format(i) + ".lora_A.weight"].T for i in layers])
+            b = np.stack([stored[key.format(i) + ".lora_B.weight"].T for i in layers])
+            for leaf, value in ((f"{name}_lora_a", a), (f"{name}_lora_b", b)):
+                p[leaf] = jax.device_put(value.astype(p[leaf].dtype), shardings[stack][leaf])
+    swapped = family(model.config.model_type).peft_swapped
+    moe = out["layers"]["moe"]
+    e = model.config.moe.num_experts
+    for weight, module in _expert_names(model).items():
+        pairs = [
+            _from_peft(
+                stored[f"{_PREFIX}.{i}.{module}.lora_A.weight"],
+                stored[f"{_PREFIX}.{i}.{module}.lora_B.weight"],
+                e,
+                swapped,
+            )
+            for i in model.config.moe_layers
+        ]
+        for k, leaf in enumerate((f"{weight}_lora_a", f"{weight}_lora_b")):
+            value = np.stack([pair[k] for pair in pairs]).astype(moe[leaf].dtype)
+            moe[leaf] = jax.device_put(value, shardings["layers"]["moe"][leaf])
+    return out

@@ -1,0 +1,191 @@
+"""LoRA on a published model (MoEDecoder(lora=jaxops.Lora)): the base loaded as published, the
+adapters on the GQA attention projections and the routed experts, written in PEFT's format and
+loaded by PEFT onto transformers' model of the family (the outside oracle: the same logits within
+1e-4 of the logit scale); read back unchanged; only the adapters train (the base bit-identical
+after adamw steps, ZeRO 0 / 1 / 3 the same losses); fresh adapters change nothing; refusals.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+import _hf_families as fam  # noqa: E402
+
+from jaxops import (  # noqa: E402
+    ConfigError,
+    Lora,
+    models,
+)
+
+# Every target the family has: the attention's four projections (GQA) and both expert tensors,
+# or a part of them; Llama 4's fused experts are read by PEFT the other way round.
+CASES = {
+    "qwen3_moe": ("q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj",
+                  "experts.down_proj"),
+    "gpt_oss": ("q_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj"),
+    "llama4_text": ("v_proj", "experts.gate_up_proj", "experts.down_proj"),
+    "mixtral": ("k_proj", "experts.down_proj"),
+    "glm4_moe": ("q_proj", "experts.gate_up_proj"),
+}  # fmt: skip
+
+
+def _randomized(model, params, seed: int = 0):
+    """`params` with every adapter leaf random (B not zero: a trained adapter)."""
+    rng = np.random.default_rng(seed)
+    shardings = model.shardings()
+
+    def one(path, x, sharding):
+        if "_lora_" not in jax.tree_util.keystr(path):
+            return x
+        value = rng.normal(size=x.shape) * 0.3 / np.sqrt(x.shape[-2])
+        return jax.device_put(value.astype(np.float32), sharding)
+
+    return jax.tree_util.tree_map_with_path(one, params, shardings)
+
+
+def _load(hf_families, family, targets, **options):
+    torch_model, path = hf_families.hf(family)
+    model, params = models.from_pretrained(
+        path,
+        mesh=fam.mesh("d2e4"),
+        dtype=np.float32,
+        lora=Lora(4, 8.0, targets),
+        router_aux_loss_coef=0.0,  # the load-balancing loss is per microbatch
+        **options,
+    )
+    return torch_model, path, model, params
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_adapters_match_peft_on_transformers(hf_families, family, tmp_path):
+    torch_model, _, model, params = _load(hf_families, family, CASES[family])
+    params = _randomized(model, params)
+    out = models.save_adapters(model, params, tmp_path / "adapter")
+    tuned = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(out)).eval()
+    tokens = fam.random_tokens(8, seed=2)
+    err = fam.check_logits(model, params, tuned, tokens, f"{family} lora", tol=fam.TOL)
+    # The adapters matter: transformers' model without them is another model.
+    with torch.no_grad():
+        base = torch_model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+    assert fam.max_rel_err(
+        jax.jit(model.logits)(params, model.place_batch(tokens)), base
+    ) > 20 * max(err, 1e-6)
+    # Read back: the same adapters, the base untouched.
+    fresh = model.add_adapters({k: v for k, v in params.items()}, jax.random.key(5))
+    back = models.load_adapters(model, fresh, out)
+    for (path, got), want in zip(
+        jax.tree_util.tree_leaves_with_path(back), jax.tree.leaves(params), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=str(path))
+
+
+def test_only_the_adapters_train_and_zero_stages_agree(hf_families):
+    """adamw steps on the adapters: every base weight bit-identical, every adapter moved, the
+    loss down; ZeRO 1 and 3 (adapters and their optimizer state sharded) the same losses."""
+    _, _, model, params = _load(hf_families, "qwen3_moe", CASES["qwen3_moe"])
+    tokens = fam.random_tokens(16, seed=4)
+    targets = np.roll(tokens, -1, axis=1)
+    opt = optax.adamw(3e-2)
+    losses = {}
+    for zero in (0, 1, 3):
+        m = dataclasses.replace(model, zero=zero)
+        p = jax.device_put(jax.tree.map(jnp.copy, params), m.shardings())
+        before = jax.tree.map(np.asarray, p)
+        state = m.init_optimizer(opt, p)
+        assert jax.tree.structure(state[0].mu) == jax.tree.structure(m.trainable(p))
+        step = m.train_step(opt)
+        batch = m.place_batch(tokens, targets)
+        losses[zero] = []
+        for _ in range(3):
+            p, state, loss = step(p, state, *batch)
+            losses[zero].append(float(loss))
+        for path, old in jax.tree_util.tree_leaves_with_path(before):
+            new = np.asarray(_at(p, path))
+            moved = not np.array_equal(new, old)
+            assert moved == ("_lora_" in jax.tree_util.keystr(path)), path
+        assert losses[zero][-1] < losses[zero][0]
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    np.testing.assert_allclose(losses[3], losses[0], rtol=1e-5)
+
+
+def _at(tree, path):
+    for key in path:
+        tree = tree[key.key]
+    return tree
+
+
+def test_microbatches_and_generation_with_adapters(hf_families, tmp_path):
+    """Gradient accumulation over 2 microbatches gives the adapters' gradients of one batch;
+    greedy generation with the adapters (the KV cache's projections adapted too), read back
+    on another mesh, is PEFT's."""
+    torch_model, _, model, params = _load(hf_families, "qwen3_moe", ("k_proj", "o_proj"))
+    params = _randomized(model, params, seed=3)
+    tokens = fam.random_tokens(16, seed=5)
+    batch = model.place_batch(tokens, np.roll(tokens, -1, axis=1))
+    loss, grads = jax.jit(model.loss_and_grads)(params, *batch)
+    two = dataclasses.replace(model, num_microbatches=2)
+    loss2, grads2 = jax.jit(two.loss_and_grads)(params, *batch)
+    np.testing.assert_allclose(float(loss2), float(loss), rtol=1e-5)
+    for (path, g), g2 in zip(
+        jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads2), strict=True
+    ):
+        np.testing.assert_allclose(g2, g, rtol=2e-4, atol=1e-6, err_msg=str(path))
+    out = models.save_adapters(model, params, tmp_path / "adapter")
+    tuned = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(out)).eval()
+    _, path = hf_families.hf("qwen3_moe")
+    one, base = models.from_pretrained(path, mesh=fam.mesh("1dev"), lora=model.lora)
+    fam.check_greedy_generate(one, models.load_adapters(one, base, out), tuned)
+
+
+def test_fresh_adapters_change_nothing_and_grads_are_the_adapters_only(hf_families):
+    torch_model, _, model, params = _load(hf_families, "mixtral", CASES["mixtral"])
+    tokens = fam.random_tokens(8, seed=1)
+    fam.check_logits(model, params, torch_model, tokens, "mixtral fresh lora")
+    _, grads = jax.jit(model.loss_and_grads)(params, *model.place_batch(tokens, tokens))
+    names = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(grads)}
+    assert names == {
+        "['layers']['k_proj_lora_a']", "['layers']['k_proj_lora_b']",
+        "['layers']['moe']['w_out_lora_a']", "['layers']['moe']['w_out_lora_b']",
+    }  # fmt: skip
+    # B starts at zero: only B's gradient is nonzero (A's is multiplied by B).
+    assert np.asarray(grads["layers"]["k_proj_lora_b"]).any()
+    assert not np.asarray(grads["layers"]["k_proj_lora_a"]).any()
+
+
+@pytest.mark.parametrize(
+    ("family", "targets", "options", "match"),
+    [
+        ("qwen3_moe", ("gate_proj",), {}, r"lora targets \['gate_proj'\] match no weight"),
+        ("deepseek_v3", ("q_proj",), {}, r"lora targets \['q_proj'\] match no weight"),
+        ("qwen3_moe", ("q_proj",), {"num_microbatches": 2, "mesh": "p2e4"}, "without a pipeline"),
+    ],
+    ids=["unknown", "mla-attention", "pipeline"],
+)
+def test_refused(hf_families, family, targets, options, match):
+    _, path = hf_families.hf(family)
+    mesh = fam.mesh(options.pop("mesh", "d2e4"))
+    with pytest.raises(ConfigError, match=match):
+        models.from_pretrained(path, mesh=mesh, lora=Lora(2, 4.0, targets), **options)
+
+
+def test_save_pretrained_and_save_adapters_refusals(hf_families, tmp_path):
+    _, _, model, params = _load(hf_families, "mixtral", CASES["mixtral"])
+    with pytest.raises(ConfigError, match=r"^jaxops\.models\.save_pretrained: .*save_adapters"):
+        models.save_pretrained(model, params, tmp_path / "full")
+    plain = dataclasses.replace(model, lora=None)
+    with pytest.raises(ConfigError, match=r"^jaxops\.models\.save_adapters: the model has no"):
+        models.save_adapters(plain, params, tmp_path / "none")
+    out = models.save_adapters(model, params, tmp_path / "a")
+    other = dataclasses.replace(model, lora=Lora(8, 8.0, CASES["mixtral"]))
+    with pytest.raises(ConfigError, match=r"holds other adapters: r=4 \(the model's 8\)"):
+        models.load_adapters(other, other.add_adapters(params, jax.random.key(0)), out)
