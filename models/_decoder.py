@@ -199,8 +199,10 @@ class MoEDecoder:
         vocabulary, for one more pass of the projection; the same loss up to sum order.
       lora: None, or low-rank adapters (:class:`jaxops.Lora`) on the weights its ``targets``
         name as PEFT names them: the GQA attention's ``q_proj``, ``k_proj``, ``v_proj``,
-        ``o_proj`` (adapters ``<name>_lora_a [L, in, r]``, ``<name>_lora_b [L, r, out]`` in each
-        stack) and the routed experts' ``experts.gate_up_proj`` / ``experts.down_proj``
+        ``o_proj`` or MLA's ``q_a_proj``, ``q_b_proj`` (``q_proj``), ``kv_a_proj_with_mqa``,
+        ``kv_b_proj``, ``o_proj`` (adapters ``<name>_lora_a [L, in, r]``, ``<name>_lora_b [L, r,
+        out]`` in each stack) and the routed experts' ``experts.gate_up_proj`` /
+        ``experts.down_proj``
         (``MoEConfig.lora``: one pair per expert, sharded with the experts). The base weights
         are frozen: :meth:`loss_and_grads` differentiates the adapters only
         (:meth:`trainable`), :meth:`init_optimizer` and :meth:`train_step` update them alone.

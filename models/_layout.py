@@ -35,8 +35,10 @@ __all__ = [
     "ATTENTION_TARGETS",
     "CAST_BEFORE_GATHER",
     "EXPERT_TARGETS",
+    "MLA_TARGETS",
     "Layout",
     "adapters_of",
+    "attention_targets",
     "lora_targets",
     "with_frozen",
     "without_gathered",
@@ -45,15 +47,37 @@ __all__ = [
 #: LoRA targets of the GQA attention, by transformers' projection names (``w_qkv`` holds the
 #: first three side by side, ``w_o`` is ``o_proj``).
 ATTENTION_TARGETS = (*_layers.QKV, "o_proj")
+#: LoRA targets of multi-head latent attention (transformers' names) -> the weights they adapt.
+MLA_TARGETS = {
+    "q_proj": "w_q",
+    "q_a_proj": "w_q_a",
+    "q_b_proj": "w_q_b",
+    "kv_a_proj_with_mqa": "w_kv_a",
+    "kv_b_proj": "w_kv_b",
+    "o_proj": "w_o",
+}
 #: LoRA targets of the routed experts (PEFT's ``target_parameters`` names, relative to the MoE
 #: module) -> the expert layer's weights (``MoEConfig.lora``).
 EXPERT_TARGETS = {"experts.gate_up_proj": "w_in", "experts.down_proj": "w_out"}
 
 
+def attention_targets(config: DecoderConfig) -> dict[str, tuple[int, int]]:
+    """The attention's LoRA targets a decoder of `config` has -> ``(in, out)`` of each."""
+    a, d = config.attention, config.hidden_size
+    if a.mla is None:
+        return {
+            "q_proj": (d, a.q_size),
+            "k_proj": (d, a.kv_size),
+            "v_proj": (d, a.kv_size),
+            "o_proj": (a.q_size, d),
+        }
+    shapes = _mla.param_shapes(config)
+    return {name: shapes[w] for name, w in MLA_TARGETS.items() if w in shapes}
+
+
 def lora_targets(config: DecoderConfig) -> tuple[str, ...]:
-    """The LoRA targets a decoder of `config` has (MLA's projections: not yet)."""
-    attention = () if config.attention.mla is not None else ATTENTION_TARGETS
-    return (*attention, *EXPERT_TARGETS)
+    """The LoRA targets a decoder of `config` has: its attention's, then the routed experts'."""
+    return (*attention_targets(config), *EXPERT_TARGETS)
 
 
 def _is_adapter(path: tuple) -> bool:
@@ -490,14 +514,12 @@ class Layout:
                 attn["b_o"] = (d,)
             if c.attention.attention_sinks:
                 attn["sinks"] = (c.attention.num_heads,)
-            a = c.attention
-            widths = {"q_proj": (d, a.q_size), "k_proj": (d, a.kv_size)}
-            widths.update(v_proj=(d, a.kv_size), o_proj=(a.q_size, d))
-            for name in () if self.lora is None else self.lora.targets:
-                if name in widths:
-                    n_in, n_out = widths[name]
-                    attn[f"{name}_lora_a"] = (n_in, self.lora.rank)
-                    attn[f"{name}_lora_b"] = (self.lora.rank, n_out)
+        widths = attention_targets(c)
+        for name in () if self.lora is None else self.lora.targets:
+            if name in widths:
+                n_in, n_out = widths[name]
+                attn[f"{name}_lora_a"] = (n_in, self.lora.rank)
+                attn[f"{name}_lora_b"] = (self.lora.rank, n_out)
         attn["mlp_norm"] = (d,)
 
         def stack(layer, n):

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import jaxops
 
 from ._config import DecoderConfig
-from ._ops import Ops, attend, projection
+from ._ops import Ops, adapted, attend, projection
 from ._rope import apply_rotary, softmax_scale_factor
 
 __all__ = ["NORM_EPS", "cache_bytes_per_token", "inputs", "output", "param_shapes"]
@@ -79,14 +79,14 @@ def inputs(
     b, s, _ = x.shape
     dn = m.qk_nope_head_dim
     if m.q_lora_rank is None:
-        q = projection(ops, x, p["w_q"], None)
+        q = adapted(ops, p, "q_proj", x, projection(ops, x, p["w_q"], None))
     else:
-        q = projection(ops, x, p["w_q_a"], None)
+        q = adapted(ops, p, "q_a_proj", x, projection(ops, x, p["w_q_a"], None))
         q = jaxops.rms_norm(q, p["q_a_norm"], eps=NORM_EPS, impl=ops.impl)
-        q = projection(ops, q, p["w_q_b"], None)
+        q = adapted(ops, p, "q_b_proj", q, projection(ops, q, p["w_q_b"], None))
     q = q.reshape(b, s, c.attention.num_heads, c.attention.qk_head_dim)
     q = jnp.concatenate([q[..., :dn], apply_rotary(q[..., dn:], c.rope, positions)], axis=-1)
-    kv = projection(ops, x, p["w_kv_a"], None)
+    kv = adapted(ops, p, "kv_a_proj_with_mqa", x, projection(ops, x, p["w_kv_a"], None))
     latent = jaxops.rms_norm(kv[..., : m.kv_lora_rank], p["kv_a_norm"], eps=NORM_EPS, impl=ops.impl)
     k_rope = apply_rotary(kv[..., None, m.kv_lora_rank :], c.rope, positions)
     return q, (latent, k_rope)
@@ -112,13 +112,14 @@ def output(
     latent, k_rope = kv
     b, sk, _ = latent.shape
     h, dn = c.attention.num_heads, m.qk_nope_head_dim
-    expanded = projection(ops, latent, p["w_kv_b"], None).reshape(b, sk, h, dn + m.v_head_dim)
+    expanded = adapted(ops, p, "kv_b_proj", latent, projection(ops, latent, p["w_kv_b"], None))
+    expanded = expanded.reshape(b, sk, h, dn + m.v_head_dim)
     k_nope, v = expanded[..., :dn], expanded[..., dn:]
     rope = jnp.broadcast_to(k_rope.astype(k_nope.dtype), (b, sk, h, m.qk_rope_head_dim))
     k = jnp.concatenate([k_nope, rope], axis=-1)
     scale = c.attention.qk_head_dim**-0.5 * softmax_scale_factor(c.rope)
     out = attend(ops, c, q, k, v, mask, scale, causal)  # dn + dr != dv: the jnp softmax
-    return projection(ops, out, p["w_o"], None)
+    return adapted(ops, p, "o_proj", out, projection(ops, out, p["w_o"], None))
 
 
 def cache_bytes_per_token(c: DecoderConfig, itemsize: int) -> int:

@@ -2,8 +2,9 @@
 
 What PEFT's ``PeftModel.from_pretrained`` loads onto transformers' model of the family (and
 :func:`load_adapters` reads back). The attention's adapters are PEFT's ``lora.Linear`` ones
-(``target_modules``): ``...self_attn.q_proj.lora_A.weight [r, in]`` (our ``A`` transposed) and
-``lora_B.weight [out, r]``. The routed experts' are PEFT's ``target_parameters`` LoRA on the
+(``target_modules``; GQA's q/k/v/o, MLA's q_a/q_b (or q), kv_a_proj_with_mqa, kv_b, o):
+``...self_attn.q_proj.lora_A.weight [r, in]`` (our ``A`` transposed) and ``lora_B.weight
+[out, r]``. The routed experts' are PEFT's ``target_parameters`` LoRA on the
 fused expert tensors (``ParamWrapper``, one rank-r pair per expert): ``lora_A.weight [E r, in]``
 holds expert e's ``A_e`` transposed in rows ``e r .. e r + r`` (expert-major), ``lora_B.weight
 [out, E r]`` its ``B_e`` transposed in columns ``k E + e`` (rank-major), and PEFT's delta of
@@ -30,7 +31,7 @@ from jaxops._errors import ConfigError, named_errors
 
 from ._decoder import MoEDecoder
 from ._families import family
-from ._layout import ATTENTION_TARGETS, EXPERT_TARGETS
+from ._layout import EXPERT_TARGETS, attention_targets
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "load_adapters", "save_adapters"]
 
@@ -93,7 +94,7 @@ def _peft_tensors(model: MoEDecoder, params: dict[str, Any]) -> dict[str, np.nda
     out: dict[str, np.ndarray] = {}
     for stack, layers in _layer_stacks(model).items():
         p = params.get(stack, {})
-        for name in ATTENTION_TARGETS:
+        for name in attention_targets(model.config):
             if f"{name}_lora_a" not in p:
                 continue
             a, b = _host(p[f"{name}_lora_a"]), _host(p[f"{name}_lora_b"])
@@ -122,7 +123,7 @@ def _adapter_config(model: MoEDecoder) -> dict[str, Any]:
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "use_rslora": lora.rslora,
-        "target_modules": [t for t in lora.targets if t in ATTENTION_TARGETS],
+        "target_modules": [t for t in lora.targets if t not in EXPERT_TARGETS],
         "target_parameters": [f"{fam.moe_module}.{t}" for t in lora.targets if t in EXPERT_TARGETS],
         "lora_dropout": 0.0,
         "bias": "none",
@@ -229,7 +230,7 @@ def _place(model: MoEDecoder, params: dict[str, Any], stored: dict[str, np.ndarr
     shardings = model.shardings()
     for stack, layers in _layer_stacks(model).items():
         p = out.get(stack, {})
-        for name in ATTENTION_TARGETS:
+        for name in attention_targets(model.config):
             if f"{name}_lora_a" not in p:
                 continue
             key = f"{_PREFIX}.{{}}.self_attn.{name}"

@@ -1,5 +1,5 @@
 """LoRA on a published model (MoEDecoder(lora=jaxops.Lora)): the base loaded as published, the
-adapters on the GQA attention projections and the routed experts, written in PEFT's format and
+adapters on the attention projections (GQA and MLA) and the routed experts, written in PEFT's format and
 loaded by PEFT onto transformers' model of the family (the outside oracle: the same logits within
 1e-4 of the logit scale); read back unchanged; only the adapters train (the base bit-identical
 after adamw steps, ZeRO 0 / 1 / 3 the same losses); fresh adapters change nothing; refusals.
@@ -27,8 +27,8 @@ from jaxops import (  # noqa: E402
     models,
 )
 
-# Every target the family has: the attention's four projections (GQA) and both expert tensors,
-# or a part of them; Llama 4's fused experts are read by PEFT the other way round.
+# Every target the family has: the attention's projections (GQA's four, MLA's five) and both
+# expert tensors, or a part of them; Llama 4's fused experts are read by PEFT the other way round.
 CASES = {
     "qwen3_moe": ("q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj",
                   "experts.down_proj"),
@@ -36,6 +36,8 @@ CASES = {
     "llama4_text": ("v_proj", "experts.gate_up_proj", "experts.down_proj"),
     "mixtral": ("k_proj", "experts.down_proj"),
     "glm4_moe": ("q_proj", "experts.gate_up_proj"),
+    "deepseek_v3": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+                    "experts.down_proj"),
 }  # fmt: skip
 
 
