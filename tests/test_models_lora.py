@@ -1,8 +1,9 @@
 """LoRA on a published model (MoEDecoder(lora=jaxops.Lora)): the base loaded as published, the
-adapters on the attention projections (GQA and MLA) and the routed experts, written in PEFT's format and
-loaded by PEFT onto transformers' model of the family (the outside oracle: the same logits within
-1e-4 of the logit scale); read back unchanged; only the adapters train (the base bit-identical
-after adamw steps, ZeRO 0 / 1 / 3 the same losses); fresh adapters change nothing; refusals.
+adapters on the attention projections (GQA and MLA) and the routed experts, written in PEFT's
+format and loaded by PEFT onto transformers' model of the family (the outside oracle: the same
+logits within 1e-4 of the logit scale); read back unchanged; only the adapters train (the base
+bit-identical after adamw steps, ZeRO 0 / 1 / 3 the same losses); fresh adapters change nothing;
+refusals.
 """
 
 from __future__ import annotations
