@@ -366,10 +366,13 @@ def attention(
 def mlp(ops: Ops, p: dict[str, jax.Array], y: jax.Array) -> jax.Array:
     """The dense SwiGLU MLP of ``y [b, s, D]``: ``(silu(y W_gate) * (y W_up)) W_down``.
 
-    ``p``: ``w_in [D, 2F]`` (gate, up side by side), ``w_out [F, D]``. Returns ``[b, s, D]``.
+    ``p``: ``w_in [D, 2F]`` (gate, up side by side), ``w_out [F, D]``, and the LoRA adapters
+    of ``gate_proj``, ``up_proj`` and ``down_proj`` it holds. Returns ``[b, s, D]``.
     """
     gate, up = jnp.split(projection(ops, y, p["w_in"], None), 2, axis=-1)
-    return projection(ops, jax.nn.silu(gate) * up, p["w_out"], None)
+    gate, up = adapted(ops, p, "gate_proj", y, gate), adapted(ops, p, "up_proj", y, up)
+    act = jax.nn.silu(gate) * up
+    return adapted(ops, p, "down_proj", act, projection(ops, act, p["w_out"], None))
 
 
 def decoder_layer(

@@ -34,6 +34,7 @@ from ._config import DecoderConfig
 __all__ = [
     "ATTENTION_TARGETS",
     "CAST_BEFORE_GATHER",
+    "DENSE_TARGETS",
     "EXPERT_TARGETS",
     "MLA_TARGETS",
     "Layout",
@@ -56,6 +57,9 @@ MLA_TARGETS = {
     "kv_b_proj": "w_kv_b",
     "o_proj": "w_o",
 }
+#: LoRA targets of the dense layers' MLP (``mlp.<name>``: transformers' projection names below
+#: the MLP module; ``w_in`` holds gate and up side by side).
+DENSE_TARGETS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 #: LoRA targets of the routed experts (PEFT's ``target_parameters`` names, relative to the MoE
 #: module) -> the expert layer's weights (``MoEConfig.lora``).
 EXPERT_TARGETS = {"experts.gate_up_proj": "w_in", "experts.down_proj": "w_out"}
@@ -76,8 +80,12 @@ def attention_targets(config: DecoderConfig) -> dict[str, tuple[int, int]]:
 
 
 def lora_targets(config: DecoderConfig) -> tuple[str, ...]:
-    """The LoRA targets a decoder of `config` has: its attention's, then the routed experts'."""
-    return (*attention_targets(config), *EXPERT_TARGETS)
+    """The LoRA targets a decoder of `config` has.
+
+    Its attention's, the dense layers' MLP's (if it has dense layers), the routed experts'.
+    """
+    dense = DENSE_TARGETS if config.pattern.dense_layers else ()
+    return (*attention_targets(config), *dense, *EXPERT_TARGETS)
 
 
 def _is_adapter(path: tuple) -> bool:
@@ -529,7 +537,14 @@ class Layout:
         tree = {"embed": (c.vocab_size, d), "layers": stack(moe, len(c.moe_layers))}
         if c.pattern.dense_layers:
             f = c.pattern.dense_ffn
-            dense = {**attn, "mlp": {"w_in": (d, 2 * f), "w_out": (f, d)}}
+            mlp = {"w_in": (d, 2 * f), "w_out": (f, d)}
+            widths = {"gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+            for name in () if self.lora is None else self.lora.targets:
+                name = name.removeprefix("mlp.")
+                if name in widths:
+                    mlp[f"{name}_lora_a"] = (widths[name][0], self.lora.rank)
+                    mlp[f"{name}_lora_b"] = (self.lora.rank, widths[name][1])
+            dense = {**attn, "mlp": mlp}
             tree["dense_layers"] = stack(dense, len(c.pattern.dense_layers))
         tree["final_norm"] = (d,)
         if not c.tie_word_embeddings:

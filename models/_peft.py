@@ -31,7 +31,7 @@ from jaxops._errors import ConfigError, named_errors
 
 from ._decoder import MoEDecoder
 from ._families import family
-from ._layout import EXPERT_TARGETS, attention_targets
+from ._layout import DENSE_TARGETS, EXPERT_TARGETS, attention_targets
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "load_adapters", "save_adapters"]
 
@@ -54,6 +54,11 @@ def _expert_names(model: MoEDecoder) -> dict[str, str]:
     base = f"{fam.moe_module}.experts"
     nested = len(experts) == 2  # gate_up_proj's wrapper inside down_proj's
     return {w: base + (".base_layer" if nested and w == "w_in" else "") for w in experts}
+
+
+def _dense_names(model: MoEDecoder) -> list[str]:
+    """The dense MLP's adapted projections (``gate_proj``, ...) of the model's targets."""
+    return [t.removeprefix("mlp.") for t in model.lora.targets if t in DENSE_TARGETS]
 
 
 def _to_peft(a: np.ndarray, b: np.ndarray, swapped: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -102,7 +107,15 @@ def _peft_tensors(model: MoEDecoder, params: dict[str, Any]) -> dict[str, np.nda
                 key = f"{_PREFIX}.{layer}.self_attn.{name}"
                 out[f"{key}.lora_A.weight"] = a[row].T
                 out[f"{key}.lora_B.weight"] = b[row].T
-    swapped = family(model.config.model_type).peft_swapped
+    fam = family(model.config.model_type)
+    mlp = params.get("dense_layers", {}).get("mlp", {})
+    for name in _dense_names(model):
+        a, b = _host(mlp[f"{name}_lora_a"]), _host(mlp[f"{name}_lora_b"])
+        for row, layer in enumerate(model.config.pattern.dense_layers):
+            key = f"{_PREFIX}.{layer}.{fam.moe_module}.{name}"
+            out[f"{key}.lora_A.weight"] = a[row].T
+            out[f"{key}.lora_B.weight"] = b[row].T
+    swapped = fam.peft_swapped
     moe = params["layers"]["moe"]
     for weight, module in _expert_names(model).items():
         a, b = _host(moe[f"{weight}_lora_a"]), _host(moe[f"{weight}_lora_b"])
@@ -123,8 +136,17 @@ def _adapter_config(model: MoEDecoder) -> dict[str, Any]:
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "use_rslora": lora.rslora,
-        "target_modules": [t for t in lora.targets if t not in EXPERT_TARGETS],
-        "target_parameters": [f"{fam.moe_module}.{t}" for t in lora.targets if t in EXPERT_TARGETS],
+        "target_modules": [
+            t for t in lora.targets if t not in EXPERT_TARGETS and t not in DENSE_TARGETS
+        ],
+        # PEFT moves target_modules named gate_proj / up_proj / down_proj onto the fused
+        # experts: the dense MLP's are named as parameters (saved as lora.Linear's are)
+        "target_parameters": [
+            f"{fam.moe_module}.{t.removeprefix('mlp.')}"
+            + ("" if t in EXPERT_TARGETS else ".weight")
+            for t in lora.targets
+            if t in EXPERT_TARGETS or t in DENSE_TARGETS
+        ],
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
@@ -238,7 +260,17 @@ def _place(model: MoEDecoder, params: dict[str, Any], stored: dict[str, np.ndarr
             b = np.stack([stored[key.format(i) + ".lora_B.weight"].T for i in layers])
             for leaf, value in ((f"{name}_lora_a", a), (f"{name}_lora_b", b)):
                 p[leaf] = jax.device_put(value.astype(p[leaf].dtype), shardings[stack][leaf])
-    swapped = family(model.config.model_type).peft_swapped
+    fam = family(model.config.model_type)
+    mlp = out.get("dense_layers", {}).get("mlp", {})
+    for name in _dense_names(model):
+        key = f"{_PREFIX}.{{}}.{fam.moe_module}.{name}"
+        layers = model.config.pattern.dense_layers
+        a = np.stack([stored[key.format(i) + ".lora_A.weight"].T for i in layers])
+        b = np.stack([stored[key.format(i) + ".lora_B.weight"].T for i in layers])
+        for leaf, value in ((f"{name}_lora_a", a), (f"{name}_lora_b", b)):
+            target = shardings["dense_layers"]["mlp"][leaf]
+            mlp[leaf] = jax.device_put(value.astype(mlp[leaf].dtype), target)
+    swapped = fam.peft_swapped
     moe = out["layers"]["moe"]
     e = model.config.moe.num_experts
     for weight, module in _expert_names(model).items():
