@@ -202,7 +202,8 @@ class MoEDecoder:
         ``o_proj`` or MLA's ``q_a_proj``, ``q_b_proj`` (``q_proj``), ``kv_a_proj_with_mqa``,
         ``kv_b_proj``, ``o_proj`` (adapters ``<name>_lora_a [L, in, r]``, ``<name>_lora_b [L, r,
         out]`` in each stack), the dense layers' ``mlp.gate_proj``, ``mlp.up_proj``,
-        ``mlp.down_proj`` and the routed experts' ``experts.gate_up_proj`` /
+        ``mlp.down_proj``, the shared experts' ``shared_experts.gate_proj`` (``up_proj``,
+        ``down_proj``) and the routed experts' ``experts.gate_up_proj`` /
         ``experts.down_proj``
         (``MoEConfig.lora``: one pair per expert, sharded with the experts). The base weights
         are frozen: :meth:`loss_and_grads` differentiates the adapters only

@@ -37,6 +37,7 @@ __all__ = [
     "DENSE_TARGETS",
     "EXPERT_TARGETS",
     "MLA_TARGETS",
+    "SHARED_TARGETS",
     "Layout",
     "adapters_of",
     "attention_targets",
@@ -63,6 +64,14 @@ DENSE_TARGETS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 #: LoRA targets of the routed experts (PEFT's ``target_parameters`` names, relative to the MoE
 #: module) -> the expert layer's weights (``MoEConfig.lora``).
 EXPERT_TARGETS = {"experts.gate_up_proj": "w_in", "experts.down_proj": "w_out"}
+#: LoRA targets of the shared experts (transformers' projection names below the shared expert
+#: module, whatever a family calls it) -> the expert layer's (``MoEConfig.lora``).
+SHARED_TARGETS = {
+    "shared_experts.gate_proj": "shared_gate_proj",
+    "shared_experts.up_proj": "shared_up_proj",
+    "shared_experts.down_proj": "shared_down_proj",
+}
+_MOE_TARGETS = {**EXPERT_TARGETS, **SHARED_TARGETS}
 
 
 def attention_targets(config: DecoderConfig) -> dict[str, tuple[int, int]]:
@@ -82,10 +91,12 @@ def attention_targets(config: DecoderConfig) -> dict[str, tuple[int, int]]:
 def lora_targets(config: DecoderConfig) -> tuple[str, ...]:
     """The LoRA targets a decoder of `config` has.
 
-    Its attention's, the dense layers' MLP's (if it has dense layers), the routed experts'.
+    Its attention's, the dense layers' MLP's and the shared experts' (where it has them), the
+    routed experts'.
     """
     dense = DENSE_TARGETS if config.pattern.dense_layers else ()
-    return (*attention_targets(config), *dense, *EXPERT_TARGETS)
+    shared = tuple(SHARED_TARGETS) if config.moe.shared_ffn else ()
+    return (*attention_targets(config), *dense, *shared, *EXPERT_TARGETS)
 
 
 def _is_adapter(path: tuple) -> bool:
@@ -470,7 +481,7 @@ class Layout:
             spec = dataclasses.replace(spec, router_aux_loss_coef=self.router_aux_loss_coef)
         lora = self.lora
         experts = (
-            () if lora is None else [EXPERT_TARGETS[t] for t in lora.targets if t in EXPERT_TARGETS]
+            [] if lora is None else [_MOE_TARGETS[t] for t in lora.targets if t in _MOE_TARGETS]
         )
         return ep.MoEConfig(
             lora=dataclasses.replace(lora, targets=tuple(experts)) if experts else None,

@@ -31,7 +31,7 @@ from jaxops._errors import ConfigError, named_errors
 
 from ._decoder import MoEDecoder
 from ._families import family
-from ._layout import DENSE_TARGETS, EXPERT_TARGETS, attention_targets
+from ._layout import DENSE_TARGETS, EXPERT_TARGETS, SHARED_TARGETS, attention_targets
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "load_adapters", "save_adapters"]
 
@@ -56,9 +56,23 @@ def _expert_names(model: MoEDecoder) -> dict[str, str]:
     return {w: base + (".base_layer" if nested and w == "w_in" else "") for w in experts}
 
 
+def _shared_names(model: MoEDecoder) -> dict[str, str]:
+    """The shared expert's adapted projections: our name -> its PEFT path below the layer."""
+    fam = family(model.config.model_type)
+    return {
+        SHARED_TARGETS[t]: f"{fam.moe_module}.{fam.names.shared}.{t.split('.')[-1]}"
+        for t in model.lora.targets
+        if t in SHARED_TARGETS
+    }
+
+
+def _dense_targets(lora: Any) -> list[str]:
+    return [t for t in lora.targets if t in DENSE_TARGETS]
+
+
 def _dense_names(model: MoEDecoder) -> list[str]:
     """The dense MLP's adapted projections (``gate_proj``, ...) of the model's targets."""
-    return [t.removeprefix("mlp.") for t in model.lora.targets if t in DENSE_TARGETS]
+    return [t.removeprefix("mlp.") for t in _dense_targets(model.lora)]
 
 
 def _to_peft(a: np.ndarray, b: np.ndarray, swapped: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -117,6 +131,12 @@ def _peft_tensors(model: MoEDecoder, params: dict[str, Any]) -> dict[str, np.nda
             out[f"{key}.lora_B.weight"] = b[row].T
     swapped = fam.peft_swapped
     moe = params["layers"]["moe"]
+    for weight, module in _shared_names(model).items():
+        a, b = _host(moe[f"{weight}_lora_a"]), _host(moe[f"{weight}_lora_b"])
+        for row, layer in enumerate(model.config.moe_layers):
+            key = f"{_PREFIX}.{layer}.{module}"
+            out[f"{key}.lora_A.weight"] = a[row].T
+            out[f"{key}.lora_B.weight"] = b[row].T
     for weight, module in _expert_names(model).items():
         a, b = _host(moe[f"{weight}_lora_a"]), _host(moe[f"{weight}_lora_b"])
         for row, layer in enumerate(model.config.moe_layers):
@@ -136,16 +156,14 @@ def _adapter_config(model: MoEDecoder) -> dict[str, Any]:
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "use_rslora": lora.rslora,
-        "target_modules": [
-            t for t in lora.targets if t not in EXPERT_TARGETS and t not in DENSE_TARGETS
-        ],
+        "target_modules": [t for t in lora.targets if t in attention_targets(model.config)],
         # PEFT moves target_modules named gate_proj / up_proj / down_proj onto the fused
-        # experts: the dense MLP's are named as parameters (saved as lora.Linear's are)
+        # experts: the dense MLP's and the shared experts' are named as parameters (saved as
+        # lora.Linear's are)
         "target_parameters": [
-            f"{fam.moe_module}.{t.removeprefix('mlp.')}"
-            + ("" if t in EXPERT_TARGETS else ".weight")
-            for t in lora.targets
-            if t in EXPERT_TARGETS or t in DENSE_TARGETS
+            *(f"{fam.moe_module}.{t.removeprefix('mlp.')}.weight" for t in _dense_targets(lora)),
+            *(f"{path}.weight" for path in _shared_names(model).values()),
+            *(f"{fam.moe_module}.{t}" for t in lora.targets if t in EXPERT_TARGETS),
         ],
         "lora_dropout": 0.0,
         "bias": "none",
@@ -272,6 +290,13 @@ def _place(model: MoEDecoder, params: dict[str, Any], stored: dict[str, np.ndarr
             mlp[leaf] = jax.device_put(value.astype(mlp[leaf].dtype), target)
     swapped = fam.peft_swapped
     moe = out["layers"]["moe"]
+    for weight, module in _shared_names(model).items():
+        layers = model.config.moe_layers
+        a = np.stack([stored[f"{_PREFIX}.{i}.{module}.lora_A.weight"].T for i in layers])
+        b = np.stack([stored[f"{_PREFIX}.{i}.{module}.lora_B.weight"].T for i in layers])
+        for leaf, value in ((f"{weight}_lora_a", a), (f"{weight}_lora_b", b)):
+            target = shardings["layers"]["moe"][leaf]
+            moe[leaf] = jax.device_put(value.astype(moe[leaf].dtype), target)
     e = model.config.moe.num_experts
     for weight, module in _expert_names(model).items():
         pairs = [

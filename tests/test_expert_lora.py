@@ -161,6 +161,42 @@ def test_grouped_ffn_adapters_ragged_dot_and_tile_loop_agree():
         assert_allclose(grads[name], grads32[name], jnp.float32, err_msg=name)
 
 
+def test_shared_expert_adapters_equal_the_merged_shared_expert():
+    """The shared expert's gate, up and down projections, each its own adapter (gate and up on
+    the halves of shared_w_in), replicated; the layer equals its twin and the merged weights."""
+    targets = ("shared_gate_proj", "shared_up_proj", "shared_down_proj", "w_out")
+    cfg = _config(targets, shared_ffn=24, shared_gate=True)
+    params, x = _params(cfg, 7), _x(8)
+    assert cfg.param_shapes["shared_gate_proj_lora_a"] == (H, 4)
+    assert moe_param_specs(cfg)["shared_up_proj_lora_b"] == P()
+    y, grads = _adapter_loss(_layer(cfg), cfg, params, x)
+    y_ref, grads_ref = _adapter_loss(_reference(cfg), cfg, params, x)
+    assert_allclose(y, y_ref, jnp.float32, err_msg="y")
+    for name in cfg.adapter_names:
+        assert np.asarray(grads[name]).any(), name
+        assert_allclose(grads[name], grads_ref[name], jnp.float32, scale=4, err_msg=name)
+    s = cfg.lora.scaling
+    merged = {k: v for k, v in params.items() if "_lora_" not in k}
+
+    def delta(name):
+        return s * params[f"{name}_lora_a"] @ params[f"{name}_lora_b"]
+
+    merged["shared_w_in"] = params["shared_w_in"] + jnp.concatenate(
+        [delta("shared_gate_proj"), delta("shared_up_proj")], axis=-1
+    )
+    merged["shared_w_out"] = params["shared_w_out"] + delta("shared_down_proj")
+    merged["w_out"] = params["w_out"] + s * jnp.einsum(
+        "eir,ero->eio", params["w_out_lora_a"], params["w_out_lora_b"]
+    )
+    plain = dataclasses.replace(cfg, lora=None)
+    assert rel_error(y, jax.jit(_reference(plain))(merged, x)[0]) < 1e-5
+
+
+def test_shared_targets_need_a_swiglu_shared_expert():
+    with pytest.raises(ConfigError, match=r"lora targets \['shared_up_proj'\] need a shared"):
+        _config(("shared_up_proj",))
+
+
 def test_rslora_scaling():
     rs = _config(lora=Lora(rank=4, alpha=8.0, targets=("w_in",), rslora=True))
     assert rs.lora.scaling == 4.0 and _config().lora.scaling == 2.0
@@ -193,7 +229,7 @@ def test_fp8_base_with_bfloat16_free_adapters():
 def test_bad_lora_is_refused(lora, error, match):
     with pytest.raises(error, match=f"^jaxops.parallel.expert.MoEConfig: {match}"):
         _config(lora=lora)
-    assert LORA_TARGETS == ("w_in", "w_out")
+    assert LORA_TARGETS[:2] == ("w_in", "w_out")
 
 
 @pytest.mark.parametrize(

@@ -29,19 +29,24 @@ from jaxops import (  # noqa: E402
 )
 
 # Every target the family has: the attention's projections (GQA's four, MLA's five), the dense
-# layers' MLP, both expert tensors, or a part of them; Llama 4's fused experts are read by PEFT
-# the other way round.
+# layers' MLP, the shared experts', both expert tensors, or a part of them; Llama 4's fused
+# experts are read by PEFT the other way round.
 CASES = {
     "qwen3_moe": ("q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj",
                   "experts.down_proj"),
     "gpt_oss": ("q_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj"),
-    "llama4_text": ("v_proj", "mlp.up_proj", "experts.gate_up_proj", "experts.down_proj"),
+    "llama4_text": ("v_proj", "mlp.up_proj", "shared_experts.down_proj", "experts.gate_up_proj",
+                    "experts.down_proj"),
     "mixtral": ("k_proj", "experts.down_proj"),
     "glm4_moe": ("q_proj", "experts.gate_up_proj"),
     "deepseek_v3": ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
-                    "mlp.gate_proj", "mlp.down_proj", "experts.down_proj"),
+                    "mlp.gate_proj", "mlp.down_proj", "shared_experts.up_proj",
+                    "experts.down_proj"),
     "ernie4_5_moe": ("q_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                     "shared_experts.gate_proj", "shared_experts.down_proj",
                      "experts.gate_up_proj"),
+    "qwen2_moe": ("q_proj", "shared_experts.gate_proj", "shared_experts.up_proj",
+                  "shared_experts.down_proj", "experts.gate_up_proj"),
 }  # fmt: skip
 
 

@@ -58,8 +58,10 @@ ROUTERS = ("softmax", "sigmoid")
 EXCHANGES = ("auto", "ragged", "dense", "gather")
 #: What crosses the dispatch exchange (MoEConfig.dispatch).
 DISPATCHES = ("dtype", "fp8")
-#: The weights that take low-rank adapters (MoEConfig.lora.targets): the routed experts' two.
-LORA_TARGETS = ("w_in", "w_out")
+#: The weights that take low-rank adapters (MoEConfig.lora.targets): the routed experts' two,
+#: and the shared expert's projections by transformers' names (its ``shared_w_in`` holds gate
+#: and up side by side: each keeps its own adapter).
+LORA_TARGETS = ("w_in", "w_out", "shared_gate_proj", "shared_up_proj", "shared_down_proj")
 #: FP8 group width (1 x 128 row groups, 128 x 128 weight tiles).
 FP8_BLOCK = 128
 
@@ -367,6 +369,10 @@ class MoEConfig:
         accumulation (with fp8="block" the base GEMM stays FP8 and the adapter does not). PEFT's
         ``target_parameters`` LoRA on the fused ``gate_up_proj`` / ``down_proj`` is this
         (:attr:`adapter_names` are the parameters to train; the rest stay frozen by the caller).
+        The shared expert's ``shared_gate_proj``, ``shared_up_proj`` and ``shared_down_proj``
+        (swiglu only) get one replicated pair each (``shared_gate_proj_lora_a [H, r]``, ...),
+        added to the gate's and the up projection's halves of ``shared_w_in`` and to
+        ``shared_w_out``'s output.
 
     Example:
       >>> from jaxops.parallel.expert import MoEConfig
@@ -393,6 +399,13 @@ class MoEConfig:
         lora = as_lora(_OP, self.lora)
         if lora is not None:
             lora.check_targets(_OP, LORA_TARGETS)
+            shared = [t for t in lora.targets if t.startswith("shared_")]
+            if shared and (not self.shared_ffn or self.activation != "swiglu"):
+                raise ConfigError(
+                    f"{_OP}: lora targets {shared} need a shared expert with the swiglu "
+                    f"activation; shared_ffn = {self.shared_ffn}, activation = "
+                    f"{self.activation!r}"
+                )
         align = _int("align", self.align, 1)
         if align > _moe.MAX_ALIGN:
             raise ConfigError(f"{_OP}: align must be <= {_moe.MAX_ALIGN}, got {align}")
@@ -482,11 +495,14 @@ class MoEConfig:
             if self.shared_gate:
                 shapes["shared_gate"] = (h, 1)
         if self.lora is not None:
-            r = self.lora.rank
+            r, fs = self.lora.rank, self.shared_ffn
+            widths = {"w_in": ((e,), h, self.w_in_width), "w_out": ((e,), f, h)}
+            widths.update(shared_gate_proj=((), h, fs), shared_up_proj=((), h, fs))
+            widths["shared_down_proj"] = ((), fs, h)
             for target in self.lora.targets:
-                _, n_in, n_out = shapes[target]
-                shapes[f"{target}_lora_a"] = (e, n_in, r)
-                shapes[f"{target}_lora_b"] = (e, r, n_out)
+                lead, n_in, n_out = widths[target]
+                shapes[f"{target}_lora_a"] = (*lead, n_in, r)
+                shapes[f"{target}_lora_b"] = (*lead, r, n_out)
         return shapes
 
     @property
@@ -525,7 +541,7 @@ _ZERO_INIT = ("b_in", "b_out", "router_bias", "router_logit_bias")
 #: The parameters sharded over the expert axis (their leading axis is E).
 EXPERT_PARAMS = (
     *("w_in", "w_out", "b_in", "b_out"),
-    *(f"{t}_lora_{ab}" for t in LORA_TARGETS for ab in "ab"),
+    *(f"{t}_lora_{ab}" for t in ("w_in", "w_out") for ab in "ab"),
 )
 
 

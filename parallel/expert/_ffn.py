@@ -508,7 +508,16 @@ def shared_expert(
         # varying so fp8.linear's backward (a per-device weight gradient) types check; the
         # cast's transpose sums the gradient over the devices.
         w_in, w_out = vary_like((w_in, w_out), xs)
-    out = expert_ffn(cfg, xs, w_in, w_out, impl)
+    targets = () if cfg.lora is None else cfg.lora.targets
+    if any(t.startswith("shared_") for t in targets):  # gate and up adapted apart
+        hid = _linear(cfg, impl, xs, w_in)
+        f = cfg.shared_ffn
+        gate = _dense_adapt(cfg, params, "shared_gate_proj", hid[..., :f], xs)
+        up = _dense_adapt(cfg, params, "shared_up_proj", hid[..., f:], xs)
+        act = activate(cfg, jnp.concatenate([gate, up], axis=-1)).astype(cfg.dtype)
+        out = _dense_adapt(cfg, params, "shared_down_proj", _linear(cfg, impl, act, w_out), act)
+    else:
+        out = expert_ffn(cfg, xs, w_in, w_out, impl)
     if cfg.shared_gate:
         gate = jnp.dot(
             tokens.astype(jnp.float32),

@@ -240,7 +240,7 @@ def _ffn(cfg: MoEConfig, plan: Plan, impl, params, rows, group_sizes, used, tail
         params.get("b_out"),
         used,
         tail_read,
-        {name: params[name] for name in cfg.adapter_names},
+        {name: params[name] for name in cfg.adapter_names if name in EXPERT_PARAMS},
     )
 
 

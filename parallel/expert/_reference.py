@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jaxops import _checks
 from jaxops._errors import ArgumentTypeError, InvalidArgumentError
 
-from ._config import MoEAux, MoEConfig, check_params
+from ._config import EXPERT_PARAMS, MoEAux, MoEConfig, check_params
 from ._ffn import expert_ffn, shared_expert
 from ._routing import aux_from_sums, check_token_mask, mask_tokens, route, router_sums
 
@@ -101,7 +101,7 @@ def moe_layer_reference(
         else:
             inputs = xs
         # Each expert's output is rounded to cfg.dtype, as the layer's grouped GEMM's is.
-        adapters = {name: params[name][i] for name in cfg.adapter_names}
+        adapters = {name: params[name][i] for name in cfg.adapter_names if name in EXPERT_PARAMS}
         out = expert_ffn(cfg, inputs, w_in, w_out, impl, *biases, adapters=adapters)
         out = out.astype(cfg.dtype)
         if cfg.weight_inputs:  # unweighted, where chosen (with biases FFN_e(0) is not 0)
