@@ -76,7 +76,7 @@ from ._generate import generate
 from ._hf import from_pretrained, save_pretrained
 from ._names import LLAMA_NAME_MAP, llama_name_map, name_map
 from ._packing import IGNORE_INDEX, PackedBatch, pack_sequences
-from ._peft import load_adapters, save_adapters
+from ._peft import load_adapter, merge_adapter, save_adapter
 from ._rope import ROPE_KINDS, Rope, read_rope
 
 __all__ = [
@@ -108,15 +108,16 @@ __all__ = [
     "from_pretrained",
     "generate",
     "is_moe_layer",
-    "load_adapters",
+    "load_adapter",
     "llama_name_map",
     "load_moe_block",
+    "merge_adapter",
     "moe_block_config",
     "name_map",
     "pack_sequences",
     "read_config",
     "read_rope",
-    "save_adapters",
+    "save_adapter",
     "save_pretrained",
 ]
 

@@ -208,8 +208,9 @@ class MoEDecoder:
         (``MoEConfig.lora``: one pair per expert, sharded with the experts). The base weights
         are frozen: :meth:`loss_and_grads` differentiates the adapters only
         (:meth:`trainable`), :meth:`init_optimizer` and :meth:`train_step` update them alone.
-        :meth:`add_adapters` adds fresh ones to loaded weights, ``save_adapters`` /
-        ``load_adapters`` write and read them in PEFT's format. Not with a pipeline.
+        :meth:`add_adapters` adds fresh ones to loaded weights, ``save_adapter`` /
+        ``load_adapter`` write and read them in PEFT's format, ``merge_adapter`` folds them
+        into the weights. Not with a pipeline.
       layout: the :class:`~jaxops.models._layout.Layout` of the fields above (not a field:
         built once, on construction).
 

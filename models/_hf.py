@@ -276,8 +276,9 @@ def save_pretrained(
         raise ArgumentTypeError(f"{op}: model must be a MoEDecoder, got {type(model).__name__}")
     if model.lora is not None:
         raise ConfigError(
-            f"{op}: the model has LoRA adapters; write them with jaxops.models.save_adapters "
-            "(PEFT's format, over the base checkpoint it was loaded from)"
+            f"{op}: the model has LoRA adapters; write them with jaxops.models.save_adapter "
+            "(PEFT's format, over the base checkpoint it was loaded from), or fold them into "
+            "the weights with jaxops.models.merge_adapter first"
         )
     if isinstance(quantize, str):
         quantize = _FORMATS.get(quantize, quantize)

@@ -1,7 +1,7 @@
 """LoRA adapters in PEFT's format: ``adapter_config.json`` and ``adapter_model.safetensors``.
 
 What PEFT's ``PeftModel.from_pretrained`` loads onto transformers' model of the family (and
-:func:`load_adapters` reads back). The attention's adapters are PEFT's ``lora.Linear`` ones
+:func:`load_adapter` reads back). The attention's adapters are PEFT's ``lora.Linear`` ones
 (``target_modules``; GQA's q/k/v/o, MLA's q_a/q_b (or q), kv_a_proj_with_mqa, kv_b, o):
 ``...self_attn.q_proj.lora_A.weight [r, in]`` (our ``A`` transposed) and ``lora_B.weight
 [out, r]``. The routed experts' are PEFT's ``target_parameters`` LoRA on the
@@ -16,6 +16,7 @@ as ``[E, out, in]`` (:attr:`Family.peft_swapped`): there ``lora_A`` holds B and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jaxops.parallel import checkpoint
 
@@ -31,9 +33,15 @@ from jaxops._errors import ConfigError, named_errors
 
 from ._decoder import MoEDecoder
 from ._families import family
-from ._layout import DENSE_TARGETS, EXPERT_TARGETS, SHARED_TARGETS, attention_targets
+from ._layout import (
+    DENSE_TARGETS,
+    EXPERT_TARGETS,
+    MLA_TARGETS,
+    SHARED_TARGETS,
+    attention_targets,
+)
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "load_adapters", "save_adapters"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "load_adapter", "merge_adapter", "save_adapter"]
 
 #: The adapter directory's files, as PEFT names them.
 ADAPTER_CONFIG = "adapter_config.json"
@@ -183,15 +191,15 @@ def _check_lora(op: str, model: Any) -> None:
         raise ConfigError(f"{op}: the model has no adapters (MoEDecoder(..., lora=jaxops.Lora))")
 
 
-@named_errors("jaxops.models.save_adapters")
-def save_adapters(model: MoEDecoder, params: dict[str, Any], path: str | os.PathLike) -> Path:
+@named_errors("jaxops.models.save_adapter")
+def save_adapter(model: MoEDecoder, params: dict[str, Any], path: str | os.PathLike) -> Path:
     """Writes the model's LoRA adapters as a PEFT adapter directory (float32).
 
     ``adapter_config.json`` (r, lora_alpha, use_rslora, the attention's ``target_modules`` and
     the experts' ``target_parameters``) and ``adapter_model.safetensors``, which
     ``peft.PeftModel.from_pretrained(model, path)`` loads onto transformers' model of the
     family (the base checkpoint :func:`~jaxops.models.from_pretrained` read) and
-    :func:`load_adapters` reads back. The base weights are not written. Every process calls it
+    :func:`load_adapter` reads back. The base weights are not written. Every process calls it
     (the adapters are gathered); process 0 writes.
 
     Args:
@@ -202,7 +210,7 @@ def save_adapters(model: MoEDecoder, params: dict[str, Any], path: str | os.Path
     Returns:
       The directory.
     """
-    op = "jaxops.models.save_adapters"
+    op = "jaxops.models.save_adapter"
     _check_lora(op, model)
     out = Path(path)
     tensors = {k: np.ascontiguousarray(v) for k, v in _peft_tensors(model, params).items()}
@@ -220,17 +228,17 @@ def save_adapters(model: MoEDecoder, params: dict[str, Any], path: str | os.Path
     return out
 
 
-@named_errors("jaxops.models.load_adapters")
-def load_adapters(
+@named_errors("jaxops.models.load_adapter")
+def load_adapter(
     model: MoEDecoder, params: dict[str, Any], path: str | os.PathLike
 ) -> dict[str, Any]:
-    """`params` with its adapters read from a PEFT adapter directory (:func:`save_adapters`).
+    """`params` with its adapters read from a PEFT adapter directory (:func:`save_adapter`).
 
     The directory's rank, alpha, rsLoRA and targets must be the model's ``lora`` (its
     ``adapter_config.json`` is checked), and every adapter tensor the model has must be there
     with its shape; the adapters are placed as the parameters are.
     """
-    op = "jaxops.models.load_adapters"
+    op = "jaxops.models.load_adapter"
     _check_lora(op, model)
     root = Path(path)
     try:
@@ -312,3 +320,99 @@ def _place(model: MoEDecoder, params: dict[str, Any], stored: dict[str, np.ndarr
             value = np.stack([pair[k] for pair in pairs]).astype(moe[leaf].dtype)
             moe[leaf] = jax.device_put(value, shardings["layers"]["moe"][leaf])
     return out
+
+
+def _delta(scaling: float, a: jax.Array, b: jax.Array) -> jax.Array:
+    """float32 ``scaling * a @ b`` over the leading (layer, expert) axes."""
+    return scaling * jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32))
+
+
+def _merged_layer(model: MoEDecoder, p: dict[str, Any]) -> dict[str, Any]:
+    """One stack's parameters with its adapters folded into their weights (and dropped)."""
+    c, s = model.config, model.lora.scaling
+    out = {k: v for k, v in p.items() if "_lora_" not in k}
+    adds: dict[str, list[tuple[slice, jax.Array]]] = {}
+
+    def add(weight: str, name: str, part: slice = slice(None), where: dict | None = None):
+        src = p if where is None else where
+        if f"{name}_lora_a" in src:
+            delta = _delta(s, src[f"{name}_lora_a"], src[f"{name}_lora_b"])
+            adds.setdefault(weight, []).append((part, delta))
+
+    if c.attention.mla is None:
+        q, kv = c.attention.q_size, c.attention.kv_size
+        add("w_qkv", "q_proj", slice(0, q))
+        add("w_qkv", "k_proj", slice(q, q + kv))
+        add("w_qkv", "v_proj", slice(q + kv, q + 2 * kv))
+        add("w_o", "o_proj")
+    else:
+        for name, weight in MLA_TARGETS.items():
+            add(weight, name)
+    for weight, deltas in adds.items():
+        w = out[weight].astype(jnp.float32)
+        for part, delta in deltas:
+            w = w.at[..., part].add(delta)
+        out[weight] = w.astype(p[weight].dtype)
+    if "mlp" in p:
+        mlp = {k: v for k, v in p["mlp"].items() if "_lora_" not in k}
+        f = mlp["w_out"].shape[-2]
+        w_in = mlp["w_in"].astype(jnp.float32)
+        for name, part in (("gate_proj", slice(0, f)), ("up_proj", slice(f, 2 * f))):
+            if f"{name}_lora_a" in p["mlp"]:
+                w_in = w_in.at[..., part].add(
+                    _delta(s, p["mlp"][f"{name}_lora_a"], p["mlp"][f"{name}_lora_b"])
+                )
+        mlp["w_in"] = w_in.astype(p["mlp"]["w_in"].dtype)
+        if "down_proj_lora_a" in p["mlp"]:
+            delta = _delta(s, p["mlp"]["down_proj_lora_a"], p["mlp"]["down_proj_lora_b"])
+            mlp["w_out"] = (mlp["w_out"].astype(jnp.float32) + delta).astype(mlp["w_out"].dtype)
+        out["mlp"] = mlp
+    if "moe" in p:
+        m = p["moe"]
+        moe = {k: v for k, v in m.items() if "_lora_" not in k}
+        for weight in ("w_in", "w_out", "shared_w_out"):
+            name = "shared_down_proj" if weight == "shared_w_out" else weight
+            if f"{name}_lora_a" in m:
+                delta = _delta(s, m[f"{name}_lora_a"], m[f"{name}_lora_b"])
+                moe[weight] = (moe[weight].astype(jnp.float32) + delta).astype(m[weight].dtype)
+        if "shared_w_in" in m:
+            fs = m["shared_w_out"].shape[-2]
+            w_in = m["shared_w_in"].astype(jnp.float32)
+            for name, part in (
+                ("shared_gate_proj", slice(0, fs)),
+                ("shared_up_proj", slice(fs, None)),
+            ):
+                if f"{name}_lora_a" in m:
+                    w_in = w_in.at[..., part].add(
+                        _delta(s, m[f"{name}_lora_a"], m[f"{name}_lora_b"])
+                    )
+            moe["shared_w_in"] = w_in.astype(m["shared_w_in"].dtype)
+        out["moe"] = moe
+    return out
+
+
+@named_errors("jaxops.models.merge_adapter")
+def merge_adapter(model: MoEDecoder, params: dict[str, Any]) -> tuple[MoEDecoder, dict[str, Any]]:
+    """The model without adapters and `params` with them folded into the base weights.
+
+    Each adapted weight becomes ``W + scaling * A @ B`` (computed in float32, stored in the
+    weight's dtype; the q / k / v parts of ``w_qkv`` and the gate / up halves of the MLPs'
+    ``w_in`` each take their own adapter), laid out as the plain model lays out its
+    parameters. ``jaxops.models.save_pretrained`` then writes a full checkpoint.
+
+    Returns:
+      ``(model, params)``: ``dataclasses.replace(model, lora=None)`` and its parameters.
+    """
+    _check_lora("jaxops.models.merge_adapter", model)
+    plain = dataclasses.replace(model, lora=None)
+
+    def merge(params):
+        out = dict(params)
+        for stack in ("layers", "dense_layers"):
+            if stack in params:
+                out[stack] = _merged_layer(model, params[stack])
+        return out
+
+    with jax.set_mesh(model.mesh):
+        merged = jax.jit(merge, out_shardings=plain.shardings())(params)
+    return plain, merged

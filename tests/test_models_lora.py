@@ -81,7 +81,7 @@ def _load(hf_families, family, targets, **options):
 def test_adapters_match_peft_on_transformers(hf_families, family, tmp_path):
     torch_model, _, model, params = _load(hf_families, family, CASES[family])
     params = _randomized(model, params)
-    out = models.save_adapters(model, params, tmp_path / "adapter")
+    out = models.save_adapter(model, params, tmp_path / "adapter")
     tuned = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(out)).eval()
     tokens = fam.random_tokens(8, seed=2)
     err = fam.check_logits(model, params, tuned, tokens, f"{family} lora", tol=fam.TOL)
@@ -93,7 +93,7 @@ def test_adapters_match_peft_on_transformers(hf_families, family, tmp_path):
     ) > 20 * max(err, 1e-6)
     # Read back: the same adapters, the base untouched.
     fresh = model.add_adapters({k: v for k, v in params.items()}, jax.random.key(5))
-    back = models.load_adapters(model, fresh, out)
+    back = models.load_adapter(model, fresh, out)
     for (path, got), want in zip(
         jax.tree_util.tree_leaves_with_path(back), jax.tree.leaves(params), strict=True
     ):
@@ -151,11 +151,11 @@ def test_microbatches_and_generation_with_adapters(hf_families, tmp_path):
         jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads2), strict=True
     ):
         np.testing.assert_allclose(g2, g, rtol=2e-4, atol=1e-6, err_msg=str(path))
-    out = models.save_adapters(model, params, tmp_path / "adapter")
+    out = models.save_adapter(model, params, tmp_path / "adapter")
     tuned = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(out)).eval()
     _, path = hf_families.hf("qwen3_moe")
     one, base = models.from_pretrained(path, mesh=fam.mesh("1dev"), lora=model.lora)
-    fam.check_greedy_generate(one, models.load_adapters(one, base, out), tuned)
+    fam.check_greedy_generate(one, models.load_adapter(one, base, out), tuned)
 
 
 def test_fresh_adapters_change_nothing_and_grads_are_the_adapters_only(hf_families):
@@ -189,14 +189,72 @@ def test_refused(hf_families, family, targets, options, match):
         models.from_pretrained(path, mesh=mesh, lora=Lora(2, 4.0, targets), **options)
 
 
-def test_save_pretrained_and_save_adapters_refusals(hf_families, tmp_path):
+def test_save_pretrained_and_save_adapter_refusals(hf_families, tmp_path):
     _, _, model, params = _load(hf_families, "mixtral", CASES["mixtral"])
-    with pytest.raises(ConfigError, match=r"^jaxops\.models\.save_pretrained: .*save_adapters"):
+    with pytest.raises(ConfigError, match=r"^jaxops\.models\.save_pretrained: .*save_adapter"):
         models.save_pretrained(model, params, tmp_path / "full")
     plain = dataclasses.replace(model, lora=None)
-    with pytest.raises(ConfigError, match=r"^jaxops\.models\.save_adapters: the model has no"):
-        models.save_adapters(plain, params, tmp_path / "none")
-    out = models.save_adapters(model, params, tmp_path / "a")
+    with pytest.raises(ConfigError, match=r"^jaxops\.models\.save_adapter: the model has no"):
+        models.save_adapter(plain, params, tmp_path / "none")
+    out = models.save_adapter(model, params, tmp_path / "a")
     other = dataclasses.replace(model, lora=Lora(8, 8.0, CASES["mixtral"]))
     with pytest.raises(ConfigError, match=r"holds other adapters: r=4 \(the model's 8\)"):
-        models.load_adapters(other, other.add_adapters(params, jax.random.key(0)), out)
+        models.load_adapter(other, other.add_adapters(params, jax.random.key(0)), out)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen2_moe", "llama4_text"])
+def test_merge_then_save_pretrained_loads_in_transformers(hf_families, family, tmp_path):
+    """merge_adapter folds every adapter into its weight (the q/k/v parts of w_qkv, the MLPs'
+    gate and up halves): the merged plain model computes the adapted logits, and
+    save_pretrained's checkpoint loads in transformers with the same logits."""
+    transformers = pytest.importorskip("transformers")
+    _, _, model, params = _load(hf_families, family, lora_targets_of(family))
+    params = _randomized(model, params, seed=6)
+    tokens = fam.random_tokens(8, seed=7)
+    want = jax.jit(model.logits)(params, model.place_batch(tokens))
+    plain, merged = models.merge_adapter(model, params)
+    assert plain.lora is None and not any(
+        "_lora_" in jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(merged)
+    )
+    got = jax.jit(plain.logits)(merged, plain.place_batch(tokens))
+    assert fam.max_rel_err(got, want) < 1e-5
+    models.save_pretrained(plain, merged, tmp_path / "merged")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        theirs = reloaded(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+    assert fam.max_rel_err(want, theirs) < fam.TOL
+
+
+def lora_targets_of(family: str) -> tuple[str, ...]:
+    """Every LoRA target the family's tiny model has."""
+    from jaxops.models._layout import lora_targets
+
+    return lora_targets(models.DecoderConfig.from_hf(fam.hf_config(family).to_dict()))
+
+
+def test_adapter_gradients_are_the_chain_rule_of_the_merged_weights(hf_families):
+    """dL/dA = scaling dL/dW B^T and dL/dB = scaling A^T dL/dW, with dL/dW the plain model's
+    gradient at the merged weights: for the q part of w_qkv and every expert's w_in."""
+    _, _, model, params = _load(hf_families, "qwen3_moe", ("q_proj", "experts.gate_up_proj"))
+    params = _randomized(model, params, seed=8)
+    tokens = fam.random_tokens(16, seed=9)
+    batch = model.place_batch(tokens, np.roll(tokens, -1, axis=1))
+    _, grads = jax.jit(model.loss_and_grads)(params, *batch)
+    plain, merged = models.merge_adapter(model, params)
+    _, full = jax.jit(plain.loss_and_grads)(merged, *batch)
+    s = model.lora.scaling
+    lay, g, gw = params["layers"], grads["layers"], full["layers"]
+    q = model.config.attention.q_size
+    d_q = np.asarray(gw["w_qkv"])[..., :q]  # [L, D, q]
+    a, b = np.asarray(lay["q_proj_lora_a"]), np.asarray(lay["q_proj_lora_b"])
+    np.testing.assert_allclose(
+        g["q_proj_lora_a"], s * d_q @ b.swapaxes(-1, -2), rtol=2e-3, atol=1e-6
+    )
+    np.testing.assert_allclose(
+        g["q_proj_lora_b"], s * a.swapaxes(-1, -2) @ d_q, rtol=2e-3, atol=1e-6
+    )
+    d_in = np.asarray(gw["moe"]["w_in"])  # [L, E, H, 2F]
+    a, b = np.asarray(lay["moe"]["w_in_lora_a"]), np.asarray(lay["moe"]["w_in_lora_b"])
+    want_a, want_b = s * d_in @ b.swapaxes(-1, -2), s * a.swapaxes(-1, -2) @ d_in
+    np.testing.assert_allclose(g["moe"]["w_in_lora_a"], want_a, rtol=2e-3, atol=1e-6)
+    np.testing.assert_allclose(g["moe"]["w_in_lora_b"], want_b, rtol=2e-3, atol=1e-6)
