@@ -203,8 +203,8 @@ class MoEDecoder:
         ``kv_b_proj``, ``o_proj`` (adapters ``<name>_lora_a [L, in, r]``, ``<name>_lora_b [L, r,
         out]`` in each stack), the dense layers' ``mlp.gate_proj``, ``mlp.up_proj``,
         ``mlp.down_proj``, the shared experts' ``shared_experts.gate_proj`` (``up_proj``,
-        ``down_proj``) and the routed experts' ``experts.gate_up_proj`` /
-        ``experts.down_proj``
+        ``down_proj``), the routed experts' ``experts.gate_up_proj`` /
+        ``experts.down_proj`` and the ``router``
         (``MoEConfig.lora``: one pair per expert, sharded with the experts). The base weights
         are frozen: :meth:`loss_and_grads` differentiates the adapters only
         (:meth:`trainable`), :meth:`init_optimizer` and :meth:`train_step` update them alone.

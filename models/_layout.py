@@ -37,6 +37,7 @@ __all__ = [
     "DENSE_TARGETS",
     "EXPERT_TARGETS",
     "MLA_TARGETS",
+    "ROUTER_TARGET",
     "SHARED_TARGETS",
     "Layout",
     "adapters_of",
@@ -71,7 +72,9 @@ SHARED_TARGETS = {
     "shared_experts.up_proj": "shared_up_proj",
     "shared_experts.down_proj": "shared_down_proj",
 }
-_MOE_TARGETS = {**EXPERT_TARGETS, **SHARED_TARGETS}
+#: The MoE router's LoRA target (PEFT's ``target_parameters`` on the family's router weight).
+ROUTER_TARGET = "router"
+_MOE_TARGETS = {**EXPERT_TARGETS, **SHARED_TARGETS, ROUTER_TARGET: "router"}
 
 
 def attention_targets(config: DecoderConfig) -> dict[str, tuple[int, int]]:
@@ -92,11 +95,11 @@ def lora_targets(config: DecoderConfig) -> tuple[str, ...]:
     """The LoRA targets a decoder of `config` has.
 
     Its attention's, the dense layers' MLP's and the shared experts' (where it has them), the
-    routed experts'.
+    routed experts', the router.
     """
     dense = DENSE_TARGETS if config.pattern.dense_layers else ()
     shared = tuple(SHARED_TARGETS) if config.moe.shared_ffn else ()
-    return (*attention_targets(config), *dense, *shared, *EXPERT_TARGETS)
+    return (*attention_targets(config), *dense, *shared, *EXPERT_TARGETS, ROUTER_TARGET)
 
 
 def _is_adapter(path: tuple) -> bool:

@@ -37,6 +37,7 @@ from ._layout import (
     DENSE_TARGETS,
     EXPERT_TARGETS,
     MLA_TARGETS,
+    ROUTER_TARGET,
     SHARED_TARGETS,
     attention_targets,
 )
@@ -65,13 +66,19 @@ def _expert_names(model: MoEDecoder) -> dict[str, str]:
 
 
 def _shared_names(model: MoEDecoder) -> dict[str, str]:
-    """The shared expert's adapted projections: our name -> its PEFT path below the layer."""
+    """The shared expert's adapted projections and the router: our name -> its PEFT path.
+
+    (Below ``model.layers.{i}``; each a 2-D weight PEFT adapts as a ``lora.Linear``'s.)
+    """
     fam = family(model.config.model_type)
-    return {
+    out = {
         SHARED_TARGETS[t]: f"{fam.moe_module}.{fam.names.shared}.{t.split('.')[-1]}"
         for t in model.lora.targets
         if t in SHARED_TARGETS
     }
+    if ROUTER_TARGET in model.lora.targets:
+        out["router"] = f"{fam.moe_module}.{fam.names.router}"
+    return out
 
 
 def _dense_targets(lora: Any) -> list[str]:
@@ -370,7 +377,7 @@ def _merged_layer(model: MoEDecoder, p: dict[str, Any]) -> dict[str, Any]:
     if "moe" in p:
         m = p["moe"]
         moe = {k: v for k, v in m.items() if "_lora_" not in k}
-        for weight in ("w_in", "w_out", "shared_w_out"):
+        for weight in ("w_in", "w_out", "shared_w_out", "router"):
             name = "shared_down_proj" if weight == "shared_w_out" else weight
             if f"{name}_lora_a" in m:
                 delta = _delta(s, m[f"{name}_lora_a"], m[f"{name}_lora_b"])

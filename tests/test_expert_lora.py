@@ -46,7 +46,9 @@ def _params(cfg: MoEConfig, seed: int = 0) -> dict[str, jax.Array]:
     """Random float32 params, the adapters' B not zero (a trained adapter)."""
     rng = np.random.default_rng(seed)
     return {
-        name: jnp.asarray(rng.normal(size=shape) * shape[-2] ** -0.5, jnp.float32)
+        name: jnp.asarray(
+            rng.normal(size=shape) * (shape[-2] ** -0.5 if len(shape) > 1 else 0.2), jnp.float32
+        )
         for name, shape in cfg.param_shapes.items()
     }
 
@@ -197,6 +199,28 @@ def test_shared_targets_need_a_swiglu_shared_expert():
         _config(("shared_up_proj",))
 
 
+def test_router_adapter_moves_the_choice_and_equals_the_merged_router():
+    """A router adapter (float32 logits ``x @ (router + scaling A B)``): the layer equals its
+    twin and the merged router, and its own gradient comes through the weights and aux loss."""
+    cfg = _config(("router",), router="sigmoid", router_bias=True)
+    params, x = _params(cfg, 9), _x(10)
+    y, grads = _adapter_loss(_layer(cfg), cfg, params, x)
+    y_ref, grads_ref = _adapter_loss(_reference(cfg), cfg, params, x)
+    assert_allclose(y, y_ref, jnp.float32, err_msg="y")
+    for name in ("router_lora_a", "router_lora_b"):
+        assert np.asarray(grads[name]).any(), name
+        assert_allclose(grads[name], grads_ref[name], jnp.float32, scale=4, err_msg=name)
+    plain, merged = _merged_router(cfg, params)
+    assert rel_error(y, jax.jit(_reference(plain))(merged, x)[0]) < 1e-5
+
+
+def _merged_router(cfg, params):
+    s = cfg.lora.scaling
+    merged = {k: v for k, v in params.items() if "_lora_" not in k}
+    merged["router"] = params["router"] + s * params["router_lora_a"] @ params["router_lora_b"]
+    return dataclasses.replace(cfg, lora=None), merged
+
+
 def test_rslora_scaling():
     rs = _config(lora=Lora(rank=4, alpha=8.0, targets=("w_in",), rslora=True))
     assert rs.lora.scaling == 4.0 and _config().lora.scaling == 2.0
@@ -221,7 +245,7 @@ def test_fp8_base_with_bfloat16_free_adapters():
 @pytest.mark.parametrize(
     ("lora", "error", "match"),
     [
-        (Lora(4, 8.0, ("router",)), ConfigError, r"lora targets \['router'\] match no weight"),
+        (Lora(4, 8.0, ("gate",)), ConfigError, r"lora targets \['gate'\] match no weight"),
         ("lora", TypeError, "lora must be a jaxops.Lora or None"),
     ],
     ids=["unknown-target", "not-a-lora"],

@@ -59,9 +59,12 @@ EXCHANGES = ("auto", "ragged", "dense", "gather")
 #: What crosses the dispatch exchange (MoEConfig.dispatch).
 DISPATCHES = ("dtype", "fp8")
 #: The weights that take low-rank adapters (MoEConfig.lora.targets): the routed experts' two,
-#: and the shared expert's projections by transformers' names (its ``shared_w_in`` holds gate
-#: and up side by side: each keeps its own adapter).
-LORA_TARGETS = ("w_in", "w_out", "shared_gate_proj", "shared_up_proj", "shared_down_proj")
+#: the shared expert's projections by transformers' names (its ``shared_w_in`` holds gate and
+#: up side by side: each keeps its own adapter), and the router.
+LORA_TARGETS = (
+    *("w_in", "w_out", "shared_gate_proj", "shared_up_proj", "shared_down_proj"),
+    "router",
+)
 #: FP8 group width (1 x 128 row groups, 128 x 128 weight tiles).
 FP8_BLOCK = 128
 
@@ -372,7 +375,9 @@ class MoEConfig:
         The shared expert's ``shared_gate_proj``, ``shared_up_proj`` and ``shared_down_proj``
         (swiglu only) get one replicated pair each (``shared_gate_proj_lora_a [H, r]``, ...),
         added to the gate's and the up projection's halves of ``shared_w_in`` and to
-        ``shared_w_out``'s output.
+        ``shared_w_out``'s output. ``router`` adapts the router (``router_lora_a [H, r]``,
+        ``router_lora_b [r, E]``, replicated; float32 logits): it moves the choice of experts,
+        so it trains only when asked.
 
     Example:
       >>> from jaxops.parallel.expert import MoEConfig
@@ -499,6 +504,7 @@ class MoEConfig:
             widths = {"w_in": ((e,), h, self.w_in_width), "w_out": ((e,), f, h)}
             widths.update(shared_gate_proj=((), h, fs), shared_up_proj=((), h, fs))
             widths["shared_down_proj"] = ((), fs, h)
+            widths["router"] = ((), h, e)
             for target in self.lora.targets:
                 lead, n_in, n_out = widths[target]
                 shapes[f"{target}_lora_a"] = (*lead, n_in, r)

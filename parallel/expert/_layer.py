@@ -68,7 +68,7 @@ def _route_and_count(cfg: MoEConfig, plan: Plan, params, tokens, valid=None):
     """
     e, token_axes = cfg.num_experts, cfg.token_axes
     bias, logit_bias = params.get("router_bias"), params.get("router_logit_bias")
-    logits, dist, ids, probs = route(cfg, tokens, params["router"], bias, valid, logit_bias)
+    logits, dist, ids, probs = route(cfg, tokens, params["router"], bias, valid, logit_bias, params)
     counts = slot_counts(ids, e, masked=valid is not None)
     if plan.capacity is None:
         kept = counts

@@ -81,7 +81,7 @@ def moe_layer_reference(
     tokens = mask_tokens(x.reshape(-1, cfg.hidden_size), valid)
     t, e, k = tokens.shape[0], cfg.num_experts, cfg.top_k
     bias, logit_bias = params.get("router_bias"), params.get("router_logit_bias")
-    logits, dist, ids, probs = route(cfg, tokens, params["router"], bias, valid, logit_bias)
+    logits, dist, ids, probs = route(cfg, tokens, params["router"], bias, valid, logit_bias, params)
     slot_expert = ids.reshape(-1)
     onehot = slot_expert[:, None] == jnp.arange(e)[None, :]  # [T*K, E], slot order
     cap = cfg.capacity(t)

@@ -82,6 +82,7 @@ def route(
     bias=None,
     valid=None,
     logit_bias=None,
+    params=None,
 ):
     """(logits, probabilities over experts, expert_ids [T, K], their weights [T, K]), float32.
 
@@ -101,12 +102,20 @@ def route(
       valid: None or bool ``[T]``: a False token gets expert ids -1 (no expert) and weights 0.
       logit_bias: None or ``[E]``, the learned logit bias (MoEConfig.router_logit_bias), added
         to the float32 logits (with a gradient).
+      params: the layer's parameters, read for the router's LoRA adapter (``router_lora_a
+        [H, r]``, ``router_lora_b [r, E]``) when cfg.lora targets "router": the logits add
+        ``scaling * (tokens @ A) @ B``, in float32.
     """
     # Full float32 products on every platform (never TF32); jaxops.gemm's twin, whose weight
     # gradient XLA:CPU runs as a plain GEMM.
-    logits = gemm(
-        tokens.astype(jnp.float32), w_router.astype(jnp.float32), precision="fp32", impl="xla"
-    )
+    x = tokens.astype(jnp.float32)
+    logits = gemm(x, w_router.astype(jnp.float32), precision="fp32", impl="xla")
+    if cfg.lora is not None and "router" in cfg.lora.targets:
+        a, b = params["router_lora_a"], params["router_lora_b"]
+        t = gemm(x, a.astype(jnp.float32), precision="fp32", impl="xla")
+        logits = logits + cfg.lora.scaling * gemm(
+            t, b.astype(jnp.float32), precision="fp32", impl="xla"
+        )
     if logit_bias is not None:
         logits = logits + logit_bias.astype(jnp.float32)
     if cfg.router == "softmax":
