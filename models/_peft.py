@@ -241,9 +241,13 @@ def load_adapter(
 ) -> dict[str, Any]:
     """`params` with its adapters read from a PEFT adapter directory (:func:`save_adapter`).
 
-    The directory's rank, alpha, rsLoRA and targets must be the model's ``lora`` (its
-    ``adapter_config.json`` is checked), and every adapter tensor the model has must be there
-    with its shape; the adapters are placed as the parameters are.
+    What PEFT wrote (``PeftModel.save_pretrained`` of a LoRA on transformers' model of the
+    family) or :func:`save_adapter` did. The directory's rank, alpha, rsLoRA and targets must be
+    the model's ``lora`` (its ``adapter_config.json`` is checked), and PEFT features jaxops does
+    not build (another adapter type, DoRA, LoRA biases, per-module ranks or alphas, trained
+    copies of whole modules, a layer subset) are refused naming the key; every adapter tensor
+    the model has must be there with its shape (CheckpointError naming it). The adapters are
+    placed as the parameters are.
     """
     op = "jaxops.models.load_adapter"
     _check_lora(op, model)
@@ -252,6 +256,22 @@ def load_adapter(
         config = json.loads((root / ADAPTER_CONFIG).read_text())
     except FileNotFoundError:
         raise ConfigError(f"{op}: {root} has no {ADAPTER_CONFIG}") from None
+    unsupported = {
+        "peft_type": ("LORA",),
+        "use_dora": (False, None),
+        "lora_bias": (False, None),
+        "bias": ("none", None),
+        "rank_pattern": ({}, None),
+        "alpha_pattern": ({}, None),
+        "modules_to_save": (None, []),
+        "layers_to_transform": (None, []),
+    }
+    for key, allowed in unsupported.items():
+        if config.get(key) not in allowed:
+            raise ConfigError(
+                f"{op}: {root}/{ADAPTER_CONFIG} has {key} = {config.get(key)!r}; jaxops reads "
+                f"LoRA adapters with {key} in {list(allowed)}"
+            )
     want = _adapter_config(model)
     keys = ("r", "lora_alpha", "use_rslora", "target_modules", "target_parameters")
     differ = [
@@ -268,12 +288,12 @@ def load_adapter(
     expected = _peft_tensors(model, params)
     missing = sorted(set(expected) - set(stored))
     if missing:
-        raise ConfigError(
+        raise checkpoint.CheckpointError(
             f"{op}: {root} lacks {len(missing)} adapter tensor(s), e.g. {missing[:3]}"
         )
     for k, v in expected.items():
         if stored[k].shape != v.shape:
-            raise ConfigError(
+            raise checkpoint.CheckpointError(
                 f"{op}: {k} has shape {stored[k].shape} in {root}, the model's is {v.shape}"
             )
     return _place(model, params, stored)

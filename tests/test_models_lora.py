@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -258,3 +259,46 @@ def test_adapter_gradients_are_the_chain_rule_of_the_merged_weights(hf_families)
     want_a, want_b = s * d_in @ b.swapaxes(-1, -2), s * a.swapaxes(-1, -2) @ d_in
     np.testing.assert_allclose(g["moe"]["w_in_lora_a"], want_a, rtol=2e-3, atol=1e-6)
     np.testing.assert_allclose(g["moe"]["w_in_lora_b"], want_b, rtol=2e-3, atol=1e-6)
+
+
+def test_peft_written_adapters_load(hf_families, tmp_path):
+    """PEFT writes (its own LoRA on transformers' model, B not zero), jaxops reads: the same
+    logits; PEFT features jaxops does not build are refused naming the key, a tensor of
+    another shape naming the tensor."""
+    torch_model, _, model, params = _load(
+        hf_families, "qwen3_moe", ("q_proj", "o_proj", "experts.gate_up_proj", "router")
+    )
+    config = peft.LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "o_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.gate.weight"],
+        init_lora_weights=False,  # random B: an adapter that changes the logits
+    )
+    torch.manual_seed(0)
+    tuned = peft.get_peft_model(copy.deepcopy(torch_model), config).eval()
+    tuned.save_pretrained(tmp_path / "peft")
+    loaded = models.load_adapter(model, params, tmp_path / "peft")
+    fam.check_logits(model, loaded, tuned, fam.random_tokens(8, seed=11), "peft-written adapter")
+    assert float(jnp.abs(loaded["layers"]["q_proj_lora_b"]).max()) > 0
+
+    import json
+
+    from jaxops.parallel.checkpoint import CheckpointError
+
+    written = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    (tmp_path / "dora").mkdir()
+    (tmp_path / "dora" / "adapter_config.json").write_text(
+        json.dumps({**written, "use_dora": True})
+    )
+    with pytest.raises(ConfigError, match="use_dora = True"):
+        models.load_adapter(model, params, tmp_path / "dora")
+    out = models.save_adapter(model, params, tmp_path / "ours")
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    key = next(k for k in tensors if "o_proj.lora_B" in k)
+    tensors[key] = tensors[key][:, :2]
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    with pytest.raises(CheckpointError, match=f"{re.escape(key)} has shape"):
+        models.load_adapter(model, params, out)
