@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxops.parallel import checkpoint
 
-from jaxops._errors import ConfigError, named_errors
+from jaxops._errors import ArgumentTypeError, ConfigError, named_errors
 
 from ._decoder import MoEDecoder
 from ._families import family
@@ -193,7 +193,7 @@ def _adapter_config(model: MoEDecoder) -> dict[str, Any]:
 
 def _check_lora(op: str, model: Any) -> None:
     if not isinstance(model, MoEDecoder):
-        raise ConfigError(f"{op}: model must be a MoEDecoder, got {type(model).__name__}")
+        raise ArgumentTypeError(f"{op}: model must be a MoEDecoder, got {type(model).__name__}")
     if model.lora is None:
         raise ConfigError(f"{op}: the model has no adapters (MoEDecoder(..., lora=jaxops.Lora))")
 
