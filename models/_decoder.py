@@ -28,6 +28,7 @@ from jaxops._errors import ArgumentTypeError, ConfigError, InvalidArgumentError,
 from jaxops._lora import Lora, as_lora
 
 from . import _batch, _objective, _run, _train
+from ._base import BASES
 from ._config import DecoderConfig
 from ._layout import Layout, lora_targets
 
@@ -133,7 +134,10 @@ class MoEDecoder:
       remat: what each layer keeps for its backward (``jax.checkpoint``), one of
         :data:`REMAT_POLICIES`: "none" (False; every residual), "full" (True; only the layer's
         input, the backward recomputes its forward) or "matmuls" (the projections' and dots'
-        outputs); or a ``jax.checkpoint_policies`` policy.
+        outputs); or a ``jax.checkpoint_policies`` policy. None (the default): "none", or
+        "matmuls" with a quantized ``base``, which refuses "none": every residual includes
+        each layer's dequantized weights (the projections' ``custom_vjp`` keeps its weight),
+        a float copy of the whole base for the backward.
       dtype: compute dtype (float32, bfloat16 or float16); parameters may be stored in another.
       capacity_factor: None (dropless, as transformers) or the MoE layer's capacity factor.
       fp8: None, or the block :class:`jaxops.fp8.Recipe` (``jaxops.fp8.BLOCK`` or its name
@@ -211,6 +215,17 @@ class MoEDecoder:
         :meth:`add_adapters` adds fresh ones to loaded weights, ``save_adapter`` /
         ``load_adapter`` write and read them in PEFT's format, ``merge_adapter`` folds them
         into the weights. Not with a pipeline.
+      base: None (the base weights in the parameters' dtype) or "fp8": the decoder layers'
+        linear weights (attention projections, routed and shared experts, dense MLPs) kept
+        frozen as float8_e4m3fn bytes with float32 scales per ``base_block`` block
+        (``X`` and ``X_scale_inv`` parameters, the published block-FP8 format's meaning), each
+        layer's dequantized as the layer runs and again in its backward, never all at once
+        (:mod:`~jaxops.models._base`). ``from_pretrained`` keeps a published FP8
+        checkpoint's bytes so, or quantizes an unquantized one at load; :meth:`init` draws
+        and quantizes. The base is frozen: only ``lora`` adapters train on it.
+      base_block: ``(rows, columns)`` of a scale's block of a torch ``[out, in]`` weight
+        (a published checkpoint's ``weight_block_size``; ``from_pretrained`` takes it from
+        the checkpoint).
       layout: the :class:`~jaxops.models._layout.Layout` of the fields above (not a field:
         built once, on construction).
 
@@ -233,7 +248,7 @@ class MoEDecoder:
     pipe_axis: str = "pipe"
     num_microbatches: int = 1
     schedule: str = "1f1b"
-    remat: bool | str | Callable = False
+    remat: bool | str | Callable | None = None
     dtype: Any = jnp.float32
     capacity_factor: float | None = None
     fp8: jaxops.fp8.Recipe | str | None = None
@@ -250,6 +265,8 @@ class MoEDecoder:
     grad_reduce: str = "flat"
     vocab_chunk: int | None = None
     lora: Lora | None = None
+    base: str | None = None
+    base_block: tuple[int, int] = (128, 128)
 
     def __post_init__(self):
         op = _OP
@@ -262,7 +279,10 @@ class MoEDecoder:
                 f"{op}: mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}"
             )
         _checks.check_int(op, "num_microbatches", self.num_microbatches, 1)
-        if self.remat is None or isinstance(self.remat, bool):
+        self._check_base(op)
+        if self.remat is None:  # as the base asks (Layout.remat_policy): kept None
+            pass
+        elif isinstance(self.remat, bool):
             object.__setattr__(self, "remat", "full" if self.remat else "none")
         elif not callable(self.remat) and self.remat not in REMAT_POLICIES:
             raise ConfigError(
@@ -320,6 +340,36 @@ class MoEDecoder:
         lora.check_targets(op, lora_targets(self.config))
         if dict(self.mesh.shape).get(self.pipe_axis, 1) > 1:
             raise ConfigError(f"{op}: lora runs without a pipeline (pipe axis size 1) for now")
+
+    def _check_base(self, op: str) -> None:
+        if self.base not in BASES:
+            raise ConfigError(f"{op}: base must be one of {BASES}, got {self.base!r}")
+        block = self.base_block
+        if (
+            not isinstance(block, tuple | list)
+            or len(block) != 2
+            or not all(isinstance(b, int | np.integer) and not isinstance(b, bool) for b in block)
+            or min(block) < 1
+        ):
+            raise ConfigError(
+                f"{op}: base_block must be two ints >= 1 (rows, columns of a torch [out, in] "
+                f"weight's scale block), got {block!r}"
+            )
+        object.__setattr__(self, "base_block", (int(block[0]), int(block[1])))
+        if self.base is not None and (self.remat is False or self.remat == "none"):
+            raise ConfigError(
+                f"{op}: base={self.base!r} needs remat 'matmuls' (the default with it) or "
+                "'full': with remat='none' the backward would keep every layer's dequantized "
+                "weights, a float copy of the whole base"
+            )
+
+    def _check_trainable(self, op: str) -> None:
+        """A quantized base trains only through adapters (ConfigError otherwise)."""
+        if self.base is not None and self.lora is None:
+            raise ConfigError(
+                f"{op}: base={self.base!r} keeps the base weights frozen in FP8, so they have "
+                "no gradients; train adapters on it (lora=jaxops.Lora(...))"
+            )
 
     def _check_impl(self, op: str) -> None:
         """`impl` taken, and a required custom call present for every op family the model runs."""
@@ -402,6 +452,7 @@ class MoEDecoder:
 
     @_doc(Layout.init_optimizer)
     def init_optimizer(self, optimizer: Any, params: dict[str, Any]) -> Any:
+        self._check_trainable(f"{_OP}.init_optimizer")
         return self.layout.init_optimizer(optimizer, params)
 
     @_doc(Layout.gathered)
@@ -602,6 +653,7 @@ class MoEDecoder:
         :attr:`grad_reduce`). The arguments are those of :meth:`loss`.
         """
         op = f"{_OP}.loss_and_grads"
+        self._check_trainable(op)
         batch = self._check(op, tokens, targets, attention_mask, positions, segment_ids)
         layout = self.layout
         if self.pipe > 1:
@@ -647,6 +699,7 @@ class MoEDecoder:
           >>> loss.shape
           ()
         """
+        self._check_trainable(f"{_OP}.train_step")
         # with flat ZeRO-1 the gradients come reduce-scattered into the ZeRO-1 shards
         grads = self._zero_loss_and_grads if self.layout.flat_zero else self.loss_and_grads
         return _train.train_step(self.layout, optimizer, grads)

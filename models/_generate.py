@@ -159,6 +159,7 @@ def _slots(x: jax.Array, slots: int) -> jax.Array:
 
 def _layer(
     layout: Layout,
+    key: str,
     ffn: Callable,
     where: Tokens,
     keys: Tokens,
@@ -172,10 +173,12 @@ def _layer(
     ``xs``: the layer's parameters, its cached KV entries (``_layers.attention_inputs``'
     ``kv``, time on axis 1; None in the prefill, where the queries attend to their own keys)
     and its attention pattern when the layers' differ (else `static`). Returns
-    ``(h', keep(kv))``: this call's KV entries as the cache stores them.
+    ``(h', keep(kv))``: this call's KV entries as the cache stores them. `key`: the stack
+    (a quantized base's weights are dequantized here, one layer at a time).
     """
     ops, c = layout.ops, layout.config
     p, past, kind = xs
+    p = layout.dequantized(p, key)  # a quantized base: this layer's weights, for this step
     kind = static if kind is None else kind
     a = jaxops.rms_norm(h, p["attn_norm"], eps=c.rms_norm_eps, impl=ops.impl)
     q, kv = attention_inputs(ops, c, p, a, where, kind)
@@ -208,7 +211,7 @@ def _forward(
     for key, start, stop, first in layout.runs:
         n = stop - start
         static, scanned = layer_kinds(layout.config, range(first, first + n))
-        body = functools.partial(_layer, layout, ffn(layout, key), where, keys, keep, static)
+        body = functools.partial(_layer, layout, key, ffn(layout, key), where, keys, keep, static)
         stack = jax.tree.map(lambda a, i=start, j=stop: a[i:j], params[key])
         cached = None if past is None else tuple(a[first : first + n] for a in past)
         h, kv = jax.lax.scan(body, h, (stack, cached, scanned))

@@ -19,6 +19,7 @@ from jaxops.parallel.checkpoint import Rule
 from jaxops import fp8
 from jaxops._errors import ArgumentTypeError, ConfigError, named_errors
 
+from ._base import BASE_WEIGHTS, BaseCodec, as_bytes, as_fp8, scale_rules
 from ._config import read_config
 from ._decoder import MoEDecoder
 from ._families import family
@@ -37,21 +38,6 @@ __all__ = ["from_pretrained", "name_map", "save_pretrained"]
 
 # Tensors a model directory may hold that the decoder does not use (rotary caches of old exports).
 _IGNORED = re.compile(r".*\.rotary_emb\.inv_freq$")
-# Our keys whose tensors quantize="fp8-block" writes as FP8: the decoder layers' linear weights
-# (attention projections, expert and shared-expert gate/up/down); not the embeddings, lm_head,
-# norms, router or shared-expert gate.
-_ATTENTION_KERNELS = ("w_qkv", "w_o", "w_q", "w_q_a", "w_q_b", "w_kv_a", "w_kv_b")
-_FP8_KEYS = frozenset(
-    {
-        *(f"{stack}/{k}" for stack in ("layers", "dense_layers") for k in _ATTENTION_KERNELS),
-        "layers/moe/w_in",
-        "layers/moe/w_out",
-        "layers/moe/shared_w_in",
-        "layers/moe/shared_w_out",
-        "dense_layers/mlp/w_in",
-        "dense_layers/mlp/w_out",
-    }
-)
 # A published layer index (model.layers.N.) in a tensor name.
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 # save_pretrained's quantize=: the checkpoint format's name, a spelling of the block recipe.
@@ -118,7 +104,10 @@ def from_pretrained(
     ``float32(fp8) * scale`` per block, then cast to `dtype`, tensor by tensor as each process
     reads them: no host holds the model in full precision. FP8 checkpoints load dequantized:
     the parameters are those values in `dtype` (the model's ``fp8=`` option is independent of
-    the checkpoint's format).
+    the checkpoint's format), unless ``base="fp8"``: then the layers' linear weights keep their
+    FP8 bytes and scales as stored (``base_block`` the checkpoint's ``weight_block_size``;
+    :mod:`~jaxops.models._base`), and an unquantized checkpoint's are quantized at load, tensor
+    by tensor on the host, in ``base_block`` blocks.
 
     gpt-oss's published MXFP4 checkpoints load too (``quant_method: "mxfp4"``, OCP Microscaling
     FP4): each expert weight ``X`` stored as uint8 ``X_blocks`` (FP4 E2M1, two per byte) and
@@ -135,9 +124,10 @@ def from_pretrained(
       progress: a progress bar (None: only on a terminal).
       **options: further :class:`MoEDecoder` fields (expert_axis, pipe_axis, num_microbatches,
         schedule, remat, capacity_factor, fp8, dispatch, router_aux_loss_coef,
-        router_z_loss_coef, align, impl, lora). With ``lora`` (a :class:`jaxops.Lora`) the base
-        weights load as published and the adapters are added fresh (PEFT's initialization,
-        ``MoEDecoder.add_adapters`` with key 0), the only parameters training updates.
+        router_z_loss_coef, align, impl, lora, base, base_block). With ``lora`` (a
+        :class:`jaxops.Lora`) the base weights load as published and the adapters are added
+        fresh (PEFT's initialization, ``MoEDecoder.add_adapters`` with key 0), the only
+        parameters training updates; with ``base="fp8"`` too, the base stays in FP8 (QLoRA).
 
     Returns:
       ``(model, params)``.
@@ -145,11 +135,14 @@ def from_pretrained(
     Raises:
       ConfigError (ValueError): an unsupported model_type, feature or quantization, a missing
         config key.
+      ConfigError: ``base="fp8"`` with another ``base_block`` than the checkpoint's, or on
+        an MXFP4 checkpoint.
       CheckpointError: a tensor the config needs is missing, has another shape, or the files
         hold tensors the config does not account for (e.g. more experts or layers than it says);
         an FP8 weight whose ``weight_scale_inv`` is missing or of another shape; MXFP4 blocks
         without scales (or scales without blocks), either not uint8 or of shapes that do not
-        fit, or a scale code 255 (E8M0's NaN).
+        fit, or a scale code 255 (E8M0's NaN); with ``base="fp8"``, a ``weight_scale_inv``
+        that is NaN, infinite, zero or negative in any block.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -170,13 +163,21 @@ def from_pretrained(
     except TypeError:
         raise ConfigError(f"{op}: dtype {dtype!r} is not a dtype") from None
     lora = options.pop("lora", None)
+    if options.get("base") is not None:
+        options = _base_options(op, quant, options)
     model = MoEDecoder(config, mesh, dtype=compute_dtype or dtype, **options)
     rules = name_map(config)
     tensors = checkpoint.hf_tensors(root)  # validated headers and index
+    if model.base is not None:  # the FP8 weights' scales are parameters too
+        shapes = model.layout.weight_shapes()
+        rules = (*rules, *scale_rules(shapes, rules, model.base_block))
     rules = _language_model(config, rules, tensors)
     have = set(tensors)
     want = _expected_names(model, rules)
     codec = _codec(quant)
+    if model.base is not None:  # kept as stored (FP8), or quantized at load
+        weights = _expected_names(model, [r for r in rules if r.ours in BASE_WEIGHTS])
+        codec = BaseCodec(Fp8Block(model.base_block), weights, tensors)
     if isinstance(quant, Mxfp4):  # blocks with their scales, of fitting shapes
         mxfp4_check(op, tensors, want)
     stored = _stored_names(codec, want, have)  # an MXFP4 X: X_blocks and X_scales
@@ -202,13 +203,14 @@ def from_pretrained(
             f"{config.moe.num_experts}, tie_word_embeddings = {config.tie_word_embeddings}, "
             f"quantization_config = {method})"
         )
+    target = model.abstract_params(dtype)
+    if model.base is not None:  # read as float8, then held as its bytes
+        target = as_fp8(target)
     params = checkpoint.import_safetensors(
-        root,
-        model.abstract_params(dtype),
-        name_map=rules,
-        progress=progress,
-        codec=codec,
+        root, target, name_map=rules, progress=progress, codec=codec
     )
+    if model.base is not None:
+        params = as_bytes(params)
     if lora is not None:  # the base as published, the adapters fresh (PEFT's initialization)
         model = dataclasses.replace(model, lora=lora)
         params = model.add_adapters(params, jax.random.key(0))
@@ -280,6 +282,12 @@ def save_pretrained(
             "(PEFT's format, over the base checkpoint it was loaded from), or fold them into "
             "the weights with jaxops.models.merge_adapter first"
         )
+    if model.base is not None:
+        raise ConfigError(
+            f"{op}: the model keeps its base in FP8 (base={model.base!r}); the checkpoint it "
+            "was loaded from holds it already. Write adapters with jaxops.models.save_adapter, "
+            "or merge them (jaxops.models.merge_adapter dequantizes) and save that"
+        )
     if isinstance(quantize, str):
         quantize = _FORMATS.get(quantize, quantize)
     quantize = fp8.as_recipe(quantize, op, allowed=("block",), name="quantize")
@@ -295,7 +303,8 @@ def save_pretrained(
     codec = None
     if quantize == fp8.BLOCK:
         quant = Fp8Block()
-        codec = Fp8Codec(quant, _expected_names(model, [r for r in rules if r.ours in _FP8_KEYS]))
+        quantized = [r for r in rules if r.ours in BASE_WEIGHTS]
+        codec = Fp8Codec(quant, _expected_names(model, quantized))
         config["quantization_config"] = quant.to_hf(_unquantized_linears(model))
     return checkpoint.export_safetensors(
         params,
@@ -308,6 +317,24 @@ def save_pretrained(
         generation_config=generation_config,
         codec=codec,
     )
+
+
+def _base_options(op: str, quant: Fp8Block | Mxfp4 | None, options: dict[str, Any]) -> dict:
+    """`options` of a quantized base: ``base_block`` the checkpoint's own FP8 blocks."""
+    if isinstance(quant, Mxfp4):
+        raise ConfigError(
+            f"{op}: base={options['base']!r} keeps block-FP8 weights; this checkpoint's experts "
+            "are MXFP4 (gpt-oss), which loads dequantized (base=None)"
+        )
+    if isinstance(quant, Fp8Block):
+        block = tuple(options.get("base_block", quant.block))
+        if block != tuple(quant.block):
+            raise ConfigError(
+                f"{op}: base_block={list(block)} differs from the checkpoint's "
+                f"weight_block_size {list(quant.block)}; its FP8 bytes are kept as stored"
+            )
+        options = {**options, "base_block": tuple(quant.block)}
+    return options
 
 
 def _language_model(config: Any, rules: Sequence[Rule], tensors: Any) -> tuple[Rule, ...]:

@@ -28,12 +28,14 @@ from jaxops._errors import ConfigError
 from jaxops._lora import Lora
 from jaxops._sharding import axes_of, constrain, manual_axes, padded_spec, place
 
-from . import _layers, _loss, _mla
+from . import _base, _layers, _loss, _mla
 from ._config import DecoderConfig
+from ._names import name_map
 
 __all__ = [
     "ATTENTION_TARGETS",
     "CAST_BEFORE_GATHER",
+    "GATHERED",
     "DENSE_TARGETS",
     "EXPERT_TARGETS",
     "MLA_TARGETS",
@@ -146,7 +148,7 @@ def _is_sharding(x: Any) -> bool:
 
 
 #: The checkpoint name of ZeRO-3's gathered weights, which a layer's backward gathers again.
-_GATHERED = "zero_gathered"
+GATHERED = "zero_gathered"
 
 
 #: Weights the layers use only cast to the compute dtype (projections, expert FFNs, output
@@ -234,15 +236,17 @@ def _inserted(params: Any, extra: Any) -> Any:
     return out
 
 
-def without_gathered(remat: bool | Callable) -> bool | Callable:
-    """`remat` keeping nothing named :data:`_GATHERED` (False: everything else)."""
+def without_gathered(
+    remat: bool | Callable, names: tuple[str, ...] = (GATHERED,)
+) -> bool | Callable:
+    """`remat` keeping nothing of `names` (:data:`GATHERED`; False: everything else)."""
     if remat is True:
         return True
     if remat is False:
-        return jax.checkpoint_policies.save_anything_except_these_names(_GATHERED)
+        return jax.checkpoint_policies.save_anything_except_these_names(*names)
 
     def policy(prim, *args, **params):
-        if params.get("name") == _GATHERED:
+        if params.get("name") in names:
             return False
         return remat(prim, *args, **params)
 
@@ -272,7 +276,7 @@ class Layout:
     pipe_axis: str
     num_microbatches: int
     schedule: str
-    remat: str | Callable
+    remat: str | Callable | None
     dtype: Any
     capacity_factor: float | None
     fp8: str | None
@@ -289,6 +293,8 @@ class Layout:
     grad_reduce: str
     vocab_chunk: int | None
     lora: Lora | None
+    base: str | None
+    base_block: tuple[int, int]
 
     def check_mesh(self, op: str) -> None:
         """The mesh's axes fit the config (ConfigError naming what does not)."""
@@ -359,10 +365,16 @@ class Layout:
 
     @property
     def remat_policy(self) -> bool | Callable:
-        """What a layer keeps for its backward: False (everything), True (its input) or a policy."""
+        """What a layer keeps for its backward: False (everything), True (its input) or a policy.
+
+        (``remat`` None: "none", or "matmuls" with a quantized base.)
+        """
         if callable(self.remat):
             return self.remat
-        return {"none": False, "full": True, "matmuls": _MATMULS}[self.remat]
+        remat = self.remat
+        if remat is None:  # the default: "none", "matmuls" on a quantized base
+            remat = "none" if self.base is None else "matmuls"
+        return {"none": False, "full": True, "matmuls": _MATMULS}[remat]
 
     @property
     def flat_grads(self) -> bool:
@@ -446,7 +458,7 @@ class Layout:
         bfloat16 compute): half the all-gather's bytes and of the gathered copies, the same
         values. Their gradients are reduced in the stored dtype, as when cast after the gather
         (:func:`_gather_as`); `cast` False gathers every leaf in its own dtype (where the caller
-        differentiates the gathered tree itself). Named :data:`_GATHERED`, so that a layer's
+        differentiates the gathered tree itself). Named :data:`GATHERED`, so that a layer's
         backward gathers them again. Else `tree`.
         """
         if self.zero != 3:
@@ -471,7 +483,7 @@ class Layout:
             return constrain(a, target)
 
         gathered = jax.tree_util.tree_map_with_path(one, tree, specs, source)
-        return jax.ad_checkpoint.checkpoint_name(gathered, _GATHERED)
+        return jax.ad_checkpoint.checkpoint_name(gathered, GATHERED)
 
     @functools.cached_property
     def moe(self) -> ep.MoEConfig:
@@ -502,7 +514,31 @@ class Layout:
         )
 
     def param_shapes(self) -> dict[str, Any]:
-        """The parameter tree's shapes (``layers`` leaves stacked ``[Lm, ...]``).
+        """The parameter tree's shapes: :meth:`weight_shapes` and a quantized base's scales.
+
+        With ``base="fp8"`` each base weight ``X`` (:data:`~jaxops.models._base.BASE_WEIGHTS`)
+        has its float32 scales ``X_scale_inv`` beside it, one per block
+        (:mod:`~jaxops.models._base`).
+        """
+        tree = self.weight_shapes()
+        for key, maps in self.block_maps.items():
+            *path, name = key.split("/")
+            node = tree
+            for part in path:
+                node = node[part]
+            shape = node[name]
+            node[name + _base.SCALE] = (shape[0], *_base.scale_shape(shape[1:], maps))
+        return tree
+
+    @functools.cached_property
+    def block_maps(self) -> dict[str, _base.Maps]:
+        """Per base weight, its blocks (:func:`~jaxops.models._base.block_maps`); {} unquantized."""
+        if self.base is None:
+            return {}
+        return _base.block_maps(self.weight_shapes(), name_map(self.config), self.base_block)
+
+    def weight_shapes(self) -> dict[str, Any]:
+        """The parameter tree's shapes (``layers`` leaves stacked ``[Lm, ...]``), unquantized.
 
         ``embed [V, D]``; per MoE layer (``layers``, the config's ``moe_layers`` in order)
         ``attn_norm [D]``, the attention's (GQA: ``w_qkv [D, (Hq + 2 Hkv) Dh]`` (q, k, v side
@@ -620,6 +656,9 @@ class Layout:
         if self.moe_impl == "dense":  # every device runs every expert
             moe_specs = {k: P() for k in moe_specs}
         specs["moe"] = {k: P(lead, *s) for k, s in moe_specs.items() if k in shapes["moe"]}
+        for k in shapes["moe"]:  # a quantized base weight's scales: laid out as the weight
+            if k.endswith(_base.SCALE):
+                specs["moe"][k] = specs["moe"][k.removesuffix(_base.SCALE)]
         return specs
 
     def compute_specs(self) -> dict[str, Any]:
@@ -760,12 +799,16 @@ class Layout:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(
             self.param_shapes(), is_leaf=_is_shape
         )
+        base = {tuple(k.split("/")) for k in self.block_maps}
+
+        def dtype_of(path: tuple) -> np.dtype:
+            names = tuple(getattr(k, "key", None) for k in path)
+            if names[-1] == "router_bias" or names[-1].endswith(_base.SCALE):
+                return np.dtype(np.float32)
+            return np.dtype(np.uint8) if names in base else dtype  # the FP8 bytes
+
         out = [
-            jax.ShapeDtypeStruct(
-                shape,
-                np.dtype(np.float32) if path[-1] == jax.tree_util.DictKey("router_bias") else dtype,
-                sharding=sharding,
-            )
+            jax.ShapeDtypeStruct(shape, dtype_of(path), sharding=sharding)
             for (path, shape), sharding in zip(
                 leaves, jax.tree.leaves(shardings, is_leaf=_is_sharding), strict=True
             )
@@ -776,9 +819,49 @@ class Layout:
         """Random parameters placed on the mesh.
 
         normal(0, 0.02) matrices (transformers' initializer_range), unit norms, zero biases
-        (the router's correction bias too).
+        (the router's correction bias too). With ``base="fp8"`` the base weights are drawn in
+        `dtype` and quantized (:meth:`quantize_base`).
         """
-        return _initialized(self.abstract_params(dtype), key)
+        if self.base is None:
+            return _initialized(self.abstract_params(dtype), key)
+        plain = dataclasses.replace(self, base=None)
+        return self.quantize_base(_initialized(plain.abstract_params(dtype), key))
+
+    def quantize_base(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Unquantized `params` with the base weights in FP8 and their scales (``base="fp8"``).
+
+        Per block ``scale = amax / 448``, as a published checkpoint
+        (:func:`~jaxops.models._base.quantize`); the FP8 values as their bytes (uint8),
+        placed on :meth:`shardings`.
+        """
+        maps = self.block_maps
+
+        def quantized(params):
+            out = jax.tree.map(lambda x: x, params)
+            for key, m in maps.items():
+                *path, name = key.split("/")
+                node = out
+                for part in path:
+                    node[part] = dict(node[part])
+                    node = node[part]
+                data, node[name + _base.SCALE] = _base.quantize(node[name], m)
+                node[name] = jax.lax.bitcast_convert_type(data, jnp.uint8)
+            return out
+
+        target = jax.tree_util.tree_flatten_with_path(self.abstract_params())[0]
+        sharding = {path: a.sharding for path, a in target}
+        out = jax.eval_shape(quantized, params)  # with or without adapters
+        shardings = jax.tree_util.tree_map_with_path(lambda path, _: sharding[path], out)
+        return jax.jit(quantized, out_shardings=shardings)(params)
+
+    def dequantized(self, p: dict[str, Any], key: str) -> dict[str, Any]:
+        """One layer's parameters `p` of stack `key`, its FP8 base weights in the compute dtype.
+
+        (:func:`~jaxops.models._base.dequantized`; `p` itself when the base is unquantized.)
+        """
+        if self.base is None:
+            return p
+        return _base.dequantized(p, self.block_maps, self.dtype, key)
 
     def add_adapters(self, params: dict[str, Any], key: jax.Array) -> dict[str, Any]:
         """`params` (the base weights, as loaded) with :attr:`lora`'s adapters added, placed.

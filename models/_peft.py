@@ -425,19 +425,23 @@ def merge_adapter(model: MoEDecoder, params: dict[str, Any]) -> tuple[MoEDecoder
     Each adapted weight becomes ``W + scaling * A @ B`` (computed in float32, stored in the
     weight's dtype; the q / k / v parts of ``w_qkv`` and the gate / up halves of the MLPs'
     ``w_in`` each take their own adapter), laid out as the plain model lays out its
-    parameters. ``jaxops.models.save_pretrained`` then writes a full checkpoint.
+    parameters. ``jaxops.models.save_pretrained`` then writes a full checkpoint. A base
+    kept in FP8 (``base="fp8"``) is dequantized first, into the model's compute dtype: the
+    merged model has an unquantized base (``base=None``), each merged weight one copy.
 
     Returns:
-      ``(model, params)``: ``dataclasses.replace(model, lora=None)`` and its parameters.
+      ``(model, params)``: ``dataclasses.replace(model, lora=None, base=None)`` and its
+      parameters.
     """
     _check_lora("jaxops.models.merge_adapter", model)
-    plain = dataclasses.replace(model, lora=None)
+    plain = dataclasses.replace(model, lora=None, base=None)
 
     def merge(params):
         out = dict(params)
         for stack in ("layers", "dense_layers"):
             if stack in params:
-                out[stack] = _merged_layer(model, params[stack])
+                layers = model.layout.dequantized(params[stack], stack)
+                out[stack] = _merged_layer(model, layers)
         return out
 
     with jax.set_mesh(model.mesh):

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxops.parallel import expert as ep
 
-from . import _layers
-from ._layout import Layout, without_gathered
+from . import _base, _layers
+from ._layout import GATHERED, Layout, without_gathered
 
 __all__ = ["ffn", "layer_step", "run_all", "run_layers", "stage"]
 
@@ -132,13 +132,21 @@ def layer_step(
 
     Rematerialized as ``remat`` says (:attr:`Layout.remat_policy`); `gather`: ZeRO-3 gathers
     its weights (outside a pipeline stage, whose weights its shard_map gathered) and again in
-    its backward.
+    its backward. A quantized base's weights are dequantized in the body, and again in its
+    backward (never saved for it: no float copy of the base outlives its layer).
     """
-    layer = functools.partial(
+    decoder_layer = functools.partial(
         _layers.decoder_layer, layout.ops, layout.config, ffn(layout, key), where, static
     )
+
+    def layer(h, xs):  # a quantized base's weights dequantized where the layer starts
+        if isinstance(xs, tuple):
+            return decoder_layer(h, (layout.dequantized(xs[0], key), xs[1]))
+        return decoder_layer(h, layout.dequantized(xs, key))
+
     remat = layout.remat_policy
     body = layer
+    unsaved = () if layout.base is None else (_base.DEQUANTIZED,)
     if gather and layout.zero == 3:
 
         def one(specs):  # a layer's specs: the stack's without its layer axis
@@ -151,7 +159,9 @@ def layer_step(
                 return layer(h, (layout.gather(xs[0], specs, source), xs[1]))
             return layer(h, layout.gather(xs, specs, source))
 
-        remat = without_gathered(remat)
+        unsaved = (*unsaved, GATHERED)
+    if unsaved:  # recomputed in the backward, never kept for it
+        remat = without_gathered(remat, unsaved)
     if remat is not False:
         body = jax.checkpoint(body, policy=None if remat is True else remat)
     return body

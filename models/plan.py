@@ -27,6 +27,13 @@ more rounds, not more memory), which the report names (``moe_exchange.cpu_block_
 GPU's ragged_all_to_all sends the rows themselves. The collectives' bytes count such a loop of
 unknown trip count once.
 
+With ``--lora RANK`` (and ``--lora-targets``) the step trains LoRA adapters alone (optimizer
+state and gradients for them), on a base in ``--param-dtype`` (``--base bf16``: bfloat16) or
+kept in block FP8 (``--base fp8``: one byte a base weight plus its scales)::
+
+    python -m jaxops.models.plan examples/configs/deepseek-v3 --mesh data=1,expert=8 \
+        --lora 16 --base fp8 --param-dtype bfloat16 --batch 8 --seq 4096 --device-memory 141GB
+
 The CPU devices must be set before jax starts: run it as a fresh process (the ``main``
 function sets ``jax_num_cpu_devices`` and the CPU platform itself).
 """
@@ -137,6 +144,9 @@ def plan(
     capacity_factor: float | None = None,
     vocab_chunk: int | None = None,
     device_memory: int = H100_BYTES,
+    lora: int | None = None,
+    lora_targets: Sequence[str] | None = None,
+    base: str | None = None,
 ) -> dict[str, Any]:
     """The memory plan of one training step (the process must have the mesh's CPU devices).
 
@@ -156,6 +166,12 @@ def plan(
       capacity_factor: the MoE layers' capacity factor (None: dropless).
       vocab_chunk: :attr:`MoEDecoder.vocab_chunk` (None: the loss's logits whole).
       device_memory: bytes per device for ``fits``.
+      lora: None (full fine-tuning) or the rank of :class:`jaxops.Lora` adapters (alpha twice
+        the rank): the step trains them alone, with optimizer state and gradients for them.
+      lora_targets: their targets (default: every one the model has,
+        :func:`~jaxops.models._layout.lora_targets`).
+      base: None (the base weights in `param_dtype`) or "fp8" (:attr:`MoEDecoder.base`: the
+        layers' linear weights as FP8 bytes with 128 x 128 block scales; with `lora`).
 
     Returns:
       The JSON-ready dict :func:`main` prints (see the module docstring).
@@ -166,9 +182,12 @@ def plan(
     from jax.sharding import PartitionSpec as P
     from jaxops.parallel.expert._exchange import make_plan
 
+    from jaxops._lora import Lora
+
     from ._config import DecoderConfig, read_config
     from ._decoder import MoEDecoder
     from ._hlo import collective_traffic
+    from ._layout import lora_targets as all_targets
 
     try:
         import optax
@@ -188,6 +207,10 @@ def plan(
         tuple(mesh_shape.values()), tuple(mesh_shape), devices=jax.devices()[:devices]
     )
     pipe = mesh_shape.get("pipe", 1)
+    adapters = None
+    if lora is not None:
+        targets = tuple(lora_targets) if lora_targets else all_targets(cfg)
+        adapters = Lora(lora, 2.0 * lora, targets)
     model = MoEDecoder(
         cfg,
         mesh,
@@ -199,6 +222,8 @@ def plan(
         zero=zero,
         vocab_chunk=vocab_chunk,
         exchange="dense",  # the GPU's ragged_all_to_all's receive buffers, plus its padding
+        lora=adapters,
+        base=base,
     )
     shards = math.prod(mesh_shape[a] for a in model.batch_axes)
     need = shards * model.num_microbatches
@@ -213,12 +238,13 @@ def plan(
         )
     optimizer = optax.adamw(1e-4)
     params = model.abstract_params(jnp.dtype(param_dtype))
+    trained = model.trainable(params)  # all, or the adapters
     state = _with_shardings(
-        jax.eval_shape(optimizer.init, params), model.optimizer_shardings(optimizer, params)
+        jax.eval_shape(optimizer.init, trained), model.optimizer_shardings(optimizer, params)
     )
     grad_specs = model.zero_specs() if zero >= 1 else model.param_specs()
-    grad_shardings = model.named(grad_specs)
-    grads = _with_shardings(params, grad_shardings)
+    grad_shardings = model.layout.trainable_specs(model.named(grad_specs))
+    grads = _with_shardings(trained, grad_shardings)
     rows = NamedSharding(mesh, P(model.batch_axes))
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=rows)
     start = time.perf_counter()
@@ -263,6 +289,9 @@ def plan(
         "microbatches": model.num_microbatches,
         "capacity_factor": capacity_factor,
         "vocab_chunk": vocab_chunk,
+        "lora": None if adapters is None else {"rank": lora, "targets": list(adapters.targets)},
+        "base": base,
+        "trained_params": count_params(trained),
         "bytes_per_device": by,
         "arguments": arguments,
         "fits": by["total"] <= device_memory,
@@ -310,6 +339,15 @@ def _report(r: dict[str, Any]) -> str:
         f"remat={r['remat']}, {r['dtype']} compute, {r['param_dtype']} parameters, "
         f"{r['microbatches']} microbatches, vocab chunk "
         f"{r.get('vocab_chunk') or 'none (whole logits)'}",
+        *(
+            [
+                f"LoRA rank {r['lora']['rank']} on {', '.join(r['lora']['targets'])}: "
+                f"{r['trained_params'] / 1e6:.1f} M trained parameters; base "
+                f"{r['base'] or r['param_dtype']}"
+            ]
+            if r.get("lora")
+            else []
+        ),
         "per device:",
         *(f"  {name:<16} {_size(n):>10}  {note}".rstrip() for name, n, note in rows),
         f"collectives per step and device: {_size(r['collective_bytes'])} ({coll})",
@@ -344,6 +382,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", help="compute dtype")
     p.add_argument("--param-dtype", default="float32", help="parameters and Adam moments")
     p.add_argument("--device-memory", default=str(H100_BYTES), help="bytes (80GB, 141GB, ...)")
+    p.add_argument("--lora", type=int, default=None, metavar="RANK", help="train LoRA adapters")
+    p.add_argument(
+        "--lora-targets", default=None, help="comma-separated (default: every one the model has)"
+    )
+    p.add_argument(
+        "--base",
+        default=None,
+        choices=("fp8", "bf16"),
+        help="the frozen base with --lora: fp8 (block-FP8 bytes and scales; the other "
+        "parameters in --param-dtype) or bf16 (every parameter bfloat16)",
+    )
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     return p
 
@@ -372,11 +421,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             fp8=args.fp8,
             remat=args.remat,
             dtype=args.dtype,
-            param_dtype=args.param_dtype,
+            param_dtype="bfloat16" if args.base == "bf16" else args.param_dtype,
             microbatches=args.microbatches,
             capacity_factor=args.capacity_factor,
             vocab_chunk=args.vocab_chunk,
             device_memory=device_memory,
+            lora=args.lora,
+            lora_targets=args.lora_targets.split(",") if args.lora_targets else None,
+            base="fp8" if args.base == "fp8" else None,
         )
     except (ValueError, TypeError, ImportError) as e:  # refused config, mesh or batch; no optax
         print(f"error: {e}", file=sys.stderr)

@@ -82,9 +82,9 @@ def mixtral_greedy(mixtral):
     calls = {"decode": 0}
     layer = _generate._layer
 
-    def counting(model, moe, where, keys, keep, static, h, xs):
+    def counting(model, key, moe, where, keys, keep, static, h, xs):
         calls["decode"] += xs[1] is not None
-        return layer(model, moe, where, keys, keep, static, h, xs)
+        return layer(model, key, moe, where, keys, keep, static, h, xs)
 
     prompt, mask = _prompt(2, [0, 3])
     with pytest.MonkeyPatch.context() as m:

@@ -4,6 +4,7 @@ The parameter count of every config in examples/configs is checked against trans
 model built from the same file (on the meta device: nothing allocated) and the published total.
 """
 
+import functools
 import json
 import math
 import os
@@ -165,6 +166,26 @@ def test_plan_command_bad_mesh(tmp_path):
     assert plan.parse_bytes("80GB") == 80 * 10**9 and plan.parse_bytes("1 GiB") == 2**30
     with pytest.raises(ValueError, match="--device-memory"):
         plan.parse_bytes("lots")
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+def test_plan_of_lora_on_a_bf16_and_an_fp8_base(tmp_path):
+    """LoRA: optimizer state and gradients of the adapters alone; the FP8 base's parameter
+    bytes under the bfloat16 base's (one byte a base weight plus its scales)."""
+    path = _tiny(tmp_path)
+    run = functools.partial(
+        plan.plan, path, {"data": 2, "expert": 4}, batch=8, seq=16, param_dtype="bfloat16"
+    )
+    lora, qlora = run(lora=4), run(lora=4, base="fp8")
+    assert lora["lora"]["rank"] == 4 and "experts.gate_up_proj" in lora["lora"]["targets"]
+    assert qlora["base"] == "fp8" and lora["base"] is None
+    assert lora["trained_params"] == qlora["trained_params"] < lora["params"] / 5
+    by = {"lora": lora["bytes_per_device"], "q": qlora["bytes_per_device"]}
+    # full fine-tuning's: Adam's two moments and a gradient of every parameter
+    assert by["lora"]["optimizer"] < 2 * by["lora"]["params"] / 5
+    assert by["lora"]["gradients"] < by["lora"]["params"] / 5
+    assert by["q"]["optimizer"] == by["lora"]["optimizer"]
+    assert by["q"]["params"] < 0.8 * by["lora"]["params"]
 
 
 def test_plan_refuses_a_batch_the_mesh_cannot_split(tmp_path):

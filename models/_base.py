@@ -1,0 +1,380 @@
+"""The frozen base kept as shipped: block-scaled FP8 weights on the device, dequantized per layer.
+
+With ``MoEDecoder(base="fp8")`` the decoder layers' linear weights (:data:`BASE_WEIGHTS`: the
+attention projections, the routed and shared experts' gate/up/down and the dense layers' MLPs)
+are each two parameters: ``X``, the float8_e4m3fn values as their bytes (uint8: one byte a
+parameter; ``jax.lax.bitcast_convert_type(X, jnp.float8_e4m3fn)`` are the values), laid out as
+the unquantized weight, and ``X_scale_inv`` in float32, one per block of the published
+checkpoint's ``weight_block_size``::
+
+    W[..., i, o] = float32(fp8(X)[..., i, o]) * X_scale_inv[..., row[i], col[o]]
+
+the published format's meaning (``weight = fp8 * weight_scale_inv`` per 128 x 128 block of the
+torch ``[out, in]`` weight), carried over to our ``[in, out]`` layout. A layer dequantizes its
+own weights where it starts (:func:`dequantized`, inside the layer's rematerialized body, named
+:data:`DEQUANTIZED` so that no remat policy saves them): the float copy of a layer's weights
+exists only while that layer runs, in the forward and again in the backward.
+
+The blocks are those of the Hugging Face tensors: :func:`block_maps` follows each weight's
+name-map rule (:func:`jaxops.models.name_map`), so a fused weight (q, k and v side by side; gate
+and up) keeps each part's own blocks, partial last blocks included, and the RoPE row permutation
+moves each row with its block's scale. Loading keeps a published FP8 checkpoint's bytes and
+scales as they are (:class:`BaseCodec`); an unquantized checkpoint is quantized at load, tensor
+by tensor on the host, with the same blocks (``scale = amax / 448``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxops.parallel.checkpoint import HFTensor, Rule
+
+from jaxops._errors import InvalidArgumentError
+
+from ._quant import Fp8Block, Fp8Codec, quantize_blocks, scale_name
+
+__all__ = [
+    "BASES",
+    "BASE_WEIGHTS",
+    "DEQUANTIZED",
+    "SCALE",
+    "BaseCodec",
+    "as_bytes",
+    "as_fp8",
+    "block_maps",
+    "dequantize",
+    "dequantized",
+    "quantize",
+    "scale_rules",
+    "scale_shape",
+]
+
+#: The ``base=`` formats: None (the weights in the parameters' dtype) or "fp8".
+BASES = (None, "fp8")
+#: The parameter tree keys of the weights a quantized base holds in FP8: the decoder layers'
+#: linear weights (the attention projections, the routed and shared experts' and the dense
+#: MLPs' gate/up/down), the weights a published FP8 checkpoint stores so. Not the embeddings,
+#: output head, norms, biases, sinks, router or shared-expert gate.
+_ATTENTION = ("w_qkv", "w_o", "w_q", "w_q_a", "w_q_b", "w_kv_a", "w_kv_b")
+BASE_WEIGHTS = frozenset(
+    {
+        *(f"{stack}/{k}" for stack in ("layers", "dense_layers") for k in _ATTENTION),
+        "layers/moe/w_in",
+        "layers/moe/w_out",
+        "layers/moe/shared_w_in",
+        "layers/moe/shared_w_out",
+        "dense_layers/mlp/w_in",
+        "dense_layers/mlp/w_out",
+    }
+)
+#: The suffix of a quantized weight's scale parameter (``w_qkv`` -> ``w_qkv_scale_inv``).
+SCALE = "_scale_inv"
+#: The checkpoint name of a layer's dequantized weights: never saved for the backward.
+DEQUANTIZED = "base_dequantized"
+_E4M3 = jnp.float8_e4m3fn
+_E4M3_MAX = 448.0
+_AMAX_FLOOR = 1e-30
+
+# A map per dimension of one layer's weight: the scale index of each entry (None: one scale
+# per entry, as along the experts).
+Maps = tuple[np.ndarray | None, ...]
+
+
+def _get(tree: Mapping[str, Any], key: str) -> Any:
+    for part in key.split("/"):
+        if not isinstance(tree, Mapping) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def _rule(rules: Sequence[Rule], key: str) -> Rule | None:
+    return next((r for r in rules if r.theirs and r.matches(key)), None)
+
+
+def _part_sizes(rule: Rule, fused: int) -> list[int]:
+    n = len(rule.theirs) if not isinstance(rule.theirs, str) else 1
+    if n == 1:
+        return [fused]
+    if rule.sizes is not None:
+        return [int(s) for s in rule.sizes]
+    return [fused // n] * n
+
+
+def block_maps(
+    shapes: Mapping[str, Any], rules: Sequence[Rule], block: tuple[int, int]
+) -> dict[str, Maps]:
+    """Per base weight present in `shapes` (its tree key), the maps of one layer's array.
+
+    Args:
+      shapes: the parameter tree's shapes (stacked ``[L, ...]``), unquantized.
+      rules: the model's name map; a weight without a rule gets blocks of its own last two
+        dimensions (``[in, out]``: ``block[1]`` rows, ``block[0]`` columns).
+      block: ``(rows, cols)`` of a scale's tile of a torch ``[out, in]`` weight.
+
+    Returns:
+      ``{key: maps}``, one map per dimension of a layer's array (``shape[1:]``): an int32
+      vector of each entry's scale index along that dimension, or None where every entry has
+      its own (the experts of a stacked rule, the leading dimensions of a fused one).
+    """
+    out: dict[str, Maps] = {}
+    for key in sorted(BASE_WEIGHTS):
+        shape = _get(shapes, key)
+        if shape is None:
+            continue
+        layer = tuple(shape[1:])
+        rule = _rule(rules, key)
+        if rule is None:
+            lead: Maps = (None,) * (len(layer) - 2)
+            out[key] = (*lead, _ids(layer[-2], block[1]), _ids(layer[-1], block[0]))
+            continue
+        out[key] = _rule_maps(rule, layer, block)
+    return out
+
+
+def _ids(n: int, b: int) -> np.ndarray:
+    return (np.arange(n) // b).astype(np.int32)
+
+
+def _rule_maps(rule: Rule, layer: tuple[int, ...], block: tuple[int, int]) -> Maps:
+    """The maps of a layer's array mapped by `rule` (their tensors ``[..., out, in]``)."""
+    extra = len(rule.stack) - 1  # stacked dimensions after the layer's (the experts)
+    element = layer[extra:]
+    nd = len(element)
+    perm = tuple(rule.transpose) if rule.transpose is not None else tuple(range(nd))
+    fused = [element[perm[k]] for k in range(nd)]  # their layout, the parts side by side
+    sizes = {nd - 2: block[0], nd - 1: block[1]}
+    maps: list[np.ndarray | None] = [None] * nd
+    for k in range(nd):
+        b = sizes.get(k, 1)
+        if k != rule.axis or (len(_part_sizes(rule, fused[k])) == 1 and rule.rope is None):
+            maps[perm[k]] = _ids(fused[k], b) if b > 1 else None
+            continue
+        # along the fused axis: each part's blocks after the previous parts', through the
+        # rule's own import (its RoPE permutation included), on vectors of block indices
+        parts, offset = [], 0
+        for s in _part_sizes(rule, fused[k]):
+            ids = offset + np.arange(s) // b
+            offset += math.ceil(s / b)
+            parts.append(ids.reshape([s if d == k else 1 for d in range(nd)]))
+        ours = rule.to_ours(parts)
+        maps[perm[k]] = ours.reshape(-1).astype(np.int32)
+    return (None,) * extra + tuple(maps)
+
+
+def scale_shape(layer: tuple[int, ...], maps: Maps) -> tuple[int, ...]:
+    """The scale array's shape for a layer's array of shape `layer`."""
+    return tuple(
+        n if m is None else (int(m.max()) + 1 if m.size else 0)
+        for n, m in zip(layer, maps, strict=True)
+    )
+
+
+def scale_rules(
+    shapes: Mapping[str, Any], rules: Sequence[Rule], block: tuple[int, int]
+) -> list[Rule]:
+    """The name-map rules of the base weights' scales (``X.weight_scale_inv``).
+
+    Each is its weight's rule on the scale tensors: the same stacking, fusing axis and
+    transpose, the parts' sizes in blocks, no RoPE permutation (the weight's rows move with
+    their block index in :func:`block_maps`; the scales stay).
+
+    Args:
+      shapes: the parameter tree's shapes, unquantized (as for :func:`block_maps`).
+      rules: the model's name map.
+      block: ``(rows, cols)`` of a scale's tile of a torch ``[out, in]`` weight.
+    """
+    out = []
+    for key in sorted(BASE_WEIGHTS):
+        shape = _get(shapes, key)
+        rule = None if shape is None else _rule(rules, key)
+        if rule is None:
+            continue
+        theirs = (rule.theirs,) if isinstance(rule.theirs, str) else tuple(rule.theirs)
+        nd = len(shape) - len(rule.stack)  # their tensors' rank
+        b = {nd - 2: block[0], nd - 1: block[1]}.get(rule.axis, 1)
+        sizes = None if rule.sizes is None else [math.ceil(s / b) for s in rule.sizes]
+        scales = tuple(scale_name(t) for t in theirs)
+        out.append(
+            dataclasses.replace(
+                rule,
+                ours=key + SCALE,
+                theirs=scales if len(scales) > 1 else scales[0],
+                sizes=sizes,
+                rope=None,
+                dtype=None,
+            )
+        )
+    return out
+
+
+def _expand(scale: jax.Array, maps: Maps, ndim: int) -> jax.Array:
+    """`scale` indexed by `maps` along its last dimensions: one entry per weight entry."""
+    first = ndim - len(maps)
+    for axis, m in enumerate(maps):
+        if m is not None:
+            scale = jnp.take(scale, jnp.asarray(m), axis=first + axis)
+    return scale
+
+
+def as_bytes(tree: Any) -> Any:
+    """`tree` with its float8_e4m3fn leaves as their bytes (uint8), each buffer donated.
+
+    The base is stored so: XLA:CPU moves float8 arrays as float16 (a layer scan slicing a
+    float8 stack converted the whole stack first, and a bitcast of the stack copied it;
+    measured in the compiled step's temporaries), bytes it moves as they are.
+    """
+    bitcast = jax.jit(lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8), donate_argnums=0)
+    return jax.tree.map(lambda a: bitcast(a) if a.dtype == _E4M3 else a, tree)
+
+
+def as_fp8(tree: Any) -> Any:
+    """An abstract tree (``jax.ShapeDtypeStruct`` s) with its uint8 leaves as float8_e4m3fn."""
+
+    def one(a):
+        if a.dtype != np.uint8:
+            return a
+        return jax.ShapeDtypeStruct(a.shape, _E4M3, sharding=a.sharding)
+
+    return jax.tree.map(one, tree)
+
+
+def dequantize(data: jax.Array, scale: jax.Array, maps: Maps, dtype: Any) -> jax.Array:
+    """``float32(data) * scale`` per block, in `dtype` (`maps`: :func:`block_maps`' of it).
+
+    `data`: float8_e4m3fn, or its bytes as uint8 (as the parameters hold it). It may carry
+    leading dimensions `maps` does not (stacked layers), `scale` them too.
+    """
+    if data.dtype == jnp.uint8:
+        data = jax.lax.bitcast_convert_type(data, _E4M3)
+    w = data.astype(jnp.float32) * _expand(scale.astype(jnp.float32), maps, data.ndim)
+    return w.astype(dtype)
+
+
+def _block_max(a: jax.Array, ids: np.ndarray, axis: int) -> jax.Array:
+    """The max of `a` over each block of `axis` (``ids``: each entry's block), as one gather.
+
+    The blocks' members side by side, a short block padded with its own first member, then
+    the max over them (a gather of static indices, which any sharding of the other axes keeps).
+    """
+    counts = np.bincount(ids)
+    order = np.argsort(ids, kind="stable")
+    members = np.zeros((len(counts), int(counts.max())), np.int32)
+    start = 0
+    for b, c in enumerate(counts):
+        members[b] = order[start] if c else 0
+        members[b, :c] = order[start : start + c]
+        start += c
+    return jnp.max(jnp.take(a, jnp.asarray(members), axis=axis), axis=axis + 1)
+
+
+def quantize(w: jax.Array, maps: Maps) -> tuple[jax.Array, jax.Array]:
+    """``(float8_e4m3fn data, float32 scale)`` of `w` in the blocks of `maps`.
+
+    Per block ``scale = amax / 448`` (amax the largest ``|w|``, floored at 1e-30) and ``data =
+    e4m3(w / scale)``, rounded to nearest even: what a published checkpoint holds.
+    """
+    a = jnp.abs(w.astype(jnp.float32))
+    first = w.ndim - len(maps)
+    amax = a
+    for axis, m in enumerate(maps):
+        if m is not None and m.size:
+            amax = _block_max(amax, m, first + axis)
+    scale = jnp.maximum(amax / _E4M3_MAX, _AMAX_FLOOR)
+    full = _expand(scale, maps, w.ndim)
+    data = jnp.clip(w.astype(jnp.float32) / full, -_E4M3_MAX, _E4M3_MAX).astype(_E4M3)
+    return data, scale
+
+
+def dequantized(p: Mapping[str, Any], maps: Mapping[str, Maps], dtype: Any, prefix: str) -> dict:
+    """One layer's parameters `p` (of the stack `prefix`) with its FP8 weights dequantized.
+
+    Each ``X`` with an ``X_scale_inv`` beside it becomes the `dtype` weight (named
+    :data:`DEQUANTIZED`) and its scale leaves the tree; the rest is as it was.
+    """
+    out = {}
+    for k, v in p.items():
+        if k.endswith(SCALE):
+            continue
+        key = f"{prefix}/{k}"
+        if isinstance(v, Mapping):
+            out[k] = dequantized(v, maps, dtype, key)
+        elif k + SCALE in p:
+            w = dequantize(v, p[k + SCALE], maps[key], dtype)
+            out[k] = jax.ad_checkpoint.checkpoint_name(w, DEQUANTIZED)
+        else:
+            out[k] = v
+    return out
+
+
+class BaseCodec:
+    """The import codec of a quantized base: FP8 bytes and scales as stored, or made at load.
+
+    For the base weights' tensors (`weights`, their names) and their scales
+    (``X.weight_scale_inv``): a tensor stored as float8 e4m3 is read as it is, with its stored
+    scale (every block finite and > 0, else ValueError naming it); one stored in a float dtype
+    is quantized on the host (:func:`jaxops.models._quant.quantize_blocks`, per block of the
+    last two dimensions) and gives its bytes and scale. Every other tensor is read as the
+    dequantizing :class:`~jaxops.models._quant.Fp8Codec` reads it.
+
+    Args:
+      block: the blocks (a published checkpoint's ``weight_block_size``).
+      weights: the stored names of the base weights.
+      tensors: the files' tensors (``hf_tensors``), for the stored dtypes.
+    """
+
+    def __init__(self, block: Fp8Block, weights: Collection[str], tensors: Mapping[str, HFTensor]):
+        self.block = block
+        self.weights = frozenset(weights)
+        self.scales = {scale_name(w): w for w in self.weights}
+        self.tensors = tensors
+        self.fallback = Fp8Codec(block)
+
+    def _stored_fp8(self, weight: str) -> bool:
+        t = self.tensors.get(weight)
+        return t is not None and t.dtype == "F8_E4M3"
+
+    def stored(self, name: str, names: Collection[str]) -> tuple[str, ...]:
+        weight = self.scales.get(name)
+        if weight is not None and not self._stored_fp8(weight):
+            return (weight,)  # made at load from the weight itself
+        return (name,)
+
+    def _quantized(self, tensor: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if tensor.ndim < 2:
+            raise InvalidArgumentError(f"a base weight must be at least 2-d, got {tensor.shape}")
+        lead = tensor.shape[:-2]
+        pairs = [quantize_blocks(tensor[i], self.block) for i in np.ndindex(*lead)]
+        data = np.stack([d for d, _ in pairs]).reshape(*lead, *tensor.shape[-2:])
+        scale = np.stack([s for _, s in pairs]).reshape(*lead, *pairs[0][1].shape)
+        return data, scale
+
+    def decode(self, name: str, read: Any) -> np.ndarray:
+        weight = self.scales.get(name)
+        if weight is not None:  # a scale
+            if not self._stored_fp8(weight):
+                return self._quantized(read(weight))[1]
+            scale = read(name).astype(np.float32)
+            bad = np.flatnonzero(~(np.isfinite(scale) & (scale > 0)))
+            if bad.size:
+                at = [int(i) for i in np.unravel_index(bad[0], scale.shape)]
+                raise InvalidArgumentError(
+                    f"{name!r} must be finite and > 0 in every block, got {scale.flat[bad[0]]} "
+                    f"at {at} ({bad.size} block(s)); refusing to load NaN, infinite, zero or "
+                    "negative weights"
+                )
+            return scale
+        if name in self.weights:
+            if self._stored_fp8(name):
+                return read(name)
+            return self._quantized(read(name))[0]
+        return self.fallback.decode(name, read)
+
+    def encode(self, name: str, tensor: np.ndarray, *, shapes_only: bool = False) -> None:
+        return None
