@@ -1,4 +1,4 @@
-"""The frozen base kept as shipped: block-scaled FP8 weights on the device, dequantized per layer.
+"""The frozen base kept as shipped (block FP8, MXFP4 experts) on the device, dequantized per layer.
 
 With ``MoEDecoder(base="fp8")`` the decoder layers' linear weights (:data:`BASE_WEIGHTS`: the
 attention projections, the routed and shared experts' gate/up/down and the dense layers' MLPs)
@@ -21,6 +21,13 @@ and up) keeps each part's own blocks, partial last blocks included, and the RoPE
 moves each row with its block's scale. Loading keeps a published FP8 checkpoint's bytes and
 scales as they are (:class:`BaseCodec`); an unquantized checkpoint is quantized at load, tensor
 by tensor on the host, with the same blocks (``scale = amax / 448``).
+
+With ``MoEDecoder(base="mxfp4")`` the routed experts' ``w_in`` and ``w_out``
+(:data:`MXFP4_WEIGHTS`) are gpt-oss's published MXFP4 (OCP Microscaling FP4) bytes, packed in
+our ``[E, in, out]`` layout as ``[E, in / 2, out]`` (two E2M1 elements a byte along ``in``, the
+low nibble first) with ``X_scales [E, in / 32, out]`` (E8M0 codes), read from the checkpoint's
+``X_blocks`` and ``X_scales`` as stored (:class:`Mxfp4BaseCodec`) and dequantized per layer
+(:func:`dequantize_mxfp4`) like the FP8 base.
 """
 
 from __future__ import annotations
@@ -37,26 +44,34 @@ from jaxops.parallel.checkpoint import HFTensor, Rule
 
 from jaxops._errors import InvalidArgumentError
 
-from ._quant import Fp8Block, Fp8Codec, quantize_blocks, scale_name
+from ._quant import Fp8Block, Fp8Codec, Mxfp4Codec, quantize_blocks, scale_name
 
 __all__ = [
     "BASES",
     "BASE_WEIGHTS",
     "DEQUANTIZED",
+    "MXFP4_SCALES",
+    "MXFP4_WEIGHTS",
+    "Mxfp4BaseCodec",
     "SCALE",
     "BaseCodec",
     "as_bytes",
     "as_fp8",
     "block_maps",
     "dequantize",
+    "dequantize_mxfp4",
     "dequantized",
+    "mxfp4_rules",
+    "mxfp4_shapes",
     "quantize",
+    "quantize_mxfp4",
     "scale_rules",
     "scale_shape",
 ]
 
-#: The ``base=`` formats: None (the weights in the parameters' dtype) or "fp8".
-BASES = (None, "fp8")
+#: The ``base=`` formats: None (the weights in the parameters' dtype), "fp8" (block FP8) or
+#: "mxfp4" (the routed experts as gpt-oss's published MXFP4 bytes).
+BASES = (None, "fp8", "mxfp4")
 #: The parameter tree keys of the weights a quantized base holds in FP8: the decoder layers'
 #: linear weights (the attention projections, the routed and shared experts' and the dense
 #: MLPs' gate/up/down), the weights a published FP8 checkpoint stores so. Not the embeddings,
@@ -75,6 +90,12 @@ BASE_WEIGHTS = frozenset(
 )
 #: The suffix of a quantized weight's scale parameter (``w_qkv`` -> ``w_qkv_scale_inv``).
 SCALE = "_scale_inv"
+#: The routed experts' weights an MXFP4 base holds packed (``[E, in, out]`` as ``[E, in / 2,
+#: out]`` bytes, two E2M1 elements each, and ``X_scales [E, in / 32, out]``, E8M0 codes).
+MXFP4_WEIGHTS = frozenset({"layers/moe/w_in", "layers/moe/w_out"})
+#: The suffix of an MXFP4 weight's scales (``w_in`` -> ``w_in_scales``).
+MXFP4_SCALES = "_scales"
+MXFP4_BLOCK = 32
 #: The checkpoint name of a layer's dequantized weights: never saved for the backward.
 DEQUANTIZED = "base_dequantized"
 _E4M3 = jnp.float8_e4m3fn
@@ -295,12 +316,13 @@ def quantize(w: jax.Array, maps: Maps) -> tuple[jax.Array, jax.Array]:
 def dequantized(p: Mapping[str, Any], maps: Mapping[str, Maps], dtype: Any, prefix: str) -> dict:
     """One layer's parameters `p` (of the stack `prefix`) with its FP8 weights dequantized.
 
-    Each ``X`` with an ``X_scale_inv`` beside it becomes the `dtype` weight (named
-    :data:`DEQUANTIZED`) and its scale leaves the tree; the rest is as it was.
+    Each ``X`` with an ``X_scale_inv`` (block FP8) or ``X_scales`` (MXFP4) beside it becomes the
+    `dtype` weight (named :data:`DEQUANTIZED`) and its scales leave the tree; the rest is as it
+    was.
     """
     out = {}
     for k, v in p.items():
-        if k.endswith(SCALE):
+        if k.endswith(SCALE) or (k.endswith(MXFP4_SCALES) and k[: -len(MXFP4_SCALES)] in p):
             continue
         key = f"{prefix}/{k}"
         if isinstance(v, Mapping):
@@ -308,9 +330,139 @@ def dequantized(p: Mapping[str, Any], maps: Mapping[str, Maps], dtype: Any, pref
         elif k + SCALE in p:
             w = dequantize(v, p[k + SCALE], maps[key], dtype)
             out[k] = jax.ad_checkpoint.checkpoint_name(w, DEQUANTIZED)
+        elif k + MXFP4_SCALES in p:
+            w = dequantize_mxfp4(v, p[k + MXFP4_SCALES], dtype)
+            out[k] = jax.ad_checkpoint.checkpoint_name(w, DEQUANTIZED)
         else:
             out[k] = v
     return out
+
+
+# -------------------------------------------------------------------------------------------------
+# MXFP4: gpt-oss's experts as published (OCP Microscaling FP4: E2M1 elements, an E8M0 scale per
+# 32 along the input dimension), packed in our [E, in, out] layout.
+
+_E2M1 = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    np.float32,
+)
+
+
+def mxfp4_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The packed bytes' and the scales' shapes of an ``[..., in, out]`` weight."""
+    *lead, n_in, n_out = shape
+    return (*lead, n_in // 2, n_out), (*lead, n_in // MXFP4_BLOCK, n_out)
+
+
+def _e2m1(code: jax.Array) -> jax.Array:
+    """float32 values of E2M1 codes, elementwise.
+
+    Bit 3 the sign, bits 2-1 the exponent, bit 0 the mantissa; exponent 0 subnormal. No table
+    lookup: a gather would need the codes' sharding.
+    """
+    e = ((code >> 1) & 3).astype(jnp.int32)
+    m = (code & 1).astype(jnp.float32)
+    magnitude = jnp.where(e == 0, 0.5 * m, jnp.ldexp(1.0 + 0.5 * m, e - 1))
+    return jnp.where(code & 8, -magnitude, magnitude)
+
+
+def dequantize_mxfp4(data: jax.Array, codes: jax.Array, dtype: Any) -> jax.Array:
+    """The weight ``[..., in, out]`` in `dtype` of packed MXFP4 `data` and E8M0 `codes`.
+
+    `data` ``[..., in / 2, out]`` uint8: entry ``2 j`` in the low nibble of byte ``j``, ``2 j +
+    1`` in the high one; `codes` ``[..., in / 32, out]``: ``2 ** (code - 127)`` per 32 inputs.
+    """
+    pairs = jnp.stack([_e2m1(data & 15), _e2m1(data >> 4)], axis=-2)  # [..., in/2, 2, out]
+    values = pairs.reshape(*data.shape[:-2], 2 * data.shape[-2], data.shape[-1])
+    scale = jnp.ldexp(jnp.ones((), jnp.float32), codes.astype(jnp.int32) - 127)
+    scale = jnp.repeat(scale, MXFP4_BLOCK, axis=-2)
+    return (values * scale).astype(dtype)
+
+
+def quantize_mxfp4(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(packed uint8 [..., in / 2, out], E8M0 codes uint8 [..., in / 32, out])`` of `w`.
+
+    Per 32 entries along ``in``: the scale ``2 ** e`` with the smallest ``e`` that brings the
+    block's largest magnitude within E2M1's 6, each entry the nearest E2M1 value of ``w / 2 **
+    e`` (ties to the first in code order).
+    """
+    *lead, n_in, n_out = w.shape
+    x = w.astype(jnp.float32).reshape(*lead, n_in // MXFP4_BLOCK, MXFP4_BLOCK, n_out)
+    amax = jnp.max(jnp.abs(x), axis=-2, keepdims=True)
+    e = jnp.ceil(jnp.log2(jnp.maximum(amax, 2.0**-126) / 6.0))
+    e = jnp.clip(e, -127, 127)
+    scaled = x / jnp.ldexp(jnp.ones((), jnp.float32), e.astype(jnp.int32))
+    code = jnp.argmin(jnp.abs(scaled[..., None] - jnp.asarray(_E2M1)), axis=-1).astype(jnp.uint8)
+    code = code.reshape(*lead, n_in, n_out)
+    packed = code[..., 0::2, :] | (code[..., 1::2, :] << 4)
+    return packed, (e[..., 0, :] + 127).astype(jnp.uint8)
+
+
+def mxfp4_rules(rules: Sequence[Rule]) -> list[Rule]:
+    """`rules` with the MXFP4 weights' rules reading what is stored.
+
+    ``X_blocks`` into ``X`` (packed) and ``X_scales`` into ``X_scales``
+    (:class:`Mxfp4BaseCodec` lays both out as ours).
+    """
+    out = []
+    for rule in rules:
+        if rule.ours not in MXFP4_WEIGHTS or not isinstance(rule.theirs, str):
+            out.append(rule)
+            continue
+        out.append(dataclasses.replace(rule, theirs=rule.theirs + "_blocks"))
+        out.append(
+            dataclasses.replace(rule, ours=rule.ours + MXFP4_SCALES, theirs=rule.theirs + "_scales")
+        )
+    return out
+
+
+class Mxfp4BaseCodec:
+    """The import codec of an MXFP4 base: the experts' blocks and scales as stored, in our layout.
+
+    ``X_blocks`` (uint8 ``[E, out, in / 32, 16]``) of a base weight becomes its packed bytes
+    ``[E, in / 2, out]``, ``X_scales`` (``[E, out, in / 32]``) the codes ``[E, in / 32, out]``
+    (a code 255, E8M0's NaN, is refused naming the tensor); every other tensor is read as the
+    dequantizing :class:`~jaxops.models._quant.Mxfp4Codec` reads it.
+
+    Args:
+      weights: the stored names of the MXFP4 base weights (``X``, without a suffix).
+    """
+
+    def __init__(self, weights: Collection[str]):
+        self.weights = frozenset(weights)
+        self.fallback = Mxfp4Codec()
+
+    def stored(self, name: str, names: Collection[str]) -> tuple[str, ...]:
+        if name.removesuffix("_blocks") in self.weights or name.removesuffix("_scales") in (
+            self.weights
+        ):
+            return (name,)
+        return self.fallback.stored(name, names)
+
+    def decode(self, name: str, read: Any) -> np.ndarray:
+        if name.removesuffix("_blocks") in self.weights and name.endswith("_blocks"):
+            blocks = read(name)
+            if blocks.dtype != np.uint8 or blocks.ndim != 4 or blocks.shape[-1] != 16:
+                raise InvalidArgumentError(
+                    f"{name!r} is {blocks.dtype.name}{list(blocks.shape)}; MXFP4 expert blocks "
+                    "are uint8 [experts, out, in / 32, 16]"
+                )
+            packed = blocks.reshape(*blocks.shape[:2], -1)  # [E, out, in / 2]
+            return np.ascontiguousarray(packed.swapaxes(-1, -2))
+        if name.removesuffix("_scales") in self.weights and name.endswith("_scales"):
+            codes = read(name)
+            nan = np.flatnonzero(codes.reshape(-1) == 255)
+            if nan.size:
+                at = [int(i) for i in np.unravel_index(nan[0], codes.shape)]
+                raise InvalidArgumentError(
+                    f"{name!r} holds the scale code 255 (NaN in E8M0) at {at} ({nan.size} "
+                    "block(s)); refusing to load NaN weights"
+                )
+            return np.ascontiguousarray(codes.swapaxes(-1, -2))
+        return self.fallback.decode(name, read)
+
+    def encode(self, name: str, tensor: np.ndarray, *, shapes_only: bool = False) -> None:
+        return None
 
 
 class BaseCodec:

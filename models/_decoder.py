@@ -215,14 +215,17 @@ class MoEDecoder:
         :meth:`add_adapters` adds fresh ones to loaded weights, ``save_adapter`` /
         ``load_adapter`` write and read them in PEFT's format, ``merge_adapter`` folds them
         into the weights. Not with a pipeline.
-      base: None (the base weights in the parameters' dtype) or "fp8": the decoder layers'
+      base: None (the base weights in the parameters' dtype), "fp8": the decoder layers'
         linear weights (attention projections, routed and shared experts, dense MLPs) kept
         frozen as float8_e4m3fn bytes with float32 scales per ``base_block`` block
-        (``X`` and ``X_scale_inv`` parameters, the published block-FP8 format's meaning), each
-        layer's dequantized as the layer runs and again in its backward, never all at once
-        (:mod:`~jaxops.models._base`). ``from_pretrained`` keeps a published FP8
-        checkpoint's bytes so, or quantizes an unquantized one at load; :meth:`init` draws
-        and quantizes. The base is frozen: only ``lora`` adapters train on it.
+        (``X`` and ``X_scale_inv`` parameters, the published block-FP8 format's meaning), or
+        "mxfp4": the routed experts kept as packed E2M1 bytes with E8M0 scales per 32 inputs
+        (``X [L, E, in / 2, out]``, ``X_scales [L, E, in / 32, out]``, gpt-oss's published
+        format; the other weights in the parameters' dtype). Each layer's are dequantized as
+        the layer runs and again in its backward, never all at once
+        (:mod:`~jaxops.models._base`). ``from_pretrained`` keeps a published FP8 (MXFP4)
+        checkpoint's bytes so, or quantizes an unquantized one to FP8 at load; :meth:`init`
+        draws and quantizes. The base is frozen: only ``lora`` adapters train on it.
       base_block: ``(rows, columns)`` of a scale's block of a torch ``[out, in]`` weight
         (a published checkpoint's ``weight_block_size``; ``from_pretrained`` takes it from
         the checkpoint).
@@ -356,6 +359,15 @@ class MoEDecoder:
                 f"weight's scale block), got {block!r}"
             )
         object.__setattr__(self, "base_block", (int(block[0]), int(block[1])))
+        if self.base == "mxfp4":
+            moe = self.config.moe
+            widths = {"hidden_size": self.config.hidden_size, "moe.expert_ffn": moe.expert_ffn}
+            bad = {k: v for k, v in widths.items() if v % 32}
+            if bad:
+                raise ConfigError(
+                    f"{op}: base='mxfp4' packs the experts' inputs in blocks of 32; {bad} "
+                    "is not a multiple of 32"
+                )
         if self.base is not None and (self.remat is False or self.remat == "none"):
             raise ConfigError(
                 f"{op}: base={self.base!r} needs remat 'matmuls' (the default with it) or "
@@ -367,8 +379,8 @@ class MoEDecoder:
         """A quantized base trains only through adapters (ConfigError otherwise)."""
         if self.base is not None and self.lora is None:
             raise ConfigError(
-                f"{op}: base={self.base!r} keeps the base weights frozen in FP8, so they have "
-                "no gradients; train adapters on it (lora=jaxops.Lora(...))"
+                f"{op}: base={self.base!r} keeps the base weights frozen and quantized, so they "
+                "have no gradients; train adapters on it (lora=jaxops.Lora(...))"
             )
 
     def _check_impl(self, op: str) -> None:

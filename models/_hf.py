@@ -19,7 +19,16 @@ from jaxops.parallel.checkpoint import Rule
 from jaxops import fp8
 from jaxops._errors import ArgumentTypeError, ConfigError, named_errors
 
-from ._base import BASE_WEIGHTS, BaseCodec, as_bytes, as_fp8, scale_rules
+from ._base import (
+    BASE_WEIGHTS,
+    MXFP4_WEIGHTS,
+    BaseCodec,
+    Mxfp4BaseCodec,
+    as_bytes,
+    as_fp8,
+    mxfp4_rules,
+    scale_rules,
+)
 from ._config import read_config
 from ._decoder import MoEDecoder
 from ._families import family
@@ -114,7 +123,8 @@ def from_pretrained(
     ``X_scales`` (E8M0, one per 32 elements) is dequantized bit-exactly to float32 (every FP4
     value times a power of two is exact in float32), transposed to the layout an unquantized
     checkpoint's ``X`` has and cast to `dtype`, tensor by tensor as each process reads them
-    (:class:`~jaxops.models._quant.Mxfp4Codec`). Other ``quant_method`` s are refused by name.
+    (:class:`~jaxops.models._quant.Mxfp4Codec`); with ``base="mxfp4"`` they stay packed as
+    stored (:mod:`~jaxops.models._base`). Other ``quant_method`` s are refused by name.
 
     Args:
       path: the model directory.
@@ -136,13 +146,14 @@ def from_pretrained(
       ConfigError (ValueError): an unsupported model_type, feature or quantization, a missing
         config key.
       ConfigError: ``base="fp8"`` with another ``base_block`` than the checkpoint's, or on
-        an MXFP4 checkpoint.
+        an MXFP4 checkpoint; ``base="mxfp4"`` on a checkpoint that is not MXFP4.
       CheckpointError: a tensor the config needs is missing, has another shape, or the files
         hold tensors the config does not account for (e.g. more experts or layers than it says);
         an FP8 weight whose ``weight_scale_inv`` is missing or of another shape; MXFP4 blocks
         without scales (or scales without blocks), either not uint8 or of shapes that do not
         fit, or a scale code 255 (E8M0's NaN); with ``base="fp8"``, a ``weight_scale_inv``
-        that is NaN, infinite, zero or negative in any block.
+        that is NaN, infinite, zero or negative in any block; with ``base="mxfp4"``, a scale
+        code 255.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -168,18 +179,23 @@ def from_pretrained(
     model = MoEDecoder(config, mesh, dtype=compute_dtype or dtype, **options)
     rules = name_map(config)
     tensors = checkpoint.hf_tensors(root)  # validated headers and index
-    if model.base is not None:  # the FP8 weights' scales are parameters too
+    if model.base == "fp8":  # the FP8 weights' scales are parameters too
         shapes = model.layout.weight_shapes()
         rules = (*rules, *scale_rules(shapes, rules, model.base_block))
     rules = _language_model(config, rules, tensors)
     have = set(tensors)
     want = _expected_names(model, rules)
     codec = _codec(quant)
-    if model.base is not None:  # kept as stored (FP8), or quantized at load
-        weights = _expected_names(model, [r for r in rules if r.ours in BASE_WEIGHTS])
-        codec = BaseCodec(Fp8Block(model.base_block), weights, tensors)
     if isinstance(quant, Mxfp4):  # blocks with their scales, of fitting shapes
         mxfp4_check(op, tensors, want)
+    if model.base == "fp8":  # kept as stored (FP8), or quantized at load
+        weights = _expected_names(model, [r for r in rules if r.ours in BASE_WEIGHTS])
+        codec = BaseCodec(Fp8Block(model.base_block), weights, tensors)
+    elif model.base == "mxfp4":  # the experts' blocks and scales as stored
+        weights = _expected_names(model, [r for r in rules if r.ours in MXFP4_WEIGHTS])
+        codec = Mxfp4BaseCodec(weights)
+        rules = tuple(mxfp4_rules(rules))
+        want = _expected_names(model, rules)
     stored = _stored_names(codec, want, have)  # an MXFP4 X: X_blocks and X_scales
     missing = sorted(stored - have)
     if missing:
@@ -204,12 +220,12 @@ def from_pretrained(
             f"quantization_config = {method})"
         )
     target = model.abstract_params(dtype)
-    if model.base is not None:  # read as float8, then held as its bytes
+    if model.base == "fp8":  # read as float8, then held as its bytes
         target = as_fp8(target)
     params = checkpoint.import_safetensors(
         root, target, name_map=rules, progress=progress, codec=codec
     )
-    if model.base is not None:
+    if model.base == "fp8":
         params = as_bytes(params)
     if lora is not None:  # the base as published, the adapters fresh (PEFT's initialization)
         model = dataclasses.replace(model, lora=lora)
@@ -321,10 +337,18 @@ def save_pretrained(
 
 def _base_options(op: str, quant: Fp8Block | Mxfp4 | None, options: dict[str, Any]) -> dict:
     """`options` of a quantized base: ``base_block`` the checkpoint's own FP8 blocks."""
+    if options["base"] == "mxfp4":
+        if not isinstance(quant, Mxfp4):
+            raise ConfigError(
+                f"{op}: base='mxfp4' keeps a published MXFP4 checkpoint's expert bytes "
+                "(gpt-oss's); this checkpoint's quantization_config is "
+                f"{'none' if quant is None else type(quant).__name__}: use base='fp8'"
+            )
+        return options
     if isinstance(quant, Mxfp4):
         raise ConfigError(
             f"{op}: base={options['base']!r} keeps block-FP8 weights; this checkpoint's experts "
-            "are MXFP4 (gpt-oss), which loads dequantized (base=None)"
+            "are MXFP4 (gpt-oss): keep them with base='mxfp4', or load dequantized (base=None)"
         )
     if isinstance(quant, Fp8Block):
         block = tuple(options.get("base_block", quant.block))

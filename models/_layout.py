@@ -517,8 +517,9 @@ class Layout:
         """The parameter tree's shapes: :meth:`weight_shapes` and a quantized base's scales.
 
         With ``base="fp8"`` each base weight ``X`` (:data:`~jaxops.models._base.BASE_WEIGHTS`)
-        has its float32 scales ``X_scale_inv`` beside it, one per block
-        (:mod:`~jaxops.models._base`).
+        has its float32 scales ``X_scale_inv`` beside it, one per block; with ``base="mxfp4"``
+        the routed experts' ``w_in`` / ``w_out`` are packed ``[L, E, in / 2, out]`` bytes with
+        ``X_scales [L, E, in / 32, out]`` E8M0 codes (:mod:`~jaxops.models._base`).
         """
         tree = self.weight_shapes()
         for key, maps in self.block_maps.items():
@@ -528,12 +529,24 @@ class Layout:
                 node = node[part]
             shape = node[name]
             node[name + _base.SCALE] = (shape[0], *_base.scale_shape(shape[1:], maps))
+        if self.base == "mxfp4":
+            for key in self.base_keys:
+                node = tree["layers"]["moe"]
+                name = key.rsplit("/", 1)[1]
+                node[name], node[name + _base.MXFP4_SCALES] = _base.mxfp4_shapes(node[name])
         return tree
+
+    @property
+    def base_keys(self) -> frozenset[str]:
+        """The tree keys of the weights a quantized base holds as bytes ({} unquantized)."""
+        if self.base == "mxfp4":
+            return _base.MXFP4_WEIGHTS
+        return frozenset(self.block_maps)
 
     @functools.cached_property
     def block_maps(self) -> dict[str, _base.Maps]:
         """Per base weight, its blocks (:func:`~jaxops.models._base.block_maps`); {} unquantized."""
-        if self.base is None:
+        if self.base != "fp8":
             return {}
         return _base.block_maps(self.weight_shapes(), name_map(self.config), self.base_block)
 
@@ -657,8 +670,9 @@ class Layout:
             moe_specs = {k: P() for k in moe_specs}
         specs["moe"] = {k: P(lead, *s) for k, s in moe_specs.items() if k in shapes["moe"]}
         for k in shapes["moe"]:  # a quantized base weight's scales: laid out as the weight
-            if k.endswith(_base.SCALE):
-                specs["moe"][k] = specs["moe"][k.removesuffix(_base.SCALE)]
+            for suffix in (_base.SCALE, _base.MXFP4_SCALES):
+                if k.endswith(suffix) and k.removesuffix(suffix) in specs["moe"]:
+                    specs["moe"][k] = specs["moe"][k.removesuffix(suffix)]
         return specs
 
     def compute_specs(self) -> dict[str, Any]:
@@ -799,13 +813,17 @@ class Layout:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(
             self.param_shapes(), is_leaf=_is_shape
         )
-        base = {tuple(k.split("/")) for k in self.block_maps}
+        base = {tuple(k.split("/")) for k in self.base_keys}
+        if self.base == "mxfp4":
+            base |= {(*k[:-1], k[-1] + _base.MXFP4_SCALES) for k in base}
 
         def dtype_of(path: tuple) -> np.dtype:
             names = tuple(getattr(k, "key", None) for k in path)
+            if names in base:
+                return np.dtype(np.uint8)  # FP8 bytes, packed MXFP4, E8M0 codes
             if names[-1] == "router_bias" or names[-1].endswith(_base.SCALE):
                 return np.dtype(np.float32)
-            return np.dtype(np.uint8) if names in base else dtype  # the FP8 bytes
+            return dtype
 
         out = [
             jax.ShapeDtypeStruct(shape, dtype_of(path), sharding=sharding)
@@ -828,23 +846,27 @@ class Layout:
         return self.quantize_base(_initialized(plain.abstract_params(dtype), key))
 
     def quantize_base(self, params: dict[str, Any]) -> dict[str, Any]:
-        """Unquantized `params` with the base weights in FP8 and their scales (``base="fp8"``).
+        """Unquantized `params` with the base weights quantized as ``base`` says.
 
-        Per block ``scale = amax / 448``, as a published checkpoint
-        (:func:`~jaxops.models._base.quantize`); the FP8 values as their bytes (uint8),
-        placed on :meth:`shardings`.
+        "fp8": per block ``scale = amax / 448``, as a published checkpoint
+        (:func:`~jaxops.models._base.quantize`), the FP8 values as their bytes (uint8);
+        "mxfp4": the routed experts packed (:func:`~jaxops.models._base.quantize_mxfp4`).
+        Placed on :meth:`shardings`.
         """
         maps = self.block_maps
 
         def quantized(params):
             out = jax.tree.map(lambda x: x, params)
-            for key, m in maps.items():
+            for key in self.base_keys:
                 *path, name = key.split("/")
                 node = out
                 for part in path:
                     node[part] = dict(node[part])
                     node = node[part]
-                data, node[name + _base.SCALE] = _base.quantize(node[name], m)
+                if self.base == "mxfp4":
+                    node[name], node[name + _base.MXFP4_SCALES] = _base.quantize_mxfp4(node[name])
+                    continue
+                data, node[name + _base.SCALE] = _base.quantize(node[name], maps[key])
                 node[name] = jax.lax.bitcast_convert_type(data, jnp.uint8)
             return out
 

@@ -29,7 +29,8 @@ unknown trip count once.
 
 With ``--lora RANK`` (and ``--lora-targets``) the step trains LoRA adapters alone (optimizer
 state and gradients for them), on a base in ``--param-dtype`` (``--base bf16``: bfloat16) or
-kept in block FP8 (``--base fp8``: one byte a base weight plus its scales)::
+kept in block FP8 (``--base fp8``: one byte a base weight plus its scales) or, for gpt-oss,
+with its experts in MXFP4 (``--base mxfp4``: half a byte an expert weight)::
 
     python -m jaxops.models.plan examples/configs/deepseek-v3 --mesh data=1,expert=8 \
         --lora 16 --base fp8 --param-dtype bfloat16 --batch 8 --seq 4096 --device-memory 141GB
@@ -170,8 +171,9 @@ def plan(
         the rank): the step trains them alone, with optimizer state and gradients for them.
       lora_targets: their targets (default: every one the model has,
         :func:`~jaxops.models._layout.lora_targets`).
-      base: None (the base weights in `param_dtype`) or "fp8" (:attr:`MoEDecoder.base`: the
-        layers' linear weights as FP8 bytes with 128 x 128 block scales; with `lora`).
+      base: None (the base weights in `param_dtype`), "fp8" (:attr:`MoEDecoder.base`: the
+        layers' linear weights as FP8 bytes with 128 x 128 block scales) or "mxfp4" (the
+        routed experts as packed MXFP4 bytes with E8M0 scales); with `lora`.
 
     Returns:
       The JSON-ready dict :func:`main` prints (see the module docstring).
@@ -389,9 +391,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--base",
         default=None,
-        choices=("fp8", "bf16"),
-        help="the frozen base with --lora: fp8 (block-FP8 bytes and scales; the other "
-        "parameters in --param-dtype) or bf16 (every parameter bfloat16)",
+        choices=("fp8", "mxfp4", "bf16"),
+        help="the frozen base with --lora: fp8 (block-FP8 bytes and scales), mxfp4 (the "
+        "routed experts as packed MXFP4, gpt-oss's format; the other parameters in "
+        "--param-dtype) or bf16 (every parameter bfloat16)",
     )
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     return p
@@ -428,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             device_memory=device_memory,
             lora=args.lora,
             lora_targets=args.lora_targets.split(",") if args.lora_targets else None,
-            base="fp8" if args.base == "fp8" else None,
+            base=None if args.base in (None, "bf16") else args.base,
         )
     except (ValueError, TypeError, ImportError) as e:  # refused config, mesh or batch; no optax
         print(f"error: {e}", file=sys.stderr)

@@ -230,7 +230,7 @@ def test_no_float_copy_of_the_base_outlives_its_layer():
 @pytest.mark.parametrize(
     "options, match",
     [
-        ({"base": "int4"}, r"base must be one of \(None, 'fp8'\), got 'int4'"),
+        ({"base": "int4"}, r"base must be one of \(None, 'fp8', 'mxfp4'\), got 'int4'"),
         ({"base": "fp8", "base_block": (0, 128)}, "base_block must be two ints >= 1"),
         ({"base": "fp8", "remat": False}, "base='fp8' needs remat 'matmuls'"),
     ],
@@ -287,3 +287,99 @@ def test_merge_dequantizes_the_base(hf_families):
     assert plain.base is None and plain.lora is None
     assert all(np.dtype(a.dtype) == np.float32 for a in jax.tree.leaves(merged))
     assert fam.max_rel_err(jax.jit(plain.logits)(merged, tokens), want) < 1e-5
+
+
+# -------------------------------------------------------------------------------------------------
+# MXFP4: gpt-oss's experts kept as published.
+
+_EXPERTS = re.compile(r".*\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def _mxfp4(w):
+    """``(blocks [E, out, in / 32, 16], scales [E, out, in / 32])`` of a module-layout expert
+    tensor ``[E, in, out]``: the smallest power-of-two scale per 32 inputs that brings them
+    within 6, each the nearest E2M1 code, two per byte (the low nibble first)."""
+    x = np.swapaxes(w.astype(np.float32), -1, -2)
+    x = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    amax = np.abs(x).max(-1, keepdims=True)
+    e = np.clip(np.ceil(np.log2(np.maximum(amax, 2.0**-126) / 6)), -127, 127)
+    codes = np.abs((x / np.exp2(e))[..., None] - _E2M1).argmin(-1).astype(np.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), (e[..., 0] + 127).astype(np.uint8)
+
+
+def _mxfp4_checkpoint(src, dst):
+    """`src` (an unquantized gpt-oss directory) as gpt-oss publishes it: every expert tensor as
+    ``X_blocks`` and ``X_scales`` (written with the safetensors library), quant_method mxfp4."""
+    dst.mkdir()
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    weight_map = {}
+    for file in sorted(set(index["weight_map"].values())):
+        tensors = {}
+        for name, value in safetensors_numpy.load_file(src / file).items():
+            if _EXPERTS.fullmatch(name):
+                tensors[name + "_blocks"], tensors[name + "_scales"] = _mxfp4(value)
+            else:
+                tensors[name] = value
+        safetensors_numpy.save_file(tensors, dst / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_mxfp4_base_keeps_gpt_oss_bytes_and_trains_adapters(hf_families, tmp_path):
+    """base="mxfp4" of a gpt-oss checkpoint in its published format: the experts as packed
+    bytes (half a byte a weight) and E8M0 codes, dequantized bit-identical to the dequantizing
+    loader's weights, the same logits and greedy tokens; LoRA on it trains the adapters alone."""
+    _, src = hf_families.hf("gpt_oss")
+    path = _mxfp4_checkpoint(src, tmp_path / "mxfp4")
+    model, params = _load(path, base="mxfp4")
+    plain, want = _load(path)
+    for key in ("w_in", "w_out"):
+        data, codes = params["layers"]["moe"][key], params["layers"]["moe"][key + "_scales"]
+        full = want["layers"]["moe"][key]
+        assert data.dtype == codes.dtype == jnp.uint8 and 2 * data.size == full.size, key
+        got = _base.dequantize_mxfp4(data, codes, jnp.float32)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(full), err_msg=key)
+    assert params["layers"]["w_qkv"].dtype == jnp.float32  # attention as it was
+    tokens = model.place_batch(fam.random_tokens(8, seed=3))
+    got, ref = jax.jit(model.logits)(params, tokens), jax.jit(plain.logits)(want, tokens)
+    assert fam.max_rel_err(got, ref) < 1e-6
+    prompt = fam.random_tokens(8, seq=6, seed=5)
+    np.testing.assert_array_equal(
+        np.asarray(models.generate(model, params, prompt, 4)),
+        np.asarray(models.generate(plain, want, prompt, 4)),
+    )
+    targets = ("q_proj", "experts.gate_up_proj", "experts.down_proj")
+    lora = dataclasses.replace(model, lora=Lora(4, 8.0, targets))
+    p = lora.add_adapters(params, jax.random.key(0))
+    before = jax.tree.map(np.asarray, p)
+    opt = optax.adamw(3e-2)
+    state, step = lora.init_optimizer(opt, p), lora.train_step(opt)
+    batch = lora.place_batch(fam.random_tokens(16, seed=4), fam.random_tokens(16, seed=6))
+    losses = []
+    for _ in range(3):
+        p, state, loss = step(p, state, *batch)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+    for path_, old in jax.tree_util.tree_leaves_with_path(before):
+        moved = not np.array_equal(np.asarray(_at(p, "/".join(k.key for k in path_))), old)
+        assert moved == ("_lora_" in jax.tree_util.keystr(path_)), path_
+
+
+def test_mxfp4_base_refusals(hf_families, tmp_path):
+    _, src = hf_families.hf("gpt_oss")
+    with pytest.raises(ConfigError, match=r"base='mxfp4' keeps a published MXFP4 checkpoint"):
+        _load(src, base="mxfp4")
+    path = _mxfp4_checkpoint(src, tmp_path / "mxfp4")
+    with pytest.raises(ConfigError, match=r"experts are MXFP4 \(gpt-oss\): keep them with"):
+        _load(path, base="fp8")
+    cfg = models.DecoderConfig(
+        "gpt_oss", 64, 48, 2, models.AttentionSpec(4, 2, 12), models.MoESpec(4, 2, 32)
+    )
+    mesh = jax.make_mesh((1,), ("expert",), devices=jax.devices()[:1])
+    with pytest.raises(ConfigError, match=r"\{'hidden_size': 48\} is not a multiple of 32"):
+        models.MoEDecoder(cfg, mesh, base="mxfp4")
