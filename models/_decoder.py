@@ -23,14 +23,14 @@ from jaxops.parallel import pipeline as pl
 
 import jaxops
 from jaxops import _checks
-from jaxops._config import ImplChoice, check_impl
+from jaxops._config import check_impl
 from jaxops._errors import ArgumentTypeError, ConfigError, InvalidArgumentError, renamed_fields
-from jaxops._lora import Lora, as_lora
+from jaxops._lora import as_lora
 
 from . import _batch, _objective, _run, _train
 from ._base import BASES
 from ._config import DecoderConfig
-from ._layout import Layout, lora_targets
+from ._layout import Layout, Settings, lora_targets
 
 __all__ = [
     "ATTENTION_IMPLS",
@@ -82,7 +82,7 @@ def _doc(source: Any) -> Callable[[Callable], Callable]:
     }
 )
 @dataclasses.dataclass(frozen=True)
-class MoEDecoder:
+class MoEDecoder(Settings):
     """A decoder-only MoE transformer laid out on a mesh: parameters, forward, loss, gradients.
 
     Per layer (``L`` of them, parameters stacked on a leading layer axis)::
@@ -245,32 +245,6 @@ class MoEDecoder:
       (2, 8, 64)
     """
 
-    config: DecoderConfig
-    mesh: jax.sharding.Mesh
-    expert_axis: str = "expert"
-    pipe_axis: str = "pipe"
-    num_microbatches: int = 1
-    schedule: str = "1f1b"
-    remat: bool | str | Callable | None = None
-    dtype: Any = jnp.float32
-    capacity_factor: float | None = None
-    fp8: jaxops.fp8.Recipe | str | None = None
-    dispatch: str = "dtype"
-    exchange: str = "auto"
-    router_aux_loss_coef: float | None = None
-    router_z_loss_coef: float = 0.0
-    align: int = 8
-    impl: ImplChoice = None
-    moe_impl: str = "ep"
-    attention_impl: str = "auto"
-    zero: int = 0
-    scan_unroll: int | bool = 1
-    grad_reduce: str = "flat"
-    vocab_chunk: int | None = None
-    lora: Lora | None = None
-    base: str | None = None
-    base_block: tuple[int, int] = (128, 128)
-
     def __post_init__(self):
         op = _OP
         if not isinstance(self.config, DecoderConfig):
@@ -407,7 +381,7 @@ class MoEDecoder:
     @functools.cached_property
     def layout(self) -> Layout:
         """The model on its mesh (:class:`~jaxops.models._layout.Layout`), of these fields."""
-        return Layout(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        return Layout.of(self)
 
     @property
     @_doc(Layout.pipe)

@@ -24,9 +24,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxops.parallel import expert as ep
 
+from jaxops._config import ImplChoice
 from jaxops._errors import ConfigError
 from jaxops._lora import Lora
 from jaxops._sharding import axes_of, constrain, manual_axes, padded_spec, place
+from jaxops.fp8 import Recipe
 
 from . import _base, _layers, _loss, _mla
 from ._config import DecoderConfig
@@ -42,6 +44,7 @@ __all__ = [
     "ROUTER_TARGET",
     "SHARED_TARGETS",
     "Layout",
+    "Settings",
     "adapters_of",
     "attention_targets",
     "lora_targets",
@@ -262,39 +265,54 @@ _MATMULS = jax.checkpoint_policies.save_from_both_policies(
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
-    """The decoder on its mesh: parameter layout, batch placement, how the layers compute.
+class Settings:
+    """The decoder's fields, defined once: the config, the mesh and the runtime settings.
 
-    A frozen value of :class:`~jaxops.models.MoEDecoder`'s fields (the same names and meanings,
-    already validated and normalized by it: ``remat`` a policy name or callable, ``dtype`` a
-    numpy dtype); hashable, so jitted functions take it as a static argument.
+    :class:`~jaxops.models.MoEDecoder` (which documents each, validates and normalizes them)
+    and :class:`Layout` (which runs on them) are both these fields.
     """
 
     config: DecoderConfig
     mesh: jax.sharding.Mesh
-    expert_axis: str
-    pipe_axis: str
-    num_microbatches: int
-    schedule: str
-    remat: str | Callable | None
-    dtype: Any
-    capacity_factor: float | None
-    fp8: str | None
-    dispatch: str
-    exchange: str
-    router_aux_loss_coef: float | None
-    router_z_loss_coef: float
-    align: int
-    impl: str | None
-    moe_impl: str
-    attention_impl: str
-    zero: int
-    scan_unroll: int | bool
-    grad_reduce: str
-    vocab_chunk: int | None
-    lora: Lora | None
-    base: str | None
-    base_block: tuple[int, int]
+    expert_axis: str = "expert"
+    pipe_axis: str = "pipe"
+    num_microbatches: int = 1
+    schedule: str = "1f1b"
+    remat: bool | str | Callable | None = None
+    dtype: Any = jnp.float32
+    capacity_factor: float | None = None
+    fp8: Recipe | str | None = None
+    dispatch: str = "dtype"
+    exchange: str = "auto"
+    router_aux_loss_coef: float | None = None
+    router_z_loss_coef: float = 0.0
+    align: int = 8
+    impl: ImplChoice = None
+    moe_impl: str = "ep"
+    attention_impl: str = "auto"
+    zero: int = 0
+    scan_unroll: int | bool = 1
+    grad_reduce: str = "flat"
+    vocab_chunk: int | None = None
+    lora: Lora | None = None
+    base: str | None = None
+    base_block: tuple[int, int] = (128, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout(Settings):
+    """The decoder on its mesh: parameter layout, batch placement, how the layers compute.
+
+    A frozen value of :class:`~jaxops.models.MoEDecoder`'s fields (:class:`Settings`, already
+    validated and normalized by it: ``remat`` a policy name, callable or None, ``dtype`` a
+    numpy dtype, ``fp8`` a recipe or None); hashable, so jitted functions take it as a static
+    argument. Built by :meth:`of`.
+    """
+
+    @classmethod
+    def of(cls, settings: Settings) -> Layout:
+        """The layout of `settings` (a :class:`~jaxops.models.MoEDecoder`): the same fields."""
+        return cls(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(Settings)})
 
     def check_mesh(self, op: str) -> None:
         """The mesh's axes fit the config (ConfigError naming what does not)."""

@@ -105,10 +105,11 @@ def parse_bytes(text: str | int) -> int:
 
 
 def count_params(abstract: Any) -> int:
-    """The elements of a parameter tree (arrays or ``jax.ShapeDtypeStruct`` s)."""
+    """The elements of a parameter tree (arrays, ``jax.ShapeDtypeStruct`` s or shape tuples)."""
     import jax
 
-    return sum(math.prod(a.shape) for a in jax.tree.leaves(abstract))
+    leaves = jax.tree.leaves(abstract, is_leaf=lambda x: isinstance(x, tuple))
+    return sum(math.prod(a if isinstance(a, tuple) else a.shape) for a in leaves)
 
 
 def _device_bytes(tree: Any) -> int:
@@ -278,7 +279,7 @@ def plan(
     by["total"] = total + by["temp"]
     return {
         "model_type": cfg.model_type,
-        "params": count_params(params),
+        "params": count_params(model.layout.weight_shapes()),  # weights, not their bytes
         "mesh": dict(mesh_shape),
         "devices": devices,
         "batch": batch,
