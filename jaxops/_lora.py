@@ -35,6 +35,10 @@ class Lora:
       alpha: > 0, PEFT's ``lora_alpha``.
       targets: the names of the weights that get adapters (at least one).
       rslora: scale by ``alpha / sqrt(rank)`` (rsLoRA) instead of ``alpha / rank``.
+      dropout: the probability, in ``[0, 1)``, of zeroing each element of an adapter's input
+        ``x`` in training (PEFT's ``lora_dropout``: ``scaling * (dropout(x) @ A) @ B``, the
+        kept elements scaled by ``1 / (1 - dropout)``); the layer or model says which
+        adapters take it and where the random key comes from.
 
     Example:
       >>> from jaxops import Lora
@@ -48,6 +52,7 @@ class Lora:
     alpha: float
     targets: tuple[str, ...]
     rslora: bool = False
+    dropout: float = 0.0
 
     def __post_init__(self):
         r = self.rank
@@ -67,6 +72,10 @@ class Lora:
         object.__setattr__(self, "targets", tuple(targets))
         if not isinstance(self.rslora, bool):
             raise ArgumentTypeError(f"{_OP}: rslora must be a bool, got {self.rslora!r}")
+        d = self.dropout
+        if isinstance(d, bool) or not isinstance(d, int | float) or not 0 <= d < 1:
+            raise ConfigError(f"{_OP}: dropout must be a number in [0, 1), got {d!r}")
+        object.__setattr__(self, "dropout", float(d))
 
     @property
     def scaling(self) -> float:

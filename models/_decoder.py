@@ -624,6 +624,7 @@ class MoEDecoder(Settings):
         attention_mask: jax.Array | None = None,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        dropout_key: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, Any]]:
         """``(loss, grads)`` of :meth:`loss`, grads like params (with ``lora``: the adapters').
 
@@ -636,20 +637,53 @@ class MoEDecoder(Settings):
         another when > 1 (gradient accumulation: the activations of one microbatch live at a
         time), and on several devices of the batch axes with ``grad_reduce="flat"`` (the
         default) in one ``shard_map``, the gradients reduced as flat buffers (see
-        :attr:`grad_reduce`). The arguments are those of :meth:`loss`.
+        :attr:`grad_reduce`). The arguments are those of :meth:`loss`, and `dropout_key`:
+        with ``lora`` of ``dropout`` > 0, the step's random key (a ``jax.random.key``, or a
+        raw ``uint32[2]`` key; required): the adapters of the attention projections (PEFT's
+        ``target_modules``) drop their inputs out, each layer and microbatch with its own
+        masks. The other adapters take no dropout (PEFT refuses it on ``target_parameters``,
+        as it writes them). Ignored without dropout.
         """
         op = f"{_OP}.loss_and_grads"
         self._check_trainable(op)
         batch = self._check(op, tokens, targets, attention_mask, positions, segment_ids)
+        key = self._dropout_key(op, dropout_key)
         layout = self.layout
         if self.pipe > 1:
             return _objective.pipeline_step(layout, params, batch)
         if layout.flat_grads:
             return _objective.flat_loss_and_grads(layout, params, batch)
-        return _objective.loss_and_grads(layout, params, batch)
+        return _objective.loss_and_grads(layout, params, batch, key)
+
+    def _dropout_key(self, op: str, key: Any) -> jax.Array | None:
+        """The training step's LoRA dropout key, checked (None where there is no dropout)."""
+        if self.lora is None or self.lora.dropout == 0:
+            return None
+        if key is None:
+            raise InvalidArgumentError(
+                f"{op}: dropout_key is required with lora dropout {self.lora.dropout} (a "
+                "jax.random.key, a new one each step)"
+            )
+        typed = isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+        if typed and key.shape == ():
+            return key
+        if not typed and np.shape(key) == (2,) and np.result_type(key) == np.uint32:
+            return jnp.asarray(key)
+        raise InvalidArgumentError(
+            f"{op}: dropout_key must be one jax.random.key (or a raw uint32[2] key), got "
+            f"{getattr(key, 'dtype', type(key).__name__)}{list(np.shape(key))}"
+        )
 
     def _zero_loss_and_grads(
-        self, params, tokens, targets, *, attention_mask=None, positions=None, segment_ids=None
+        self,
+        params,
+        tokens,
+        targets,
+        *,
+        attention_mask=None,
+        positions=None,
+        segment_ids=None,
+        dropout_key=None,
     ) -> tuple[jax.Array, dict[str, Any]]:
         """:meth:`loss_and_grads` with the gradients as ZeRO-1 shards (:meth:`zero_specs`).
 

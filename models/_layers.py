@@ -41,6 +41,7 @@ from ._config import DecoderConfig
 from ._ops import (
     CAUSAL_BLOCK_MIN,
     CAUSAL_BLOCKS,
+    DROPOUT_KEY,
     PROJECTION,
     Ops,
     adapted,
@@ -52,6 +53,7 @@ from ._packing import IGNORE_INDEX
 from ._rope import Rope, apply_rotary
 
 __all__ = [
+    "DROPOUT_KEY",
     "CAUSAL_BLOCKS",
     "CAUSAL_BLOCK_MIN",
     "IGNORE_INDEX",

@@ -374,7 +374,8 @@ class Layout(Settings):
             half = np.dtype(self.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
             attention = "dot_product" if platform == "gpu" and half else "xla"
         scaling = None if self.lora is None else self.lora.scaling
-        return _layers.Ops(self.dtype, self.impl, self.fp8, self.mesh, attention, scaling)
+        dropout = 0.0 if self.lora is None else self.lora.dropout
+        return _layers.Ops(self.dtype, self.impl, self.fp8, self.mesh, attention, scaling, dropout)
 
     @property
     def unroll(self) -> int | bool:

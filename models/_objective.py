@@ -76,34 +76,44 @@ def terms(layout: Layout, params, x, where, targets) -> tuple[jax.Array, jax.Arr
     return total, jnp.sum(aux.loss)
 
 
-def accumulate(layout: Layout, params, batch: _batch.Batch, grads: bool):
+def accumulate(
+    layout: Layout,
+    params,
+    batch: _batch.Batch,
+    grads: bool,
+    dropout_key: jax.Array | None = None,
+):
     """The loss (and its gradients) over the microbatches without a pipeline, one at a time.
 
     Each microbatch adds its summed cross-entropy over the global target count and its MoE
     aux losses over M; the gradients accumulate in float32 (with LoRA the adapters' only:
-    :func:`trainable`).
+    :func:`trainable`). `dropout_key`: the LoRA dropout key, each microbatch folding in its
+    index.
     """
     m = layout.num_microbatches
     count = _target_count(where_targets(batch)[1])
     parts = _batch.split_microbatches(batch, m, (layout.mesh, layout.batch_axes))
     wrt = trainable(layout, params)
 
-    def one(wrt, mb):
+    def one(wrt, mb, i):
         p = with_frozen(wrt, params) if layout.lora is not None else wrt
+        if dropout_key is not None:  # each microbatch its own dropout masks
+            p = {**p, _layers.DROPOUT_KEY: jax.random.fold_in(dropout_key, i)}
         x, where, targets = inputs(layout, p, mb)
         total, aux = terms(layout, p, x, where, targets)
         return total / count + aux / m
 
     f32 = functools.partial(jax.tree.map, lambda a: jnp.zeros_like(a, jnp.float32))
+    xs = (parts, jnp.arange(m))
     if not grads:
-        return jax.lax.scan(lambda acc, mb: (acc + one(wrt, mb), None), 0.0, parts)[0]
+        return jax.lax.scan(lambda acc, x: (acc + one(wrt, *x), None), 0.0, xs)[0]
 
-    def body(acc, mb):
-        loss, g = jax.value_and_grad(one)(wrt, mb)
+    def body(acc, x):
+        loss, g = jax.value_and_grad(one)(wrt, *x)
         g = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), acc[1], g)
         return (acc[0] + loss, g), None
 
-    (loss, g), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), f32(wrt)), parts)
+    (loss, g), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), f32(wrt)), xs)
     return loss, jax.tree.map(lambda a, p: a.astype(p.dtype), g, wrt)
 
 
@@ -115,17 +125,25 @@ def trainable(layout: Layout, params: dict[str, Any]) -> Any:
     return params if layout.lora is None else adapters_of(params)
 
 
-def loss_and_grads(layout: Layout, params: dict[str, Any], batch: _batch.Batch):
+def loss_and_grads(
+    layout: Layout,
+    params: dict[str, Any],
+    batch: _batch.Batch,
+    dropout_key: jax.Array | None = None,
+):
     """``(loss, grads of :func:`trainable`)`` without a pipeline, by ``jax.value_and_grad``.
 
-    Over the microbatches one at a time when there are several.
+    Over the microbatches one at a time when there are several. `dropout_key`: the step's
+    LoRA dropout key (each layer folds in its index, each microbatch its own), or None.
     """
     if layout.num_microbatches > 1:
-        return accumulate(layout, params, batch, grads=True)
+        return accumulate(layout, params, batch, grads=True, dropout_key=dropout_key)
     wrt = trainable(layout, params)
 
     def loss(wrt, batch):
         p = with_frozen(wrt, params) if layout.lora is not None else wrt
+        if dropout_key is not None:
+            p = {**p, _layers.DROPOUT_KEY: dropout_key}
         return objective(layout, p, batch)
 
     return jax.value_and_grad(loss)(wrt, batch)

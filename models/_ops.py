@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import zlib
 from typing import Any
 
 import jax
@@ -23,6 +24,7 @@ from ._config import DecoderConfig
 __all__ = [
     "CAUSAL_BLOCKS",
     "CAUSAL_BLOCK_MIN",
+    "DROPOUT_KEY",
     "PROJECTION",
     "Ops",
     "adapted",
@@ -32,6 +34,9 @@ __all__ = [
 ]
 
 
+#: Where a layer's parameters carry the LoRA dropout key of a training step (the objective
+#: puts one per layer there; :func:`adapted` reads it).
+DROPOUT_KEY = "lora_dropout_key"
 #: The ``jax.ad_checkpoint.checkpoint_name`` of every projection's output (remat policies).
 PROJECTION = "jaxops.models.projection"
 
@@ -50,6 +55,8 @@ class Ops:
       attention: how :func:`attend` computes: "xla" (float32 scores and softmax in jnp) or
         "dot_product" (``jax.nn.dot_product_attention``: cuDNN's fused attention on a GPU where
         it supports the shapes, else XLA's; for keys and values of one head width, else "xla").
+      lora_dropout: ``Lora.dropout``: the adapters' input dropout where a layer's parameters
+        carry a key (:data:`DROPOUT_KEY`, training only).
       lora_scaling: the low-rank adapters' scale (``Lora.scaling``), or None without adapters:
         a projection whose layer holds ``<name>_lora_a`` / ``<name>_lora_b`` adds
         ``scaling * (x @ A) @ B`` (:func:`adapted`).
@@ -61,6 +68,7 @@ class Ops:
     mesh: jax.sharding.Mesh | None = None
     attention: str = "xla"
     lora_scaling: float | None = None
+    lora_dropout: float = 0.0
 
 
 def adapted(ops: Ops, p: dict[str, jax.Array], name: str, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -68,10 +76,20 @@ def adapted(ops: Ops, p: dict[str, jax.Array], name: str, x: jax.Array, y: jax.A
 
     ``A = p[name + "_lora_a"] [K, r]``, ``B = p[name + "_lora_b"] [r, N]``, in the compute dtype
     (never FP8: the base projection may be), float32 accumulation, the sum in the compute dtype.
+    With a dropout key in `p` (:data:`DROPOUT_KEY`) and ``ops.lora_dropout`` > 0, ``x`` is
+    dropped out first (each element kept with ``1 - dropout``, scaled by its inverse; the mask
+    drawn from the key folded with the adapter's name).
     """
     a = p.get(f"{name}_lora_a")
     if a is None or ops.lora_scaling is None:
         return y
+    key = p.get(DROPOUT_KEY)
+    if key is not None and ops.lora_dropout > 0:  # training: PEFT's lora_dropout on x
+        keep = 1.0 - ops.lora_dropout
+        mask = jax.random.bernoulli(
+            jax.random.fold_in(key, zlib.crc32(name.encode())), keep, x.shape
+        )
+        x = jnp.where(mask, x / keep, jnp.zeros((), x.dtype)).astype(x.dtype)
     dt = ops.dtype
     t = jnp.dot(x.astype(dt), a.astype(dt), preferred_element_type=jnp.float32).astype(dt)
     d = jnp.dot(t, p[f"{name}_lora_b"].astype(dt), preferred_element_type=jnp.float32)

@@ -164,6 +164,11 @@ def _peft_tensors(model: MoEDecoder, params: dict[str, Any]) -> dict[str, np.nda
 def _adapter_config(model: MoEDecoder) -> dict[str, Any]:
     lora = model.lora
     fam = family(model.config.model_type)
+    parameters = [
+        *(f"{fam.moe_module}.{t.removeprefix('mlp.')}.weight" for t in _dense_targets(lora)),
+        *(f"{path}.weight" for path in _shared_names(model).values()),
+        *(f"{fam.moe_module}.{t}" for t in lora.targets if t in EXPERT_TARGETS),
+    ]
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -175,12 +180,10 @@ def _adapter_config(model: MoEDecoder) -> dict[str, Any]:
         # PEFT moves target_modules named gate_proj / up_proj / down_proj onto the fused
         # experts: the dense MLP's and the shared experts' are named as parameters (saved as
         # lora.Linear's are)
-        "target_parameters": [
-            *(f"{fam.moe_module}.{t.removeprefix('mlp.')}.weight" for t in _dense_targets(lora)),
-            *(f"{path}.weight" for path in _shared_names(model).values()),
-            *(f"{fam.moe_module}.{t}" for t in lora.targets if t in EXPERT_TARGETS),
-        ],
-        "lora_dropout": 0.0,
+        "target_parameters": parameters,
+        # a training setting (the adapter's inference is the same); PEFT refuses a dropout
+        # with target_parameters, on which jaxops drops nothing either
+        "lora_dropout": 0.0 if parameters else lora.dropout,
         "bias": "none",
         "fan_in_fan_out": False,
         "init_lora_weights": True,

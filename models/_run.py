@@ -65,6 +65,7 @@ def run_all(
     (what runs ahead of a pipeline; aux None).
     """
     period = None if prefix else layout.period
+    dropout = params.get(_layers.DROPOUT_KEY)  # a training step's LoRA dropout key
     auxes = []
     for key, start, stop, first in layout.runs_in(period[0] if period else None):
         if prefix and key == "layers":
@@ -74,15 +75,23 @@ def run_all(
             stack = jax.tree.map(lambda a, i=start, j=stop: a[i:j], stack)
         rows = range(first, first + stop - start)  # consecutive layers of one kind
         kinds = _layers.layer_kinds(layout.config, rows)
-        h, aux = run_layers(layout, stack, h, where, key, kinds, gather=True)
+        keys = _layer_keys(dropout, first, stop - start)
+        h, aux = run_layers(layout, stack, h, where, key, kinds, gather=True, keys=keys)
         if key == "layers":
             auxes.append(aux)
     if period is not None:
-        h, aux = _run_period(layout, params, h, where, *period)
+        h, aux = _run_period(layout, params, h, where, *period, dropout=dropout)
         auxes.append(aux)
     if not auxes:
         return h, None
     return h, auxes[0] if len(auxes) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *auxes)
+
+
+def _layer_keys(key: jax.Array | None, first: int, n: int) -> jax.Array | None:
+    """The dropout keys of model layers ``first .. first + n - 1`` (one each), or None."""
+    if key is None:
+        return None
+    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(first, first + n))
 
 
 def _run_period(
@@ -92,6 +101,7 @@ def _run_period(
     where: _layers.Tokens,
     first: int,
     keys: tuple[str, ...],
+    dropout: jax.Array | None = None,
 ) -> tuple[jax.Array, ep.MoEAux]:
     """Layers ``first ..`` as repeats of the stacks `keys`, one ``lax.scan`` over them."""
     c = layout.config
@@ -107,28 +117,34 @@ def _run_period(
     if scanned is not None:
         scanned = jax.tree.map(lambda a: a.reshape(groups, len(keys)), scanned)
     steps = {k: layer_step(layout, k, where, static, gather=True) for k in xs}
+    drop = _layer_keys(dropout, first, c.num_layers - first)
+    if drop is not None:
+        drop = drop.reshape(groups, len(keys), *drop.shape[1:])
 
     def body(h, x):
-        stacks, kinds = x
+        stacks, kinds, drop = x
         seen = dict.fromkeys(stacks, 0)
         auxes = []
         for j, key in enumerate(keys):
             p = jax.tree.map(lambda a, i=seen[key]: a[i], stacks[key])
             seen[key] += 1
             kind = None if kinds is None else jax.tree.map(lambda a, j=j: a[j], kinds)
-            h, aux = steps[key](h, p if kind is None else (p, kind))
+            h, aux = steps[key](h, (p, kind, None if drop is None else drop[j]))
             if key == "layers":
                 auxes.append(aux)
         return h, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 
-    h, aux = jax.lax.scan(body, h, (xs, scanned), unroll=layout.unroll)
+    h, aux = jax.lax.scan(body, h, (xs, scanned, drop), unroll=layout.unroll)
     return h, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), aux)
 
 
 def layer_step(
     layout: Layout, key: str, where: _layers.Tokens, static: _layers.LayerKind, gather: bool
 ) -> Callable:
-    """One layer of stack `key` as a scan body ``(h, xs) -> (h, aux)``.
+    """One layer of stack `key` as a scan body ``(h, (params, kind, dropout key)) -> (h, aux)``.
+
+    `kind`: the layer's attention pattern where the layers' differ (else None: `static`);
+    the dropout key: the training step's LoRA dropout key of this layer, or None.
 
     Rematerialized as ``remat`` says (:attr:`Layout.remat_policy`); `gather`: ZeRO-3 gathers
     its weights (outside a pipeline stage, whose weights its shard_map gathered) and again in
@@ -140,9 +156,11 @@ def layer_step(
     )
 
     def layer(h, xs):  # a quantized base's weights dequantized where the layer starts
-        if isinstance(xs, tuple):
-            return decoder_layer(h, (layout.dequantized(xs[0], key), xs[1]))
-        return decoder_layer(h, layout.dequantized(xs, key))
+        p, kind, drop = xs
+        p = layout.dequantized(p, key)
+        if drop is not None:  # the training step's LoRA dropout key of this layer
+            p = {**p, _layers.DROPOUT_KEY: drop}
+        return decoder_layer(h, p if kind is None else (p, kind))
 
     remat = layout.remat_policy
     body = layer
@@ -155,9 +173,7 @@ def layer_step(
         specs, source = one(layout.compute_specs()), one(layout.zero_specs())
 
         def body(h, xs):
-            if isinstance(xs, tuple):
-                return layer(h, (layout.gather(xs[0], specs, source), xs[1]))
-            return layer(h, layout.gather(xs, specs, source))
+            return layer(h, (layout.gather(xs[0], specs, source), *xs[1:]))
 
         unsaved = (*unsaved, GATHERED)
     if unsaved:  # recomputed in the backward, never kept for it
@@ -175,16 +191,18 @@ def run_layers(
     key: str,
     kinds: tuple[_layers.LayerKind, _layers.LayerKind | None],
     gather: bool = False,
+    keys: jax.Array | None = None,
 ) -> tuple[jax.Array, ep.MoEAux]:
     """``h`` through the stacked `layers` of stack `key` (one lax.scan).
 
     `kinds`: their attention patterns (``_layers.layer_kinds``: one for all, or per-layer
     arrays scanned with the parameters). Returns ``(h, aux)``: the per-layer aux (MoEAux
-    of MoE layers, None for dense ones), stacked. `gather`: as in :func:`layer_step`.
+    of MoE layers, None for dense ones), stacked. `gather`: as in :func:`layer_step`; `keys`:
+    the layers' LoRA dropout keys (a training step's), or None.
     """
     static, scanned = kinds
     body = layer_step(layout, key, where, static, gather)
-    xs = layers if scanned is None else (layers, scanned)
+    xs = (layers, scanned, keys)
     return jax.lax.scan(body, h, xs, unroll=layout.unroll)
 
 

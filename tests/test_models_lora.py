@@ -23,6 +23,7 @@ peft = pytest.importorskip("peft")
 
 import _hf_families as fam  # noqa: E402
 
+import jaxops  # noqa: E402
 from jaxops import (  # noqa: E402
     ConfigError,
     Lora,
@@ -302,3 +303,78 @@ def test_peft_written_adapters_load(hf_families, tmp_path):
     save_file(tensors, str(out / "adapter_model.safetensors"))
     with pytest.raises(CheckpointError, match=f"{re.escape(key)} has shape"):
         models.load_adapter(model, params, out)
+
+
+# -------------------------------------------------------------------------------------------------
+# Dropout on the adapters' inputs (PEFT's lora_dropout).
+
+
+def test_adapter_dropout_drops_the_input_elements():
+    """``adapted`` with a key: ``scaling * (dropout(x) @ A) @ B`` with A and B identities reads
+    the dropped-out input back: each element 0 or ``x / keep``, about `keep` of them kept, a mask
+    of its own per adapter name; without a key (evaluation) nothing is dropped."""
+    from jaxops.models import _ops
+
+    ops = _ops.Ops(jnp.float32, None, None, None, "xla", 1.0, 0.25)
+    x = jnp.asarray(np.random.default_rng(0).uniform(1, 2, (64, 16)), jnp.float32)
+    p = {"q_proj_lora_a": jnp.eye(16), "q_proj_lora_b": jnp.eye(16), "k_proj_lora_a": jnp.eye(16)}
+    p["k_proj_lora_b"] = jnp.eye(16)
+    zero = jnp.zeros((64, 16))
+    assert np.array_equal(np.asarray(_ops.adapted(ops, p, "q_proj", x, zero)), np.asarray(x))
+    keyed = {**p, _ops.DROPOUT_KEY: jax.random.key(3)}
+    q = np.asarray(_ops.adapted(ops, keyed, "q_proj", x, zero))
+    k = np.asarray(_ops.adapted(ops, keyed, "k_proj", x, zero))
+    kept = q != 0
+    np.testing.assert_allclose(q[kept], np.asarray(x)[kept] / 0.75, rtol=1e-6)
+    assert 0.7 < kept.mean() < 0.8 and not np.array_equal(kept, k != 0)
+    again = np.asarray(_ops.adapted(ops, keyed, "q_proj", x, zero))
+    assert np.array_equal(q, again)  # the same key, the same mask
+
+
+def test_dropout_in_the_training_step(tmp_path):
+    """Only the attention's adapters take dropout (PEFT's target_modules; it refuses a dropout
+    on target_parameters): with expert adapters alone the loss is the loss without dropout.
+    With attention adapters the same key gives the same loss, another key another; fresh
+    adapters (B zero) are unchanged by it; dropout 0 ignores the key; the key is required."""
+    cfg = models.DecoderConfig(
+        "qwen3_moe", vocab_size=64, hidden_size=32, num_layers=2,
+        attention=models.AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8),
+        moe=models.MoESpec(num_experts=4, top_k=2, expert_ffn=16),
+    )  # fmt: skip
+    mesh = jax.make_mesh((1,), ("expert",), devices=jax.devices()[:1])
+    tokens = np.random.default_rng(1).integers(0, 64, (2, 8)).astype(np.int32)
+
+    def loss(targets, dropout, key, fresh=False):
+        model = models.MoEDecoder(cfg, mesh, lora=Lora(4, 8.0, targets, dropout=dropout))
+        params = model.init(jax.random.key(0))
+        if not fresh:
+            params = _randomized(model, params)
+        step = jax.jit(model.loss_and_grads)
+        return float(step(params, tokens, tokens, dropout_key=key)[0])
+
+    experts = ("experts.gate_up_proj", "experts.down_proj")
+    assert loss(experts, 0.5, jax.random.key(1)) == loss(experts, 0.0, None)
+    attention = ("q_proj", "v_proj", "o_proj")
+    one, same = loss(attention, 0.5, jax.random.key(1)), loss(attention, 0.5, jax.random.key(1))
+    other, none = loss(attention, 0.5, jax.random.key(2)), loss(attention, 0.0, jax.random.key(1))
+    assert one == same and one != other and one != none
+    assert none == loss(attention, 0.0, None)
+    assert loss(attention, 0.5, jax.random.key(1), fresh=True) == loss(attention, 0.0, None, True)
+    raw = jax.random.key_data(jax.random.key(1))  # a raw uint32[2] key is the same key
+    assert loss(attention, 0.5, raw) == one
+    model = models.MoEDecoder(cfg, mesh, lora=Lora(4, 8.0, attention, dropout=0.1))
+    params = model.init(jax.random.key(0))
+    # PEFT's adapter_config carries the dropout, but not with target_parameters (it refuses)
+    import json
+
+    out = models.save_adapter(model, params, tmp_path / "attention")
+    assert json.loads((out / "adapter_config.json").read_text())["lora_dropout"] == 0.1
+    both = dataclasses.replace(model, lora=Lora(4, 8.0, (*attention, *experts), dropout=0.1))
+    out = models.save_adapter(both, both.init(jax.random.key(0)), tmp_path / "both")
+    assert json.loads((out / "adapter_config.json").read_text())["lora_dropout"] == 0.0
+    with pytest.raises(jaxops.InvalidArgumentError, match="dropout_key is required"):
+        model.loss_and_grads(params, tokens, tokens)
+    with pytest.raises(jaxops.InvalidArgumentError, match=r"dropout_key must be one .*\[3\]"):
+        model.loss_and_grads(params, tokens, tokens, dropout_key=np.zeros(3, np.uint32))
+    with pytest.raises(ConfigError, match=r"^jaxops.Lora: dropout must be a number in \[0, 1\)"):
+        Lora(4, 8.0, attention, dropout=1.0)
