@@ -214,7 +214,8 @@ class MoEDecoder(Settings):
         (:meth:`trainable`), :meth:`init_optimizer` and :meth:`train_step` update them alone.
         :meth:`add_adapters` adds fresh ones to loaded weights, ``save_adapter`` /
         ``load_adapter`` write and read them in PEFT's format, ``merge_adapter`` folds them
-        into the weights. Not with a pipeline.
+        into the weights. On a pipe mesh the adapters run in the forward (logits, loss,
+        generate); training them there is refused (not built yet).
       base: None (the base weights in the parameters' dtype), "fp8": the decoder layers'
         linear weights (attention projections, routed and shared experts, dense MLPs) kept
         frozen as float8_e4m3fn bytes with float32 scales per ``base_block`` block
@@ -315,8 +316,6 @@ class MoEDecoder(Settings):
         if lora is None:
             return
         lora.check_targets(op, lora_targets(self.config))
-        if dict(self.mesh.shape).get(self.pipe_axis, 1) > 1:
-            raise ConfigError(f"{op}: lora runs without a pipeline (pipe axis size 1) for now")
 
     def _check_base(self, op: str) -> None:
         if self.base not in BASES:
@@ -350,11 +349,17 @@ class MoEDecoder(Settings):
             )
 
     def _check_trainable(self, op: str) -> None:
-        """A quantized base trains only through adapters (ConfigError otherwise)."""
+        """A quantized base trains only through adapters, adapters not through a pipeline."""
         if self.base is not None and self.lora is None:
             raise ConfigError(
                 f"{op}: base={self.base!r} keeps the base weights frozen and quantized, so they "
                 "have no gradients; train adapters on it (lora=jaxops.Lora(...))"
+            )
+        if self.lora is not None and self.pipe > 1:
+            raise ConfigError(
+                f"{op}: training lora adapters through a pipeline is not built yet (pipe axis "
+                f"{self.pipe_axis!r} of size {self.pipe}); logits, loss and generate run on it, "
+                "and training runs on a mesh without a pipe axis"
             )
 
     def _check_impl(self, op: str) -> None:
