@@ -86,9 +86,9 @@ def adapted(ops: Ops, p: dict[str, jax.Array], name: str, x: jax.Array, y: jax.A
     key = p.get(DROPOUT_KEY)
     if key is not None and ops.lora_dropout > 0:  # training: PEFT's lora_dropout on x
         keep = 1.0 - ops.lora_dropout
-        mask = jax.random.bernoulli(
-            jax.random.fold_in(key, zlib.crc32(name.encode())), keep, x.shape
-        )
+        key = jax.random.fold_in(key, zlib.crc32(name.encode()))
+        # drawn where x lives: each device makes the bits of its own rows only
+        mask = jax.random.bernoulli(key, keep, x.shape, out_sharding=jax.typeof(x).sharding)
         x = jnp.where(mask, x / keep, jnp.zeros((), x.dtype)).astype(x.dtype)
     dt = ops.dtype
     t = jnp.dot(x.astype(dt), a.astype(dt), preferred_element_type=jnp.float32).astype(dt)
