@@ -44,7 +44,14 @@ from jaxops.parallel.checkpoint import HFTensor, Rule
 
 from jaxops._errors import InvalidArgumentError
 
-from ._quant import Fp8Block, Fp8Codec, Mxfp4Codec, quantize_blocks, scale_name
+from ._quant import (
+    Fp8Block,
+    Fp8Codec,
+    Mxfp4Codec,
+    checked_scale,
+    quantize_blocks,
+    scale_name,
+)
 
 __all__ = [
     "BASES",
@@ -512,16 +519,7 @@ class BaseCodec:
         if weight is not None:  # a scale
             if not self._stored_fp8(weight):
                 return self._quantized(read(weight))[1]
-            scale = read(name).astype(np.float32)
-            bad = np.flatnonzero(~(np.isfinite(scale) & (scale > 0)))
-            if bad.size:
-                at = [int(i) for i in np.unravel_index(bad[0], scale.shape)]
-                raise InvalidArgumentError(
-                    f"{name!r} must be finite and > 0 in every block, got {scale.flat[bad[0]]} "
-                    f"at {at} ({bad.size} block(s)); refusing to load NaN, infinite, zero or "
-                    "negative weights"
-                )
-            return scale
+            return checked_scale(read(name), repr(name))
         if name in self.weights:
             if self._stored_fp8(name):
                 return read(name)

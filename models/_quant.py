@@ -53,6 +53,7 @@ __all__ = [
     "Fp8Codec",
     "Mxfp4",
     "Mxfp4Codec",
+    "checked_scale",
     "fp8_scale_names",
     "mxfp4_check",
     "read_quantization",
@@ -181,20 +182,25 @@ def dequantize_blocks(data: np.ndarray, scale: np.ndarray, block: Fp8Block) -> n
             f"the scale has shape {list(scale.shape)}; a {list(data.shape)} weight in "
             f"{list(block.block)} blocks needs {list(want)}"
         )
-    scale = scale.astype(np.float32, copy=False)
-    bad = np.flatnonzero(~(np.isfinite(scale) & (scale > 0)))
-    if bad.size:
-        at = [int(i) for i in np.unravel_index(bad[0], scale.shape)]
-        raise InvalidArgumentError(
-            f"the scale must be finite and > 0 in every block, got {scale.flat[bad[0]]} at "
-            f"{at} ({bad.size} block(s)); refusing to load NaN, infinite, zero or negative "
-            "weights"
-        )
+    scale = checked_scale(scale, "the scale")
     out = data.astype(np.float32)
     rows, cols = block.block
     for i in range(want[0]):
         out[i * rows : (i + 1) * rows] *= np.repeat(scale[i], cols)[: data.shape[1]]
     return out
+
+
+def checked_scale(scale: np.ndarray, what: str) -> np.ndarray:
+    """`scale` as float32; ValueError naming `what` if a block's is NaN, infinite, zero or < 0."""
+    scale = scale.astype(np.float32, copy=False)
+    bad = np.flatnonzero(~(np.isfinite(scale) & (scale > 0)))
+    if bad.size:
+        at = [int(i) for i in np.unravel_index(bad[0], scale.shape)]
+        raise InvalidArgumentError(
+            f"{what} must be finite and > 0 in every block, got {scale.flat[bad[0]]} at {at} "
+            f"({bad.size} block(s)); refusing to load NaN, infinite, zero or negative weights"
+        )
+    return scale
 
 
 def quantize_blocks(weight: np.ndarray, block: Fp8Block) -> tuple[np.ndarray, np.ndarray]:

@@ -39,32 +39,54 @@ _LINEAR = re.compile(r".*\.(q|k|v|o|q_a|q_b|kv_a|kv_b|gate|up|down)_proj(_with_m
 _BLOCK = (32, 32)
 
 
-def _fp8_checkpoint(src, dst, block=_BLOCK, corrupt: str | None = None):
-    """`src` (an unquantized directory) as a block-FP8 checkpoint in `dst`, written with the
-    safetensors library: each linear weight as F8_E4M3 with its float32 weight_scale_inv per
-    `block` (jaxops' host quantizer), config.json with the quantization_config. `corrupt`: the
-    tensor whose first scale is NaN."""
+def _rewritten(src, dst, convert, quantization_config):
+    """`src` (an unquantized directory) rewritten into `dst` with the safetensors library: each
+    tensor through ``convert(name, value) -> {name: array}``, config.json with the given
+    ``quantization_config``."""
     dst.mkdir()
     index = json.loads((src / "model.safetensors.index.json").read_text())
     weight_map = {}
     for file in sorted(set(index["weight_map"].values())):
         tensors = {}
         for name, value in safetensors_numpy.load_file(src / file).items():
-            if _LINEAR.fullmatch(name):
-                data, scale = quantize_blocks(value.astype(np.float32), Fp8Block(block))
-                if name == corrupt:
-                    scale = scale.copy()
-                    scale[0, 0] = np.nan
-                tensors[name], tensors[name + "_scale_inv"] = data, scale
-            else:
-                tensors[name] = value
+            tensors.update(convert(name, value))
         safetensors_numpy.save_file(tensors, dst / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
     (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = Fp8Block(block).to_hf(["lm_head"])
+    config["quantization_config"] = quantization_config
     (dst / "config.json").write_text(json.dumps(config))
     return dst
+
+
+def _fp8_checkpoint(src, dst, block=_BLOCK, corrupt: str | None = None):
+    """`src` as a block-FP8 checkpoint in `dst`: each linear weight as F8_E4M3 with its
+    float32 weight_scale_inv per `block` (jaxops' host quantizer). `corrupt`: the tensor whose
+    first scale is NaN."""
+
+    def convert(name, value):
+        if not _LINEAR.fullmatch(name):
+            return {name: value}
+        data, scale = quantize_blocks(value.astype(np.float32), Fp8Block(block))
+        if name == corrupt:
+            scale = scale.copy()
+            scale[0, 0] = np.nan
+        return {name: data, name + "_scale_inv": scale}
+
+    return _rewritten(src, dst, convert, Fp8Block(block).to_hf(["lm_head"]))
+
+
+def _same_logits_and_tokens(model, params, plain, want):
+    """`model` on `params` computes `plain`'s logits on `want` (within 1e-6 of the logit scale)
+    and generates its greedy tokens (the decode loop dequantizes layer by layer on its own)."""
+    tokens = model.place_batch(fam.random_tokens(8, seed=3))
+    got, ref = jax.jit(model.logits)(params, tokens), jax.jit(plain.logits)(want, tokens)
+    assert fam.max_rel_err(got, ref) < 1e-6
+    prompt = fam.random_tokens(8, seq=6, seed=5)
+    np.testing.assert_array_equal(
+        np.asarray(models.generate(model, params, prompt, 4)),
+        np.asarray(models.generate(plain, want, prompt, 4)),
+    )
 
 
 def _load(path, **options):
@@ -121,15 +143,7 @@ def test_published_fp8_bytes_kept_and_equal_to_the_dequantizing_loader(
         assert sum(s.data.nbytes for s in shards) == sum(s.data.size for s in shards), key
     for key, got in _dequantized(model, params).items():
         np.testing.assert_array_equal(got, np.asarray(_at(want, key)), err_msg=key)
-    tokens = model.place_batch(fam.random_tokens(8, seed=3))
-    got, ref = jax.jit(model.logits)(params, tokens), jax.jit(plain.logits)(want, tokens)
-    assert fam.max_rel_err(got, ref) < 1e-6
-    # Generation dequantizes layer by layer in its own loop: the same greedy tokens.
-    prompt = fam.random_tokens(8, seq=6, seed=5)
-    np.testing.assert_array_equal(
-        np.asarray(models.generate(model, params, prompt, 4)),
-        np.asarray(models.generate(plain, want, prompt, 4)),
-    )
+    _same_logits_and_tokens(model, params, plain, want)
     # Quantized at load, block by block on the host: the published file's bytes.
     _, made = _load(src, base="fp8", base_block=_BLOCK)
     for key, (data, scale) in _base_leaves(model, params).items():
@@ -310,24 +324,15 @@ def _mxfp4(w):
 
 def _mxfp4_checkpoint(src, dst):
     """`src` (an unquantized gpt-oss directory) as gpt-oss publishes it: every expert tensor as
-    ``X_blocks`` and ``X_scales`` (written with the safetensors library), quant_method mxfp4."""
-    dst.mkdir()
-    index = json.loads((src / "model.safetensors.index.json").read_text())
-    weight_map = {}
-    for file in sorted(set(index["weight_map"].values())):
-        tensors = {}
-        for name, value in safetensors_numpy.load_file(src / file).items():
-            if _EXPERTS.fullmatch(name):
-                tensors[name + "_blocks"], tensors[name + "_scales"] = _mxfp4(value)
-            else:
-                tensors[name] = value
-        safetensors_numpy.save_file(tensors, dst / file, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, file))
-    (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-    (dst / "config.json").write_text(json.dumps(config))
-    return dst
+    ``X_blocks`` and ``X_scales``, quant_method mxfp4."""
+
+    def convert(name, value):
+        if not _EXPERTS.fullmatch(name):
+            return {name: value}
+        blocks, scales = _mxfp4(value)
+        return {name + "_blocks": blocks, name + "_scales": scales}
+
+    return _rewritten(src, dst, convert, {"quant_method": "mxfp4"})
 
 
 def test_mxfp4_base_keeps_gpt_oss_bytes_and_trains_adapters(hf_families, tmp_path):
@@ -345,14 +350,7 @@ def test_mxfp4_base_keeps_gpt_oss_bytes_and_trains_adapters(hf_families, tmp_pat
         got = _base.dequantize_mxfp4(data, codes, jnp.float32)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(full), err_msg=key)
     assert params["layers"]["w_qkv"].dtype == jnp.float32  # attention as it was
-    tokens = model.place_batch(fam.random_tokens(8, seed=3))
-    got, ref = jax.jit(model.logits)(params, tokens), jax.jit(plain.logits)(want, tokens)
-    assert fam.max_rel_err(got, ref) < 1e-6
-    prompt = fam.random_tokens(8, seq=6, seed=5)
-    np.testing.assert_array_equal(
-        np.asarray(models.generate(model, params, prompt, 4)),
-        np.asarray(models.generate(plain, want, prompt, 4)),
-    )
+    _same_logits_and_tokens(model, params, plain, want)
     targets = ("q_proj", "experts.gate_up_proj", "experts.down_proj")
     lora = dataclasses.replace(model, lora=Lora(4, 8.0, targets))
     p = lora.add_adapters(params, jax.random.key(0))
