@@ -5,21 +5,24 @@ Parameter-efficient instruction tuning end to end, on 8 simulated CPU devices, w
 1. transformers creates a tiny random Qwen3-MoE (or Mixtral / Qwen2-MoE) and saves it -- the
    stand-in for a downloaded checkpoint;
 2. ``jaxops.models.from_pretrained(..., lora=jaxops.Lora(...))`` loads it on a ``data x expert``
-   mesh with low-rank adapters on every projection PEFT can target: the attention's, the
-   routed experts' fused tensors (one adapter per expert, sharded with the experts) and the
-   shared expert's; the base weights stay as loaded;
+   mesh (or ``pipe x data x expert``: the adapters train through the 1F1B pipeline, the base
+   weights its frozen leaves) with low-rank adapters on every projection PEFT can target: the
+   attention's, the routed experts' fused tensors (one adapter per expert, sharded with the
+   experts) and the shared expert's; the base weights stay as loaded;
 3. the synthetic instruction set of ``sft_hf_moe.py`` (the answer is the prompt reversed; the
    loss on the responses only; packed rows), trained by ``model.train_step`` with optax adamw:
    gradients and optimizer state for the adapters alone;
 4. ``jaxops.models.save_adapter`` writes a PEFT adapter; PEFT loads it onto transformers' model
-   (from the base files) and both answer held-out prompts greedily: the answers must agree token
-   for token. ``merge_adapter`` + ``save_pretrained`` then write a full checkpoint, which
+   (from the base files) and both answer held-out prompts greedily (jaxops on a ``data x
+   expert`` mesh: generation runs without pipeline stages): the answers must agree token for
+   token. ``merge_adapter`` + ``save_pretrained`` then write a full checkpoint, which
    transformers answers with the same tokens.
 
 Usage::
 
     python examples/lora_hf_moe.py                            # qwen3_moe, data 2 x expert 4
-    python examples/lora_hf_moe.py --steps 10 --no-progress   # a quick check (CI)
+    python examples/lora_hf_moe.py --mesh 2,2,2               # pipe 2 x data 2 x expert 2
+    python examples/lora_hf_moe.py --mesh 2,2,2 --steps 10 --no-progress   # a quick check (CI)
     python examples/lora_hf_moe.py --arch qwen2_moe --rank 8 --out /tmp/lora
 """
 
@@ -48,7 +51,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--arch", choices=("qwen3_moe", "mixtral", "qwen2_moe"), default="qwen3_moe"
     )
-    parser.add_argument("--mesh", default="2,4", help="data,expert sizes (product 8)")
+    parser.add_argument(
+        "--mesh", default="2,4", help="data,expert or pipe,data,expert sizes (product 8)"
+    )
+    parser.add_argument(
+        "--microbatches", type=int, default=2, help="per step, with a pipe axis (1F1B)"
+    )
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--alpha", type=float, default=32.0)
     parser.add_argument("--steps", type=int, default=300)
@@ -86,13 +94,20 @@ def peft_generate(base: Path, adapter: Path, tokens, mask, max_new_tokens: int, 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sizes = tuple(int(s) for s in args.mesh.split(","))
-    if len(sizes) != 2:
-        raise SystemExit(f"--mesh must be data,expert, got {args.mesh!r}")
-    devices = sizes[0] * sizes[1]
-    if args.eval_prompts % devices or args.rows % devices:
-        raise SystemExit(f"--eval-prompts and --rows must be multiples of the {devices} devices")
+    if len(sizes) not in (2, 3):
+        raise SystemExit(f"--mesh must be data,expert or pipe,data,expert, got {args.mesh!r}")
+    sizes = (1, *sizes) if len(sizes) == 2 else sizes
+    devices = sizes[0] * sizes[1] * sizes[2]
+    micro = args.microbatches if sizes[0] > 1 else 1
+    multiple = sizes[1] * sizes[2] * micro  # each microbatch splits over the batch axes
+    if args.eval_prompts % devices or args.rows % multiple:
+        raise SystemExit(
+            f"--eval-prompts must be a multiple of the {devices} devices and --rows of {multiple}"
+        )
     os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(devices))
     sft = _sft()
+
+    import dataclasses
 
     import jax
     import jax.numpy as jnp
@@ -117,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     sft.make_hf_model(args.arch, src)
     print(f"transformers wrote a tiny random {args.arch} to {src}")
 
-    mesh = jax.make_mesh(sizes, ("data", "expert"))
+    mesh = jax.make_mesh(sizes, ("pipe", "data", "expert"))
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj")
     if args.arch == "qwen2_moe":  # its shared expert's projections too
         targets += (
@@ -128,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     lora = Lora(rank=args.rank, alpha=args.alpha, targets=targets)
     progress = False if args.no_progress else None
     model, params = from_pretrained(
-        src, mesh=mesh, dtype=jnp.float32, lora=lora, router_aux_loss_coef=0.0, progress=progress
-    )
+        src, mesh=mesh, dtype=jnp.float32, lora=lora, router_aux_loss_coef=0.0,
+        num_microbatches=micro, progress=progress,
+    )  # fmt: skip
     trainable = model.trainable(params)
     count = lambda tree: sum(int(np.prod(a.shape)) for a in jax.tree.leaves(tree))  # noqa: E731
     print(
@@ -143,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     while len(held_out) < args.eval_prompts:
         prompt, response = sft.make_example(rng)
         held_out.setdefault(tuple(prompt), response)
-    batches = sft.packed_batches(rng, held_out.keys(), args.steps, args.rows, args.seq, devices)
+    batches = sft.packed_batches(rng, held_out.keys(), args.steps, args.rows, args.seq, multiple)
     warmup = min(20, args.steps // 10)
     lr = optax.warmup_cosine_decay_schedule(
         0.0, args.lr, warmup, max(args.steps, warmup + 1), args.lr / 10
@@ -175,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
 
     save_adapter(model, params, adapter)
     print(f"save_adapter: {adapter} (adapter_config.json, adapter_model.safetensors)")
+    if model.pipe > 1:  # generation runs without pipeline stages: the same model on data x expert
+        flat = jax.make_mesh((devices // sizes[2], sizes[2]), ("data", "expert"))
+        model = dataclasses.replace(model, mesh=flat, num_microbatches=1)
+        params = jax.device_put(params, model.shardings())
+        print(f"generation on mesh {dict(flat.shape)}")
     max_new = sft.MAX_LEN + 2
     tokens, mask = sft.left_pad([list(p) for p in held_out])
     ours = np.asarray(

@@ -214,8 +214,9 @@ class MoEDecoder(Settings):
         (:meth:`trainable`), :meth:`init_optimizer` and :meth:`train_step` update them alone.
         :meth:`add_adapters` adds fresh ones to loaded weights, ``save_adapter`` /
         ``load_adapter`` write and read them in PEFT's format, ``merge_adapter`` folds them
-        into the weights. On a pipe mesh the adapters run in the forward (logits, loss,
-        generate); training them there is refused (not built yet).
+        into the weights. On a pipe mesh they train through the pipeline schedule (the base
+        weights and the head are its frozen leaves); adapter dropout there is refused (not
+        built yet).
       base: None (the base weights in the parameters' dtype), "fp8": the decoder layers'
         linear weights (attention projections, routed and shared experts, dense MLPs) kept
         frozen as float8_e4m3fn bytes with float32 scales per ``base_block`` block
@@ -349,17 +350,17 @@ class MoEDecoder(Settings):
             )
 
     def _check_trainable(self, op: str) -> None:
-        """A quantized base trains only through adapters, adapters not through a pipeline."""
+        """A quantized base trains only through adapters; adapter dropout not through a pipeline."""
         if self.base is not None and self.lora is None:
             raise ConfigError(
                 f"{op}: base={self.base!r} keeps the base weights frozen and quantized, so they "
                 "have no gradients; train adapters on it (lora=jaxops.Lora(...))"
             )
-        if self.lora is not None and self.pipe > 1:
+        if self.lora is not None and self.lora.dropout > 0 and self.pipe > 1:
             raise ConfigError(
-                f"{op}: training lora adapters through a pipeline is not built yet (pipe axis "
-                f"{self.pipe_axis!r} of size {self.pipe}); logits, loss and generate run on it, "
-                "and training runs on a mesh without a pipe axis"
+                f"{op}: lora dropout ({self.lora.dropout}) through a pipeline is not built yet "
+                f"(pipe axis {self.pipe_axis!r} of size {self.pipe}); train with dropout=0 "
+                "there, or with dropout on a mesh without a pipe axis"
             )
 
     def _check_impl(self, op: str) -> None:

@@ -228,15 +228,27 @@ def flat_loss_and_grads(
 
 
 def pipeline_step(layout: Layout, params: dict[str, Any], batch: _batch.Batch):
-    """``(loss, grads)`` of one pipeline_step (the schedule) over the microbatches."""
+    """``(loss, grads of :func:`trainable`)`` of one pipeline_step (the schedule).
+
+    With LoRA the base weights and the head are the pipeline's ``frozen`` leaves: only the
+    adapters' gradients are computed (in the stages, and in the dense layers ahead of them).
+    """
+    lora = layout.lora is not None
     where, targets = where_targets(batch)
     ahead = {k: params[k] for k in ("embed", "dense_layers") if k in params}
+    wrt = trainable(layout, ahead)
+    # with LoRA, the layers ahead differentiated only if they hold adapters
+    ahead_grads = not lora or bool(jax.tree.leaves(wrt))
 
-    def front(ahead):  # the embedding and the dense layers ahead of the stages
-        x = layout.embed(ahead["embed"], batch.tokens, where)
-        return _run.run_all(layout, ahead, x, where, prefix=True)[0]
+    def front(wrt):  # the embedding and the dense layers ahead of the stages
+        ahead_ = with_frozen(wrt, ahead) if lora else wrt
+        x = layout.embed(ahead_["embed"], batch.tokens, where)
+        return _run.run_all(layout, ahead_, x, where, prefix=True)[0]
 
-    x, ahead_vjp = jax.vjp(front, ahead)
+    if ahead_grads:
+        x, ahead_vjp = jax.vjp(front, wrt)
+    else:
+        x = front(wrt)
     # pipeline_step averages each microbatch's loss over the M microbatches of each of the
     # data shards: scaling each by M * shards / count makes that the global token mean.
     shards = layout.batch_devices
@@ -246,9 +258,12 @@ def pipeline_step(layout: Layout, params: dict[str, Any], batch: _batch.Batch):
         head, s = lp
         return layout.losses(head, out["h"], t)[0] * s
 
+    stages = layout.stages(params["layers"])
+    # with LoRA: every stage leaf but the adapters, and the head, read and not trained
+    frozen = (jax.tree.map(lambda a: a is None, adapters_of(stages), is_leaf=_is_none), True)
     loss, g = pl.pipeline_step(
         functools.partial(_run.stage, layout),
-        layout.stages(params["layers"]),
+        stages,
         {"h": x, "where": where},
         targets=targets,
         # gathered in their own dtype: pipeline_step returns the head's gradient in it
@@ -256,12 +271,21 @@ def pipeline_step(layout: Layout, params: dict[str, Any], batch: _batch.Batch):
         loss_fn=loss_fn,
         schedule=layout.schedule,
         remat=layout.remat_policy,
+        input_grads=ahead_grads,
+        frozen=frozen if lora else None,
         **layout.pipeline_keywords(),
     )
-    (d_ahead,) = ahead_vjp(g.inputs["h"])
+    layers = jax.tree.map(
+        lambda a, p: None if a is None else a.reshape(p.shape),
+        g.stage_params,
+        params["layers"],
+        is_leaf=_is_none,
+    )
+    d_ahead = ahead_vjp(g.inputs["h"])[0] if ahead_grads else wrt
+    if lora:
+        return loss, {**adapters_of(params), **d_ahead, "layers": layers}
     d_embed = d_ahead["embed"]
     head = g.loss_params[0]
-    layers = jax.tree.map(lambda a, p: a.reshape(p.shape), g.stage_params, params["layers"])
     grads = {"embed": d_embed, "layers": layers, "final_norm": head["final_norm"]}
     if "dense_layers" in d_ahead:
         grads["dense_layers"] = d_ahead["dense_layers"]
@@ -295,6 +319,10 @@ def pipe_loss(layout: Layout) -> Callable:
 
     loss.defvjp(fwd, bwd)
     return loss
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
 
 
 def _target_count(targets: jax.Array) -> jax.Array:

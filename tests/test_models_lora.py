@@ -190,21 +190,62 @@ def test_refused(hf_families, family, targets, options, match):
         models.from_pretrained(path, mesh=mesh, lora=Lora(2, 4.0, targets), **options)
 
 
-def test_adapters_on_a_pipeline_match_peft(hf_families, tmp_path):
-    """On pipe x expert the adapters run in the pipeline's forward: PEFT's logits on
-    transformers' model; training them there is refused by name (not built yet)."""
-    torch_model, path = hf_families.hf("qwen3_moe", "pipe")
-    model, params = models.from_pretrained(
-        path, mesh=fam.mesh("p2e4"), dtype=np.float32, num_microbatches=2,
-        lora=Lora(4, 8.0, CASES["qwen3_moe"]), router_aux_loss_coef=0.0,
-    )  # fmt: skip
-    params = _randomized(model, params)
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_adapters_train_through_a_pipeline(hf_families, family, tmp_path):
+    """On pipe x expert the adapters run in the pipeline's forward (PEFT's logits on
+    transformers' model) and train through its schedule, the base weights and the head its
+    frozen leaves: the loss and every adapter's gradient equal those on data x expert (no
+    pipeline; the same 2 microbatches), nothing else gets one, and adamw steps move the
+    adapters alone. DeepSeek-V3's dense layer runs ahead of the stages with its own adapters
+    (their gradients come back through the pipeline's input gradients); Qwen3-MoE has none."""
+    torch_model, path = hf_families.hf(family, "pipe")
+    runs = {}
+    for mesh_name in ("d2e4", "p2e4"):
+        model, params = models.from_pretrained(
+            path, mesh=fam.mesh(mesh_name), dtype=np.float32, num_microbatches=2,
+            lora=Lora(4, 8.0, CASES[family]), router_aux_loss_coef=0.0,
+        )  # fmt: skip
+        runs[mesh_name] = model, _randomized(model, params)
+    model, params = runs["p2e4"]
     out = models.save_adapter(model, params, tmp_path / "adapter")
     tuned = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(out)).eval()
-    fam.check_logits(model, params, tuned, fam.random_tokens(8, seed=2), "pipe lora")
+    tokens = fam.random_tokens(16, seed=4)
+    fam.check_logits(model, params, tuned, tokens[:8], "pipe lora")
+    targets = np.roll(tokens, -1, axis=1)
+    got = {}
+    for mesh_name, (m, p) in runs.items():
+        loss, grads = jax.jit(m.loss_and_grads)(p, *m.place_batch(tokens, targets))
+        got[mesh_name] = float(loss), grads
+    (l1, g1), (l2, g2) = got["d2e4"], got["p2e4"]
+    np.testing.assert_allclose(l2, l1, rtol=2e-6)
+    leaves = jax.tree_util.tree_leaves_with_path(g1)
+    assert leaves and all("_lora_" in jax.tree_util.keystr(w) for w, _ in leaves)
+    assert jax.tree.structure(g2) == jax.tree.structure(g1)
+    for (where, a), b in zip(leaves, jax.tree.leaves(g2), strict=True):
+        what = jax.tree_util.keystr(where)
+        a, b = np.asarray(a), np.asarray(b)
+        scale = float(np.abs(a).max())
+        assert scale > 0, what
+        np.testing.assert_allclose(b, a, rtol=2e-4, atol=2e-6 * scale, err_msg=what)
+    opt = optax.adamw(1e-2)
+    step = model.train_step(opt)
+    state = model.init_optimizer(opt, params)
+    before = jax.tree_util.tree_leaves_with_path(jax.tree.map(np.asarray, params))
+    new, _, _ = step(params, state, *model.place_batch(tokens, targets))  # params donated
+    for (where, old), p in zip(before, jax.tree.leaves(new), strict=True):
+        moved = not np.array_equal(old, np.asarray(p))
+        assert moved == ("_lora_" in jax.tree_util.keystr(where)), jax.tree_util.keystr(where)
+
+
+def test_adapter_dropout_through_a_pipeline_is_refused(hf_families):
+    _, path = hf_families.hf("qwen3_moe", "pipe")
+    model, params = models.from_pretrained(
+        path, mesh=fam.mesh("p2e4"), dtype=np.float32, num_microbatches=2,
+        lora=Lora(4, 8.0, ("q_proj",), dropout=0.1),
+    )  # fmt: skip
     tokens = model.place_batch(fam.random_tokens(8, seed=2))
-    with pytest.raises(ConfigError, match=r"^jaxops.models.MoEDecoder.loss_and_grads: training"):
-        model.loss_and_grads(params, tokens, tokens)
+    with pytest.raises(ConfigError, match=r"^jaxops.models.MoEDecoder.loss_and_grads: lora drop"):
+        model.loss_and_grads(params, tokens, tokens, dropout_key=jax.random.key(0))
 
 
 def test_save_pretrained_and_save_adapter_refusals(hf_families, tmp_path):

@@ -186,6 +186,13 @@ def test_plan_of_lora_on_a_bf16_and_an_fp8_base(tmp_path):
     assert by["lora"]["gradients"] < by["lora"]["params"] / 5
     assert by["q"]["optimizer"] == by["lora"]["optimizer"]
     assert by["q"]["params"] < 0.8 * by["lora"]["params"]
+    # through a pipeline (2 stages): the same adapters, each stage's half of them per device
+    piped = plan.plan(
+        path, {"pipe": 2, "expert": 4}, batch=8, seq=16, param_dtype="bfloat16", lora=4,
+        base="fp8",
+    )  # fmt: skip
+    assert piped["trained_params"] == qlora["trained_params"]
+    assert piped["bytes_per_device"]["optimizer"] < by["q"]["optimizer"]
 
 
 def test_plan_refuses_a_batch_the_mesh_cannot_split(tmp_path):

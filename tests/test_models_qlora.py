@@ -194,21 +194,23 @@ _ODD = models.DecoderConfig(
 )  # fmt: skip
 
 
-@pytest.mark.parametrize("base", [None, "fp8"])
-def test_no_base_weight_gradient_is_computed(base):
+@pytest.mark.parametrize("base, pipe", [(None, 1), ("fp8", 1), ("fp8", 2)])
+def test_no_base_weight_gradient_is_computed(base, pipe):
     """The compiled LoRA gradient makes no product shaped like a base weight (the weight
-    gradients: the attention projections', the experts' stacked); full fine-tuning's makes
-    each of them (the check can fail)."""
-    mesh = jax.make_mesh((1,), ("expert",), devices=jax.devices()[:1])
+    gradients: the attention projections', the experts' stacked), also through a pipeline
+    (2 stages, the base weights its frozen leaves); full fine-tuning's makes each of them
+    (the check can fail)."""
+    mesh = jax.make_mesh((pipe, 1), ("pipe", "expert"), devices=jax.devices()[:pipe])
+    kw = dict(num_microbatches=2) if pipe > 1 else {}
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj",
                "experts.down_proj")  # fmt: skip
     weights = {(40, 96), (48, 40), (4, 40, 112), (40, 112), (4, 56, 40), (56, 40)}
     tokens = np.zeros((2, 9), np.int32)
-    lora = models.MoEDecoder(_ODD, mesh, base=base, lora=Lora(4, 8.0, targets))
+    lora = models.MoEDecoder(_ODD, mesh, base=base, lora=Lora(4, 8.0, targets), **kw)
     p = lora.init(jax.random.key(0))
     shapes = _product_shapes(lora.loss_and_grads, p, tokens, tokens)
     assert not weights & shapes, sorted(weights & shapes)
-    full = models.MoEDecoder(_ODD, mesh)
+    full = models.MoEDecoder(_ODD, mesh, **kw)
     p = full.init(jax.random.key(0))
     shapes = _product_shapes(full.loss_and_grads, p, tokens, tokens)
     assert weights - {(40, 112), (56, 40)} <= shapes, sorted(weights - shapes)

@@ -593,6 +593,8 @@ def _call(**kw):
             "other than the pipeline axis",
         ),
         (dict(mesh="pipe"), TypeError, "mesh must be a jax.sharding.Mesh"),
+        (dict(frozen=({"w1": 1}, True)), TypeError, "frozen must hold bools"),
+        (dict(frozen=({"w9": True}, True)), ValueError, r"frozen must be bools shaped like"),
     ],
     ids=[
         "schedule",
@@ -612,6 +614,8 @@ def _call(**kw):
         "aux-missing",
         "param-specs-pipe",
         "mesh",
+        "frozen-not-bool",
+        "frozen-structure",
     ],
 )
 def test_bad_input(kw, err, match):
@@ -687,6 +691,39 @@ def test_without_input_grads():
     assert_allclose(grads.loss_params, dhead, np.float32, scale=4)
     for name in dparams:
         assert_allclose(grads.stage_params[name], dparams[name], np.float32, scale=4)
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["residuals", "inputs"])
+def test_frozen_leaves_get_no_gradient(remat):
+    """Adapters on a frozen base: with w1, w2 and the head frozen, b1's gradient and the input
+    gradients are the sequential model's, the frozen leaves' are None, and the compiled step
+    makes fewer matrix products (no weight gradients of w1, w2 or the head)."""
+    mesh = _mesh(4)
+    params, head = _model(8, jax.random.key(20))
+    x, t = _batch(32, jax.random.key(21))
+    ref_loss, (dparams, _, dx, dt) = _reference(params, head, x, t)
+    laid = pl.interleave(params, num_stages=4, virtual_stages=2)
+    frozen = ({"w1": True, "b1": False, "w2": True}, True)
+    kw = dict(remat=remat)
+    step = _step(mesh, 4, "interleaved", 2, frozen=frozen, **kw)
+    loss, grads = step(laid, head, x, t)
+    assert grads.stage_params["w1"] is None and grads.stage_params["w2"] is None
+    assert grads.loss_params is None
+    assert_allclose(loss, ref_loss, np.float32, scale=4)
+    b1 = pl.deinterleave(grads.stage_params, num_stages=4, virtual_stages=2)["b1"]
+    assert_allclose(b1, dparams["b1"], np.float32, scale=4)
+    assert_allclose(grads.inputs, dx, np.float32, scale=4)
+    assert_allclose(grads.targets, dt, np.float32, scale=4)
+
+    def dots(f):
+        return f.lower(laid, head, x, t).compile().as_text().count(" dot(")
+
+    # Frozen: w1's and w2's weight gradients and the head's are gone (3 of the full step's dots).
+    assert dots(step) <= dots(_step(mesh, 4, "interleaved", 2, **kw)) - 3
+    # A prefix of the tree: every stage param frozen, the head trained.
+    _, grads = _step(mesh, 4, "interleaved", 2, frozen=(True, False), **kw)(laid, head, x, t)
+    assert all(g is None for g in grads.stage_params.values())
+    assert grads.loss_params is not None
 
 
 def test_docstring_examples():

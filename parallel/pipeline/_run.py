@@ -56,6 +56,7 @@ from ._trees import (
     float_leaves,
     join_residuals,
     merge_floats,
+    merge_frozen,
     microbatches,
     param_derived,
     ppermute,
@@ -84,6 +85,10 @@ class Prologue:
       x0: microbatch 0, the type of an activation.
       p0: chunk 0's params, the type of one stage's params.
       act_fwd: the ``ppermute`` pairs of activations: d -> d + 1 (and P - 1 -> 0 when V > 1).
+      frozen: training with frozen leaves: the stage params (so ``params``, ``p0`` and a
+        chunk's params) and the loss params come as pairs ``(trained, frozen)``
+        (:func:`~._trees.split_frozen`), merged before stage_fn and loss_fn see them; only the
+        trained half is differentiated.
     """
 
     setup: Setup
@@ -97,11 +102,12 @@ class Prologue:
     x0: Any
     p0: Any
     act_fwd: list[tuple[int, int]]
+    frozen: bool = False
 
     def apply(self, p_v: Any, x: Any) -> tuple[Any, jax.Array]:
         """``(y, aux)``: the stage on one microbatch; aux a float32 scalar (0 without has_aux)."""
         op = self.setup.op
-        out = self.fn(p_v, x)
+        out = self.fn(merge_frozen(*p_v) if self.frozen else p_v, x)
         if not self.has_aux:
             return out, vary_like(jnp.zeros((), jnp.float32), self.x0)
         if not (isinstance(out, tuple) and len(out) == 2):
@@ -113,6 +119,13 @@ class Prologue:
                 f"{op}: stage_fn's aux_loss must be a scalar, got shape {jnp.shape(out[1])}"
             )
         return out[0], vary_like(out[1].astype(jnp.float32), self.x0)
+
+    def vjp(self, p_v: Any, x: Any) -> tuple[tuple[Any, jax.Array], Callable]:
+        """``((y, aux), vjp function)`` of :meth:`apply` in its trained params and x."""
+        if not self.frozen:
+            return jax.vjp(self.apply, p_v, x)
+        trained, frozen = p_v
+        return jax.vjp(lambda t, x: self.apply((t, frozen), x), trained, x)
 
     def chunk_params(self, chunk: jax.Array) -> Any:
         """The params of this device's chunk `chunk` (one chunk: a static index, no copy)."""
@@ -140,7 +153,9 @@ class Prologue:
         return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), rows)
 
 
-def prologue(setup: Setup, fn: Callable, has_aux: bool, params: Any, inputs: Any) -> Prologue:
+def prologue(
+    setup: Setup, fn: Callable, has_aux: bool, params: Any, inputs: Any, frozen: bool = False
+) -> Prologue:
     """The common start of both paths (see :class:`Prologue`)."""
     p, v, axis = setup.p, setup.v, setup.pipe_axis
     me = jax.lax.axis_index(axis)
@@ -162,6 +177,7 @@ def prologue(setup: Setup, fn: Callable, has_aux: bool, params: Any, inputs: Any
         x0=slot(xs, jnp.int32(0)),
         p0=slot(params, jnp.int32(0)),
         act_fwd=[(i, i + 1) for i in range(p - 1)] + ([(p - 1, 0)] if v > 1 else []),
+        frozen=frozen,
     )
 
 
@@ -205,7 +221,7 @@ def _stage_forward(
 
     derived: the residuals computed from the params alone (:func:`param_derived`), not stashed.
     """
-    (y, aux), vjp_fn = jax.vjp(pro.apply, p_v, x)
+    (y, aux), vjp_fn = pro.vjp(p_v, x)
     stash, layout = split_residuals(vjp_fn, p_v, derived, op=pro.setup.op)
     return y, aux, stash, layout
 
@@ -213,10 +229,15 @@ def _stage_forward(
 def _loss_vjp(
     pro: Prologue, loss_fn: Callable, seed: float, lp: Any, y: Any, t: Any
 ) -> tuple[jax.Array, Any, Any, list]:
-    """``(loss, d loss_params, dy, d float leaves of t)``, the cotangents scaled by `seed`."""
+    """``(loss, d loss_params, dy, d float leaves of t)``, the cotangents scaled by `seed`.
+
+    (With frozen leaves `lp` is the pair ``(trained, frozen)`` and d loss_params the trained
+    half's.)
+    """
+    lp, frozen = lp if pro.frozen else (lp, None)
 
     def f(lp, y, tf):
-        return loss_fn(lp, y, merge_floats(t, tf))
+        return loss_fn(merge_frozen(lp, frozen) if pro.frozen else lp, y, merge_floats(t, tf))
 
     loss, vjp_fn = jax.vjp(f, lp, y, float_leaves(t))
     if jnp.shape(loss) != ():
@@ -338,6 +359,8 @@ def run_training(
     loss_fn: Callable,
     has_aux: bool,
     input_grads: bool,
+    grad_specs: Any,
+    frozen: bool,
     params: Any,
     loss_params: Any,
     inputs: Any,
@@ -346,9 +369,11 @@ def run_training(
     """``(loss, d params, d loss_params)`` and with input_grads ``(d inputs, d float targets)``.
 
     `fn` is stage_fn checkpointed per remat. The loss and every gradient are float32 sums over
-    this device's microbatches, reduced over the mesh after the loop.
+    this device's microbatches, reduced over the mesh after the loop. `frozen`: params and
+    loss_params are ``(trained, frozen)`` pairs, and the gradients the trained halves';
+    `grad_specs`: the PartitionSpecs of the stage params' gradients.
     """
-    pro = prologue(setup, fn, has_aux, params, inputs)
+    pro = prologue(setup, fn, has_aux, params, inputs, frozen)
     m, prog, everywhere = setup.m, setup.program, pro.everywhere
     ts = vary_over(microbatches(targets, m), everywhere) if targets is not None else None
     loss_params = vary_over(loss_params, everywhere)
@@ -357,7 +382,7 @@ def run_training(
     # Trace the stage and the loss once here for the types of their outputs, residuals and
     # gradients, and the stage's residual layout (XLA drops this unused computation).
     # Residuals computed from the params alone are recomputed by the backward, not stashed.
-    derived, recompute = param_derived(pro.apply, pro.p0, pro.x0)
+    derived, recompute = param_derived(pro.apply, pro.p0, pro.x0, vjp=pro.vjp)
     y0, aux0, res0, layout = _stage_forward(pro, pro.p0, pro.x0, derived)
     check_like(setup.op, y0, pro.x0)
     t0 = slot(ts, jnp.int32(0)) if ts is not None else None
@@ -414,7 +439,7 @@ def run_training(
 
     reduce_axes = jax.tree.map(
         lambda spec: tuple(a for a in setup.data_axes if a not in spec_axes(spec)),
-        setup.param_specs,
+        grad_specs,
         is_leaf=lambda s: isinstance(s, P),
     )
     loss = jax.lax.psum(final["loss"], everywhere)

@@ -15,15 +15,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxops import _checks
-from jaxops._errors import ArgumentTypeError, renamed_kwargs
+from jaxops._errors import ArgumentTypeError, InvalidArgumentError, renamed_kwargs
 from jaxops._sharding import place
 
 from ._run import run_forward, run_training
 from ._setup import checkpointed, make_setup
-from ._trees import float0_like, float_leaves
+from ._trees import float0_like, float_leaves, split_frozen
 
 __all__ = ["PipelineGrads", "pipeline_forward", "pipeline_step"]
 
@@ -45,8 +46,9 @@ class PipelineGrads(NamedTuple):
     """Gradients of the pipelined loss.
 
     Attributes:
-      stage_params: like ``stage_params`` (same layout, dtypes and sharding).
-      loss_params: like ``loss_params`` (None when it was None).
+      stage_params: like ``stage_params`` (same layout, dtypes and sharding; None at the
+        leaves ``frozen`` marks).
+      loss_params: like ``loss_params`` (None when it was None, and at frozen leaves).
       inputs: like ``inputs`` (None with ``input_grads=False``).
       targets: like ``targets``; integer leaves get ``float0`` zeros, as ``jax.grad`` gives them
         (None with ``input_grads=False`` or without targets).
@@ -77,6 +79,7 @@ def pipeline_step(
     has_aux: bool = False,
     param_specs: Any = None,
     input_grads: bool = True,
+    frozen: Any = None,
 ) -> tuple[jax.Array, PipelineGrads]:
     """Loss and gradients of a pipelined model, in one ``shard_map`` (call it under ``jax.jit``).
 
@@ -118,15 +121,23 @@ def pipeline_step(
         reduced over that axis; the gradients of leaves replicated over a data axis are.
       input_grads: also return the gradients of inputs and targets. They are as large as the
         batch (buffers that grow with M); without them the step's memory does not.
+      frozen: which parameters are read but not trained (adapters on a frozen base, a frozen
+        head): bools like ``(stage_params, loss_params)``, or a prefix of that tree (``(mask,
+        True)`` freezes the whole of loss_params; True for a dict freezes every leaf in it).
+        A frozen leaf's gradient is never computed (its weight gradient is not in the
+        program) and comes back None; residuals computed from frozen leaves alone (a
+        dequantized weight, say) are recomputed by the backward, like the trained params'.
+        None (the default): everything is trained.
 
     Returns:
       ``(loss, grads)``: the float32 loss and a :class:`PipelineGrads` (``grads.stage_params``
-      in the layout and sharding of stage_params).
+      in the layout and sharding of stage_params, None at frozen leaves).
 
     Raises:
       TypeError / ValueError: an unknown schedule, M or V that do not fit it, a mesh without
         the axes, params not stacked on ``P * V`` stages, a batch not divisible by
-        ``M * data shards``, stage_fn changing its input's shape, loss_fn not scalar.
+        ``M * data shards``, stage_fn changing its input's shape, loss_fn not scalar, `frozen`
+        not bools shaped like (a prefix of) ``(stage_params, loss_params)``.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -162,23 +173,38 @@ def pipeline_step(
     )
     fn = checkpointed(op, stage_fn, remat)
     batch = setup.batch_spec
+    param_specs, lp_specs = setup.param_specs, jax.tree.map(lambda _: P(), loss_params)
+    params, lparams = stage_params, loss_params
+    masks = _frozen_masks(op, frozen, stage_params, loss_params)
+    if masks is not None:  # each a pair (trained, frozen)
+        sp_mask, lp_mask = masks
+        param_specs, lp_specs = split_frozen(param_specs, sp_mask), split_frozen(lp_specs, lp_mask)
+        params, lparams = split_frozen(params, sp_mask), split_frozen(lparams, lp_mask)
+    grad_specs, dlp_specs = (param_specs[0], lp_specs[0]) if masks else (param_specs, lp_specs)
     in_specs = (
-        setup.param_specs,
-        jax.tree.map(lambda _: P(), loss_params),
+        param_specs,
+        lp_specs,
         jax.tree.map(lambda _: batch, inputs),
         jax.tree.map(lambda _: batch, targets),
     )
     dt_specs = [batch for _ in float_leaves(targets)]
-    out_specs = (P(), setup.param_specs, in_specs[1], in_specs[2], dt_specs)
-    args = place((stage_params, loss_params, inputs, targets), mesh, in_specs)
+    out_specs = (P(), grad_specs, dlp_specs, in_specs[2], dt_specs)
+    args = place((params, lparams, inputs, targets), mesh, in_specs)
     input_grads = _checks.check_bool(op, "input_grads", input_grads)
-    body = functools.partial(run_training, setup, fn, loss_fn, has_aux, input_grads)
+    body = functools.partial(
+        run_training, setup, fn, loss_fn, has_aux, input_grads, grad_specs, masks is not None
+    )
     if not input_grads:
         out_specs = out_specs[:3]
     results = jax.shard_map(
         body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True
     )(*args)
-    cast = functools.partial(jax.tree.map, lambda g, a: g.astype(a.dtype))
+
+    def cast(grads: Any, like: Any) -> Any:
+        return jax.tree.map(
+            lambda g, a: None if g is None else g.astype(a.dtype), grads, like, is_leaf=_is_none
+        )
+
     loss, dparams, dlp = results[0], cast(results[1], stage_params), cast(results[2], loss_params)
     if not input_grads:
         return loss, PipelineGrads(dparams, dlp, None, None)
@@ -186,6 +212,33 @@ def pipeline_step(
     dt = [g.astype(a.dtype) for g, a in zip(dt, float_leaves(targets), strict=True)]
     dtargets = float0_like(targets, dt) if targets is not None else None
     return loss, PipelineGrads(dparams, dlp, din, dtargets)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _frozen_masks(op: str, frozen: Any, stage_params: Any, loss_params: Any) -> Any:
+    """``(stage mask, loss mask)``: `frozen` as a bool per leaf, or None when nothing is frozen."""
+    if frozen is None:
+        return None
+    trees = (stage_params, loss_params)
+    for m in jax.tree.leaves(frozen):
+        if not isinstance(m, bool | np.bool_):
+            raise ArgumentTypeError(
+                f"{op}: frozen must hold bools (True: a leaf read but not trained), got "
+                f"{type(m).__name__} {m!r}"
+            )
+    try:
+        masks = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: bool(m), sub), frozen, trees)
+    except ValueError as e:
+        raise InvalidArgumentError(
+            f"{op}: frozen must be bools shaped like (stage_params, loss_params) or a prefix "
+            f"of that tree: {e}"
+        ) from None
+    if not any(jax.tree.leaves(masks)):
+        return None
+    return masks
 
 
 @_takes_old_axis_keyword

@@ -8,7 +8,7 @@ gradients) from the others, splitting a vjp function into its stashed residuals 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -30,12 +30,14 @@ __all__ = [
     "float0_like",
     "float_leaves",
     "join_residuals",
+    "merge_frozen",
     "merge_floats",
     "microbatches",
     "param_derived",
     "ppermute",
     "put",
     "slot",
+    "split_frozen",
     "split_residuals",
     "vary_over",
 ]
@@ -90,6 +92,25 @@ def merge_floats(tree: Any, floats: list) -> Any:
     return jax.tree.unflatten(treedef, [next(it) if _is_float(a) else a for a in leaves])
 
 
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def split_frozen(tree: Any, mask: Any) -> tuple[Any, Any]:
+    """``(trained, frozen)``: `tree` twice, the frozen leaves None in one, the others in the other.
+
+    `mask`: a bool per leaf of `tree` (True: frozen).
+    """
+    trained = jax.tree.map(lambda m, a: None if m else a, mask, tree)
+    frozen = jax.tree.map(lambda m, a: a if m else None, mask, tree)
+    return trained, frozen
+
+
+def merge_frozen(trained: Any, frozen: Any) -> Any:
+    """Inverse of :func:`split_frozen`: each leaf from whichever of the two holds it."""
+    return jax.tree.map(lambda t, f: f if t is None else t, trained, frozen, is_leaf=_is_none)
+
+
 def float0_like(tree: Any, floats: list) -> Any:
     """`floats` (grads of the float leaves) merged into `tree`'s structure, float0 elsewhere."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -113,7 +134,7 @@ class ResidualLayout(NamedTuple):
     where: tuple[tuple[str, int], ...]
 
 
-def param_derived(fn: Any, params: Any, x: Any) -> tuple[dict, Any]:
+def param_derived(fn: Any, params: Any, x: Any, vjp: Callable | None = None) -> tuple[dict, Any]:
     """Which vjp residuals of ``fn(params, x)`` do not depend on x, and a function computing them.
 
     Returns ``(derived, recompute)``: ``{index: (shape, dtype)}`` of the residuals (indices into
@@ -123,11 +144,13 @@ def param_derived(fn: Any, params: Any, x: Any) -> tuple[dict, Any]:
     pruned from a trace of the vjp, collectives included). A pipeline stashes the others per
     microbatch; these it recomputes in the backward instead of keeping a copy of the stage's
     weights per microbatch in flight. Without jax's jaxpr pruning (a private API) nothing is
-    derived.
+    derived. `vjp`: ``(params, x) -> (out, vjp function)`` (default ``jax.vjp(fn, params,
+    x)``; one that differentiates some of the params only, the frozen ones closed over).
     """
     if _dce_jaxpr is None:
         return {}, lambda p: []
-    closed = jax.make_jaxpr(lambda p, x: jax.tree.leaves(jax.vjp(fn, p, x)[1]))(params, x)
+    vjp = vjp or (lambda p, x: jax.vjp(fn, p, x))
+    closed = jax.make_jaxpr(lambda p, x: jax.tree.leaves(vjp(p, x)[1]))(params, x)
     jaxpr, n_p = closed.jaxpr, len(jax.tree.leaves(params))
     n_out = len(jaxpr.outvars)
     derived = tuple(
