@@ -50,7 +50,7 @@ MOE_IMPLS = ("ep", "dense")
 #: How attention computes: "auto" (``jax.nn.dot_product_attention`` on GPUs in bfloat16 and
 #: float16, where cuDNN's fused attention takes it; the jnp softmax elsewhere), "xla" (float32
 #: scores and softmax in jnp) or "dot_product" (``jax.nn.dot_product_attention`` everywhere).
-ATTENTION_IMPLS = ("auto", "xla", "dot_product")
+ATTENTION_IMPLS = ("auto", "blockwise", "xla", "dot_product")
 _OP = "jaxops.models.MoEDecoder"
 #: The ``remat`` policies by name: what each layer keeps for its backward. "none": every
 #: residual; "full": only its input (the backward recomputes the layer); "matmuls": the outputs
@@ -164,9 +164,17 @@ class MoEDecoder(Settings):
       moe_impl: "ep": the expert-parallel layer; "dense": its dense twin
         ``moe_layer_reference`` (every expert on every token, experts replicated; no pipeline),
         the baseline of benchmarks/bench_models.py.
-      attention_impl: one of :data:`ATTENTION_IMPLS`. ``jax.nn.dot_product_attention`` needs
-        keys and values of one head width: multi-head latent attention (192 / 128 in
-        DeepSeek-V3) always takes the jnp softmax.
+      attention_impl: one of :data:`ATTENTION_IMPLS`. "blockwise": queries and keys in
+        blocks of `attention_block` with an online softmax and a backward that recomputes
+        per block, so no ``[S, S]`` array exists (memory ``O(S x block)``), the block pairs
+        the mask empties (causal future, outside a window, other documents) skipped; "xla":
+        the whole float32 ``[B, H, S, S]`` scores in jnp; "dot_product":
+        ``jax.nn.dot_product_attention`` (cuDNN's fused attention on a GPU) where keys and
+        values have one head width and there are no sinks, else blockwise (multi-head latent
+        attention's 192 / 128 in DeepSeek-V3, gpt-oss's sinks). "auto": "dot_product" on a
+        GPU in bfloat16 / float16, else "blockwise". Within one block both blockwise and
+        "xla" compute the whole scores.
+      attention_block: queries and keys per block of blockwise attention (an int >= 1).
       scan_unroll: layers per iteration of each layer ``lax.scan`` (its ``unroll``): 1 (one
         compiled layer body, compile time flat in the layer count) or more, True for every
         layer of a scan in straight-line code. Unrolled layers keep their residuals in plain
@@ -273,6 +281,7 @@ class MoEDecoder(Settings):
                 f"{op}: attention_impl must be one of {ATTENTION_IMPLS}, got "
                 f"{self.attention_impl!r}"
             )
+        _checks.check_int(op, "attention_block", self.attention_block, 1)
         if self.moe_impl not in MOE_IMPLS:
             raise ConfigError(f"{op}: moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
         if self.schedule not in DECODER_SCHEDULES:

@@ -14,7 +14,7 @@ the compressed KV and the shared RoPE key, ``latent [L, B, C, R]`` and
 ``k_rope [L, B, C, 1, dr]``, expanded into keys and values at each step) and, shared by the
 layers, each slot's time step, rotary position and document (``index, positions, segments``
 int32 ``[B, C]``; segment 0 is an empty or padding slot) from which
-:func:`~jaxops.models._layers.allowed` builds the mask. ``C = S + max_new_tokens``; with a
+:func:`~jaxops.models._mask.allowed` builds the mask. ``C = S + max_new_tokens``; with a
 sliding window ``W`` in every layer the cache is a ring buffer of ``C = min(W, S +
 max_new_tokens)`` slots (time step ``t`` in slot ``t % C``). A cached token costs
 ``2 * L * Hkv * Dh * itemsize + 12`` bytes (Mixtral-8x7B in bfloat16: 128 KiB); with MLA
@@ -43,7 +43,7 @@ from ._decoder import MoEDecoder
 from ._layers import (
     LayerKind,
     Tokens,
-    allowed,
+    Visible,
     attention_inputs,
     attention_output,
     embed,
@@ -185,8 +185,7 @@ def _layer(
     seen = kv
     if past is not None:  # the cached entries, then this step's
         seen = tuple(jnp.concatenate([old, new], 1) for old, new in zip(past, kv, strict=True))
-    mask = allowed(where, keys, kind.window, chunk=kind.chunk)
-    a = attention_output(ops, c, p, q, seen, mask)
+    a = attention_output(ops, c, p, q, seen, Visible(where, keys, kind.window, kind.chunk))
     y, h = jaxops.add_rms_norm(a, h, p["mlp_norm"], eps=c.rms_norm_eps, impl=ops.impl)
     m, _ = ffn(p, y, where.valid)
     return h + m, tuple(keep(x) for x in kv)

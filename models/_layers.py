@@ -38,6 +38,7 @@ from jaxops._errors import InvalidArgumentError
 
 from . import _mla
 from ._config import DecoderConfig
+from ._mask import Tokens, Visible, allowed
 from ._ops import (
     CAUSAL_BLOCK_MIN,
     CAUSAL_BLOCKS,
@@ -63,6 +64,7 @@ __all__ = [
     "LayerKind",
     "Ops",
     "Tokens",
+    "Visible",
     "allowed",
     "attend",
     "attention",
@@ -104,72 +106,6 @@ def rotary(x: jax.Array, rope: Rope | float, positions: jax.Array | None = None)
     if not isinstance(rope, Rope):
         rope = Rope(theta=rope)
     return apply_rotary(x, rope, positions)
-
-
-@dataclasses.dataclass(frozen=True)
-class Tokens:
-    """Where each token of a batch sits: its time index, its position and its document.
-
-    The attention mask of every layer is built from these (:func:`allowed`), for the training
-    forward and for the KV cache alike. A pytree (it passes through ``jit``, ``scan`` and the
-    pipeline like the activations).
-
-    Attributes:
-      index: int32 ``[b, s]``: the time step (causality and sliding windows count in it;
-        transformers' cache_position), ``0 .. s-1`` in a training batch.
-      positions: int32 ``[b, s]``: the rotary position (transformers' position_ids).
-      segments: int32 ``[b, s]``: the document of each token; 0 is padding, which no query
-        sees and which never reaches the MoE router. A query sees keys of its own document only.
-        None: one document per row, no padding (no mask work at all beyond causality).
-    """
-
-    index: jax.Array
-    positions: jax.Array
-    segments: jax.Array | None = None
-
-    @property
-    def valid(self) -> jax.Array | None:
-        """The real tokens, bool ``[b, s]`` (segment != 0); None without segments (all real)."""
-        return None if self.segments is None else self.segments != 0
-
-
-jax.tree_util.register_dataclass(
-    Tokens, data_fields=["index", "positions", "segments"], meta_fields=[]
-)
-
-
-def allowed(
-    q: Tokens,
-    k: Tokens,
-    window: Any = None,
-    *,
-    chunk: Any = None,
-    valid_keys: jax.Array | None = None,
-) -> jax.Array:
-    """Which key each query attends to, bool ``[b, sq, sk]`` (the one mask builder).
-
-    A query sees a key of its own document (equal nonzero segment ids: padding and packed
-    documents are excluded) at the same or an earlier time step, within `window` steps when
-    given (``q - k < window``, transformers' sliding window), in the same `chunk` of rotary
-    positions when given (``q_pos // chunk == k_pos // chunk``, Llama 4's chunked attention:
-    transformers counts its chunks from each row's first real token, which is position 0).
-    `window` and `chunk` may be traced int scalars (a scan over layers of different kinds; a
-    huge value then means none). `valid_keys` ``[b, sk]`` further restricts the keys (the
-    filled slots of a KV cache).
-    """
-    qi, ki = q.index[:, :, None], k.index[:, None, :]
-    ok = qi >= ki
-    if q.segments is not None and k.segments is not None:
-        ok &= q.segments[:, :, None] == k.segments[:, None, :]
-    if k.segments is not None:
-        ok &= k.valid[:, None, :]
-    if window is not None:
-        ok &= qi - ki < window
-    if chunk is not None:
-        ok &= q.positions[:, :, None] // chunk == k.positions[:, None, :] // chunk
-    if valid_keys is not None:
-        ok &= valid_keys[:, None, :]
-    return ok
 
 
 #: "No window / no chunk" in a traced per-layer value (more time steps than any sequence).
@@ -320,19 +256,20 @@ def attention_output(
     p: dict[str, jax.Array],
     q: jax.Array,
     kv: tuple[jax.Array, ...],
-    mask: jax.Array,
+    visible: Visible,
     *,
     causal: bool = False,
 ) -> jax.Array:
     """The attention of queries `q` over the keys of `kv` (:func:`attention_inputs`), projected.
 
-    `mask`: bool ``[b, sq, sk]`` (:func:`allowed`); `causal` as in :func:`attend`; the layer's
-    ``sinks`` (``c.attention.attention_sinks``) join the softmax. Returns ``[b, sq, D]``.
+    `visible`: which keys each query sees (:class:`Visible`); `causal` as in :func:`attend`;
+    the layer's ``sinks`` (``c.attention.attention_sinks``) join the softmax. Returns
+    ``[b, sq, D]``.
     """
     if c.attention.mla is not None:
-        return _mla.output(ops, c, p, q, kv, mask, causal=causal)
+        return _mla.output(ops, c, p, q, kv, visible, causal=causal)
     sinks = p["sinks"] if c.attention.attention_sinks else None
-    return output(ops, c, p, attend(ops, c, q, *kv, mask, causal=causal, sinks=sinks))
+    return output(ops, c, p, attend(ops, c, q, *kv, visible, causal=causal, sinks=sinks))
 
 
 def attention(
@@ -361,8 +298,8 @@ def attention(
                 "patterns (layer_types / nope_layers); pass the layer's kind"
             )
     q, kv = attention_inputs(ops, c, p, x, where, kind)
-    mask = allowed(where, where, kind.window, chunk=kind.chunk)
-    return attention_output(ops, c, p, q, kv, mask, causal=True)
+    visible = Visible(where, where, kind.window, kind.chunk)
+    return attention_output(ops, c, p, q, kv, visible, causal=True)
 
 
 def mlp(ops: Ops, p: dict[str, jax.Array], y: jax.Array) -> jax.Array:

@@ -290,6 +290,7 @@ class Settings:
     impl: ImplChoice = None
     moe_impl: str = "ep"
     attention_impl: str = "auto"
+    attention_block: int = 512
     zero: int = 0
     scan_unroll: int | bool = 1
     grad_reduce: str = "flat"
@@ -370,12 +371,19 @@ class Layout(Settings):
         """How the layers compute: dtype, impl, FP8, mesh, the attention."""
         platform = self.mesh.devices.flat[0].platform
         attention = self.attention_impl
-        if attention == "auto":
+        if attention == "auto":  # cuDNN's where it applies on a GPU, else blockwise
             half = np.dtype(self.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-            attention = "dot_product" if platform == "gpu" and half else "xla"
-        scaling = None if self.lora is None else self.lora.scaling
-        dropout = 0.0 if self.lora is None else self.lora.dropout
-        return _layers.Ops(self.dtype, self.impl, self.fp8, self.mesh, attention, scaling, dropout)
+            attention = "dot_product" if platform == "gpu" and half else "blockwise"
+        return _layers.Ops(
+            self.dtype,
+            self.impl,
+            self.fp8,
+            self.mesh,
+            attention=attention,
+            attention_block=self.attention_block,
+            lora_scaling=None if self.lora is None else self.lora.scaling,
+            lora_dropout=0.0 if self.lora is None else self.lora.dropout,
+        )
 
     @property
     def unroll(self) -> int | bool:

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import jaxops
 
 from ._config import DecoderConfig
+from ._mask import Visible
 from ._ops import Ops, adapted, attend, projection
 from ._rope import apply_rotary, softmax_scale_factor
 
@@ -98,14 +99,15 @@ def output(
     p: dict[str, jax.Array],
     q: jax.Array,
     kv: tuple[jax.Array, jax.Array],
-    mask: jax.Array,
+    visible: Visible,
     *,
     causal: bool = False,
 ) -> jax.Array:
     """Attention of `q` over the keys of ``kv = (latent [b, sk, R], k_rope [b, sk, 1, dr])``.
 
     Each key position's latent expands through ``w_kv_b`` into every head's key part without
-    RoPE and its value. `mask`: bool ``[b, sq, sk]``; `causal` as in ``_ops.attend``.
+    RoPE and its value. `visible`: which keys each query sees; `causal` as in
+    ``_ops.attend``.
     Returns ``[b, sq, D]``.
     """
     m = c.attention.mla
@@ -118,7 +120,7 @@ def output(
     rope = jnp.broadcast_to(k_rope.astype(k_nope.dtype), (b, sk, h, m.qk_rope_head_dim))
     k = jnp.concatenate([k_nope, rope], axis=-1)
     scale = c.attention.qk_head_dim**-0.5 * softmax_scale_factor(c.rope)
-    out = attend(ops, c, q, k, v, mask, scale, causal)  # dn + dr != dv: the jnp softmax
+    out = attend(ops, c, q, k, v, visible, scale, causal)  # dn + dr != dv: never cuDNN's
     return adapted(ops, p, "o_proj", out, projection(ops, out, p["w_o"], None))
 
 

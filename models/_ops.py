@@ -18,8 +18,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 import jaxops
+from jaxops._sharding import place
 
+from . import _blockwise
 from ._config import DecoderConfig
+from ._mask import Visible
 
 __all__ = [
     "CAUSAL_BLOCKS",
@@ -52,9 +55,12 @@ class Ops:
       fp8: None, or the block :class:`jaxops.fp8.Recipe` for DeepSeek-V3 block-scaled FP8
         attention projections.
       mesh: the mesh batch-sharded tokens live on (each device quantizes its own rows), or None.
-      attention: how :func:`attend` computes: "xla" (float32 scores and softmax in jnp) or
-        "dot_product" (``jax.nn.dot_product_attention``: cuDNN's fused attention on a GPU where
-        it supports the shapes, else XLA's; for keys and values of one head width, else "xla").
+      attention: how :func:`attend` computes: "blockwise" (an online softmax over blocks of
+        queries and keys, no ``[sq, sk]`` array), "xla" (the whole float32 scores and softmax
+        in jnp) or "dot_product" (``jax.nn.dot_product_attention``: cuDNN's fused attention on
+        a GPU where it supports the shapes, else XLA's; for keys and values of one head width
+        and no sinks, else blockwise).
+      attention_block: queries and keys per block of blockwise attention.
       lora_dropout: ``Lora.dropout``: the adapters' input dropout where a layer's parameters
         carry a key (:data:`DROPOUT_KEY`, training only).
       lora_scaling: the low-rank adapters' scale (``Lora.scaling``), or None without adapters:
@@ -67,6 +73,7 @@ class Ops:
     fp8: Any = None
     mesh: jax.sharding.Mesh | None = None
     attention: str = "xla"
+    attention_block: int = 512
     lora_scaling: float | None = None
     lora_dropout: float = 0.0
 
@@ -138,25 +145,36 @@ def attend(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    mask: jax.Array,
+    visible: Visible,
     scale: float | None = None,
     causal: bool = False,
     sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Softmax attention of ``q [b, sq, Hq, Dh]`` over ``k [b, sk, Hkv, Dh]``, ``v [.., Dv]``.
 
-    Returns ``[b, sq, Hq Dv]``. `mask`: bool ``[b, sq, sk]`` (:func:`allowed`). Scores are
-    ``q . k`` times `scale` (default ``Dh ** -0.5``), float32, as is the softmax; a query that
-    sees no key at all (padding) gets zeros, never NaN. `causal`: queries and keys are the same
-    tokens in order and `mask` is causal (a hint: ``ops.attention="dot_product"`` then lets
-    cuDNN skip the masked blocks, and the jnp softmax computes :data:`CAUSAL_BLOCKS` query
-    blocks, each against the keys up to its last query only). `sinks` ``[Hq]`` (gpt-oss): one
-    more logit per head in each query's softmax denominator, whose probability is dropped (the
-    jnp softmax computes it: ``jax.nn.dot_product_attention`` has no sinks).
+    Returns ``[b, sq, Hq Dv]``. `visible`: which keys each query sees (:class:`Visible`, the
+    mask of :func:`~jaxops.models._mask.allowed`). Scores are ``q . k`` times `scale`
+    (default ``Dh ** -0.5``), float32, as is the softmax; a query that sees no key at all
+    (padding) gets zeros, never NaN. By ``ops.attention``:
+
+    - "blockwise": in blocks of ``ops.attention_block`` queries and keys with an online
+      softmax (:mod:`~jaxops.models._blockwise`: no ``[sq, sk]`` array in the forward or the
+      backward, the block pairs the mask empties skipped) once the queries or the keys are
+      more than one block; within one block, as "xla".
+    - "xla": the whole float32 ``[b, H, sq, sk]`` scores and mask in jnp; with `causal` (the
+      queries and keys are the same tokens in order, the mask causal) in
+      :data:`CAUSAL_BLOCKS` query blocks, each against the keys up to its last query only.
+    - "dot_product": ``jax.nn.dot_product_attention`` (cuDNN's fused attention on a GPU where
+      it supports the shapes, skipping the masked blocks with `causal`), for keys and values
+      of one width and no sinks; otherwise blockwise.
+
+    `sinks` ``[Hq]`` (gpt-oss): one more logit per head in each query's softmax denominator,
+    whose probability is dropped.
     """
     b, sq, hq, dh = q.shape
-    hkv, dv = k.shape[2], v.shape[-1]
+    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     if ops.attention == "dot_product" and dv == dh and sinks is None:
+        mask = visible.dense()
         out = jax.nn.dot_product_attention(
             q, k, v, mask=mask[:, None], scale=scale, is_causal=causal
         )  # [b, sq, Hq, Dh]
@@ -164,7 +182,11 @@ def attend(
         return jnp.where(seen, out, jnp.zeros((), out.dtype)).reshape(b, sq, hq * dv)
     q = q.reshape(b, sq, hkv, hq // hkv, dh)
     scale = dh**-0.5 if scale is None else scale
-    blocks = causal_blocks(sq) if causal and k.shape[1] == sq else 1
+    block = ops.attention_block
+    if ops.attention != "xla" and max(sq, sk) > block:
+        return _attend_blockwise(ops, q, k, v, visible, scale, sinks).reshape(b, sq, hq * dv)
+    mask = visible.dense()
+    blocks = causal_blocks(sq) if causal and sk == sq else 1
     if blocks == 1:
         out = _softmax_attention(ops, q, k, v, mask, scale, sinks)
     else:  # query block i sees keys up to its last query only: the masked blocks are skipped
@@ -179,6 +201,33 @@ def attend(
             axis=1,
         )
     return out.reshape(b, sq, hq * dv)
+
+
+def _attend_blockwise(ops: Ops, q, k, v, visible: Visible, scale: float, sinks) -> jax.Array:
+    """:func:`~jaxops.models._blockwise.attention`, on each device's rows of a sharded batch.
+
+    (Each row attends within itself: with batch-sharded tokens every device runs its own rows
+    in a ``shard_map``, as inside a pipeline stage, where the tokens are local already.)
+    """
+    extra = () if sinks is None else (sinks,)
+
+    def run(q, k, v, visible, *sinks):
+        return _blockwise.attention(
+            q, k, v, visible, scale=scale, sinks=sinks[0] if sinks else None, dtype=ops.dtype,
+            block=ops.attention_block,
+        )  # fmt: skip
+
+    spec = getattr(jax.typeof(q).sharding, "spec", None)
+    if ops.mesh is None or spec is None or spec[0] is None:  # local (a pipeline stage) or whole
+        return run(q, k, v, visible, *extra)
+    rows = P(spec[0])
+    visible = jax.tree.map(jnp.asarray, visible)  # a Python window or chunk as a scalar
+    in_specs = (rows, rows, rows, jax.tree.map(lambda a: rows if a.ndim else P(), visible))
+    in_specs += (P(),) * len(extra)
+    args = place((q, k, v, visible, *extra), ops.mesh, in_specs)
+    return jax.shard_map(run, mesh=ops.mesh, in_specs=in_specs, out_specs=rows, check_vma=False)(
+        *args
+    )
 
 
 #: Query blocks of causal self-attention in the jnp softmax (each block computes the scores of

@@ -299,9 +299,10 @@ def _attention_oracle(q, k, v, mask, sinks):
 
 @pytest.mark.parametrize("seq", [31, 64, 100])
 def test_causal_query_blocks_equal_the_whole_softmax(seq, monkeypatch):
-    """Causal self-attention in query blocks (each against the keys up to its last query)
-    against float64 numpy and against one block, with a sliding window, two packed documents,
-    a padding row (queries that see no key) and sinks; values and gradients."""
+    """Causal self-attention in query blocks (each against the keys up to its last query),
+    and blockwise in blocks of 16 (an online softmax, the block pairs the mask empties
+    skipped), against float64 numpy and against one block, with a sliding window, two packed
+    documents, a padding row (queries that see no key) and sinks; values and gradients."""
     from jaxops.models import _layers, _ops
 
     rng = np.random.default_rng(seq)
@@ -312,12 +313,17 @@ def test_causal_query_blocks_equal_the_whole_softmax(seq, monkeypatch):
     docs = np.stack([np.ones(seq), 1 + (t >= seq // 3), np.zeros(seq)]).astype(np.int32)
     mask = (t[:, None] >= t[None, :]) & (t[:, None] - t[None, :] < 40)
     mask = mask[None] & (docs[:, :, None] == docs[:, None, :]) & (docs[:, None, :] != 0)
-    ops = _layers.Ops(jnp.float32)
+    index = jnp.broadcast_to(jnp.asarray(t, jnp.int32), (3, seq))
+    where = _layers.Tokens(index, index, jnp.asarray(docs))
+    visible = _layers.Visible(where, where, 40)
+    np.testing.assert_array_equal(np.asarray(visible.dense()), mask)
     cot = jnp.asarray(rng.standard_normal((3, seq, 32)), jnp.float32)
 
-    def run():
+    def run(attention="xla"):
+        ops = _layers.Ops(jnp.float32, attention=attention, attention_block=16)
+
         def f(q, k, v, sinks):
-            out = _layers.attend(ops, CFG, q, k, v, jnp.asarray(mask), causal=True, sinks=sinks)
+            out = _layers.attend(ops, CFG, q, k, v, visible, causal=True, sinks=sinks)
             return jnp.sum(out * cot), out
 
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, sinks)
@@ -327,11 +333,13 @@ def test_causal_query_blocks_equal_the_whole_softmax(seq, monkeypatch):
     want = _attention_oracle(q, k, v, mask, sinks)
     assert rel_error(out, want) < 1e-5
     assert not np.asarray(out)[2].any()  # the padding row: no keys, zeros
+    (_, blockwise), blockwise_grads = run("blockwise")
+    assert rel_error(blockwise, want) < 1e-5 and not np.asarray(blockwise)[2].any()
     monkeypatch.setattr(_ops, "CAUSAL_BLOCKS", 1)  # where attend reads it
     (_, whole), whole_grads = run()
     np.testing.assert_allclose(np.asarray(out), np.asarray(whole), atol=1e-5)
-    for a, b in zip(grads, whole_grads, strict=True):
-        assert rel_error(a, b) < 1e-5
+    for a, b, c in zip(grads, whole_grads, blockwise_grads, strict=True):
+        assert rel_error(a, b) < 1e-5 and rel_error(c, b) < 1e-5
 
 
 def test_dot_product_attention_equals_the_jnp_softmax():
@@ -364,8 +372,8 @@ def test_dot_product_attention_equals_the_jnp_softmax():
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=2e-6)
     np.testing.assert_array_equal(n2, n1)
-    # "auto": the jnp softmax on CPU (dot_product is for GPUs in bfloat16 / float16).
-    assert models.MoEDecoder(cfg, mesh).layout.ops.attention == "xla"
+    # "auto": blockwise on CPU (dot_product is for GPUs in bfloat16 / float16).
+    assert models.MoEDecoder(cfg, mesh).layout.ops.attention == "blockwise"
     with pytest.raises(models.ConfigError, match="attention_impl must be one of"):
         models.MoEDecoder(cfg, mesh, attention_impl="flash")
 
