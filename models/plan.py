@@ -15,10 +15,11 @@ the compile time::
 What the plan predicts of a GPU compile: the parameters, optimizer state and gradients are the
 same arrays on any backend. The temporaries are XLA:CPU's buffer assignment of the same
 program; on a GPU they depend on XLA:GPU's fusion and scheduling, the attention (blockwise
-here, one block pair's scores; cuDNN's keeps none) and the expert exchange (``ragged_all_to_all`` on GPU; the plan compiles its
-dense twin, ``exchange="dense"``, not the all-gather form, whose buffers grow with the expert
-axis), so they are an estimate; XLA:CPU also computes bfloat16 elementwise work in float32,
-holding float32 copies of values a GPU keeps in bfloat16. The MoE layer's receive buffers
+here, one block pair's scores; cuDNN's keeps none) and the expert exchange
+(``ragged_all_to_all`` on GPU; the plan compiles its dense twin, ``exchange="dense"``, not the
+all-gather form, whose buffers grow with the expert axis), so they are an estimate; XLA:CPU
+also computes bfloat16 elementwise work in float32, holding float32 copies of values a GPU
+keeps in bfloat16. The MoE layer's receive buffers
 are the static bounds of :func:`jaxops.parallel.expert.exchange_bounds` either way (dropless
 layers size them for the worst routing, which at these sizes is why ``--capacity-factor``
 matters). XLA:CPU's dense exchange runs in rounds of ``expert x block`` rows each way
