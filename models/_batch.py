@@ -34,18 +34,23 @@ _MASK_DTYPES = (np.dtype(bool), *_INT_DTYPES)
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
-    """A validated batch: int ``tokens [B, S]``, ``targets [B, S]`` (or None) and the masks."""
+    """A validated batch: int ``tokens [B, S]``, ``targets [B, S]`` (or None) and the masks.
+
+    ``index``: the tokens' time steps where they are not ``0 .. S-1`` (the rows of a context
+    axis, :mod:`~jaxops.models._context`), else None.
+    """
 
     tokens: jax.Array
     targets: jax.Array | None
     attention_mask: jax.Array | None
     positions: jax.Array | None
     segment_ids: jax.Array | None
+    index: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(
     Batch,
-    data_fields=["tokens", "targets", "attention_mask", "positions", "segment_ids"],
+    data_fields=["tokens", "targets", "attention_mask", "positions", "segment_ids", "index"],
     meta_fields=[],
 )
 
@@ -174,7 +179,9 @@ def placement(batch: Batch) -> Tokens:
     for left padding); else ``0 .. S-1``.
     """
     b, s = batch.tokens.shape
-    index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    index = batch.index
+    if index is None:
+        index = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     segments = None  # one document per row, no padding
     if batch.segment_ids is not None:
         segments = batch.segment_ids.astype(jnp.int32)

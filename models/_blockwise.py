@@ -26,6 +26,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxops._sharding import vary_like
+
 from ._mask import Tokens, Visible
 
 __all__ = ["attention"]
@@ -112,13 +114,13 @@ def _sink(sinks: jax.Array, hkv: int, g: int, acc: Any) -> jax.Array:
     return sinks.astype(acc).reshape(1, hkv, g, 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _flash(q, k, v, sinks, visible, scale, dtype, block, sk):
-    return _forward(q, k, v, sinks, visible, scale, dtype, block, sk)[0]
+def _partial(q, k, v, visible: Visible, scale, dtype, block, sk):
+    """``(out, lse)`` of `q` over the keys `k`, `v` alone (padded inputs).
 
-
-def _forward(q, k, v, sinks, visible: Visible, scale, dtype, block, sk):
-    """``(out [b, sq, Hkv, G, Dv], lse [nq, b, Hkv, G, block])`` over padded inputs."""
+    out ``[b, sq, Hkv, G, Dv]`` normalized over these keys, lse ``[b, sq, Hkv, G]`` their
+    log-sum-exp (-inf for a query that sees none of them), both in the accumulation dtype:
+    partial results over disjoint keys merge exactly (:func:`_merge`).
+    """
     b, _, hkv, g, _ = q.shape
     dv, acc = v.shape[-1], _accumulator(dtype)
     kb, vb = _blocks(k, block), _blocks(v, block)
@@ -149,36 +151,48 @@ def _forward(q, k, v, sinks, visible: Visible, scale, dtype, block, sk):
             jnp.zeros((b, hkv, g, block), acc),
             jnp.zeros((b, hkv, g, block, dv), acc),
         )
+        init = vary_like(init, q, k, v)  # inside a shard_map: as the blocks' results
         (m, total, o), _ = jax.lax.scan(key_block, init, jnp.arange(nk))
-        if sinks is not None:  # one more logit in the denominator
-            sink = _sink(sinks, hkv, g, acc)
-            top = jnp.maximum(m, sink)
-            alpha = jnp.exp(m - top)
-            total, o, m = total * alpha + jnp.exp(sink - top), o * alpha[..., None], top
         seen = total > 0
         out = o / jnp.where(seen, total, 1.0)[..., None]
-        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), 0.0)
-        return None, (jnp.moveaxis(out, 3, 1).astype(dtype), lse)  # [b, bq, Hkv, G, Dv]
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+        return None, (jnp.moveaxis(out, 3, 1), jnp.moveaxis(lse, 3, 1))
 
     qb = _blocks(q, block)
     _, (out, lse) = jax.lax.scan(query_block, None, (jnp.arange(qb.shape[0]), qb))
-    return _unblocks(out), lse
+    return _unblocks(out), _unblocks(lse)
 
 
-def _flash_fwd(q, k, v, sinks, visible, scale, dtype, block, sk):
-    out, lse = _forward(q, k, v, sinks, visible, scale, dtype, block, sk)
-    return out, (q, k, v, sinks, visible, out, lse)
+def _finite(lse: jax.Array) -> jax.Array:
+    """`lse` with 0 where it is -inf (no key: every probability against it is exp(-inf) = 0)."""
+    return jnp.where(jnp.isfinite(lse), lse, 0.0)
 
 
-def _flash_bwd(scale, dtype, block, sk, res, dout):
-    q, k, v, sinks, visible, out, lse = res
-    hkv, g = q.shape[2:4]
+def _merge(a: tuple, b: tuple) -> tuple:
+    """The ``(out, lse)`` of two partial results over disjoint keys."""
+    lse = jnp.logaddexp(a[1], b[1])
+    weight = lambda part: jnp.exp(part[1] - _finite(lse))[..., None]  # noqa: E731
+    return a[0] * weight(a) + b[0] * weight(b), lse
+
+
+def _with_sinks(out, lse, sinks, dtype):
+    """``(out in dtype, lse)`` with the sinks' logits joining every denominator."""
+    if sinks is not None:
+        sink = sinks.astype(lse.dtype).reshape(lse.shape[2:])
+        total = jnp.logaddexp(lse, sink)
+        out, lse = out * jnp.exp(lse - total)[..., None], total
+    return out.astype(dtype), lse
+
+
+def _backward_part(q, k, v, visible: Visible, dout, lse, delta, scale, dtype, block, sk):
+    """``(dq, dk, dv)`` (accumulation dtype) of the keys `k`, `v`'s part of the attention.
+
+    `lse`: the whole attention's log-sum-exp ``[b, sq, Hkv, G]`` (all keys and the sinks),
+    `delta`: ``rowsum(dout * out)`` of the whole output, same shape.
+    """
     acc = _accumulator(dtype)
     kb, vb = _blocks(k, block), _blocks(v, block)
     nk = kb.shape[0]
-    # D = rowsum(dO * O): the softmax's backward term per query, [nq, b, Hkv, G, block]
-    delta = jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1)
-    delta = jnp.moveaxis(_blocks(delta, block), 2, 4)
 
     def query_block(carry, xs):
         i, qi, doi, lse_i, d_i = xs
@@ -203,25 +217,132 @@ def _flash_bwd(scale, dtype, block, sk, res, dout):
 
             return jax.lax.cond(jnp.any(mask), compute, lambda c: c, carry), None
 
-        dq0 = jnp.zeros(qi.shape, acc)
+        dq0 = vary_like(jnp.zeros(qi.shape, acc), q, k, v, dout)
         (dq, dk, dv), _ = jax.lax.scan(key_block, (dq0, *carry), jnp.arange(nk))
         return (dk, dv), dq
 
-    xs = (jnp.arange(lse.shape[0]), _blocks(q, block), _blocks(dout.astype(dtype), block))
-    init = (jnp.zeros(kb.shape, acc), jnp.zeros(vb.shape, acc))
-    (dk, dv), dq = jax.lax.scan(query_block, init, (*xs, lse, delta))
-    dsinks = None
-    if sinks is not None:  # d sink = -sum over queries of p_sink * D
-        p_sink = jnp.exp(_sink(sinks, hkv, g, acc) - lse)  # [nq, b, Hkv, G, block]
-        dsinks = -jnp.sum(p_sink * delta, axis=(0, 1, 4)).reshape(sinks.shape)
-        dsinks = dsinks.astype(sinks.dtype)
-    return (
-        _unblocks(dq).astype(q.dtype),
-        _unblocks(dk).astype(k.dtype),
-        _unblocks(dv).astype(v.dtype),
-        dsinks,
-        None,
+    by_block = lambda a: jnp.moveaxis(_blocks(a, block), 2, -1)  # [nq, b, Hkv, G, block]  # noqa: E731
+    xs = (
+        jnp.arange(q.shape[1] // block),
+        _blocks(q, block),
+        _blocks(dout.astype(dtype), block),
+        by_block(_finite(lse)),
+        by_block(delta),
     )
+    init = vary_like((jnp.zeros(kb.shape, acc), jnp.zeros(vb.shape, acc)), q, k, v, dout)
+    (dk, dv), dq = jax.lax.scan(query_block, init, xs)
+    return _unblocks(dq), _unblocks(dk), _unblocks(dv)
+
+
+def _delta(dout, out):
+    """``rowsum(dout * out)`` ``[b, sq, Hkv, G]``: the softmax backward's per-query term."""
+    acc = _accumulator(out.dtype)
+    return jnp.sum(dout.astype(acc) * out.astype(acc), axis=-1)
+
+
+def _dsinks(sinks, lse, delta):
+    """The sinks' gradient: ``-sum over queries of p_sink * delta`` per head."""
+    p_sink = jnp.exp(sinks.astype(lse.dtype).reshape(lse.shape[2:]) - _finite(lse))
+    return -jnp.sum(p_sink * delta, axis=(0, 1)).reshape(sinks.shape).astype(sinks.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _flash(q, k, v, sinks, visible, scale, dtype, block, sk):
+    return _flash_fwd(q, k, v, sinks, visible, scale, dtype, block, sk)[0]
+
+
+def _flash_fwd(q, k, v, sinks, visible, scale, dtype, block, sk):
+    out, lse = _partial(q, k, v, visible, scale, dtype, block, sk)
+    out, lse = _with_sinks(out, lse, sinks, dtype)
+    return out, (q, k, v, sinks, visible, out, lse)
+
+
+def _flash_bwd(scale, dtype, block, sk, res, dout):
+    q, k, v, sinks, visible, out, lse = res
+    delta = _delta(dout, out)
+    dq, dk, dv = _backward_part(q, k, v, visible, dout, lse, delta, scale, dtype, block, sk)
+    dsinks = None if sinks is None else _dsinks(sinks, lse, delta)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def ring_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    visible: Visible,
+    *,
+    axis: str,
+    size: int,
+    scale: float,
+    sinks: jax.Array | None,
+    dtype: Any,
+    block: int,
+) -> jax.Array:
+    """:func:`attention` of this device's queries over the keys of every device of `axis`.
+
+    Inside ``shard_map``: the keys and values (with their placement) pass around the ring of
+    the `size` devices of mesh axis `axis` by ``ppermute``, one step per device, each step's
+    blockwise attention merged into the running result (its log-sum-exp); the backward passes
+    them around again with their gradients, which are home after the last step. The mask is
+    the placements' (global time steps, positions, documents), wherever the tokens sit.
+    Arguments as :func:`attention` (no KV-cache slots: ``visible.valid_keys`` is None).
+    """
+    sq, sk = q.shape[1], k.shape[1]
+    nq, nk = -(-sq // block), -(-sk // block)
+    padded = Visible(
+        _pad_tokens(visible.q, nq * block),
+        _pad_tokens(visible.k, nk * block),
+        visible.window,
+        visible.chunk,
+    )
+    q, k, v = _pad(q, nq * block), _pad(k, nk * block), _pad(v, nk * block)
+    out = _ring(q, k, v, sinks, padded, axis, size, scale, jnp.dtype(dtype), block, sk)
+    return out[:, :sq]
+
+
+def _send(tree: Any, axis: str, size: int) -> Any:
+    """Every leaf to the next device of the ring."""
+    perm = [(i, (i + 1) % size) for i in range(size)]
+    return jax.tree.map(lambda a: jax.lax.ppermute(a, axis, perm), tree)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def _ring(q, k, v, sinks, visible, axis, size, scale, dtype, block, sk):
+    return _ring_fwd(q, k, v, sinks, visible, axis, size, scale, dtype, block, sk)[0]
+
+
+def _ring_fwd(q, k, v, sinks, visible, axis, size, scale, dtype, block, sk):
+    kv, part = (k, v, visible.k), None
+    for step in range(size):
+        seen = Visible(visible.q, kv[2], visible.window, visible.chunk)
+        got = _partial(q, kv[0], kv[1], seen, scale, dtype, block, sk)
+        part = got if part is None else _merge(part, got)
+        if step + 1 < size:
+            kv = _send(kv, axis, size)
+    out, lse = _with_sinks(*part, sinks, dtype)
+    return out, (q, k, v, sinks, visible, out, lse)
+
+
+def _ring_bwd(axis, size, scale, dtype, block, sk, res, dout):
+    q, k, v, sinks, visible, out, lse = res
+    delta = _delta(dout, out)
+    acc = _accumulator(dtype)
+    kv, dq = (k, v, visible.k), jnp.zeros(q.shape, acc)
+    dkv = (jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))  # travel with their keys
+    for step in range(size):
+        seen = Visible(visible.q, kv[2], visible.window, visible.chunk)
+        dq_s, dk_s, dv_s = _backward_part(
+            q, kv[0], kv[1], seen, dout, lse, delta, scale, dtype, block, sk
+        )
+        dq = dq + dq_s
+        dkv = _send((dkv[0] + dk_s, dkv[1] + dv_s), axis, size)  # home after `size` sends
+        if step + 1 < size:
+            kv = _send(kv, axis, size)
+    dsinks = None if sinks is None else _dsinks(sinks, lse, delta)
+    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), dsinks, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)

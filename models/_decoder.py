@@ -27,7 +27,7 @@ from jaxops._config import check_impl
 from jaxops._errors import ArgumentTypeError, ConfigError, InvalidArgumentError, renamed_fields
 from jaxops._lora import as_lora
 
-from . import _batch, _objective, _run, _train
+from . import _batch, _context, _objective, _run, _train
 from ._base import BASES
 from ._config import DecoderConfig
 from ._layout import Layout, Settings, lora_targets
@@ -128,6 +128,16 @@ class MoEDecoder(Settings):
       mesh: the device mesh.
       expert_axis: the mesh axis the experts are split over.
       pipe_axis: the pipeline mesh axis (ignored when the mesh has none or it has size 1).
+      context_axis: the mesh axis each sequence is split over (context parallelism; ignored
+        when the mesh has none or it has size 1): with C devices on it every sequence is cut
+        into 2C chunks, device c holding chunks c and 2C - 1 - c (an even share of causal
+        work), and attention passes the keys and values around the ring of the C devices
+        (blockwise attention on each step, the backward passing their gradients the same
+        way); everything else treats the chunks as rows of the batch. The sequence length
+        must be a multiple of 2C; :meth:`place_batch` splits ``[B, S]`` arrays over the
+        other batch axes (:attr:`input_axes`), and the methods take and return whole
+        sequences in order. ``generate`` refuses it, and so does a mesh with a pipe axis too
+        (not built yet).
       num_microbatches: microbatches per data shard in the pipeline (>= the pipe size is
         efficient). Formerly ``microbatches`` (deprecated alias for one release).
       schedule: "1f1b" or "gpipe" (:data:`DECODER_SCHEDULES`).
@@ -282,6 +292,19 @@ class MoEDecoder(Settings):
                 f"{self.attention_impl!r}"
             )
         _checks.check_int(op, "attention_block", self.attention_block, 1)
+        if self.layout.context > 1 and self.pipe > 1:
+            raise ConfigError(
+                f"{op}: a context axis ({self.context_axis!r}, size {self.layout.context}) "
+                f"together with a pipe axis ({self.pipe_axis!r}, size {self.pipe}) is not "
+                "built yet; split sequences over a mesh of context, data and expert axes"
+            )
+        if self.layout.context > 1 and self.attention_impl not in ("auto", "blockwise"):
+            raise ConfigError(
+                f"{op}: the context axis {self.context_axis!r} (size {self.layout.context}) "
+                "splits each sequence over devices, which only blockwise attention's ring "
+                f"attends over; attention_impl must be 'auto' or 'blockwise', got "
+                f"{self.attention_impl!r}"
+            )
         if self.moe_impl not in MOE_IMPLS:
             raise ConfigError(f"{op}: moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
         if self.schedule not in DECODER_SCHEDULES:
@@ -414,6 +437,16 @@ class MoEDecoder(Settings):
         return self.layout.batch_axes
 
     @property
+    @_doc(Layout.context)
+    def context(self) -> int:
+        return self.layout.context
+
+    @property
+    @_doc(Layout.input_axes)
+    def input_axes(self) -> tuple[str, ...]:
+        return self.layout.input_axes
+
+    @property
     @_doc(Layout.batch_devices)
     def batch_devices(self) -> int:
         return self.layout.batch_devices
@@ -489,15 +522,19 @@ class MoEDecoder(Settings):
     # Public methods: validate once, then run the internals.
 
     def _check(self, op: str, tokens, targets, mask, positions, segments) -> _batch.Batch:
-        """The validated batch of a public method (targets None: logits and the like)."""
-        shards = self.batch_devices
+        """The validated batch of a public method (targets None: logits and the like).
+
+        With a context axis: its rows of chunk pairs (:func:`_context.to_rows`).
+        """
+        layout = self.layout
+        shards = int(np.prod([dict(self.mesh.shape)[a] for a in layout.input_axes]))
         split = targets is not None and (self.pipe > 1 or self.num_microbatches > 1)
         split |= self.pipe > 1
         m = self.num_microbatches if split else 1
-        why = f"(the {shards} devices of the batch axes {self.batch_axes}" + (
+        why = f"(the {shards} devices of the batch axes {layout.input_axes}" + (
             f" times {m} microbatches)" if m > 1 else ")"
         )
-        return _batch.check_batch(
+        batch = _batch.check_batch(
             op,
             self.config.vocab_size,
             shards * m,
@@ -509,6 +546,20 @@ class MoEDecoder(Settings):
             positions=positions,
             segment_ids=segments,
         )
+        if layout.context == 1:
+            return batch
+        c, s = layout.context, batch.tokens.shape[1]
+        if s % (2 * c):
+            raise InvalidArgumentError(
+                f"{op}: tokens' sequence length ({s}) must be a multiple of {2 * c}: the context "
+                f"axis {self.context_axis!r} of size {c} splits each sequence into {2 * c} "
+                "chunks, two per device"
+            )
+        return _context.to_rows(layout, batch)
+
+    def _in_order(self, x: jax.Array) -> jax.Array:
+        """Per-token outputs ``[B, S, ...]`` in sequence order (from the context axis's rows)."""
+        return x if self.layout.context == 1 else _context.from_rows(self.layout, x)
 
     def hidden_states(
         self,
@@ -525,7 +576,7 @@ class MoEDecoder(Settings):
         """
         op = f"{_OP}.hidden_states"
         batch = self._check(op, tokens, None, attention_mask, positions, segment_ids)
-        return _objective.hidden(self.layout, params, batch)
+        return self._in_order(_objective.hidden(self.layout, params, batch))
 
     def logits(
         self,
@@ -562,7 +613,8 @@ class MoEDecoder(Settings):
         """
         batch = self._check(f"{_OP}.logits", tokens, None, attention_mask, positions, segment_ids)
         layout = self.layout
-        return layout.head(layout.head_params(params), _objective.hidden(layout, params, batch))
+        h = _objective.hidden(layout, params, batch)
+        return self._in_order(layout.head(layout.head_params(params), h))
 
     def forward(
         self,
@@ -589,7 +641,7 @@ class MoEDecoder(Settings):
         layout = self.layout
         x, where, _ = _objective.inputs(layout, params, batch)
         h, aux = _run.run_all(layout, params, x, where)
-        return layout.head(layout.head_params(params), h), aux
+        return self._in_order(layout.head(layout.head_params(params), h)), aux
 
     def loss(
         self,

@@ -469,6 +469,14 @@ def generate(
     """
     if not isinstance(model, MoEDecoder):
         raise ArgumentTypeError(f"{_OP}: model must be a MoEDecoder, got {type(model).__name__}")
+    if model.layout.context > 1:
+        raise ConfigError(
+            f"{_OP}: generation needs a mesh without a context axis, got the context axis "
+            f"{model.context_axis!r} of size {model.layout.context}; use "
+            "dataclasses.replace(model, mesh=jax.make_mesh(...)) with a mesh of data and expert "
+            "axes only, and reshard the params onto it: jax.device_put(params, "
+            "new_model.shardings())"
+        )
     if model.pipe > 1:
         raise ConfigError(
             f"{_OP}: generation needs a mesh without pipeline stages, got the pipe axis "

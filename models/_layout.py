@@ -276,6 +276,7 @@ class Settings:
     mesh: jax.sharding.Mesh
     expert_axis: str = "expert"
     pipe_axis: str = "pipe"
+    context_axis: str = "context"
     num_microbatches: int = 1
     schedule: str = "1f1b"
     remat: bool | str | Callable | None = None
@@ -352,6 +353,20 @@ class Layout(Settings):
         return dict(self.mesh.shape).get(self.pipe_axis, 1)
 
     @property
+    def context(self) -> int:
+        """Context devices each sequence is split over: the size of the context axis (1 without)."""
+        return dict(self.mesh.shape).get(self.context_axis, 1)
+
+    @property
+    def input_axes(self) -> tuple[str, ...]:
+        """The mesh axes a batch's ``[B, S]`` rows are split over as given (:meth:`place_batch`).
+
+        The batch axes; with a context axis all but it: each sequence is split over the context
+        axis into chunk pairs inside the step (:mod:`~jaxops.models._context`).
+        """
+        return tuple(a for a in self.batch_axes if self.context == 1 or a != self.context_axis)
+
+    @property
     def data_axes(self) -> tuple[str, ...]:
         """Mesh axes the batch is split over besides the expert axis (all but expert and pipe)."""
         return tuple(a for a in self.mesh.axis_names if a not in (self.expert_axis, self.pipe_axis))
@@ -381,6 +396,8 @@ class Layout(Settings):
             self.mesh,
             attention=attention,
             attention_block=self.attention_block,
+            context_axis=self.context_axis if self.context > 1 else None,
+            context=self.context,
             lora_scaling=None if self.lora is None else self.lora.scaling,
             lora_dropout=0.0 if self.lora is None else self.lora.dropout,
         )
@@ -926,9 +943,10 @@ class Layout(Settings):
     def place_batch(self, *arrays: Any) -> Any:
         """Host arrays ``[B, ...]`` as global arrays split over the batch axes.
 
-        Every process passes the same global values; one array in, one out.
+        (With a context axis: over the others, :attr:`input_axes`.) Every process passes the
+        same global values; one array in, one out.
         """
-        sharding = NamedSharding(self.mesh, P(self.batch_axes))
+        sharding = NamedSharding(self.mesh, P(self.input_axes))
 
         def put(a):
             a = np.asarray(a)

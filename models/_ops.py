@@ -61,6 +61,9 @@ class Ops:
         a GPU where it supports the shapes, else XLA's; for keys and values of one head width
         and no sinks, else blockwise).
       attention_block: queries and keys per block of blockwise attention.
+      context_axis: the mesh axis each sequence is split over (its keys and values pass around
+        its ring: :func:`~jaxops.models._blockwise.ring_attention`), or None.
+      context: the size of the context axis (1 without one).
       lora_dropout: ``Lora.dropout``: the adapters' input dropout where a layer's parameters
         carry a key (:data:`DROPOUT_KEY`, training only).
       lora_scaling: the low-rank adapters' scale (``Lora.scaling``), or None without adapters:
@@ -73,9 +76,11 @@ class Ops:
     fp8: Any = None
     mesh: jax.sharding.Mesh | None = None
     attention: str = "xla"
-    attention_block: int = 512
     lora_scaling: float | None = None
     lora_dropout: float = 0.0
+    attention_block: int = 512
+    context_axis: str | None = None
+    context: int = 1
 
 
 def adapted(ops: Ops, p: dict[str, jax.Array], name: str, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -183,7 +188,7 @@ def attend(
     q = q.reshape(b, sq, hkv, hq // hkv, dh)
     scale = dh**-0.5 if scale is None else scale
     block = ops.attention_block
-    if ops.attention != "xla" and max(sq, sk) > block:
+    if ops.context > 1 or (ops.attention != "xla" and max(sq, sk) > block):
         return _attend_blockwise(ops, q, k, v, visible, scale, sinks).reshape(b, sq, hq * dv)
     mask = visible.dense()
     blocks = causal_blocks(sq) if causal and sk == sq else 1
@@ -212,10 +217,12 @@ def _attend_blockwise(ops: Ops, q, k, v, visible: Visible, scale: float, sinks) 
     extra = () if sinks is None else (sinks,)
 
     def run(q, k, v, visible, *sinks):
-        return _blockwise.attention(
-            q, k, v, visible, scale=scale, sinks=sinks[0] if sinks else None, dtype=ops.dtype,
-            block=ops.attention_block,
-        )  # fmt: skip
+        kw = dict(sinks=sinks[0] if sinks else None, dtype=ops.dtype, block=ops.attention_block)
+        if ops.context > 1:  # each device its chunks' queries, the keys around the ring
+            return _blockwise.ring_attention(
+                q, k, v, visible, axis=ops.context_axis, size=ops.context, scale=scale, **kw
+            )
+        return _blockwise.attention(q, k, v, visible, scale=scale, **kw)
 
     spec = getattr(jax.typeof(q).sharding, "spec", None)
     if ops.mesh is None or spec is None or spec[0] is None:  # local (a pipeline stage) or whole

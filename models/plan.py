@@ -156,10 +156,12 @@ def plan(
     Args:
       config: a :class:`~jaxops.models.DecoderConfig` or a model directory / config.json path.
       mesh_shape: axis -> size (:func:`parse_mesh`); "pipe" makes pipeline stages, "expert"
-        holds the experts, the other axes split the batch.
-      batch: the global batch in sequences: a multiple of the mesh's batch axes' size (times
-        the microbatches), refused before anything is compiled otherwise.
-      seq: their length in tokens.
+        holds the experts, "context" splits every sequence (context parallelism), the other
+        axes split the batch.
+      batch: the global batch in sequences: a multiple of the mesh's batch axes' size but the
+        context axis's (times the microbatches), refused before anything is compiled
+        otherwise.
+      seq: their length in tokens (a multiple of twice the context axis's size).
       zero: :attr:`MoEDecoder.zero` (0, 1 or 3).
       fp8: None or the block :class:`jaxops.fp8.Recipe` (or "block"; :attr:`MoEDecoder.fp8`).
       remat: a :data:`~jaxops.models.REMAT_POLICIES` name.
@@ -229,7 +231,8 @@ def plan(
         lora=adapters,
         base=base,
     )
-    shards = math.prod(mesh_shape[a] for a in model.batch_axes)
+    # the batch's sequences split over the batch axes but the context axis (which splits each)
+    shards = math.prod(mesh_shape[a] for a in model.input_axes)
     need = shards * model.num_microbatches
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1 or batch % need:
         times = (
@@ -237,8 +240,14 @@ def plan(
         )
         raise InvalidArgumentError(
             f"jaxops.models.plan: --batch (batch=) must be a positive multiple of {need}, the "
-            f"size {shards} of the mesh's batch axes {tuple(model.batch_axes)}{times}, "
+            f"size {shards} of the mesh's batch axes {tuple(model.input_axes)}{times}, "
             f"got {batch!r}"
+        )
+    if seq % (2 * model.context):
+        raise InvalidArgumentError(
+            f"jaxops.models.plan: --seq (seq=) must be a multiple of {2 * model.context}: the "
+            f"context axis of size {model.context} splits each sequence into "
+            f"{2 * model.context} chunks, got {seq!r}"
         )
     optimizer = optax.adamw(1e-4)
     params = model.abstract_params(jnp.dtype(param_dtype))
@@ -249,7 +258,7 @@ def plan(
     grad_specs = model.zero_specs() if zero >= 1 else model.param_specs()
     grad_shardings = model.layout.trainable_specs(model.named(grad_specs))
     grads = _with_shardings(trained, grad_shardings)
-    rows = NamedSharding(mesh, P(model.batch_axes))
+    rows = NamedSharding(mesh, P(model.input_axes))
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=rows)
     start = time.perf_counter()
     lowered = model.train_step(optimizer).lower(params, state, tokens, tokens)
@@ -258,6 +267,7 @@ def plan(
     compile_s = time.perf_counter() - start
     memory = compiled.memory_analysis()
     n = mesh_shape["expert"]
+    shards = model.batch_devices  # the MoE layer's token shards (the context axis's too)
     per_device = batch * seq // (shards * model.num_microbatches)
     # the compiled layer's own bounds (its group alignment is the CPU kernels')
     layer = make_plan(model.moe, mesh, n, shards, per_device * shards)

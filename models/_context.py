@@ -1,0 +1,102 @@
+"""The context axis: each sequence of a batch split over devices, in zigzag chunk pairs, and back.
+
+With a ``context`` mesh axis of C devices every sequence of S tokens is cut into 2C chunks of
+``S / 2C``; context device c holds chunks c and 2C - 1 - c (so that causal attention's work is
+even: an early chunk with a late one) as one row of ``S / C`` tokens. A batch ``[B, S]``
+becomes ``C B`` such rows, split over the batch axes with the context axis among them, and
+everything but attention treats them as a batch (embedding, norms, the MoE layer, the loss):
+the rows carry their tokens' global time steps, rotary positions and documents
+(:class:`~jaxops.models._mask.Tokens`), which is all the masks read, and attention passes the
+keys and values around the context ring (:func:`~jaxops.models._blockwise.ring_attention`).
+
+:func:`to_rows` makes the rows of a validated batch (each device cutting its own chunks out of
+the rows it holds: no collective), :func:`from_rows` puts per-token outputs (logits) back in
+sequence order (an all-gather over the context axis).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxops._sharding import place
+
+from . import _batch
+
+__all__ = ["from_rows", "to_rows"]
+
+
+def _pairs(c: int) -> np.ndarray:
+    """``[C, 2]``: the chunks of each context device (c and 2C - 1 - c)."""
+    return np.array([[i, 2 * c - 1 - i] for i in range(c)])
+
+
+def to_rows(layout: Any, batch: _batch.Batch) -> _batch.Batch:
+    """`batch` (``[B, S]`` split over ``layout.input_axes``) as ``C B`` rows of ``S / C``.
+
+    Split over ``layout.batch_axes``; each row holds its context device's chunk pair, with the
+    global time steps, positions and documents of its tokens (``attention_mask`` folded into
+    the documents).
+    """
+    c, axis = layout.context, layout.context_axis
+    where = _batch.placement(batch)
+    fields = {
+        "tokens": batch.tokens,
+        "targets": batch.targets,
+        "positions": where.positions,
+        "segment_ids": where.segments,
+        "index": where.index,
+    }
+    fields = {k: v for k, v in fields.items() if v is not None}
+    chunks = jnp.asarray(_pairs(c))
+
+    def cut(fields):
+        mine = chunks[jax.lax.axis_index(axis)]
+
+        def one(a):  # [n, S] -> [n, S / C]: this device's two chunks
+            n, s = a.shape
+            return a.reshape(n, 2 * c, s // (2 * c))[:, mine].reshape(n, s // c)
+
+        return jax.tree.map(one, fields)
+
+    inputs, rows = P(layout.input_axes), P(layout.batch_axes)
+    out = jax.shard_map(
+        cut,
+        mesh=layout.mesh,
+        in_specs=(jax.tree.map(lambda _: inputs, fields),),
+        out_specs=jax.tree.map(lambda _: rows, fields),
+        check_vma=False,
+    )(place(fields, layout.mesh, jax.tree.map(lambda _: inputs, fields)))
+    return _batch.Batch(
+        out["tokens"],
+        out.get("targets"),
+        None,
+        out["positions"],
+        out.get("segment_ids"),
+        out["index"],
+    )
+
+
+def from_rows(layout: Any, x: jax.Array) -> jax.Array:
+    """Per-token outputs of the rows (``[C B, S / C, ...]``) as ``[B, S, ...]``, in order.
+
+    Split over ``layout.input_axes``: every context device gathers its rows' chunks.
+    """
+    c, axis = layout.context, layout.context_axis
+    order = np.argsort(_pairs(c).reshape(-1))  # chunk k's place among the gathered ones
+
+    def join(a):  # [n, S / C, ...] -> [n, S, ...]
+        n, half = a.shape[0], a.shape[1] // 2
+        every = jax.lax.all_gather(a, axis)  # [C, n, S / C, ...]
+        every = every.reshape(c, n, 2, half, *a.shape[2:])
+        every = jnp.moveaxis(every, 1, 0).reshape(n, 2 * c, half, *a.shape[2:])
+        return every[:, order].reshape(n, 2 * c * half, *a.shape[2:])
+
+    rows = P(layout.batch_axes)
+    return jax.shard_map(
+        join, mesh=layout.mesh, in_specs=(rows,), out_specs=P(layout.input_axes), check_vma=False
+    )(place(x, layout.mesh, rows))
