@@ -315,14 +315,22 @@ def _ring(q, k, v, sinks, visible, axis, size, scale, dtype, block, sk):
 
 
 def _ring_fwd(q, k, v, sinks, visible, axis, size, scale, dtype, block, sk):
-    kv, part = (k, v, visible.k), None
-    for step in range(size):
+    def part_of(kv):
         seen = Visible(visible.q, kv[2], visible.window, visible.chunk)
-        got = _partial(q, kv[0], kv[1], seen, scale, dtype, block, sk)
-        part = got if part is None else _merge(part, got)
-        if step + 1 < size:
-            kv = _send(kv, axis, size)
-    out, lse = _with_sinks(*part, sinks, dtype)
+        return _partial(q, kv[0], kv[1], seen, scale, dtype, block, sk)
+
+    def step(carry, _):  # one device's keys, then them to the next device
+        kv, part = carry
+        return (_send(kv, axis, size), _merge(part, part_of(kv))), None
+
+    acc = _accumulator(dtype)
+    empty = (
+        jnp.zeros((*q.shape[:-1], v.shape[-1]), acc),
+        jnp.full(q.shape[:-1], -jnp.inf, acc),
+    )
+    # one loop body for the steps (their buffers shared), the last step's keys not sent on
+    (kv, part), _ = jax.lax.scan(step, ((k, v, visible.k), empty), None, length=size - 1)
+    out, lse = _with_sinks(*_merge(part, part_of(kv)), sinks, dtype)
     return out, (q, k, v, sinks, visible, out, lse)
 
 
@@ -330,19 +338,30 @@ def _ring_bwd(axis, size, scale, dtype, block, sk, res, dout):
     q, k, v, sinks, visible, out, lse = res
     delta = _delta(dout, out)
     acc = _accumulator(dtype)
-    kv, dq = (k, v, visible.k), jnp.zeros(q.shape, acc)
-    dkv = (jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))  # travel with their keys
-    for step in range(size):
+
+    def grads_of(kv):
         seen = Visible(visible.q, kv[2], visible.window, visible.chunk)
-        dq_s, dk_s, dv_s = _backward_part(
-            q, kv[0], kv[1], seen, dout, lse, delta, scale, dtype, block, sk
-        )
-        dq = dq + dq_s
-        dkv = _send((dkv[0] + dk_s, dkv[1] + dv_s), axis, size)  # home after `size` sends
-        if step + 1 < size:
-            kv = _send(kv, axis, size)
+        return _backward_part(q, kv[0], kv[1], seen, dout, lse, delta, scale, dtype, block, sk)
+
+    def step(carry, _):  # the keys' gradients travel with them, home after `size` sends
+        kv, dkv, dq = carry
+        dq_s, dk_s, dv_s = grads_of(kv)
+        dkv = _send((dkv[0] + dk_s, dkv[1] + dv_s), axis, size)
+        return (_send(kv, axis, size), dkv, dq + dq_s), None
+
+    init = ((k, v, visible.k), (jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc)))
+    init = (*init, jnp.zeros(q.shape, acc))
+    (kv, dkv, dq), _ = jax.lax.scan(step, init, None, length=size - 1)
+    dq_s, dk_s, dv_s = grads_of(kv)
+    dkv = _send((dkv[0] + dk_s, dkv[1] + dv_s), axis, size)
     dsinks = None if sinks is None else _dsinks(sinks, lse, delta)
-    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), dsinks, None
+    return (
+        (dq + dq_s).astype(q.dtype),
+        dkv[0].astype(k.dtype),
+        dkv[1].astype(v.dtype),
+        dsinks,
+        None,
+    )
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -228,3 +228,20 @@ def test_collective_traffic_counts_loop_trips():
     t = collective_traffic(text)
     assert t.counts == {"all-reduce": 5} and t.bytes == {"all-reduce": 5 * 16 * 4}
     assert t.unknown_loops == 0 and t.total == 320
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+def test_plan_with_a_context_axis(tmp_path):
+    """context=4 splits each 4096-token sequence over 4 devices: each device's temporaries are
+    under half of what a device holding whole 4096-token sequences needs (the same mesh
+    shape, the axis a data axis); the keys and values move by collective-permutes; a --seq the
+    axis cannot split is refused by name."""
+    path = _tiny(tmp_path)
+    run = functools.partial(plan.plan, path, param_dtype="float32", seq=4096)
+    split = run({"context": 4, "expert": 2}, batch=2)
+    whole = run({"data": 4, "expert": 2}, batch=8)
+    print(split["bytes_per_device"]["temp"], whole["bytes_per_device"]["temp"])
+    assert split["bytes_per_device"]["temp"] < 0.5 * whole["bytes_per_device"]["temp"]
+    assert split["collectives"]["collective-permute"]["count"] > 0
+    with pytest.raises(jaxops.InvalidArgumentError, match=r"--seq \(seq=\) must be a multiple"):
+        plan.plan(path, {"context": 4, "expert": 2}, batch=2, seq=4092)
