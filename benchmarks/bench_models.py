@@ -22,6 +22,11 @@ under each ``remat`` policy
 the compiled step's temporary bytes (``memory_analysis()``: the activations it keeps) and its
 time (a jitted step without donation, compiled once), each checked to give the same loss.
 
+A table of sequence lengths (``--seq-lens``, the model ``--seq-case``): the ep step on one
+sequence of S tokens with the whole-scores softmax (``attention_impl="xla"``) and blockwise
+attention on one device, and the ring attention of a ``context`` axis on 2 and 4 devices:
+per-device temporaries and step time, each checked to give the same loss.
+
 ``--no-dense`` leaves the dense twin out of the main table (at 128 experts its activations,
 every expert on every token, outgrow a GPU's memory): ours is then timed alone and, with
 ``--torch``, checked and timed against transformers.
@@ -466,6 +471,60 @@ def _memory(args, mesh, case: str) -> list[dict[str, Any]]:
     ]
 
 
+SEQUENCE_COLUMNS = [
+    H.Column("seq", "S", "{:d}"),
+    H.Column("variant", "attention (devices)", align="<"),
+    H.Column("temp_mib", "temp MiB / device", "{:.1f}"),
+    H.Column("temp_ratio", "temp / xla", "{:.2f}x"),
+    H.Column("ms", "step ms", "{:.1f}"),
+]
+
+
+def _sequences(args) -> list[dict[str, Any]]:
+    """The ep step of --seq-case's model on one sequence of each --seq-lens length: the
+    whole-scores softmax ("xla") and blockwise attention on one device, and the ring on 2 and 4
+    context devices (each a 1 / C share of the sequence); per-device temporaries and time."""
+    cfg, _, _ = _config(args.seq_case + ":1x1")
+    opt = optax.adamw(1e-4, weight_decay=0.0)
+    rows = []
+    for seq in args.seq_len_list:
+        tokens = np.random.default_rng(seq).integers(0, cfg.vocab_size, (1, seq), np.int32)
+        variants = {
+            "xla (1)": ({"attention_impl": "xla"}, (1,), ("expert",)),
+            "blockwise (1)": ({}, (1,), ("expert",)),
+            "ring (2)": ({}, (2, 1), ("context", "expert")),
+            "ring (4)": ({}, (4, 1), ("context", "expert")),
+        }
+        cases, temp, losses = {}, {}, {}
+        for name, (kw, shape, axes) in variants.items():
+            mesh = jax.make_mesh(shape, axes, devices=jax.devices()[: int(np.prod(shape))])
+            model = MoEDecoder(cfg, mesh, router_aux_loss_coef=0.0, **kw)
+            params = model.init(jax.random.key(0))
+            batch = model.place_batch(tokens, np.roll(tokens, -1, axis=1))
+            with jax.set_mesh(mesh):
+                state = jax.jit(opt.init)(params)
+                compiled = _step(model, opt).lower(params, state, *batch).compile()
+                losses[name] = float(jax.jit(model.loss)(params, *batch))
+            temp[name] = compiled.memory_analysis().temp_size_in_bytes
+            cases[name] = (compiled, (params, state, *batch))
+        for name, loss in losses.items():
+            if not np.isclose(loss, losses["xla (1)"], rtol=1e-5):
+                raise AssertionError(f"S={seq} {name}: loss {loss} != {losses['xla (1)']}")
+        timings = H.time_interleaved(cases, repeats=args.repeats)
+        for name in variants:
+            rows.append(
+                {
+                    "seq": seq,
+                    "variant": name,
+                    "temp_bytes": temp[name],
+                    "temp_mib": temp[name] / 2**20,
+                    "temp_ratio": temp[name] / temp["xla (1)"],
+                    "ms": 1e3 * timings[name].median,
+                }
+            )
+    return rows
+
+
 def _fresh_versus_torch(args, row: dict[str, Any]) -> None:
     """Row's step against transformers' in two fresh processes (``ab_models.py --b torch``).
 
@@ -517,6 +576,10 @@ def run(args) -> H.Result:
         memory.extend(_memory(args, mesh, case))
         for row in memory[-len(REMAT_POLICIES) - 1 :]:
             H.log_row(row, MEMORY_COLUMNS)
+    sequences = []
+    for row in _sequences(args) if args.seq_len_list else ():
+        sequences.append(row)
+        H.log_row(row, SEQUENCE_COLUMNS)
     families = []
     for family in args.familie_list:  # (the harness drops the trailing s)
         case = args.family_case or (QUICK_CASES if args.quick else FAMILY_CASE)
@@ -586,7 +649,17 @@ def run(args) -> H.Result:
     line = f"compute dtype {args.dtype}; parameters and AdamW state float32" + (
         " (transformers: torch.autocast in bfloat16)" if args.dtype == "bfloat16" else ""
     )
-    return H.Result(rows, COLUMNS, goals, tables=[table, family_table], lines=[line])
+    sequence_table = H.Table(
+        "sequences",
+        sequences,
+        SEQUENCE_COLUMNS,
+        f"ep train step of {args.seq_case} on one sequence of S tokens: attention_impl 'xla' "
+        "(float32 [H, S, S] scores) and blockwise (blocks of 512) on one device, the ring "
+        "attention of a context axis on 2 and 4 (each device a 1 / C share of the sequence; "
+        "time on simulated devices sharing the host's cores)",
+    )
+    tables = [table, family_table] + ([sequence_table] if sequences else [])
+    return H.Result(rows, COLUMNS, goals, tables=tables, lines=[line])
 
 
 def parse_args(argv: Sequence[str] | None = None):
@@ -607,6 +680,17 @@ def parse_args(argv: Sequence[str] | None = None):
         "model types of the per-family table",
         quick="deepseek_v3",
         choices=MODEL_TYPES,
+    )
+    p.add_list(
+        "--seq-lens",
+        "1024,2048,4096",
+        "sequence lengths of the sequence table ('' for none)",
+        quick="512",
+    )
+    p.add_argument(
+        "--seq-case",
+        default="2x256x8x2x256",
+        help="the model (L x D x E x K x F) of the sequence table (default 2x256x8x2x256)",
     )
     p.add_argument(
         "--family-case",
@@ -685,6 +769,7 @@ def parse_args(argv: Sequence[str] | None = None):
     if args.torch_fresh and not args.torch:
         p.error("--torch-fresh times ours against transformers' step: it needs --torch")
     args.mesh_list = args.meshes.split(",")
+    args.seq_len_list = [int(v) for v in args.seq_len_list if v]
     args.unroll_list = [True if v == "all" else int(v) for v in args.scan_unroll.split(",")]
     args.zero_list = [int(v) for v in args.zero.split(",")]
     if any(z not in (0, 1, 3) for z in args.zero_list):

@@ -152,7 +152,12 @@ def _partial(q, k, v, visible: Visible, scale, dtype, block, sk):
             jnp.zeros((b, hkv, g, block, dv), acc),
         )
         init = vary_like(init, q, k, v)  # inside a shard_map: as the blocks' results
-        (m, total, o), _ = jax.lax.scan(key_block, init, jnp.arange(nk))
+        # A while loop (a traced trip count), not a scan: a differentiated scan around the
+        # attention (the layers') would otherwise keep every block pair's scores and mask as
+        # residuals of this loop, though the backward (:func:`_backward_part`) never reads them.
+        m, total, o = jax.lax.fori_loop(
+            0, jnp.asarray(nk), lambda j, carry: key_block(carry, j)[0], init
+        )
         seen = total > 0
         out = o / jnp.where(seen, total, 1.0)[..., None]
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
@@ -328,8 +333,11 @@ def _ring_fwd(q, k, v, sinks, visible, axis, size, scale, dtype, block, sk):
         jnp.zeros((*q.shape[:-1], v.shape[-1]), acc),
         jnp.full(q.shape[:-1], -jnp.inf, acc),
     )
-    # one loop body for the steps (their buffers shared), the last step's keys not sent on
-    (kv, part), _ = jax.lax.scan(step, ((k, v, visible.k), empty), None, length=size - 1)
+    # one loop body for the steps (their buffers shared), the last step's keys not sent on; a
+    # while loop, as in _partial
+    kv, part = jax.lax.fori_loop(
+        0, jnp.asarray(size - 1), lambda _, c: step(c, None)[0], ((k, v, visible.k), empty)
+    )
     out, lse = _with_sinks(*_merge(part, part_of(kv)), sinks, dtype)
     return out, (q, k, v, sinks, visible, out, lse)
 
