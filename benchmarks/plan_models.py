@@ -40,13 +40,15 @@ MAX_DEVICES = 512
 VOCAB_CHUNK = 16384  # the loss's logit columns per step (MoEDecoder.vocab_chunk)
 
 
-def _run(name: str, mesh: dict[str, int], seq: int, extra=()) -> dict:
+def _run(name: str, mesh: dict[str, int], seq: int, extra=(), batch: int | None = None) -> dict:
+    """The plan CLI's JSON report in a fresh process (`batch`: default one sequence a device)."""
     extra = ("--vocab-chunk", str(VOCAB_CHUNK), *extra)
+    batch = math.prod(mesh.values()) if batch is None else batch
     args = [
         sys.executable, "-m", "jaxops.models.plan", str(CONFIGS / name),
         "--mesh", ",".join(f"{k}={v}" for k, v in mesh.items()),
         "--zero", "3", "--remat", "full", "--capacity-factor", "1.25",
-        "--batch", str(math.prod(mesh.values())), "--seq", str(seq), "--json", *extra,
+        "--batch", str(batch), "--seq", str(seq), "--json", *extra,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     start = time.perf_counter()

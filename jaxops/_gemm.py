@@ -50,7 +50,7 @@ from jaxops._cublaslt import (
 )
 from jaxops._errors import InvalidArgumentError
 from jaxops._precision import MODES, current_precision, dot_precision
-from jaxops._sharding import cotangent_like, padded_spec
+from jaxops._sharding import cotangent_like, padded_spec, unflatten_rows
 
 __all__ = ["ACTIVATIONS", "TARGET_GEMM", "gemm", "gemm_reference"]
 
@@ -393,7 +393,7 @@ def gemm(
         mode = "tf32"  # XLA's default for float32 on Hopper, and what cuBLASLt's "fast" mode does
     cfg = _Config(activation, transpose_w, mode, kernel)
     y = _gemm(cfg, x.reshape(rows, k), w, bias)
-    return y.reshape(*x.shape[:-1], n)
+    return unflatten_rows(y, x)
 
 
 def gemm_reference(

@@ -25,6 +25,7 @@ __all__ = [
     "padded_spec",
     "place",
     "result_sharding",
+    "unflatten_rows",
     "vary_like",
     "varying_axes",
 ]
@@ -37,6 +38,25 @@ def padded_spec(sharding: Any, ndim: int) -> tuple[SpecEntry, ...]:
     spec = tuple(getattr(sharding, "spec", ()) or ())
     spec = spec + (None,) * (ndim - len(spec))
     return tuple(_normalize(entry) for entry in spec[:ndim])
+
+
+def unflatten_rows(y: jax.Array, x: jax.Array) -> jax.Array:
+    """``y [prod(x.shape[:-1]), N]`` (rows of `x` flattened) as ``[*x.shape[:-1], N]``.
+
+    On an Explicit mesh the leading dimensions keep `x`'s sharding: left to itself, the reshape
+    may split a sharded row axis of several mesh axes over two dimensions (with a size-1 mesh
+    axis among them, ``("data", "expert")`` of data 2 x expert 1 became data on the batch and
+    expert on the sequence), which the next elementwise op with a ``[B, S, ...]`` operand then
+    refuses.
+    """
+    shape = (*x.shape[:-1], y.shape[-1])
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        return y.reshape(shape)
+    lead = padded_spec(sharding, x.ndim)[:-1]
+    last = padded_spec(jax.typeof(y).sharding, 2)[1]
+    return jax.lax.reshape(y, shape, out_sharding=NamedSharding(mesh, P(*lead, last)))
 
 
 def _normalize(entry: Any) -> SpecEntry:

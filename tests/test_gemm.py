@@ -324,6 +324,21 @@ def test_gemm_sharded_rows_and_columns_stay_local():
     assert_allclose(y, _np_gemm(x, w, b, "gelu"), scale=4)
 
 
+@pytest.mark.parametrize("op", ["gemm", "fp8.linear"])
+def test_leading_dims_keep_their_sharding_with_a_size_one_mesh_axis(op):
+    """[B, S, K] rows over ("data", "expert") of data 2 x expert 1, B = 2: the result keeps
+    B's sharding (the row reshape alone put expert, of size 1, on S), so it multiplies a
+    per-token [B, S, 1, D] table of the input's layout."""
+    mesh = jax.make_mesh((2, 1), ("data", "expert"), devices=jax.devices()[:2])
+    x = jax.device_put(jnp.ones((2, 8, 128)), NamedSharding(mesh, P(("data", "expert"))))
+    w = jax.device_put(jnp.ones((128, 128)) / 128, NamedSharding(mesh, P()))
+    f = jaxops.gemm if op == "gemm" else functools.partial(jaxops.fp8.linear, fp8="tensor")
+    with jax.set_mesh(mesh):  # heads, times a per-token [B, S, 1, D] table (as RoPE does)
+        y = jax.jit(lambda x, w: f(x, w).reshape(2, 8, 4, 32) * x[:, :, None, :32])(x, w)
+    assert y.sharding.spec[:2] in ((("data", "expert"), None), (("data", "expert"),)), y.sharding
+    assert_allclose(y, np.ones((2, 8, 4, 32)), jnp.float32 if op == "gemm" else jnp.bfloat16)
+
+
 @pytest.mark.parametrize("transpose_w", [False, True], ids=["w_kn", "w_nk"])
 @pytest.mark.parametrize("w_on_mesh", [True, False], ids=["w-sharded", "w-host"])
 def test_gemm_grads_with_batch_sharded_rows_on_explicit_mesh(transpose_w, w_on_mesh):

@@ -20,7 +20,7 @@ from jaxops._fp8.gemm import BLOCK, fp8_gemm
 from jaxops._fp8.quantize import quantize
 from jaxops._fp8.recipe import Recipe, as_recipe
 from jaxops._fp8.scales import AMAX_FLOOR, GRAD_AMAX_FLOOR
-from jaxops._sharding import cotangent_like, vary_like
+from jaxops._sharding import cotangent_like, unflatten_rows, vary_like
 
 __all__ = ["RECIPES", "fp8_linear"]
 
@@ -139,7 +139,7 @@ def fp8_linear(
       [(128, 256), (256, 128)]
     """
     op = "jaxops.fp8.linear"
-    x, w, bias, activation, _, n = check_dense(op, x, w, bias, activation, False)
+    x, w, bias, activation, _, _ = check_dense(op, x, w, bias, activation, False)
     recipe = as_recipe(fp8, op, allowed=RECIPES)
     if recipe is None:
         raise InvalidArgumentError(f"{op}: fp8 must be a recipe (block or tensor), got None")
@@ -147,4 +147,4 @@ def fp8_linear(
     cfg = _LinearConfig(activation, recipe.scaling, impl)
     k = x.shape[-1]
     y = _linear(cfg, x.reshape(-1, k), w, bias)
-    return y.reshape(*x.shape[:-1], n)
+    return unflatten_rows(y, x)
