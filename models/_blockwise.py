@@ -1,10 +1,12 @@
 """Blockwise attention: an online softmax over key blocks, a backward that recomputes per block.
 
-The queries are taken ``block`` at a time; each query block runs over the key blocks with a
-running maximum, sum and output (the online softmax of FlashAttention), and keeps only its
-output and its log-sum-exp for the backward, which recomputes each block's probabilities
-from them. No array of ``[sq, sk]`` exists in the forward or the backward: the largest holds
-one block pair's scores, ``[b, heads, block, block]`` in float32.
+The queries are taken ``block`` at a time (fewer queries than that: all of them, rounded up to
+8); each query block runs over the key blocks with a running maximum, sum and output (the
+online softmax of FlashAttention), and keeps only its output and its log-sum-exp for the
+backward, which recomputes each block's probabilities from them. No array of ``[sq, sk]``
+exists in the forward or the backward: what grows with the sequence is linear in it (the
+inputs, the output, the backward's float32 gradients of the keys and values), and a block
+pair's scores are ``[b, heads, block, block]`` in float32.
 
 The mask is built one block pair at a time from the tokens' placement
 (:meth:`~jaxops.models._mask.Visible.block`: causal, sliding window, chunks, packed documents,
@@ -26,7 +28,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxops._sharding import vary_like
+from jaxops._errors import InvalidArgumentError
+from jaxops._sharding import cotangent_like, vary_like
 
 from ._mask import Tokens, Visible
 
@@ -68,18 +71,28 @@ def attention(
     sq, sk = q.shape[1], k.shape[1]
     if sq == 0 or sk == 0:  # no query, or no key to see: zeros
         return jnp.zeros((*q.shape[:-1], v.shape[-1]), dtype)
-    nq, nk = -(-sq // block), -(-sk // block)
-    q = _pad(q, nq * block)
+    bq = _query_block(sq, block)
+    nq, nk = -(-sq // bq), -(-sk // block)
+    q = _pad(q, nq * bq)
     k, v = _pad(k, nk * block), _pad(v, nk * block)
     padded = Visible(
-        _pad_tokens(visible.q, nq * block),
+        _pad_tokens(visible.q, nq * bq),
         _pad_tokens(visible.k, nk * block),
         visible.window,
         visible.chunk,
         None if visible.valid_keys is None else _pad(visible.valid_keys, nk * block),
     )
-    out = _flash(q, k, v, sinks, padded, scale, jnp.dtype(dtype), block, sk)
+    out = _flash(q, k, v, sinks, padded, scale, jnp.dtype(dtype), (bq, block), sk)
     return out[:, :sq]
+
+
+def _query_block(sq: int, block: int) -> int:
+    """Queries per block: `block`, or `sq` rounded up to 8 when fewer (no padding to a block).
+
+    (A decode step's one query then computes ``[8, block]`` scores per key block, not
+    ``[block, block]``.)
+    """
+    return min(block, -(-sq // 8) * 8)
 
 
 def _pad(a: jax.Array, n: int) -> jax.Array:
@@ -114,7 +127,7 @@ def _sink(sinks: jax.Array, hkv: int, g: int, acc: Any) -> jax.Array:
     return sinks.astype(acc).reshape(1, hkv, g, 1)
 
 
-def _partial(q, k, v, visible: Visible, scale, dtype, block, sk):
+def _partial(q, k, v, visible: Visible, scale, dtype, blocks, sk):
     """``(out, lse)`` of `q` over the keys `k`, `v` alone (padded inputs).
 
     out ``[b, sq, Hkv, G, Dv]`` normalized over these keys, lse ``[b, sq, Hkv, G]`` their
@@ -123,14 +136,15 @@ def _partial(q, k, v, visible: Visible, scale, dtype, block, sk):
     """
     b, _, hkv, g, _ = q.shape
     dv, acc = v.shape[-1], _accumulator(dtype)
-    kb, vb = _blocks(k, block), _blocks(v, block)
+    bq, bk = blocks
+    kb, vb = _blocks(k, bk), _blocks(v, bk)
     nk = kb.shape[0]
 
     def query_block(_, xs):
         i, qi = xs
 
         def key_block(carry, j):
-            mask = visible.block(i * block, block, j * block, block, sk)
+            mask = visible.block(i * bq, bq, j * bk, bk, sk)
 
             def compute(carry):
                 m, total, o = carry
@@ -147,9 +161,9 @@ def _partial(q, k, v, visible: Visible, scale, dtype, block, sk):
             return jax.lax.cond(jnp.any(mask), compute, lambda c: c, carry), None
 
         init = (
-            jnp.full((b, hkv, g, block), -jnp.inf, acc),
-            jnp.zeros((b, hkv, g, block), acc),
-            jnp.zeros((b, hkv, g, block, dv), acc),
+            jnp.full((b, hkv, g, bq), -jnp.inf, acc),
+            jnp.zeros((b, hkv, g, bq), acc),
+            jnp.zeros((b, hkv, g, bq, dv), acc),
         )
         init = vary_like(init, q, k, v)  # inside a shard_map: as the blocks' results
         # A while loop (a traced trip count), not a scan: a differentiated scan around the
@@ -163,7 +177,7 @@ def _partial(q, k, v, visible: Visible, scale, dtype, block, sk):
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
         return None, (jnp.moveaxis(out, 3, 1), jnp.moveaxis(lse, 3, 1))
 
-    qb = _blocks(q, block)
+    qb = _blocks(q, bq)
     _, (out, lse) = jax.lax.scan(query_block, None, (jnp.arange(qb.shape[0]), qb))
     return _unblocks(out), _unblocks(lse)
 
@@ -189,21 +203,22 @@ def _with_sinks(out, lse, sinks, dtype):
     return out.astype(dtype), lse
 
 
-def _backward_part(q, k, v, visible: Visible, dout, lse, delta, scale, dtype, block, sk):
+def _backward_part(q, k, v, visible: Visible, dout, lse, delta, scale, dtype, blocks, sk):
     """``(dq, dk, dv)`` (accumulation dtype) of the keys `k`, `v`'s part of the attention.
 
     `lse`: the whole attention's log-sum-exp ``[b, sq, Hkv, G]`` (all keys and the sinks),
     `delta`: ``rowsum(dout * out)`` of the whole output, same shape.
     """
     acc = _accumulator(dtype)
-    kb, vb = _blocks(k, block), _blocks(v, block)
+    bq, bk = blocks
+    kb, vb = _blocks(k, bk), _blocks(v, bk)
     nk = kb.shape[0]
 
     def query_block(carry, xs):
         i, qi, doi, lse_i, d_i = xs
 
         def key_block(carry, j):
-            mask = visible.block(i * block, block, j * block, block, sk)
+            mask = visible.block(i * bq, bq, j * bk, bk, sk)
 
             def compute(carry):
                 dq, dk, dv = carry
@@ -226,11 +241,11 @@ def _backward_part(q, k, v, visible: Visible, dout, lse, delta, scale, dtype, bl
         (dq, dk, dv), _ = jax.lax.scan(key_block, (dq0, *carry), jnp.arange(nk))
         return (dk, dv), dq
 
-    by_block = lambda a: jnp.moveaxis(_blocks(a, block), 2, -1)  # [nq, b, Hkv, G, block]  # noqa: E731
+    by_block = lambda a: jnp.moveaxis(_blocks(a, bq), 2, -1)  # [nq, b, Hkv, G, block]  # noqa: E731
     xs = (
-        jnp.arange(q.shape[1] // block),
-        _blocks(q, block),
-        _blocks(dout.astype(dtype), block),
+        jnp.arange(q.shape[1] // bq),
+        _blocks(q, bq),
+        _blocks(dout.astype(dtype), bq),
         by_block(_finite(lse)),
         by_block(delta),
     )
@@ -252,22 +267,25 @@ def _dsinks(sinks, lse, delta):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _flash(q, k, v, sinks, visible, scale, dtype, block, sk):
-    return _flash_fwd(q, k, v, sinks, visible, scale, dtype, block, sk)[0]
+def _flash(q, k, v, sinks, visible, scale, dtype, blocks, sk):
+    return _flash_fwd(q, k, v, sinks, visible, scale, dtype, blocks, sk)[0]
 
 
-def _flash_fwd(q, k, v, sinks, visible, scale, dtype, block, sk):
-    out, lse = _partial(q, k, v, visible, scale, dtype, block, sk)
+def _flash_fwd(q, k, v, sinks, visible, scale, dtype, blocks, sk):
+    out, lse = _partial(q, k, v, visible, scale, dtype, blocks, sk)
     out, lse = _with_sinks(out, lse, sinks, dtype)
     return out, (q, k, v, sinks, visible, out, lse)
 
 
-def _flash_bwd(scale, dtype, block, sk, res, dout):
+def _flash_bwd(scale, dtype, blocks, sk, res, dout):
     q, k, v, sinks, visible, out, lse = res
     delta = _delta(dout, out)
-    dq, dk, dv = _backward_part(q, k, v, visible, dout, lse, delta, scale, dtype, block, sk)
+    dq, dk, dv = _backward_part(q, k, v, visible, dout, lse, delta, scale, dtype, blocks, sk)
     dsinks = None if sinks is None else _dsinks(sinks, lse, delta)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks, None
+    # typed like their primals (inside a shard_map: reduced over the axes a primal is
+    # invariant over, e.g. the sinks of a pipeline stage over the batch axes)
+    grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks)
+    return (*map(cotangent_like, grads, (q, k, v, sinks)), None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -296,15 +314,21 @@ def ring_attention(
     Arguments as :func:`attention` (no KV-cache slots: ``visible.valid_keys`` is None).
     """
     sq, sk = q.shape[1], k.shape[1]
-    nq, nk = -(-sq // block), -(-sk // block)
+    if visible.valid_keys is not None:
+        raise InvalidArgumentError(
+            "jaxops.models._blockwise.ring_attention: visible.valid_keys (KV-cache slots) must "
+            "be None: the ring passes whole sequences' keys"
+        )
+    bq = _query_block(sq, block)
+    nq, nk = -(-sq // bq), -(-sk // block)
     padded = Visible(
-        _pad_tokens(visible.q, nq * block),
+        _pad_tokens(visible.q, nq * bq),
         _pad_tokens(visible.k, nk * block),
         visible.window,
         visible.chunk,
     )
-    q, k, v = _pad(q, nq * block), _pad(k, nk * block), _pad(v, nk * block)
-    out = _ring(q, k, v, sinks, padded, axis, size, scale, jnp.dtype(dtype), block, sk)
+    q, k, v = _pad(q, nq * bq), _pad(k, nk * block), _pad(v, nk * block)
+    out = _ring(q, k, v, sinks, padded, axis, size, scale, jnp.dtype(dtype), (bq, block), sk)
     return out[:, :sq]
 
 
@@ -315,14 +339,14 @@ def _send(tree: Any, axis: str, size: int) -> Any:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
-def _ring(q, k, v, sinks, visible, axis, size, scale, dtype, block, sk):
-    return _ring_fwd(q, k, v, sinks, visible, axis, size, scale, dtype, block, sk)[0]
+def _ring(q, k, v, sinks, visible, axis, size, scale, dtype, blocks, sk):
+    return _ring_fwd(q, k, v, sinks, visible, axis, size, scale, dtype, blocks, sk)[0]
 
 
-def _ring_fwd(q, k, v, sinks, visible, axis, size, scale, dtype, block, sk):
+def _ring_fwd(q, k, v, sinks, visible, axis, size, scale, dtype, blocks, sk):
     def part_of(kv):
         seen = Visible(visible.q, kv[2], visible.window, visible.chunk)
-        return _partial(q, kv[0], kv[1], seen, scale, dtype, block, sk)
+        return _partial(q, kv[0], kv[1], seen, scale, dtype, blocks, sk)
 
     def step(carry, _):  # one device's keys, then them to the next device
         kv, part = carry
@@ -342,14 +366,14 @@ def _ring_fwd(q, k, v, sinks, visible, axis, size, scale, dtype, block, sk):
     return out, (q, k, v, sinks, visible, out, lse)
 
 
-def _ring_bwd(axis, size, scale, dtype, block, sk, res, dout):
+def _ring_bwd(axis, size, scale, dtype, blocks, sk, res, dout):
     q, k, v, sinks, visible, out, lse = res
     delta = _delta(dout, out)
     acc = _accumulator(dtype)
 
     def grads_of(kv):
         seen = Visible(visible.q, kv[2], visible.window, visible.chunk)
-        return _backward_part(q, kv[0], kv[1], seen, dout, lse, delta, scale, dtype, block, sk)
+        return _backward_part(q, kv[0], kv[1], seen, dout, lse, delta, scale, dtype, blocks, sk)
 
     def step(carry, _):  # the keys' gradients travel with them, home after `size` sends
         kv, dkv, dq = carry
@@ -363,13 +387,8 @@ def _ring_bwd(axis, size, scale, dtype, block, sk, res, dout):
     dq_s, dk_s, dv_s = grads_of(kv)
     dkv = _send((dkv[0] + dk_s, dkv[1] + dv_s), axis, size)
     dsinks = None if sinks is None else _dsinks(sinks, lse, delta)
-    return (
-        (dq + dq_s).astype(q.dtype),
-        dkv[0].astype(k.dtype),
-        dkv[1].astype(v.dtype),
-        dsinks,
-        None,
-    )
+    grads = ((dq + dq_s).astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), dsinks)
+    return (*map(cotangent_like, grads, (q, k, v, sinks)), None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -48,8 +48,10 @@ DECODER_SCHEDULES = tuple(s for s in pl.SCHEDULES if s != "interleaved")
 #: MoE implementations: the expert-parallel layer or its dense masked twin.
 MOE_IMPLS = ("ep", "dense")
 #: How attention computes: "auto" (``jax.nn.dot_product_attention`` on GPUs in bfloat16 and
-#: float16, where cuDNN's fused attention takes it; the jnp softmax elsewhere), "xla" (float32
-#: scores and softmax in jnp) or "dot_product" (``jax.nn.dot_product_attention`` everywhere).
+#: float16, where cuDNN's fused attention takes it; blockwise elsewhere, and with a context
+#: axis), "blockwise" (an online softmax over blocks, no ``[S, S]`` array), "xla" (float32
+#: scores and softmax in jnp) or "dot_product" (``jax.nn.dot_product_attention`` where it
+#: applies, else blockwise).
 ATTENTION_IMPLS = ("auto", "blockwise", "xla", "dot_product")
 _OP = "jaxops.models.MoEDecoder"
 #: The ``remat`` policies by name: what each layer keeps for its backward. "none": every
@@ -297,6 +299,13 @@ class MoEDecoder(Settings):
                 f"{op}: a context axis ({self.context_axis!r}, size {self.layout.context}) "
                 f"together with a pipe axis ({self.pipe_axis!r}, size {self.pipe}) is not "
                 "built yet; split sequences over a mesh of context, data and expert axes"
+            )
+        explicit = all(t == jax.sharding.AxisType.Explicit for t in self.mesh.axis_types)
+        if self.layout.context > 1 and not explicit:
+            raise ConfigError(
+                f"{op}: a context axis ({self.context_axis!r}) needs a mesh of Explicit axes "
+                "(jax.make_mesh's default), whose sharded sequences the ring attention runs on; "
+                f"got axis types {tuple(str(t) for t in self.mesh.axis_types)}"
             )
         if self.layout.context > 1 and self.attention_impl not in ("auto", "blockwise"):
             raise ConfigError(

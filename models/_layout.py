@@ -389,6 +389,8 @@ class Layout(Settings):
         if attention == "auto":  # cuDNN's where it applies on a GPU, else blockwise
             half = np.dtype(self.dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
             attention = "dot_product" if platform == "gpu" and half else "blockwise"
+        if self.context > 1:  # a sequence split over devices: only the ring sees all its keys
+            attention = "blockwise"
         return _layers.Ops(
             self.dtype,
             self.impl,

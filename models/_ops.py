@@ -178,7 +178,7 @@ def attend(
     """
     b, sq, hq, dh = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
-    if ops.attention == "dot_product" and dv == dh and sinks is None:
+    if ops.attention == "dot_product" and dv == dh and sinks is None and ops.context == 1:
         mask = visible.dense()
         out = jax.nn.dot_product_attention(
             q, k, v, mask=mask[:, None], scale=scale, is_causal=causal

@@ -23,6 +23,7 @@ import _hf_families as fam  # noqa: E402
 import jaxops  # noqa: E402
 from jaxops import models  # noqa: E402
 
+AUTO = jax.sharding.AxisType.Auto
 MESHES = {
     "c2d2e2": ((2, 2, 2), ("context", "data", "expert")),
     "c4e2": ((4, 2), ("context", "expert")),
@@ -95,6 +96,9 @@ def test_refusals(hf_families):
         dataclasses.replace(model, attention_impl="xla")
     with pytest.raises(models.ConfigError, match="generation needs a mesh without a context"):
         models.generate(model, params, TOKENS[:4, :8], 2)
+    auto = jax.make_mesh((2, 2, 2), ("context", "data", "expert"), axis_types=(AUTO,) * 3)
+    with pytest.raises(models.ConfigError, match="needs a mesh of Explicit axes"):
+        dataclasses.replace(model, mesh=auto)
     pipe = jax.make_mesh((2, 2, 2), ("pipe", "context", "expert"))
     with pytest.raises(models.ConfigError, match=r"together with a pipe axis .* not built yet"):
         dataclasses.replace(model, mesh=pipe)

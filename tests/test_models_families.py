@@ -198,6 +198,29 @@ def test_blockwise_attention_gradients(hf_families, name):
         np.testing.assert_allclose(b, a, rtol=2e-4, atol=1e-5 * scale, err_msg=str(where))
 
 
+def test_blockwise_attention_in_pipeline_stages(hf_families):
+    """gpt-oss (sinks, sliding windows) on pipe x expert in blocks of 8 over 40 tokens: the
+    blockwise attention inside the pipeline's stages (its custom backward, the sinks'
+    gradient included, in the schedule's shard_map) gives data x expert's loss and every
+    gradient."""
+    tokens = fam.random_tokens(16, 40, seed=13)
+    targets = np.roll(tokens, -1, axis=1)
+    out = {}
+    for mesh_name in ("d2e4", "p2e4"):
+        run = hf_families.load("gpt_oss", mesh_name, variant="pipe")
+        model = dataclasses.replace(run.model, attention_block=8, num_microbatches=2)
+        loss, grads = jax.jit(model.loss_and_grads)(run.params, *model.place_batch(tokens, targets))
+        out[mesh_name] = float(loss), grads
+    (l1, g1), (l2, g2) = out["d2e4"], out["p2e4"]
+    np.testing.assert_allclose(l2, l1, rtol=2e-6)
+    for (where, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(g1), jax.tree.leaves(g2), strict=True
+    ):
+        a, b = np.asarray(a), np.asarray(b)
+        scale = max(float(np.abs(a).max()), 1e-6)
+        np.testing.assert_allclose(b, a, rtol=2e-4, atol=1e-5 * scale, err_msg=str(where))
+
+
 def test_config_round_trip(hf_families, family):
     """DecoderConfig.from_hf(cfg.to_hf()) == cfg; transformers reads what to_hf writes as the same
     model; the optional keys absent take transformers' defaults."""
