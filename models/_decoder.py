@@ -184,8 +184,8 @@ class MoEDecoder(Settings):
         ``jax.nn.dot_product_attention`` (cuDNN's fused attention on a GPU) where keys and
         values have one head width and there are no sinks, else blockwise (multi-head latent
         attention's 192 / 128 in DeepSeek-V3, gpt-oss's sinks). "auto": "dot_product" on a
-        GPU in bfloat16 / float16, else "blockwise". Within one block both blockwise and
-        "xla" compute the whole scores.
+        GPU in bfloat16 / float16, else "blockwise"; with a context axis always blockwise
+        (its ring). Within one block both blockwise and "xla" compute the whole scores.
       attention_block: queries and keys per block of blockwise attention (an int >= 1).
       scan_unroll: layers per iteration of each layer ``lax.scan`` (its ``unroll``): 1 (one
         compiled layer body, compile time flat in the layer count) or more, True for every
