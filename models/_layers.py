@@ -83,6 +83,7 @@ __all__ = [
     "rotary",
     "rotate_half",
     "token_losses",
+    "token_nll",
 ]
 
 
@@ -382,19 +383,28 @@ def head(ops: Ops, c: DecoderConfig, params: dict[str, Any], h: jax.Array) -> ja
     return logits.astype(jnp.float32)
 
 
-def token_losses(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(sum, count)``: the summed cross-entropy of the counted targets and their number.
+def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """The cross-entropy of each target: float32 ``[...]``, 0 where it is :data:`IGNORE_INDEX`.
 
-    float ``logits [..., V]``, int ``targets [...]``; a target equal to :data:`IGNORE_INDEX`
-    counts for nothing. Both float32 scalars. Another id outside ``[0, V)`` gives NaN.
+    float ``logits [..., V]``, int ``targets [...]``; another id outside ``[0, V)`` gives NaN.
+    ``-token_nll`` is each target's log-probability.
     """
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     keep = targets != IGNORE_INDEX
     safe = jnp.where(keep, targets, 0)
     picked = jnp.take_along_axis(logp, safe[..., None], axis=-1, mode="fill", fill_value=jnp.nan)
     picked = jnp.where(safe[..., None] < 0, jnp.nan, picked)  # not wrapped to the last ids
-    total = -jnp.sum(jnp.where(keep, picked[..., 0], 0.0))
-    return total, jnp.sum(keep, dtype=jnp.float32)
+    return jnp.where(keep, -picked[..., 0], 0.0)
+
+
+def token_losses(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(sum, count)``: the summed cross-entropy of the counted targets and their number.
+
+    float ``logits [..., V]``, int ``targets [...]``; a target equal to :data:`IGNORE_INDEX`
+    counts for nothing. Both float32 scalars. Another id outside ``[0, V)`` gives NaN.
+    """
+    total = jnp.sum(token_nll(logits, targets))
+    return total, jnp.sum(targets != IGNORE_INDEX, dtype=jnp.float32)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

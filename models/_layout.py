@@ -480,6 +480,10 @@ class Layout(Settings):
         """``(sum, count)`` of the cross-entropy of ``head(head, h)`` (by ``vocab_chunk``)."""
         return _loss.head_losses(self.ops, self.config, head, h, targets, self.vocab_chunk)
 
+    def token_nll(self, head: dict[str, Any], h: jax.Array, targets: jax.Array) -> jax.Array:
+        """float32 cross-entropy of each target (0 where ignored; by ``vocab_chunk``)."""
+        return _loss.head_nll(self.ops, self.config, head, h, targets, self.vocab_chunk)
+
     def stages(self, layers: dict[str, Any]) -> dict[str, Any]:
         """``[L, ...]`` layers as ``[P, L / P, ...]`` pipeline stages (a view of the sharding)."""
         n = self.pipe

@@ -13,6 +13,8 @@ The logits round to the compute dtype as the unchunked head's GEMM output does; 
 the log-sum-exp and the gradient of the logits are float32; the projection's gradient is
 accumulated in float32 over the tokens of a chunk and rounded once. The last chunk, where
 ``vocab_chunk`` does not divide V, ends at V and leaves out the columns its predecessor took.
+:func:`head_nll` is the same per target (the log-probabilities post-training scores sequences
+by), its backward taking one cotangent per target.
 """
 
 from __future__ import annotations
@@ -32,18 +34,18 @@ from . import _layers
 if TYPE_CHECKING:
     from ._config import DecoderConfig
 
-__all__ = ["chunked_token_losses", "head_losses"]
+__all__ = ["chunked_token_losses", "chunked_token_nll", "head_losses", "head_nll"]
 
 
-def head_losses(
+def head_nll(
     ops: _layers.Ops,
     c: DecoderConfig,
     params: dict[str, Any],
     h: jax.Array,
     targets: jax.Array,
     vocab_chunk: int | None,
-) -> tuple[jax.Array, jax.Array]:
-    """``(sum, count)`` of the cross-entropy of :func:`~jaxops.models._layers.head`'s logits.
+) -> jax.Array:
+    """The cross-entropy of each target under :func:`~jaxops.models._layers.head`'s logits.
 
     Args:
       ops: the compute settings.
@@ -54,24 +56,58 @@ def head_losses(
       vocab_chunk: None (the logits whole) or the columns of the projection per step.
 
     Returns:
-      float32 scalars: the summed cross-entropy and the number of counted targets, as
-      :func:`~jaxops.models._layers.token_losses` of the whole logits.
+      float32 ``[...]``: each target's cross-entropy (its log-probability negated), 0 where it
+      is ignored, as :func:`~jaxops.models._layers.token_nll` of the whole logits.
     """
     tied = "lm_head" not in params
     w = params["embed"] if tied else params["lm_head"]
     vocab = w.shape[0] if tied else w.shape[1]
     if vocab_chunk is None or vocab_chunk >= vocab:
-        return _layers.token_losses(_layers.head(ops, c, params, h), targets)
+        return _layers.token_nll(_layers.head(ops, c, params, h), targets)
     h = jaxops.rms_norm(h, params["final_norm"], eps=c.rms_norm_eps, impl=ops.impl)
-    total = chunked_token_losses(h, w.astype(ops.dtype), targets, vocab_chunk, tied)
+    return chunked_token_nll(h, w.astype(ops.dtype), targets, vocab_chunk, tied)
+
+
+def head_losses(
+    ops: _layers.Ops,
+    c: DecoderConfig,
+    params: dict[str, Any],
+    h: jax.Array,
+    targets: jax.Array,
+    vocab_chunk: int | None,
+) -> tuple[jax.Array, jax.Array]:
+    """``(sum, count)`` of :func:`head_nll` (the arguments are its own).
+
+    Returns:
+      float32 scalars: the summed cross-entropy and the number of counted targets, as
+      :func:`~jaxops.models._layers.token_losses` of the whole logits.
+    """
+    total = jnp.sum(head_nll(ops, c, params, h, targets, vocab_chunk))
     return total, jnp.sum(targets != _layers.IGNORE_INDEX, dtype=jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def chunked_token_losses(
     h: jax.Array, w: jax.Array, targets: jax.Array, chunk: int, tied: bool
 ) -> jax.Array:
     """The summed cross-entropy of the logits ``h @ w`` (``h @ w.T`` if `tied`), by chunks.
+
+    The sum of :func:`chunked_token_nll` (the arguments are its own): a float32 scalar.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxops.models._loss import chunked_token_losses
+      >>> h, w = jnp.ones((2, 3, 4)), jnp.zeros((4, 10))
+      >>> round(float(chunked_token_losses(h, w, jnp.zeros((2, 3), int), 4, False)), 4)
+      13.8155
+    """
+    return jnp.sum(chunked_token_nll(h, w, targets, chunk, tied))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def chunked_token_nll(
+    h: jax.Array, w: jax.Array, targets: jax.Array, chunk: int, tied: bool
+) -> jax.Array:
+    """Each target's cross-entropy under the logits ``h @ w`` (``h @ w.T`` if `tied`), by chunks.
 
     Args:
       h: ``[..., D]`` (compute dtype).
@@ -82,14 +118,14 @@ def chunked_token_losses(
       tied: whether `w` is the embedding table ``[V, D]``.
 
     Returns:
-      A float32 scalar.
+      float32 ``[...]``, 0 at ignored targets. Its backward takes a cotangent per target.
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from jaxops.models._loss import chunked_token_losses
-      >>> h, w = jnp.ones((2, 3, 4)), jnp.zeros((4, 10))
-      >>> round(float(chunked_token_losses(h, w, jnp.zeros((2, 3), int), 4, False)), 4)
-      13.8155
+      >>> from jaxops.models._loss import chunked_token_nll
+      >>> h, w = jnp.ones((1, 2, 4)), jnp.zeros((4, 10))
+      >>> [round(float(x), 4) for x in chunked_token_nll(h, w, jnp.array([[0, -100]]), 4, False)[0]]
+      [2.3026, 0.0]
     """
     return _forward(h, w, targets, chunk, tied)[0]
 
@@ -153,13 +189,12 @@ def _forward(h, w, targets, chunk, tied):
     keep = targets != _layers.IGNORE_INDEX
     known = (targets >= 0) & (targets < vocab)
     picked = jnp.where(known, picked, jnp.nan)
-    total = jnp.sum(jnp.where(keep, lse - picked, 0.0))
-    return total, lse
+    return jnp.where(keep, lse - picked, 0.0), lse
 
 
 def _fwd(h, w, targets, chunk, tied):
-    total, lse = _forward(h, w, targets, chunk, tied)
-    return total, (h, w, targets, lse)
+    nll, lse = _forward(h, w, targets, chunk, tied)
+    return nll, (h, w, targets, lse)
 
 
 def _bwd(chunk, tied, res, ct):
@@ -205,4 +240,4 @@ def _bwd(chunk, tied, res, ct):
     return dh.astype(h.dtype), dw, None
 
 
-chunked_token_losses.defvjp(_fwd, _bwd)
+chunked_token_nll.defvjp(_fwd, _bwd)

@@ -20,7 +20,7 @@ from jaxops._sharding import constrain
 
 from ._layout import Layout
 
-__all__ = ["TrainStep", "train_step"]
+__all__ = ["TrainStep", "apply_update", "train_step"]
 
 
 class TrainStep:
@@ -45,6 +45,27 @@ class TrainStep:
             return self._jitted.lower(*args, **kwargs)
 
 
+def apply_update(layout: Layout, optimizer: Any, params: Any, opt_state: Any, grads: Any):
+    """``(params, opt_state)`` after ``optimizer.update`` of `grads` (of ``trainable(params)``).
+
+    Laid out by :attr:`Layout.zero`, as :func:`train_step` documents; every step built on the
+    decoder (the loss's, post-training's) updates through here.
+    """
+    params_sharding = layout.shardings()
+    state_sharding = layout.optimizer_shardings(optimizer)
+    zero_sharding = layout.named(layout.trainable_specs(layout.zero_specs()))
+    trained = layout.trainable(params)  # with LoRA the adapters; the rest stays as it is
+    if layout.zero >= 1:  # each device keeps the slice of the reduced gradient it updates
+        grads = constrain(grads, zero_sharding)
+        # and of the parameters (a local slice of replicated ones): the update reads and
+        # adds to them shard by shard, as laid out as the optimizer state
+        trained = constrain(trained, zero_sharding)
+    updates, opt_state = optimizer.update(grads, opt_state, trained)
+    trained = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), trained, updates)
+    params = layout.with_trained(trained, params)
+    return constrain(params, params_sharding), constrain(opt_state, state_sharding)
+
+
 def train_step(layout: Layout, optimizer: Any, loss_and_grads: Callable[..., Any]) -> TrainStep:
     """One training step with an optax-style `optimizer` (``init`` / ``update``).
 
@@ -52,21 +73,10 @@ def train_step(layout: Layout, optimizer: Any, loss_and_grads: Callable[..., Any
     (the decoder's; with :attr:`Layout.flat_zero` the gradients come as the ZeRO-1 shards of
     :meth:`Layout.zero_specs`).
     """
-    params_sharding = layout.shardings()
-    state_sharding = layout.optimizer_shardings(optimizer)
-    zero_sharding = layout.named(layout.trainable_specs(layout.zero_specs()))
 
     def step(params, opt_state, tokens, targets, **batch):
         loss, grads = loss_and_grads(params, tokens, targets, **batch)
-        trained = layout.trainable(params)  # with LoRA the adapters; the rest stays as it is
-        if layout.zero >= 1:  # each device keeps the slice of the reduced gradient it updates
-            grads = constrain(grads, zero_sharding)
-            # and of the parameters (a local slice of replicated ones): the update reads and
-            # adds to them shard by shard, as laid out as the optimizer state
-            trained = constrain(trained, zero_sharding)
-        updates, opt_state = optimizer.update(grads, opt_state, trained)
-        trained = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), trained, updates)
-        params = layout.with_trained(trained, params)
-        return constrain(params, params_sharding), constrain(opt_state, state_sharding), loss
+        params, opt_state = apply_update(layout, optimizer, params, opt_state, grads)
+        return params, opt_state, loss
 
     return TrainStep(layout.mesh, step)

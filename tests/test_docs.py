@@ -37,6 +37,7 @@ PAGES = {
     "jaxops.parallel.checkpoint": "parallel.checkpoint",
     "jaxops.models": "models",
     "jaxops.models.plan": "models.plan",
+    "jaxops.models.post": "models.post",
 }
 
 

@@ -130,7 +130,21 @@ CASES: list[tuple[str, Callable[[], object], type, type]] = [
      TypeError),
     ("jaxops.models.plan.parse_mesh", lambda: _models_plan().parse_mesh("data=2"), IVE,
      ValueError),
+    ("jaxops.models.post.preference_batch",
+     lambda: _post().preference_batch([[1]], [[2.5]], [[3]], 8), ATE, TypeError),
+    ("jaxops.models.post.preference_batch",
+     lambda: _post().preference_batch([[1]], [[2]], [[]], 8), IVE, ValueError),
+    ("jaxops.models.post.dpo_loss", lambda: _post().dpo_loss(*[np.zeros(2)] * 4, beta=-1), IVE,
+     ValueError),
+    ("jaxops.models.post.dpo_step", lambda: _post().dpo_step(_decoder(), None, loss_type="kto"),
+     IVE, ValueError),
 ]  # fmt: skip
+
+
+def _post():
+    from jaxops.models import post
+
+    return post
 
 
 def _models_plan():

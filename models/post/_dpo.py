@@ -1,0 +1,434 @@
+"""Direct preference optimization: DPO (sigmoid, conservative) and IPO on preference pairs.
+
+:func:`preference_batch` lays out pairs of responses to one prompt (chosen, rejected) as a
+:class:`~jaxops.models.post.Scored` batch, sequence ``2i`` the chosen and ``2i + 1`` the rejected
+response of pair ``i``: packed several documents to a row, or one per row. :func:`dpo_loss` is
+the loss of the papers on sequence log-probabilities; :func:`dpo_step` the jitted training step
+(the policy's log-probabilities, the reference's, the loss, the gradients and an optax update)
+and :func:`reference_logprobs` the reference's log-probabilities, precomputed once per batch.
+
+The reference: with LoRA, the same model with its adapters disabled (their B matrices zero, so
+the frozen base's function, with no second copy of its weights); else a frozen copy of the
+parameters, or log-probabilities computed beforehand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxops._errors import ArgumentTypeError, ConfigError, InvalidArgumentError
+
+from .. import _train
+from .._decoder import MoEDecoder
+from .._layout import with_frozen
+from .._packing import IGNORE_INDEX, pack_sequences
+from ._scores import Scored, _check, check_model, disabled_adapters, per_sequence, scores
+
+__all__ = [
+    "DPO_LOSSES",
+    "PostStep",
+    "dpo_loss",
+    "dpo_step",
+    "preference_batch",
+    "reference_logprobs",
+]
+
+#: The ``loss_type`` values of :func:`dpo_loss`.
+DPO_LOSSES = ("sigmoid", "ipo")
+
+
+def _positive(op: str, name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise InvalidArgumentError(f"{op}: {name} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def _check_loss(op: str, beta: Any, label_smoothing: Any, loss_type: Any) -> None:
+    _positive(op, "beta", beta)
+    if loss_type not in DPO_LOSSES:
+        raise InvalidArgumentError(
+            f"{op}: loss_type must be one of {DPO_LOSSES}, got {loss_type!r}"
+        )
+    if (
+        isinstance(label_smoothing, bool)
+        or not isinstance(label_smoothing, int | float)
+        or not 0 <= label_smoothing < 0.5
+    ):
+        raise InvalidArgumentError(
+            f"{op}: label_smoothing must be a number in [0, 0.5), got {label_smoothing!r}"
+        )
+    if loss_type == "ipo" and label_smoothing:
+        raise InvalidArgumentError(
+            f"{op}: label_smoothing applies to loss_type='sigmoid' only, got {label_smoothing} "
+            "with 'ipo'"
+        )
+
+
+def dpo_loss(
+    chosen: jax.Array,
+    rejected: jax.Array,
+    ref_chosen: jax.Array,
+    ref_rejected: jax.Array,
+    *,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    loss_type: str = "sigmoid",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The DPO loss of P preference pairs from their sequence log-probabilities.
+
+    With ``h = (chosen - ref_chosen) - (rejected - ref_rejected)``, per pair:
+
+    - ``"sigmoid"`` (Rafailov et al. 2023; with ``label_smoothing`` eps, conservative DPO):
+      ``-(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)``;
+    - ``"ipo"`` (Azar et al. 2023): ``(h - 1 / (2 beta))^2``.
+
+    The loss is the mean over the pairs.
+
+    Args:
+      chosen: float ``[P]``: the policy's log-probabilities of the chosen responses.
+      rejected: float ``[P]``: of the rejected ones.
+      ref_chosen: float ``[P]``: the reference model's of the chosen responses.
+      ref_rejected: float ``[P]``: of the rejected ones.
+      beta: the inverse temperature (> 0): the strength of the pull to the reference.
+      label_smoothing: the probability that a pair's preference is flipped (``[0, 0.5)``,
+        ``"sigmoid"`` only).
+      loss_type: one of :data:`DPO_LOSSES`.
+
+    Returns:
+      ``(loss, metrics)``: the float32 loss and float32 scalars ``"rewards/chosen"`` (the mean
+      of ``beta (chosen - ref_chosen)``), ``"rewards/rejected"``, ``"rewards/margins"`` (their
+      difference) and ``"rewards/accuracies"`` (the fraction of pairs whose chosen reward is
+      above the rejected one), as TRL reports them.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxops.models.post import dpo_loss
+      >>> loss, m = dpo_loss(jnp.array([-1.0]), jnp.array([-3.0]), jnp.array([-2.0]),
+      ...                    jnp.array([-2.0]), beta=0.5)
+      >>> round(float(loss), 4), float(m["rewards/accuracies"])  # -log sigmoid(1)
+      (0.3133, 1.0)
+    """
+    op = "jaxops.models.post.dpo_loss"
+    _check_loss(op, beta, label_smoothing, loss_type)
+    arrays = [jnp.asarray(a, jnp.float32) for a in (chosen, rejected, ref_chosen, ref_rejected)]
+    names = ("chosen", "rejected", "ref_chosen", "ref_rejected")
+    for name, a in zip(names, arrays, strict=True):
+        if a.ndim != 1 or a.shape != arrays[0].shape:
+            raise InvalidArgumentError(
+                f"{op}: {name} must be float [P] like chosen {list(arrays[0].shape)}, got "
+                f"{list(a.shape)}"
+            )
+    c, r, rc, rr = arrays
+    h = (c - rc) - (r - rr)
+    if loss_type == "sigmoid":
+        eps = label_smoothing
+        losses = -(1 - eps) * jax.nn.log_sigmoid(beta * h) - eps * jax.nn.log_sigmoid(-beta * h)
+    else:
+        losses = (h - 1 / (2 * beta)) ** 2
+    chosen_rewards = beta * jax.lax.stop_gradient(c - rc)
+    rejected_rewards = beta * jax.lax.stop_gradient(r - rr)
+    metrics = {
+        "rewards/chosen": jnp.mean(chosen_rewards),
+        "rewards/rejected": jnp.mean(rejected_rewards),
+        "rewards/margins": jnp.mean(chosen_rewards - rejected_rewards),
+        "rewards/accuracies": jnp.mean((chosen_rewards > rejected_rewards).astype(jnp.float32)),
+    }
+    return jnp.mean(losses), metrics
+
+
+def _ids(op: str, name: str, seq: Any, i: int, allow_empty: bool) -> np.ndarray:
+    a = np.asarray(seq)
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise ArgumentTypeError(
+            f"{op}: {name}[{i}] must hold int token ids, got {a.dtype}{list(a.shape)}"
+        )
+    if a.ndim != 1:
+        raise InvalidArgumentError(
+            f"{op}: {name}[{i}] must be a 1-D sequence of int token ids, got "
+            f"{a.dtype}{list(a.shape)}"
+        )
+    if not allow_empty and a.size == 0:
+        raise InvalidArgumentError(
+            f"{op}: {name}[{i}] is empty: a response needs at least one token to score"
+        )
+    return a.astype(np.int64)
+
+
+def preference_batch(
+    prompts: Sequence[Any],
+    chosen: Sequence[Any],
+    rejected: Sequence[Any],
+    seq_len: int,
+    *,
+    pack: bool = True,
+    row_multiple: int = 1,
+    pad_id: int = 0,
+) -> Scored:
+    """P preference pairs as a :class:`~jaxops.models.post.Scored` batch of 2P sequences.
+
+    Sequence ``2i`` is ``prompts[i] + chosen[i]``, sequence ``2i + 1`` is ``prompts[i] +
+    rejected[i]``; only the response tokens are scored (each is the target of the token
+    before it; the prompt's are not).
+
+    Args:
+      prompts: P 1-D sequences of token ids (a prompt may be empty if its responses are not).
+      chosen: P non-empty 1-D sequences: the preferred responses.
+      rejected: P non-empty 1-D sequences: the others.
+      seq_len: S, the row length.
+      pack: True: the 2P sequences packed as documents into rows
+        (:func:`~jaxops.models.pack_sequences`, first-fit decreasing: each attends to itself
+        only, positions restart); False: one sequence per row, right-padded (rows ``2i`` and
+        ``2i + 1`` the pair).
+      row_multiple: the rows rounded up to a multiple of it (the batch devices of the mesh);
+        rows added are padding.
+      pad_id: the token id of padding.
+
+    Returns:
+      A Scored batch with ``num_sequences = 2P`` (NumPy int32 arrays).
+
+    Raises:
+      ValueError: lists of different lengths, no pair, an empty response, a sequence longer
+        than `seq_len` (naming it).
+
+    Example:
+      >>> from jaxops.models.post import preference_batch
+      >>> b = preference_batch([[1, 2]], [[3, 4]], [[5]], seq_len=8)
+      >>> b.num_sequences, b.tokens.tolist(), b.sequence_ids.tolist()
+      (2, [[1, 2, 3, 4, 1, 2, 5, 0]], [[-1, 0, 0, -1, -1, 1, -1, -1]])
+    """
+    op = "jaxops.models.post.preference_batch"
+    if not (len(prompts) == len(chosen) == len(rejected)):
+        raise InvalidArgumentError(
+            f"{op}: prompts, chosen and rejected must be as many, got {len(prompts)}, "
+            f"{len(chosen)} and {len(rejected)}"
+        )
+    if not prompts:
+        raise InvalidArgumentError(f"{op}: no preference pair given")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+        raise InvalidArgumentError(f"{op}: seq_len must be an int >= 2, got {seq_len!r}")
+    docs, masks = [], []
+    for i, p in enumerate(prompts):
+        p = _ids(op, "prompts", p, i, allow_empty=True)
+        for name, resp in (("chosen", chosen[i]), ("rejected", rejected[i])):
+            r = _ids(op, name, resp, i, allow_empty=False)
+            doc = np.concatenate([p, r])
+            if doc.size > seq_len:
+                raise InvalidArgumentError(
+                    f"{op}: prompts[{i}] + {name}[{i}] has {doc.size} tokens, more than "
+                    f"seq_len={seq_len}"
+                )
+            if p.size == 0 and r.size == 1:
+                raise InvalidArgumentError(
+                    f"{op}: {name}[{i}] has one token and prompts[{i}] none: its first token "
+                    "has nothing before it to be predicted from"
+                )
+            docs.append(doc)
+            masks.append(np.r_[np.zeros(p.size, bool), np.ones(r.size, bool)])
+    if pack:
+        packed = pack_sequences(
+            docs, seq_len, loss_masks=masks, row_multiple=row_multiple, pad_id=pad_id
+        )
+        ids = np.where(packed.targets != IGNORE_INDEX, packed.sequence_index, -1)
+        return Scored(
+            packed.tokens,
+            packed.targets,
+            ids.astype(np.int32),
+            len(docs),
+            positions=packed.positions,
+            segment_ids=packed.segment_ids,
+        )
+    rows = -(-len(docs) // row_multiple) * row_multiple
+    tokens = np.full((rows, seq_len), pad_id, np.int32)
+    targets = np.full((rows, seq_len), IGNORE_INDEX, np.int32)
+    mask = np.zeros((rows, seq_len), np.int32)
+    for k, (doc, m) in enumerate(zip(docs, masks, strict=True)):
+        tokens[k, : doc.size] = doc
+        mask[k, : doc.size] = 1
+        scored = np.flatnonzero(m[1:])
+        targets[k, scored] = doc[scored + 1]
+    ids = np.where(targets != IGNORE_INDEX, np.arange(rows, dtype=np.int32)[:, None], -1)
+    return Scored(tokens, targets, ids.astype(np.int32), len(docs), attention_mask=mask)
+
+
+class PostStep:
+    """A jitted post-training step under the decoder's mesh, its batch checked first.
+
+    ``step(params, opt_state, batch, **references) -> (params, opt_state, metrics)``; the
+    parameters and the optimizer state are donated (the batch is checked on the host before
+    the call, as the decoder's methods check theirs).
+    """
+
+    def __init__(self, model: MoEDecoder, op: str, fn: Any):
+        self._model, self._op = model, op
+        self._step = _train.TrainStep(model.layout.mesh, fn)
+
+    def __call__(self, params: Any, opt_state: Any, batch: Scored, **references: Any) -> Any:
+        _check(self._op, self._model, batch)
+        return self._step(params, opt_state, batch, **references)
+
+
+def _reference(
+    op: str, layout: Any, params: Any, checked: Any, batch: Scored, ref_params: Any
+) -> jax.Array:
+    """The reference's sequence log-probabilities ``[N]`` of `batch` (no gradient).
+
+    `checked`: `batch` validated as the decoder's batch.
+    """
+    if ref_params is None:
+        if layout.lora is None:
+            raise ConfigError(
+                f"{op}: without lora the reference needs ref_logprobs (precomputed) or "
+                "ref_params (a frozen copy of the parameters)"
+            )
+        ref_params = disabled_adapters(layout, params)
+    lp = scores(layout, jax.lax.stop_gradient(ref_params), checked)[0]
+    ids = jnp.asarray(batch.sequence_ids)
+    return jax.lax.stop_gradient(per_sequence(lp, ids, batch.num_sequences, layout.mesh))
+
+
+def reference_logprobs(
+    model: MoEDecoder, params: dict[str, Any], batch: Scored, *, ref_params: Any = None
+) -> jax.Array:
+    """float32 ``[N]``: the reference model's sequence log-probabilities of `batch`.
+
+    The reference is `ref_params` (a frozen copy: the same model's parameters before
+    training), or with ``model.lora`` and no `ref_params` the same `params` with every adapter
+    disabled (the base model). Computed once per batch, it is :func:`dpo_step`'s
+    ``ref_logprobs``. Call it under ``jax.jit`` (``static_argnums=0``) or as is.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from jaxops import Lora
+      >>> from jaxops.models import AttentionSpec, DecoderConfig, MoEDecoder, MoESpec
+      >>> from jaxops.models.post import preference_batch, reference_logprobs
+      >>> cfg = DecoderConfig("mixtral", vocab_size=64, hidden_size=32, num_layers=1,
+      ...                     attention=AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8),
+      ...                     moe=MoESpec(num_experts=4, top_k=2, expert_ffn=16))
+      >>> model = MoEDecoder(cfg, jax.make_mesh((1,), ("expert",)),
+      ...                    lora=Lora(rank=2, alpha=4, targets=("q_proj",)))
+      >>> params = model.add_adapters(model.init(jax.random.key(0)), jax.random.key(1))
+      >>> batch = preference_batch([[1, 2]], [[3, 4]], [[5]], seq_len=8)
+      >>> reference_logprobs(model, params, batch).shape
+      (2,)
+    """
+    op = "jaxops.models.post.reference_logprobs"
+    layout = check_model(op, model)
+    _check(op, model, batch)
+
+    def run(params, batch, ref_params):
+        return _reference(op, layout, params, _check(op, model, batch), batch, ref_params)
+
+    with jax.set_mesh(layout.mesh):
+        return jax.jit(run)(params, batch, ref_params)
+
+
+def dpo_step(
+    model: MoEDecoder,
+    optimizer: Any,
+    *,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    loss_type: str = "sigmoid",
+    aux_weight: float = 1.0,
+) -> PostStep:
+    """A jitted DPO / IPO training step on preference pairs (:func:`preference_batch`).
+
+    ``step(params, opt_state, batch, *, ref_logprobs=None, ref_params=None) -> (params,
+    opt_state, metrics)``: the policy's sequence log-probabilities of the 2P sequences (with
+    gradients), the reference's (`ref_logprobs` ``[2P]`` given, else from `ref_params`, else
+    with ``model.lora`` from the same parameters with the adapters disabled), :func:`dpo_loss`
+    of the pairs (sequence ``2i`` chosen, ``2i + 1`` rejected) plus `aux_weight` times the MoE
+    aux losses, its gradients (with LoRA the adapters' only) and an optax update, laid out as
+    :meth:`MoEDecoder.train_step`'s. With ``"ipo"`` each sequence's log-probability is the
+    mean over its scored tokens (as the IPO paper's length-normalized form and TRL compute it);
+    with ``"sigmoid"`` the sum.
+
+    Args:
+      model: the decoder (a mesh without pipe or context axes, ``num_microbatches=1``).
+      optimizer: an optax ``GradientTransformation``; its state from
+        :meth:`MoEDecoder.init_optimizer`.
+      beta: :func:`dpo_loss`'s.
+      label_smoothing: :func:`dpo_loss`'s.
+      loss_type: :func:`dpo_loss`'s.
+      aux_weight: the weight of the MoE aux losses (load balancing, z-loss) in the loss: 1
+        keeps them as the model's loss has them, 0 drops them, another value reweights them.
+
+    Returns:
+      The step (:class:`PostStep`). ``metrics``: ``"loss"`` (the DPO loss), ``"aux"`` (the
+      aux losses, unweighted) and :func:`dpo_loss`'s metrics.
+
+    Example:
+      >>> import jax, optax
+      >>> from jaxops import Lora
+      >>> from jaxops.models import AttentionSpec, DecoderConfig, MoEDecoder, MoESpec
+      >>> from jaxops.models.post import dpo_step, preference_batch
+      >>> cfg = DecoderConfig("mixtral", vocab_size=64, hidden_size=32, num_layers=1,
+      ...                     attention=AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8),
+      ...                     moe=MoESpec(num_experts=4, top_k=2, expert_ffn=16))
+      >>> model = MoEDecoder(cfg, jax.make_mesh((1,), ("expert",)),
+      ...                    lora=Lora(rank=2, alpha=4, targets=("q_proj",)))
+      >>> params = model.add_adapters(model.init(jax.random.key(0)), jax.random.key(1))
+      >>> opt = optax.adam(1e-2)
+      >>> state = model.init_optimizer(opt, params)
+      >>> batch = preference_batch([[1, 2]], [[3, 4]], [[5]], seq_len=8)
+      >>> params, state, m = dpo_step(model, opt, beta=0.1)(params, state, batch)
+      >>> round(float(m["loss"]), 4)  # log 2: the policy starts as the reference
+      0.6931
+    """
+    op = "jaxops.models.post.dpo_step"
+    layout = check_model(op, model)
+    _check_loss(op, beta, label_smoothing, loss_type)
+    if isinstance(aux_weight, bool) or not isinstance(aux_weight, int | float) or aux_weight < 0:
+        raise InvalidArgumentError(f"{op}: aux_weight must be a number >= 0, got {aux_weight!r}")
+    model._check_trainable(op)
+    lora = layout.lora is not None
+    ipo = loss_type == "ipo"
+
+    def step(params, opt_state, batch, ref_logprobs=None, ref_params=None):
+        checked = _check(op, model, batch)
+        n = batch.num_sequences
+        if n % 2:
+            raise InvalidArgumentError(
+                f"{op}: the batch must hold pairs (2P sequences: 2i chosen, 2i + 1 rejected), "
+                f"got num_sequences={n}"
+            )
+        ids = jnp.asarray(batch.sequence_ids)
+        counts = per_sequence(jnp.ones(ids.shape, jnp.float32), ids, n, layout.mesh)
+        norm = jnp.maximum(counts, 1.0) if ipo else jnp.ones((n,), jnp.float32)
+        if ref_logprobs is None:
+            ref = _reference(op, layout, params, checked, batch, ref_params)
+        else:
+            ref = jax.lax.stop_gradient(jnp.asarray(ref_logprobs, jnp.float32))
+            if ref.shape != (n,):
+                raise InvalidArgumentError(
+                    f"{op}: ref_logprobs must be float [{n}] (one per sequence), got "
+                    f"{list(ref.shape)}"
+                )
+        ref = ref / norm
+
+        def loss(wrt):
+            p = with_frozen(wrt, params) if lora else wrt
+            lp, aux = scores(layout, p, checked)
+            seq = per_sequence(lp, ids, n, layout.mesh) / norm
+            value, metrics = dpo_loss(
+                seq[0::2],
+                seq[1::2],
+                ref[0::2],
+                ref[1::2],
+                beta=beta,
+                label_smoothing=label_smoothing,
+                loss_type=loss_type,
+            )
+            return value + aux_weight * aux, {**metrics, "loss": value, "aux": aux}
+
+        wrt = layout.trainable(params)
+        (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(wrt)
+        params, opt_state = _train.apply_update(layout, optimizer, params, opt_state, grads)
+        return params, opt_state, metrics
+
+    return PostStep(model, op, step)

@@ -1,0 +1,253 @@
+"""Log-probabilities of the scored tokens of a batch, and their sums per sequence.
+
+Post-training scores sequences by the log-probability the model gives their response tokens:
+:class:`Scored` is a batch (the decoder's inputs, the targets to score, and which sequence each
+target belongs to, so that sequences may be packed several to a row or placed one per row),
+:func:`token_logprobs` the log-probability of every target (over vocabulary chunks with the
+decoder's ``vocab_chunk``, never the whole ``[tokens, V]`` logits), :func:`sequence_logprobs`
+their sums per sequence. The private :func:`scores` is the differentiable form the objectives
+of :mod:`~jaxops.models.post` build on: the log-probabilities and the MoE aux losses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxops._errors import ConfigError, InvalidArgumentError
+
+from .. import _batch, _layers, _objective, _run
+from .._decoder import MoEDecoder
+from .._layout import Layout, adapters_of, with_frozen
+
+__all__ = [
+    "Scored",
+    "check_model",
+    "disabled_adapters",
+    "per_sequence",
+    "scores",
+    "sequence_logprobs",
+    "token_logprobs",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """A batch of sequences to score: the decoder's inputs and what each target belongs to.
+
+    Attributes:
+      tokens: int ``[B, S]`` inputs.
+      targets: int ``[B, S]``: ``targets[b, i]`` is the token after ``tokens[b, i]`` whose
+        log-probability is scored, -100 where nothing is (prompts, padding).
+      sequence_ids: int ``[B, S]``: the sequence (``0 .. num_sequences - 1``) each scored target
+        belongs to, -1 where none is (it must be -1 exactly where `targets` is -100).
+      num_sequences: N, the number of sequences (a static int).
+      attention_mask: ``[B, S]`` 0 at padding, or None (as :meth:`MoEDecoder.logits`).
+      positions: int ``[B, S]`` rotary positions, or None.
+      segment_ids: int ``[B, S]`` packed documents (1, 2, ...; 0 padding), or None.
+    """
+
+    tokens: Any
+    targets: Any
+    sequence_ids: Any
+    num_sequences: int
+    attention_mask: Any = None
+    positions: Any = None
+    segment_ids: Any = None
+
+    def model_inputs(self) -> dict[str, Any]:
+        """The keywords of :meth:`MoEDecoder.logits` (masks that are not None)."""
+        masks = {
+            "attention_mask": self.attention_mask,
+            "positions": self.positions,
+            "segment_ids": self.segment_ids,
+        }
+        return {k: v for k, v in masks.items() if v is not None}
+
+
+jax.tree_util.register_dataclass(
+    Scored,
+    data_fields=[
+        "tokens",
+        "targets",
+        "sequence_ids",
+        "attention_mask",
+        "positions",
+        "segment_ids",
+    ],
+    meta_fields=["num_sequences"],
+)
+
+
+def check_model(op: str, model: Any) -> Layout:
+    """The layout of a decoder post-training can run on (refusing what it cannot)."""
+    if not isinstance(model, MoEDecoder):
+        raise InvalidArgumentError(
+            f"{op}: model must be a jaxops.models.MoEDecoder, got {type(model).__name__}"
+        )
+    layout = model.layout
+    for what, size in (("pipe", layout.pipe), ("context", layout.context)):
+        if size > 1:
+            raise ConfigError(
+                f"{op}: a mesh with a {what} axis of size {size} is not supported by "
+                "post-training yet (data, expert and ZeRO meshes are)"
+            )
+    if layout.num_microbatches > 1:
+        raise ConfigError(
+            f"{op}: num_microbatches={layout.num_microbatches} is not supported by "
+            "post-training yet: each step scores its whole batch at once"
+        )
+    return layout
+
+
+def _check(op: str, model: MoEDecoder, batch: Any) -> _batch.Batch:
+    """`batch` (a :class:`Scored`) validated as the decoder's batch, and its sequence ids."""
+    if not isinstance(batch, Scored):
+        raise InvalidArgumentError(
+            f"{op}: batch must be a jaxops.models.post.Scored, got {type(batch).__name__}"
+        )
+    n = batch.num_sequences
+    if not isinstance(n, int | np.integer) or isinstance(n, bool) or n < 1:
+        raise InvalidArgumentError(f"{op}: num_sequences must be an int >= 1, got {n!r}")
+    checked = model._check(
+        op,
+        batch.tokens,
+        batch.targets,
+        batch.attention_mask,
+        batch.positions,
+        batch.segment_ids,
+    )
+    ids = batch.sequence_ids
+    if np.shape(ids) != np.shape(batch.tokens):
+        raise InvalidArgumentError(
+            f"{op}: sequence_ids must be shaped like tokens {list(np.shape(batch.tokens))}, "
+            f"got {list(np.shape(ids))}"
+        )
+    if not jnp.issubdtype(jnp.result_type(ids), jnp.integer):
+        raise InvalidArgumentError(
+            f"{op}: sequence_ids must be integers, got {jnp.result_type(ids)}"
+        )
+    if not isinstance(ids, jax.core.Tracer) and not isinstance(batch.targets, jax.core.Tracer):
+        host_ids, targets = np.asarray(ids), np.asarray(batch.targets)
+        scored = targets != _layers.IGNORE_INDEX
+        if ((host_ids >= 0) != scored).any():
+            where = tuple(int(i) for i in np.argwhere((host_ids >= 0) != scored)[0])
+            raise InvalidArgumentError(
+                f"{op}: sequence_ids must be >= 0 exactly where targets are scored (not -100); "
+                f"at {where} the target is {int(targets[where])} and the id {int(host_ids[where])}"
+            )
+        if (host_ids >= n).any():
+            raise InvalidArgumentError(
+                f"{op}: sequence_ids must be < num_sequences ({n}), got {int(host_ids.max())}"
+            )
+    return checked
+
+
+def scores(layout: Layout, params: dict[str, Any], batch: _batch.Batch):
+    """``(log-probabilities [B, S], aux)``: each target's, 0 where ignored, and the aux losses.
+
+    Differentiable; `batch` validated (a target at padding is ignored).
+    """
+    x, where, targets = _objective.inputs(layout, params, batch)
+    h, aux = _run.run_all(layout, params, x, where)
+    nll = layout.token_nll(layout.head_params(params), h, targets)
+    return 0.0 - nll, jnp.sum(aux.loss)  # (0, not -0, where ignored)
+
+
+def per_sequence(
+    values: jax.Array, sequence_ids: jax.Array, n: int, mesh: jax.sharding.Mesh
+) -> jax.Array:
+    """float32 ``[n]``: the sums of ``values [B, S]`` per sequence id (-1: counted nowhere).
+
+    Replicated on `mesh` (the decoder's): every device holds every sequence's sum.
+    """
+    ids = jnp.where(sequence_ids >= 0, sequence_ids, n).reshape(-1)
+    onto = jnp.zeros((n,), jnp.float32)
+    flat = values.astype(jnp.float32).reshape(-1)
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    return onto.at[ids].add(flat, mode="drop", out_sharding=replicated)
+
+
+def disabled_adapters(layout: Layout, params: dict[str, Any]) -> dict[str, Any]:
+    """`params` with every LoRA adapter's B zero: the base model's function, no second copy.
+
+    (``x + scaling * (x A) 0`` is ``x`` exactly; the A matrices and the frozen base are the
+    arrays `params` holds.)
+    """
+    if layout.lora is None:
+        return params
+    zeros = jax.tree_util.tree_map_with_path(
+        lambda path, a: jnp.zeros_like(a) if _name(path).endswith("_lora_b") else None,
+        adapters_of(params),
+    )
+    return with_frozen(zeros, params)
+
+
+def _name(path: tuple) -> str:
+    return str(getattr(path[-1], "key", ""))
+
+
+def token_logprobs(model: MoEDecoder, params: dict[str, Any], batch: Scored) -> jax.Array:
+    """float32 ``[B, S]``: the log-probability of each scored target, 0 elsewhere.
+
+    With the decoder's ``vocab_chunk`` the logits are computed ``vocab_chunk`` columns at a
+    time and never whole. Differentiable; call it under ``jax.jit``.
+
+    Args:
+      model: the decoder (a mesh without pipe or context axes).
+      params: its parameters.
+      batch: the sequences (:class:`Scored`).
+
+    Returns:
+      float32 ``[B, S]``, batch-sharded as the tokens.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from jaxops.models import AttentionSpec, DecoderConfig, MoEDecoder, MoESpec
+      >>> from jaxops.models.post import Scored, token_logprobs
+      >>> cfg = DecoderConfig("mixtral", vocab_size=64, hidden_size=32, num_layers=1,
+      ...                     attention=AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8),
+      ...                     moe=MoESpec(num_experts=4, top_k=2, expert_ffn=16))
+      >>> model = MoEDecoder(cfg, jax.make_mesh((1,), ("expert",)))
+      >>> params = model.init(jax.random.key(0))
+      >>> tokens = np.array([[1, 2, 3, 4]]); targets = np.array([[-100, 3, 4, 5]])
+      >>> batch = Scored(tokens, targets, np.where(targets >= 0, 0, -1), num_sequences=1)
+      >>> lp = jax.jit(token_logprobs, static_argnums=0)(model, params, batch)
+      >>> lp.shape, float(lp[0, 0]), bool((lp[0, 1:] < 0).all())
+      ((1, 4), 0.0, True)
+    """
+    op = "jaxops.models.post.token_logprobs"
+    layout = check_model(op, model)
+    checked = _check(op, model, batch)
+    return scores(layout, params, checked)[0]
+
+
+def sequence_logprobs(model: MoEDecoder, params: dict[str, Any], batch: Scored) -> jax.Array:
+    """float32 ``[N]``: each sequence's summed log-probability of its scored targets.
+
+    The arguments are :func:`token_logprobs`'s; a sequence with no scored target sums to 0.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> from jaxops.models import AttentionSpec, DecoderConfig, MoEDecoder, MoESpec
+      >>> from jaxops.models.post import Scored, sequence_logprobs
+      >>> cfg = DecoderConfig("mixtral", vocab_size=64, hidden_size=32, num_layers=1,
+      ...                     attention=AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8),
+      ...                     moe=MoESpec(num_experts=4, top_k=2, expert_ffn=16))
+      >>> model = MoEDecoder(cfg, jax.make_mesh((1,), ("expert",)))
+      >>> params = model.init(jax.random.key(0))
+      >>> tokens = np.array([[1, 2, 3, 4]]); targets = np.array([[2, 3, 4, 5]])
+      >>> batch = Scored(tokens, targets, np.array([[0, 0, 1, 1]]), num_sequences=2)
+      >>> jax.jit(sequence_logprobs, static_argnums=0)(model, params, batch).shape
+      (2,)
+    """
+    op = "jaxops.models.post.sequence_logprobs"
+    layout = check_model(op, model)
+    checked = _check(op, model, batch)
+    lp = scores(layout, params, checked)[0]
+    return per_sequence(lp, jnp.asarray(batch.sequence_ids), batch.num_sequences, layout.mesh)

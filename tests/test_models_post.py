@@ -1,0 +1,393 @@
+"""Post-training (jaxops.models.post): sequence log-probabilities against transformers' on the same
+model (packed and one per row, vocabulary chunks), the DPO / IPO losses against formulas written
+from the papers and against TRL's own loss code, the reference by disabled adapters against a
+separate frozen base, the DPO step's gradient against jax.grad of the reference loss (and the
+base untouched), the same step on data x expert as on one device, and refusals.
+"""
+
+from __future__ import annotations
+
+import collections
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import _hf_families as fam  # noqa: E402
+import jaxops.models.post as post  # noqa: E402
+
+from jaxops import ConfigError, Lora, models  # noqa: E402
+
+IGNORE = models.IGNORE_INDEX
+
+
+def _pairs(seed: int, n: int, vocab: int = 128):
+    """n random (prompt, chosen, rejected) token lists of varied lengths (one empty prompt)."""
+    rng = np.random.default_rng(seed)
+
+    def ids(lo, hi):
+        return rng.integers(1, vocab, rng.integers(lo, hi)).tolist()
+
+    prompts = [ids(2, 6) for _ in range(n)]
+    prompts[-1] = []
+    return prompts, [ids(2, 7) for _ in range(n)], [ids(2, 7) for _ in range(n)]
+
+
+def _hf_sequence_logprobs(torch_model, prompts, chosen, rejected) -> np.ndarray:
+    """transformers' summed log-probabilities of each response, each sequence run alone."""
+    out = []
+    for p, c, r in zip(prompts, chosen, rejected, strict=True):
+        for resp in (c, r):
+            ids = torch.tensor([p + resp])
+            with torch.no_grad():
+                logits = torch_model(ids).logits.double()
+            logp = torch.log_softmax(logits[0, :-1], -1)
+            picked = logp[torch.arange(ids.shape[1] - 1), ids[0, 1:]]
+            out.append(float(picked[max(len(p) - 1, 0) :].sum()))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "rows"])
+def test_sequence_logprobs_equal_transformers(hf_families, family, pack):
+    run = hf_families.load(family, "1dev")
+    prompts, chosen, rejected = _pairs(1, 3)
+    batch = post.preference_batch(prompts, chosen, rejected, seq_len=16, pack=pack)
+    got = jax.jit(post.sequence_logprobs, static_argnums=0)(run.model, run.params, batch)
+    want = _hf_sequence_logprobs(run.torch_model, prompts, chosen, rejected)
+    err = np.abs(np.asarray(got) - want).max()
+    print(f"{family} {pack=}: max |sequence log-prob error| = {err:.2e}")
+    assert err <= 1e-5 * max(1.0, np.abs(want).max() / 10), err
+
+
+def test_token_logprobs_vocab_chunks_and_gradients(hf_families):
+    """With vocab_chunk the per-token log-probabilities and their gradients are the whole head's."""
+    run = hf_families.load("qwen3_moe", "1dev")
+    chunked = models.MoEDecoder(**{**_settings(run.model), "vocab_chunk": 48})
+    batch = post.preference_batch(*_pairs(2, 2), seq_len=16)
+    weights = jnp.asarray(np.random.default_rng(0).normal(size=batch.tokens.shape), jnp.float32)
+
+    def f(model, params):
+        return jnp.sum(post.token_logprobs(model, params, batch) * weights)
+
+    want, g_want = jax.jit(jax.value_and_grad(f, 1), static_argnums=0)(run.model, run.params)
+    got, g_got = jax.jit(jax.value_and_grad(f, 1), static_argnums=0)(chunked, run.params)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-7 * float(np.abs(b).max()))
+
+
+def _settings(model) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.init}
+
+
+def _np_dpo(c, r, rc, rr, beta, eps, loss_type):
+    """The papers' losses in float64 numpy (DPO / cDPO of Mitchell's note, IPO eq. 17)."""
+    h = (c - rc) - (r - rr)
+    if loss_type == "ipo":
+        return np.mean((h - 1 / (2 * beta)) ** 2)
+
+    def log_sigmoid(x):
+        return -np.logaddexp(0.0, -x)
+
+    return np.mean(-(1 - eps) * log_sigmoid(beta * h) - eps * log_sigmoid(-beta * h))
+
+
+@pytest.mark.parametrize(
+    "loss_type,beta,eps",
+    [("sigmoid", 0.1, 0.0), ("sigmoid", 0.5, 0.2), ("ipo", 0.1, 0.0), ("ipo", 1.0, 0.0)],
+    ids=["dpo", "cdpo", "ipo-0.1", "ipo-1"],
+)
+def test_dpo_loss_against_the_papers(loss_type, beta, eps):
+    rng = np.random.default_rng(3)
+    c, r, rc, rr = (rng.normal(-20, 5, 7) for _ in range(4))
+    loss, m = post.dpo_loss(c, r, rc, rr, beta=beta, label_smoothing=eps, loss_type=loss_type)
+    np.testing.assert_allclose(loss, _np_dpo(c, r, rc, rr, beta, eps, loss_type), rtol=1e-5)
+    cw, rw = beta * (c - rc), beta * (r - rr)
+    np.testing.assert_allclose(m["rewards/margins"], np.mean(cw - rw), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m["rewards/accuracies"], np.mean(cw > rw))
+
+    # and its gradient, against float64 finite differences of the formula
+    def of_chosen(c):
+        return post.dpo_loss(c, r, rc, rr, beta=beta, label_smoothing=eps, loss_type=loss_type)[0]
+
+    g = jax.grad(of_chosen)(jnp.asarray(c, jnp.float32))
+    d = 1e-5
+    fd = [
+        (_np_dpo(c + d * e, r, rc, rr, beta, eps, loss_type)
+         - _np_dpo(c - d * e, r, rc, rr, beta, eps, loss_type)) / (2 * d)
+        for e in np.eye(c.size)
+    ]  # fmt: skip
+    np.testing.assert_allclose(g, fd, rtol=1e-3, atol=1e-6)
+
+
+def _trl_loss(loss_type, beta, per_token, ref_per_token, completion):
+    """TRL's DPOTrainer._compute_loss (its own code) on given per-token log-probabilities.
+
+    The model is a stand-in returning `per_token` as its log-probabilities; the reference's are
+    passed precomputed, as TRL's precompute_ref_log_probs does. Rows: the chosen, then the
+    rejected sequences.
+    """
+    trl = pytest.importorskip("trl")
+    n = per_token.shape[0]
+    zeros = torch.zeros_like(per_token)
+    outputs = types.SimpleNamespace(
+        log_probs=per_token, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool()
+    )
+    acc = types.SimpleNamespace(
+        device="cpu",
+        gather_for_metrics=lambda x: x,
+        gather=lambda x: x,
+        unwrap_model=lambda m: m,
+    )
+    ref = ref_per_token.sum(1)
+    stub = types.SimpleNamespace(
+        model=types.SimpleNamespace(training=True),
+        accelerator=acc,
+        aux_loss_enabled=False,
+        ld_alpha=None,
+        precompute_ref_logps=True,
+        f_divergence_type="reverse_kl",
+        loss_types=[loss_type],
+        loss_weights=[1.0],
+        beta=beta,
+        label_smoothing=0.0,
+        use_weighting=False,
+        _metrics={"train": collections.defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+    )
+    inputs = {
+        "input_ids": torch.zeros((n, per_token.shape[1] + 1), dtype=torch.long),
+        "attention_mask": torch.ones((n, per_token.shape[1] + 1), dtype=torch.long),
+        "completion_mask": completion,
+        "ref_chosen_logps": ref[: n // 2],
+        "ref_rejected_logps": ref[n // 2 :],
+    }
+    loss = trl.DPOTrainer._compute_loss(stub, lambda **_: outputs, inputs, False)
+    return float(loss), {k: v[-1] for k, v in stub._metrics["train"].items()}
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_loss_equals_trls(loss_type):
+    """The same per-token log-probabilities through TRL's loss code and through ours (IPO's
+    per-token mean of the sequence log-probabilities as TRL and dpo_step take it)."""
+    rng = np.random.default_rng(5)
+    pairs, length, beta = 4, 9, 0.3
+    completion = np.zeros((2 * pairs, length + 1), np.int64)
+    for k in range(2 * pairs):
+        start = rng.integers(1, 4)
+        completion[k, start : start + rng.integers(2, length - 3)] = 1
+    mask = completion[:, 1:]
+    per_token = rng.normal(-3, 1, (2 * pairs, length)) * mask
+    ref_per_token = rng.normal(-3, 1, (2 * pairs, length)) * mask
+    want, trl_metrics = _trl_loss(
+        loss_type,
+        beta,
+        torch.tensor(per_token, dtype=torch.float64),
+        torch.tensor(ref_per_token, dtype=torch.float64),
+        torch.tensor(completion),
+    )
+    seq, ref = per_token.sum(1), ref_per_token.sum(1)
+    if loss_type == "ipo":
+        seq, ref = seq / mask.sum(1), ref / mask.sum(1)
+    got, m = post.dpo_loss(
+        seq[:pairs], seq[pairs:], ref[:pairs], ref[pairs:], beta=beta, loss_type=loss_type
+    )
+    np.testing.assert_allclose(float(got), want, rtol=1e-5)
+    if loss_type == "sigmoid":  # TRL reports the rewards of the summed log-probabilities
+        for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+            np.testing.assert_allclose(float(m[key]), trl_metrics[key], rtol=1e-5, atol=1e-6)
+
+
+def _lora_model(run, mesh_name="1dev", **settings):
+    lora = Lora(4, 8.0, ("q_proj", "o_proj", "experts.gate_up_proj"))
+    model = models.MoEDecoder(
+        **{**_settings(run.model), "mesh": fam.mesh(mesh_name), "lora": lora, **settings}
+    )
+    params = model.add_adapters(run.params, jax.random.key(1))
+    rng = np.random.default_rng(7)
+
+    def trained(path, x):  # B not zero: the adapters of a trained model
+        if "_lora_b" not in jax.tree_util.keystr(path):
+            return x
+        return jnp.asarray(rng.normal(size=x.shape) * 0.05, x.dtype)
+
+    params = jax.tree_util.tree_map_with_path(trained, params)
+    # copies: the steps donate their parameters, and the loaded ones are shared by the tests
+    return model, jax.tree.map(jnp.copy, jax.device_put(params, model.shardings()))
+
+
+def test_reference_by_disabled_adapters_equals_a_frozen_base(hf_families):
+    run = hf_families.load("qwen3_moe", "1dev")
+    model, params = _lora_model(run)
+    batch = post.preference_batch(*_pairs(4, 3), seq_len=16)
+    got = post.reference_logprobs(model, params, batch)
+    want = jax.jit(post.sequence_logprobs, static_argnums=0)(run.model, run.params, batch)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    # and the adapted model's differ (the adapters are not zero)
+    adapted = jax.jit(post.sequence_logprobs, static_argnums=0)(model, params, batch)
+    assert np.abs(np.asarray(adapted) - np.asarray(want)).max() > 1e-3
+    # a frozen copy given as ref_params is taken as is
+    np.testing.assert_allclose(
+        post.reference_logprobs(model, params, batch, ref_params=params), adapted, rtol=1e-6
+    )
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_step_gradient_is_the_reference_losss(hf_families, loss_type):
+    """With sgd(1) the step's update is minus the gradient: it equals jax.grad of the loss
+    written from the public pieces (sequence_logprobs, dpo_loss); the base stays as it was."""
+    run = hf_families.load("qwen3_moe", "1dev")
+    model, params = _lora_model(run)
+    batch = post.preference_batch(*_pairs(5, 3), seq_len=16)
+    ref = post.reference_logprobs(model, params, batch)
+    counts = np.bincount(batch.sequence_ids[batch.sequence_ids >= 0], minlength=6)
+    norm = counts if loss_type == "ipo" else np.ones(6)
+
+    def reference(adapters):
+        p = jax.tree.map(lambda a, b: b if a is None else a, adapters, params,
+                         is_leaf=lambda x: x is None)  # fmt: skip
+        seq = post.sequence_logprobs(model, p, batch) / norm
+        r = ref / norm
+        return post.dpo_loss(seq[0::2], seq[1::2], r[0::2], r[1::2], beta=0.2,
+                             loss_type=loss_type)[0]  # fmt: skip
+
+    trained = model.trainable(params)
+    want_loss, want = jax.jit(jax.value_and_grad(reference))(trained)
+    before = jax.tree.map(np.asarray, params)
+    opt = optax.sgd(1.0)
+    state = model.init_optimizer(opt, params)
+    step = post.dpo_step(model, opt, beta=0.2, loss_type=loss_type, aux_weight=0.0)
+    new, _, m = step(params, state, batch)
+    np.testing.assert_allclose(m["loss"], want_loss, rtol=1e-6)
+    new = jax.tree.map(np.asarray, new)
+    for (path, b), a in zip(
+        jax.tree_util.tree_flatten_with_path(before)[0], jax.tree.leaves(new), strict=True
+    ):
+        name = jax.tree_util.keystr(path)
+        if "_lora_" not in name:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+    got = jax.tree.map(lambda b, a: b - a, model.trainable(before), model.trainable(new))
+    for (path, g), w in zip(
+        jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), strict=True
+    ):
+        scale = float(np.abs(w).max())
+        assert scale > 0, jax.tree_util.keystr(path)
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * scale,
+                                   err_msg=jax.tree_util.keystr(path))  # fmt: skip
+
+
+def test_dpo_step_on_data_x_expert_equals_one_device(hf_families):
+    """The metrics of adamw DPO steps (given reference log-probabilities; the MoE aux losses in,
+    as the model has them) on data 2 x expert 4 equal one device's; the loss falls."""
+    run = hf_families.load("qwen3_moe", "1dev")
+    batch = post.preference_batch(*_pairs(6, 8), seq_len=16, row_multiple=8)
+    out = {}
+    for mesh_name in ("1dev", "d2e4"):
+        model, params = _lora_model(run, mesh_name, router_aux_loss_coef=0.01)
+        ref = post.reference_logprobs(model, params, batch)
+        opt = optax.adamw(3e-3)
+        state = model.init_optimizer(opt, params)
+        step = post.dpo_step(model, opt, beta=0.5)
+        metrics = []
+        for _ in range(3):
+            params, state, m = step(params, state, batch, ref_logprobs=ref)
+            metrics.append({k: float(v) for k, v in m.items()})
+        out[mesh_name] = metrics
+    for a, b in zip(out["1dev"], out["d2e4"], strict=True):
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], rtol=2e-5, atol=1e-6, err_msg=k)
+    assert out["d2e4"][-1]["loss"] < out["d2e4"][0]["loss"]
+    assert out["d2e4"][0]["aux"] > 0
+
+
+def test_full_weights_dpo_with_a_frozen_copy(hf_families):
+    """Without LoRA the reference is a frozen copy: the first step's loss is log 2 and every
+    parameter moves."""
+    run = hf_families.load("mixtral", "1dev")
+    params = jax.tree.map(jnp.array, run.params)
+    ref_params = jax.tree.map(jnp.array, run.params)
+    batch = post.preference_batch(*_pairs(8, 2), seq_len=16)
+    opt = optax.sgd(1e-2)
+    state = run.model.init_optimizer(opt, params)
+    step = post.dpo_step(run.model, opt, aux_weight=0.0)
+    with pytest.raises(ConfigError, match="dpo_step: without lora the reference needs"):
+        step(params, state, batch)
+    new, _, m = step(params, state, batch, ref_params=ref_params)
+    np.testing.assert_allclose(m["loss"], np.log(2), rtol=1e-6)
+    moved = [not np.array_equal(a, b) for a, b in
+             zip(jax.tree.leaves(new), jax.tree.leaves(ref_params), strict=True)]  # fmt: skip
+    assert all(moved)
+
+
+def test_preference_batch_layouts():
+    prompts, chosen, rejected = [[1, 2], [3]], [[4, 5, 6], [7]], [[8], [9, 10]]
+    packed = post.preference_batch(prompts, chosen, rejected, seq_len=8, row_multiple=2)
+    rows = post.preference_batch(prompts, chosen, rejected, seq_len=8, pack=False)
+    for b in (packed, rows):
+        assert b.num_sequences == 4
+        ids = b.sequence_ids
+        for k, resp in enumerate([(chosen, rejected)[i % 2][i // 2] for i in range(4)]):
+            assert (b.targets[ids == k] == np.array(resp)).all(), (k, b)
+        assert ((ids >= 0) == (b.targets != IGNORE)).all()
+    assert packed.tokens.shape[0] % 2 == 0 and rows.tokens.shape == (4, 8)
+    assert rows.attention_mask.tolist()[0] == [1] * 5 + [0] * 3
+
+
+@pytest.mark.parametrize(
+    "call,error",
+    [
+        (lambda: post.preference_batch([[1]], [[2]], [], 8), "as many"),
+        (lambda: post.preference_batch([[1]], [[]], [[2]], 8), r"chosen\[0\] is empty"),
+        (lambda: post.preference_batch([[1] * 6], [[2]], [[2, 3, 4]], 8), "more than seq_len"),
+        (lambda: post.preference_batch([[]], [[2]], [[3, 4]], 8), "nothing before it"),
+        (lambda: post.dpo_loss(np.zeros(2), np.zeros(3), np.zeros(2), np.zeros(2)), "rejected"),
+        (lambda: post.dpo_loss(*[np.zeros(2)] * 4, beta=0), "beta must be a number > 0"),
+        (lambda: post.dpo_loss(*[np.zeros(2)] * 4, loss_type="hinge"), "loss_type"),
+        (lambda: post.dpo_loss(*[np.zeros(2)] * 4, label_smoothing=0.5), "label_smoothing"),
+        (lambda: post.dpo_loss(*[np.zeros(2)] * 4, loss_type="ipo", label_smoothing=0.1),
+         "sigmoid"),
+    ],
+    ids=["lengths", "empty", "too-long", "no-context", "shapes", "beta", "loss-type",
+         "smoothing", "ipo-smoothing"],
+)  # fmt: skip
+def test_bad_input_is_refused(call, error):
+    with pytest.raises(ValueError, match=error):
+        call()
+
+
+def test_bad_batches_and_meshes_are_refused(hf_families):
+    run = hf_families.load("qwen3_moe", "1dev")
+    model, params = _lora_model(run)
+    batch = post.preference_batch(*_pairs(9, 2), seq_len=16)
+    opt = optax.sgd(1e-2)
+    state = model.init_optimizer(opt, params)
+    step = post.dpo_step(model, opt)
+    bad_ids = np.where(batch.sequence_ids == 3, 2, batch.sequence_ids)
+    odd = post.Scored(batch.tokens, batch.targets, bad_ids, 3, **batch.model_inputs())
+    with pytest.raises(ValueError, match="dpo_step: the batch must hold pairs"):
+        step(params, state, odd)
+    shifted = np.where(batch.targets == IGNORE, 0, -1)
+    wrong = post.Scored(batch.tokens, batch.targets, shifted, 4, **batch.model_inputs())
+    with pytest.raises(ValueError, match="sequence_ids must be >= 0 exactly where targets"):
+        step(params, state, wrong)
+    with pytest.raises(ValueError, match=r"ref_logprobs must be float \[4\]"):
+        step(params, state, batch, ref_logprobs=np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match=r"batch must be a jaxops\.models\.post\.Scored"):
+        step(params, state, batch.model_inputs())
+    with pytest.raises(ValueError, match="aux_weight"):
+        post.dpo_step(model, opt, aux_weight=-1)
+    pipe = models.MoEDecoder(**{**_settings(run.model), "mesh": fam.mesh("p2e4"),
+                                "num_microbatches": 2})  # fmt: skip
+    with pytest.raises(ConfigError, match="dpo_step: a mesh with a pipe axis of size 2"):
+        post.dpo_step(pipe, opt)
+    with pytest.raises(ValueError, match=r"model must be a jaxops\.models\.MoEDecoder"):
+        post.token_logprobs(object(), params, batch)
