@@ -136,6 +136,8 @@ CASES: list[tuple[str, Callable[[], object], type, type]] = [
      lambda: _post().preference_batch([[1]], [[2]], [[]], 8), IVE, ValueError),
     ("jaxops.models.post.dpo_loss", lambda: _post().dpo_loss(*[np.zeros(2)] * 4, beta=-1), IVE,
      ValueError),
+    ("jaxops.models.post.group_advantages", lambda: _post().group_advantages([1.0], 1), IVE,
+     ValueError),
     ("jaxops.models.post.dpo_step", lambda: _post().dpo_step(_decoder(), None, loss_type="kto"),
      IVE, ValueError),
 ]  # fmt: skip

@@ -391,3 +391,291 @@ def test_bad_batches_and_meshes_are_refused(hf_families):
         post.dpo_step(pipe, opt)
     with pytest.raises(ValueError, match=r"model must be a jaxops\.models\.MoEDecoder"):
         post.token_logprobs(object(), params, batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# GRPO / GSPO
+
+TRL_LOSS_TYPES = {"sequence": "grpo", "token": "bnpo", "constant": "dr_grpo"}
+
+
+def _np_grpo(lp, old, adv, mask, ref, beta, low, high, importance, aggregation, max_tokens):
+    """GRPO's / GSPO's objective in float64 numpy, from the papers' formulas."""
+    log_ratio = (lp - old) * mask
+    if importance == "sequence":
+        log_ratio = (log_ratio.sum(1) / mask.sum(1))[:, None] * np.ones_like(lp)
+    w = np.exp(log_ratio)
+    a = adv[:, None]
+    per_token = -np.minimum(w * a, np.clip(w, 1 - low, 1 + high) * a)
+    if beta:
+        d = ref - lp
+        per_token = per_token + beta * (np.exp(d) - d - 1)
+    per_token = per_token * mask
+    if aggregation == "sequence":
+        return np.mean(per_token.sum(1) / mask.sum(1))
+    if aggregation == "token":
+        return per_token.sum() / mask.sum()
+    return per_token.sum() / (lp.shape[0] * max_tokens)
+
+
+def _grpo_inputs(seed, rows=6, length=7):
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((rows, length))
+    for k in range(rows):
+        mask[k, : rng.integers(2, length + 1)] = 1
+    old = rng.normal(-2, 0.5, (rows, length))
+    lp = old + rng.normal(0, 0.3, (rows, length))  # some ratios outside the clip range
+    ref = old + rng.normal(0, 0.3, (rows, length))
+    return lp, old, rng.normal(0, 1, rows), mask, ref
+
+
+@pytest.mark.parametrize("importance", ["token", "sequence"])
+@pytest.mark.parametrize("aggregation", ["sequence", "token", "constant"])
+@pytest.mark.parametrize("beta", [0.0, 0.05], ids=["no-kl", "kl"])
+def test_grpo_loss_against_the_formulas_and_trl(importance, aggregation, beta):
+    lp, old, adv, mask, ref = _grpo_inputs(11)
+    low, high, max_tokens = 0.2, 0.28, 9
+    kw = dict(beta=beta, epsilon_low=low, epsilon_high=high, importance=importance,
+              aggregation=aggregation, max_tokens=max_tokens)  # fmt: skip
+    got, m = post.grpo_loss(lp, old, adv, mask, ref_logprobs=ref if beta else None, **kw)
+    want = _np_grpo(lp, old, adv, mask, ref, beta, low, high, importance, aggregation, max_tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    trl_loss, trl_metrics = _trl_grpo(TRL_LOSS_TYPES[aggregation], importance, lp, old, adv, mask,
+                                      ref, beta, low, high, max_tokens)  # fmt: skip
+    np.testing.assert_allclose(got, trl_loss, rtol=1e-5)
+    if beta:
+        np.testing.assert_allclose(m["kl"], trl_metrics["kl"], rtol=1e-5)
+    if importance == "token":
+        np.testing.assert_allclose(m["clip_ratio"], trl_metrics["clip_ratio/region_mean"])
+
+    # the gradient: float64 finite differences of the formula
+    def f(x):
+        return post.grpo_loss(x, old, adv, mask, ref_logprobs=ref if beta else None, **kw)[0]
+
+    g = np.asarray(jax.grad(f)(jnp.asarray(lp, jnp.float32)))
+    d, rng = 1e-6, np.random.default_rng(0)
+    for _ in range(4):
+        e = rng.normal(size=lp.shape)
+        fd = (_np_grpo(lp + d * e, old, adv, mask, ref, beta, low, high, importance, aggregation,
+                       max_tokens)
+              - _np_grpo(lp - d * e, old, adv, mask, ref, beta, low, high, importance,
+                         aggregation, max_tokens)) / (2 * d)  # fmt: skip
+        np.testing.assert_allclose(np.sum(g * e), fd, rtol=2e-3, atol=1e-6)
+
+
+def _trl_grpo(loss_type, importance, lp, old, adv, mask, ref, beta, low, high, max_tokens):
+    """TRL's GRPOTrainer._compute_loss (its own code) with a stand-in for the model's pass."""
+    trl = pytest.importorskip("trl")
+    t = {k: torch.tensor(v, dtype=torch.float64) for k, v in
+         dict(lp=lp, old=old, adv=adv, ref=ref).items()}  # fmt: skip
+    rows, length = lp.shape
+    acc = types.SimpleNamespace(
+        gather=lambda x: x,
+        gather_for_metrics=lambda x: x,
+        reduce=lambda x, reduction: x,
+        sync_gradients=True,
+        num_processes=1,
+    )
+    stub = types.SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda *a, **k: (t["lp"], torch.zeros_like(t["lp"]),
+                                                             None),
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        importance_sampling_level=importance,
+        beta=beta,
+        args=types.SimpleNamespace(use_bias_correction_kl=False, delta=None),
+        loss_type=loss_type,
+        epsilon_low=low,
+        epsilon_high=high,
+        use_vllm=False,
+        model=types.SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1,
+        max_completion_length=max_tokens,
+        _entropy_bonus_enabled=False,
+        aux_loss_enabled=False,
+        accelerator=acc,
+        _metrics={"train": collections.defaultdict(list)},
+    )  # fmt: skip
+    inputs = {
+        "prompt_ids": torch.zeros((rows, 2), dtype=torch.long),
+        "prompt_mask": torch.ones((rows, 2), dtype=torch.long),
+        "completion_ids": torch.zeros((rows, length), dtype=torch.long),
+        "completion_mask": torch.tensor(mask, dtype=torch.long),
+        "advantages": t["adv"],
+        "old_per_token_logps": t["old"],
+        "ref_per_token_logps": t["ref"],
+    }
+    loss = trl.GRPOTrainer._compute_loss(stub, None, inputs)
+    return float(loss), {k: v[-1] for k, v in stub._metrics["train"].items()}
+
+
+def test_group_advantages():
+    rewards = np.array([1.0, 0.0, 0.5, 2.0, 2.0, 2.0])
+    got = post.group_advantages(rewards, 3)
+    g = rewards.reshape(2, 3)
+    want = (g - g.mean(1, keepdims=True)) / (torch.tensor(g).std(1, keepdim=True).numpy() + 1e-4)
+    np.testing.assert_allclose(got, want.reshape(-1), rtol=1e-6)
+    assert (got[3:] == 0).all()  # a group of equal rewards teaches nothing
+    np.testing.assert_allclose(post.group_advantages(rewards, 3, scale=False),
+                               (g - g.mean(1, keepdims=True)).reshape(-1), rtol=1e-6)  # fmt: skip
+
+
+def _reward(prompts, completions):
+    """1 for a completion that starts with its prompt's last token, else 0 (a learnable task)."""
+    return [float(bool(c) and c[0] == p[-1]) for p, c in zip(prompts, completions, strict=True)]
+
+
+def test_rollout_is_reproducible_and_scored(hf_families):
+    run = hf_families.load("qwen3_moe", "1dev")
+    model, params = _lora_model(run)
+    prompts = [[5, 6, 7], [9], [3, 4]]
+    kw = dict(group_size=2, max_new_tokens=5, reward_fn=_reward, temperature=1.0, top_p=0.95,
+              eos_token_id=[3, 8], pad_token_id=0, reference="adapters")  # fmt: skip
+    a = post.rollout(model, params, prompts, key=jax.random.key(0), **kw)
+    b = post.rollout(model, params, prompts, key=jax.random.key(0), **kw)
+    c = post.rollout(model, params, prompts, key=jax.random.key(1), **kw)
+    np.testing.assert_array_equal(a.completions, b.completions)
+    np.testing.assert_array_equal(a.old_logprobs, b.old_logprobs)
+    assert not np.array_equal(a.completions, c.completions)
+    # the generated tokens are generate's; the mask runs up to and including the first EOS
+    ids, mask = _padded(prompts, 2)
+    want = models.generate(model, params, ids, 5, attention_mask=mask, temperature=1.0,
+                           top_p=0.95, key=jax.random.key(0), eos_token_id=[3, 8],
+                           pad_token_id=0)  # fmt: skip
+    np.testing.assert_array_equal(a.completions, np.asarray(want)[:, -5:])
+    for row, m in zip(a.completions, a.completion_mask, strict=True):
+        hits = np.flatnonzero(np.isin(row, [3, 8]))
+        end = hits[0] + 1 if hits.size else 5
+        assert m.tolist() == [True] * end + [False] * (5 - end)
+    np.testing.assert_allclose(a.rewards, _reward(*_lists(prompts, 2, a)))
+    np.testing.assert_allclose(a.advantages, post.group_advantages(a.rewards, 2))
+    # old log-probabilities: the batch scored by token_logprobs; the reference: the base model
+    jitted = jax.jit(post.token_logprobs, static_argnums=0)
+    np.testing.assert_allclose(a.old_logprobs, jitted(model, params, a.batch), rtol=1e-6)
+    np.testing.assert_allclose(a.ref_logprobs, jitted(run.model, run.params, a.batch), rtol=2e-6,
+                               atol=1e-6)  # fmt: skip
+    assert ((a.batch.targets != IGNORE).sum(1) == a.completion_mask.sum(1)).all()
+    # text rewards through a decode callable
+    seen = []
+    post.rollout(model, params, prompts, key=jax.random.key(0),
+                 decode=lambda ids: " ".join(map(str, ids)),
+                 **{**kw, "reward_fn": lambda p, c: seen.extend(p) or [0.0] * len(p)})  # fmt: skip
+    assert seen[:2] == ["5 6 7", "5 6 7"]
+
+
+def _padded(prompts, group):
+    width = max(map(len, prompts))
+    ids = np.zeros((len(prompts) * group, width), np.int32)
+    mask = np.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        for g in range(group):
+            ids[i * group + g, width - len(p) :] = p
+            mask[i * group + g, width - len(p) :] = 1
+    return ids, mask
+
+
+def _lists(prompts, group, r):
+    ps = [p for p in prompts for _ in range(group)]
+    cs = [row[m & ~np.isin(row, [3, 8])].tolist() for row, m in
+          zip(r.completions, r.completion_mask, strict=True)]  # fmt: skip
+    return ps, cs
+
+
+@pytest.mark.parametrize("importance", ["token", "sequence"])
+def test_grpo_step_gradient_is_the_reference_losss(hf_families, importance):
+    """With sgd(1) the step's update is minus the gradient: jax.grad of grpo_loss on
+    token_logprobs, after one step has moved the policy off the rollout's (ratios != 1)."""
+    run = hf_families.load("qwen3_moe", "1dev")
+    model, params = _lora_model(run)
+    r = post.rollout(model, params, [[5, 6, 7], [9, 2]], group_size=3, max_new_tokens=4,
+                     reward_fn=lambda p, c: [float(len(set(x))) for x in c],
+                     key=jax.random.key(2), reference="adapters")  # fmt: skip
+    kw = dict(beta=0.04, epsilon_low=0.2, epsilon_high=0.28, importance=importance)
+    opt = optax.sgd(1.0)
+    state = model.init_optimizer(opt, params)
+    step = post.grpo_step(model, optax.sgd(0.05), aux_weight=0.0, **kw)
+    params, _, _ = step(params, state, r.batch, **r.step_inputs())  # off-policy now
+    mask = r.batch.targets != IGNORE
+
+    def reference(adapters):
+        p = jax.tree.map(lambda a, b: b if a is None else a, adapters, params,
+                         is_leaf=lambda x: x is None)  # fmt: skip
+        lp = post.token_logprobs(model, p, r.batch)
+        return post.grpo_loss(lp, r.old_logprobs, r.advantages, mask,
+                              ref_logprobs=r.ref_logprobs, **kw)  # fmt: skip
+
+    (want_loss, want_m), want = jax.jit(jax.value_and_grad(reference, has_aux=True))(
+        model.trainable(params)
+    )
+    assert float(want_m["ratio"]) != 1.0
+    before = jax.tree.map(np.asarray, params)
+    step = post.grpo_step(model, opt, aux_weight=0.0, **kw)
+    new, _, m = step(params, state, r.batch, **r.step_inputs())
+    np.testing.assert_allclose(m["loss"], want_loss, rtol=1e-5)
+    new = jax.tree.map(np.asarray, new)
+    got = jax.tree.map(lambda b, a: b - a, model.trainable(before), model.trainable(new))
+    for (path, g), w in zip(
+        jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), strict=True
+    ):
+        scale = float(np.abs(w).max())
+        assert scale > 0, jax.tree_util.keystr(path)
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-5 * scale,
+                                   err_msg=jax.tree_util.keystr(path))  # fmt: skip
+    for (path, b), a in zip(jax.tree_util.tree_flatten_with_path(before)[0],
+                            jax.tree.leaves(new), strict=True):  # fmt: skip
+        if "_lora_" not in jax.tree_util.keystr(path):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_grpo_on_data_x_expert_equals_one_device(hf_families):
+    """The rollout (generate on data 2 x expert 4) and two steps on it equal one device's."""
+    run = hf_families.load("qwen3_moe", "1dev")
+    prompts = [[5, 6, 7], [9, 2], [1], [4, 4, 4]]
+    out = {}
+    for mesh_name in ("1dev", "d2e4"):
+        model, params = _lora_model(run, mesh_name)
+        r = post.rollout(model, params, prompts, group_size=2, max_new_tokens=4,
+                         reward_fn=_reward, key=jax.random.key(3), temperature=1.0)  # fmt: skip
+        opt = optax.adam(1e-2)
+        state = model.init_optimizer(opt, params)
+        step = post.grpo_step(model, opt, aggregation="token")
+        ms = []
+        for _ in range(2):
+            params, state, m = step(params, state, r.batch, **r.step_inputs())
+            ms.append({k: float(v) for k, v in m.items()})
+        out[mesh_name] = (r, ms)
+    (a, ma), (b, mb) = out["1dev"], out["d2e4"]
+    np.testing.assert_array_equal(a.completions, b.completions)
+    np.testing.assert_allclose(a.old_logprobs, b.old_logprobs, rtol=1e-5, atol=1e-6)
+    for x, y in zip(ma, mb, strict=True):
+        for k in x:
+            np.testing.assert_allclose(x[k], y[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_grpo_refusals(hf_families):
+    run = hf_families.load("qwen3_moe", "1dev")
+    model, params = _lora_model(run)
+    kw = dict(max_new_tokens=2, reward_fn=_reward, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="group_size must be an int >= 2"):
+        post.rollout(model, params, [[1]], group_size=1, **kw)
+    with pytest.raises(ValueError, match=r"prompts\[1\] must be a non-empty"):
+        post.rollout(model, params, [[1], []], group_size=2, **kw)
+    with pytest.raises(ValueError, match="reward_fn must return 2 numbers"):
+        post.rollout(model, params, [[1]], group_size=2, **{**kw, "reward_fn": lambda p, c: [1.0]})
+    with pytest.raises(ValueError, match="reward_fn returned nan for completion 1"):
+        post.rollout(model, params, [[1]], group_size=2,
+                     **{**kw, "reward_fn": lambda p, c: [1.0, float("nan")]})  # fmt: skip
+    base = models.MoEDecoder(**_settings(run.model))
+    with pytest.raises(ConfigError, match="reference must be None, 'adapters'"):
+        post.rollout(base, run.params, [[1]], group_size=2, reference="adapters", **kw)
+    lp, old, adv, mask, _ = _grpo_inputs(1)
+    with pytest.raises(ValueError, match="needs ref_logprobs"):
+        post.grpo_loss(lp, old, adv, mask, beta=0.1)
+    with pytest.raises(ValueError, match=r"advantages must be float \[6\]"):
+        post.grpo_loss(lp, old, adv[:3], mask)
+    with pytest.raises(ValueError, match="importance must be one of"):
+        post.grpo_loss(lp, old, adv, mask, importance="seq")
+    with pytest.raises(ValueError, match="epsilon_low must be"):
+        post.grpo_step(model, optax.sgd(1.0), epsilon_low=0)
+    with pytest.raises(ValueError, match=r"rewards\[1\] is inf"):
+        post.group_advantages([0.0, np.inf], 2)

@@ -8,6 +8,13 @@
   :func:`reference_logprobs` and :func:`dpo_step` (a jitted step: with LoRA the reference is
   the same model with its adapters disabled, no second copy of the weights).
 
+- GRPO: :func:`rollout` (G completions per prompt from :func:`~jaxops.models.generate` on the
+  parameters being trained, a reward function, :func:`group_advantages`, the sampling policy's
+  and the reference's log-probabilities: a :class:`Rollout`), :func:`grpo_loss` (the clipped
+  objective with the ratio per token or per sequence, GSPO; :data:`IMPORTANCE_LEVELS`; the
+  aggregations of GRPO, DAPO and Dr. GRPO, :data:`GRPO_AGGREGATIONS`; the k3 KL term) and
+  :func:`grpo_step`.
+
 Meshes: data, expert and ZeRO; a pipe or context axis, and gradient accumulation, are refused
 (not built yet).
 """
@@ -19,16 +26,32 @@ if __name__ != "jaxops.models.post":
     )
 
 from ._dpo import DPO_LOSSES, PostStep, dpo_loss, dpo_step, preference_batch, reference_logprobs
+from ._grpo import (
+    GRPO_AGGREGATIONS,
+    IMPORTANCE_LEVELS,
+    Rollout,
+    group_advantages,
+    grpo_loss,
+    grpo_step,
+    rollout,
+)
 from ._scores import Scored, sequence_logprobs, token_logprobs
 
 __all__ = [
     "DPO_LOSSES",
+    "GRPO_AGGREGATIONS",
+    "IMPORTANCE_LEVELS",
     "PostStep",
+    "Rollout",
     "Scored",
     "dpo_loss",
     "dpo_step",
+    "group_advantages",
+    "grpo_loss",
+    "grpo_step",
     "preference_batch",
     "reference_logprobs",
+    "rollout",
     "sequence_logprobs",
     "token_logprobs",
 ]
