@@ -69,8 +69,6 @@ class PackedBatch:
       positions: each token's position in its document, ``0 .. len - 1``; 0 at padding.
       fill_ratio: real (non-padding) tokens / ``B * S``; 0.0 when ``B == 0``.
       num_sequences: the number of documents packed (empty input sequences are not counted).
-      sequence_index: ``int32 [B, S]``: the index in the input `sequences` of the document each
-        token belongs to; -1 at padding.
     """
 
     tokens: np.ndarray
@@ -79,7 +77,6 @@ class PackedBatch:
     positions: np.ndarray
     fill_ratio: float
     num_sequences: int
-    sequence_index: np.ndarray
 
     def model_inputs(self) -> dict[str, np.ndarray]:
         """The keyword arguments of ``MoEDecoder.loss`` after ``params``.
@@ -380,8 +377,6 @@ def pack_sequences(
     positions = np.zeros((num_rows, seq_len), np.int32)
     positions[real] = np.repeat(doc_col.astype(np.int32), doc_len)  # the document's first column
     np.subtract(columns, positions, out=positions, where=real)
-    sequence_index = np.full((num_rows, seq_len), -1, np.int32)
-    sequence_index[real] = np.repeat(kept[layout].astype(np.int32), doc_len)
     # Token i predicts token i + 1 where both are of the same document and i + 1 is a target.
     is_target = segment_ids[:, 1:] == segment_ids[:, :-1]
     is_target &= real[:, 1:]
@@ -399,5 +394,4 @@ def pack_sequences(
         positions=positions,
         fill_ratio=flat_tokens.size / (num_rows * seq_len) if num_rows else 0.0,
         num_sequences=int(layout.size),
-        sequence_index=sequence_index,
     )

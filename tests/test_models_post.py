@@ -57,7 +57,7 @@ def _hf_sequence_logprobs(torch_model, prompts, chosen, rejected) -> np.ndarray:
 def test_sequence_logprobs_equal_transformers(hf_families, family, pack):
     run = hf_families.load(family, "1dev")
     prompts, chosen, rejected = _pairs(1, 3)
-    batch = post.preference_batch(prompts, chosen, rejected, seq_len=16, pack=pack)
+    batch = post.preference_batch(prompts, chosen, rejected, seq_len=24, pack=pack)
     got = jax.jit(post.sequence_logprobs, static_argnums=0)(run.model, run.params, batch)
     want = _hf_sequence_logprobs(run.torch_model, prompts, chosen, rejected)
     err = np.abs(np.asarray(got) - want).max()
@@ -69,7 +69,7 @@ def test_token_logprobs_vocab_chunks_and_gradients(hf_families):
     """With vocab_chunk the per-token log-probabilities and their gradients are the whole head's."""
     run = hf_families.load("qwen3_moe", "1dev")
     chunked = models.MoEDecoder(**{**_settings(run.model), "vocab_chunk": 48})
-    batch = post.preference_batch(*_pairs(2, 2), seq_len=16)
+    batch = post.preference_batch(*_pairs(2, 2), seq_len=24)
     weights = jnp.asarray(np.random.default_rng(0).normal(size=batch.tokens.shape), jnp.float32)
 
     def f(model, params):
@@ -228,7 +228,7 @@ def _lora_model(run, mesh_name="1dev", **settings):
 def test_reference_by_disabled_adapters_equals_a_frozen_base(hf_families):
     run = hf_families.load("qwen3_moe", "1dev")
     model, params = _lora_model(run)
-    batch = post.preference_batch(*_pairs(4, 3), seq_len=16)
+    batch = post.preference_batch(*_pairs(4, 3), seq_len=24)
     got = post.reference_logprobs(model, params, batch)
     want = jax.jit(post.sequence_logprobs, static_argnums=0)(run.model, run.params, batch)
     np.testing.assert_allclose(got, want, rtol=1e-6)
@@ -247,7 +247,7 @@ def test_dpo_step_gradient_is_the_reference_losss(hf_families, loss_type):
     written from the public pieces (sequence_logprobs, dpo_loss); the base stays as it was."""
     run = hf_families.load("qwen3_moe", "1dev")
     model, params = _lora_model(run)
-    batch = post.preference_batch(*_pairs(5, 3), seq_len=16)
+    batch = post.preference_batch(*_pairs(5, 3), seq_len=24)
     ref = post.reference_logprobs(model, params, batch)
     counts = np.bincount(batch.sequence_ids[batch.sequence_ids >= 0], minlength=6)
     norm = counts if loss_type == "ipo" else np.ones(6)
@@ -289,7 +289,7 @@ def test_dpo_step_on_data_x_expert_equals_one_device(hf_families):
     """The metrics of adamw DPO steps (given reference log-probabilities; the MoE aux losses in,
     as the model has them) on data 2 x expert 4 equal one device's; the loss falls."""
     run = hf_families.load("qwen3_moe", "1dev")
-    batch = post.preference_batch(*_pairs(6, 8), seq_len=16, row_multiple=8)
+    batch = post.preference_batch(*_pairs(6, 8), seq_len=24, row_multiple=8)
     out = {}
     for mesh_name in ("1dev", "d2e4"):
         model, params = _lora_model(run, mesh_name, router_aux_loss_coef=0.01)
@@ -315,7 +315,7 @@ def test_full_weights_dpo_with_a_frozen_copy(hf_families):
     run = hf_families.load("mixtral", "1dev")
     params = jax.tree.map(jnp.array, run.params)
     ref_params = jax.tree.map(jnp.array, run.params)
-    batch = post.preference_batch(*_pairs(8, 2), seq_len=16)
+    batch = post.preference_batch(*_pairs(8, 2), seq_len=24)
     opt = optax.sgd(1e-2)
     state = run.model.init_optimizer(opt, params)
     step = post.dpo_step(run.model, opt, aux_weight=0.0)
@@ -339,6 +339,13 @@ def test_preference_batch_layouts():
             assert (b.targets[ids == k] == np.array(resp)).all(), (k, b)
         assert ((ids >= 0) == (b.targets != IGNORE)).all()
     assert packed.tokens.shape[0] % 2 == 0 and rows.tokens.shape == (4, 8)
+    # packed: a pair's two sequences in one row (the longer pair first), positions restart
+    assert [sorted({int(r) for r in np.nonzero(packed.sequence_ids == k)[0]}) for k in range(4)] \
+        == [[0], [0], [1], [1]]  # fmt: skip
+    assert packed.positions[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert packed.segment_ids[0].tolist() == [1] * 5 + [2] * 3
+    many = post.preference_batch([[1]] * 5, [[2, 3]] * 5, [[4]] * 5, seq_len=10)
+    assert many.tokens.shape == (3, 10) and many.num_sequences == 10  # 5 tokens a pair, 2 a row
     assert rows.attention_mask.tolist()[0] == [1] * 5 + [0] * 3
 
 
@@ -367,7 +374,7 @@ def test_bad_input_is_refused(call, error):
 def test_bad_batches_and_meshes_are_refused(hf_families):
     run = hf_families.load("qwen3_moe", "1dev")
     model, params = _lora_model(run)
-    batch = post.preference_batch(*_pairs(9, 2), seq_len=16)
+    batch = post.preference_batch(*_pairs(9, 2), seq_len=24)
     opt = optax.sgd(1e-2)
     state = model.init_optimizer(opt, params)
     step = post.dpo_step(model, opt)

@@ -26,7 +26,7 @@ from jaxops._errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 from .. import _train
 from .._decoder import MoEDecoder
 from .._layout import with_frozen
-from .._packing import IGNORE_INDEX, pack_sequences
+from .._packing import IGNORE_INDEX
 from ._scores import Scored, _check, check_model, disabled_adapters, per_sequence, scores
 
 __all__ = [
@@ -180,10 +180,10 @@ def preference_batch(
       chosen: P non-empty 1-D sequences: the preferred responses.
       rejected: P non-empty 1-D sequences: the others.
       seq_len: S, the row length.
-      pack: True: the 2P sequences packed as documents into rows
-        (:func:`~jaxops.models.pack_sequences`, first-fit decreasing: each attends to itself
-        only, positions restart); False: one sequence per row, right-padded (rows ``2i`` and
-        ``2i + 1`` the pair).
+      pack: True: each pair's two sequences side by side in one row as two documents (each
+        attends to itself only, positions restart), the pairs packed into rows first-fit
+        decreasing (longest first, each into the first row with room); False: one sequence per
+        row, right-padded (rows ``2i`` and ``2i + 1`` the pair).
       row_multiple: the rows rounded up to a multiple of it (the batch devices of the mesh);
         rows added are padding.
       pad_id: the token id of padding.
@@ -192,8 +192,8 @@ def preference_batch(
       A Scored batch with ``num_sequences = 2P`` (NumPy int32 arrays).
 
     Raises:
-      ValueError: lists of different lengths, no pair, an empty response, a sequence longer
-        than `seq_len` (naming it).
+      ValueError: lists of different lengths, no pair, an empty response, a sequence (with
+        `pack` a pair) longer than `seq_len` (naming it).
 
     Example:
       >>> from jaxops.models.post import preference_batch
@@ -230,29 +230,72 @@ def preference_batch(
             docs.append(doc)
             masks.append(np.r_[np.zeros(p.size, bool), np.ones(r.size, bool)])
     if pack:
-        packed = pack_sequences(
-            docs, seq_len, loss_masks=masks, row_multiple=row_multiple, pad_id=pad_id
-        )
-        ids = np.where(packed.targets != IGNORE_INDEX, packed.sequence_index, -1)
-        return Scored(
-            packed.tokens,
-            packed.targets,
-            ids.astype(np.int32),
-            len(docs),
-            positions=packed.positions,
-            segment_ids=packed.segment_ids,
-        )
+        return _packed_pairs(op, docs, masks, seq_len, row_multiple, pad_id)
     rows = -(-len(docs) // row_multiple) * row_multiple
-    tokens = np.full((rows, seq_len), pad_id, np.int32)
-    targets = np.full((rows, seq_len), IGNORE_INDEX, np.int32)
-    mask = np.zeros((rows, seq_len), np.int32)
+    arrays = _Arrays(rows, seq_len, pad_id)
     for k, (doc, m) in enumerate(zip(docs, masks, strict=True)):
-        tokens[k, : doc.size] = doc
-        mask[k, : doc.size] = 1
-        scored = np.flatnonzero(m[1:])
-        targets[k, scored] = doc[scored + 1]
-    ids = np.where(targets != IGNORE_INDEX, np.arange(rows, dtype=np.int32)[:, None], -1)
-    return Scored(tokens, targets, ids.astype(np.int32), len(docs), attention_mask=mask)
+        arrays.place(k, 0, doc, m, k, segment=None)
+    return arrays.scored(len(docs), packed=False)
+
+
+class _Arrays:
+    """The ``[B, S]`` arrays of a Scored batch, filled one sequence at a time."""
+
+    def __init__(self, rows: int, seq_len: int, pad_id: int):
+        shape = (rows, seq_len)
+        self.tokens = np.full(shape, pad_id, np.int32)
+        self.targets = np.full(shape, IGNORE_INDEX, np.int32)
+        self.ids = np.full(shape, -1, np.int32)
+        self.mask = np.zeros(shape, np.int32)
+        self.segments = np.zeros(shape, np.int32)
+        self.positions = np.zeros(shape, np.int32)
+
+    def place(self, row: int, col: int, doc: np.ndarray, m: np.ndarray, k: int, segment):
+        """Sequence `k` (`doc`, its scored tokens `m`) at ``[row, col:]``."""
+        end = col + doc.size
+        self.tokens[row, col:end] = doc
+        self.mask[row, col:end] = 1
+        self.positions[row, col:end] = np.arange(doc.size)
+        if segment is not None:
+            self.segments[row, col:end] = segment
+        scored = np.flatnonzero(m[1:])  # token j + 1 is scored: the target at j
+        self.targets[row, col + scored] = doc[scored + 1]
+        self.ids[row, col + scored] = k
+
+    def scored(self, n: int, packed: bool) -> Scored:
+        if packed:
+            return Scored(self.tokens, self.targets, self.ids, n, positions=self.positions,
+                          segment_ids=self.segments)  # fmt: skip
+        return Scored(self.tokens, self.targets, self.ids, n, attention_mask=self.mask)
+
+
+def _packed_pairs(op, docs, masks, seq_len, row_multiple, pad_id) -> Scored:
+    """Each pair's two sequences side by side in one row, the pairs first-fit decreasing."""
+    lengths = np.array([docs[2 * i].size + docs[2 * i + 1].size for i in range(len(docs) // 2)])
+    if (lengths > seq_len).any():
+        i = int(np.argmax(lengths > seq_len))
+        raise InvalidArgumentError(
+            f"{op}: pair {i} has {lengths[i]} tokens (prompt twice, both responses), more than "
+            f"seq_len={seq_len} (pack=False places its sequences in rows of their own)"
+        )
+    fill: list[int] = []
+    where = {}
+    for i in np.argsort(-lengths, kind="stable"):  # longest first, each into the first row
+        row = next((r for r, f in enumerate(fill) if f + lengths[i] <= seq_len), len(fill))
+        if row == len(fill):
+            fill.append(0)
+        where[int(i)] = (row, fill[row])
+        fill[row] += int(lengths[i])
+    rows = -(-len(fill) // row_multiple) * row_multiple
+    arrays = _Arrays(rows, seq_len, pad_id)
+    documents = [0] * rows  # documents placed so far per row (segment ids 1, 2, ...)
+    for i in range(len(lengths)):  # in input order within a row
+        row, col = where[i]
+        for k in (2 * i, 2 * i + 1):
+            documents[row] += 1
+            arrays.place(row, col, docs[k], masks[k], k, segment=documents[row])
+            col += docs[k].size
+    return arrays.scored(len(docs), packed=True)
 
 
 class PostStep:
