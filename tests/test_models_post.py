@@ -686,3 +686,45 @@ def test_grpo_refusals(hf_families):
         post.grpo_step(model, optax.sgd(1.0), epsilon_low=0)
     with pytest.raises(ValueError, match=r"rewards\[1\] is inf"):
         post.group_advantages([0.0, np.inf], 2)
+
+
+@pytest.mark.parametrize("mesh_name", ["1dev", "d2e4"])
+def test_gradient_accumulation_equals_one_pass(hf_families, mesh_name):
+    """num_microbatches=2: the DPO step (its in-step reference per microbatch) and the GRPO
+    step give the one-pass metrics and parameters (the aux losses left out: per microbatch they
+    differ, as the model's own loss's do)."""
+    run = hf_families.load("qwen3_moe", "1dev")
+    batch = post.preference_batch(*_pairs(12, 8), seq_len=24, row_multiple=16)
+    model, params = _lora_model(run, mesh_name)
+    r = post.rollout(model, params, [[5, 6, 7], [9, 2], [1], [4, 4, 4]], group_size=4,
+                     max_new_tokens=4, reward_fn=_reward, key=jax.random.key(5),
+                     reference="adapters")  # fmt: skip
+    out = {}
+    for m in (1, 2):
+        model, params = _lora_model(run, mesh_name, num_microbatches=m)
+        opt = optax.adam(1e-2)
+        state = model.init_optimizer(opt, params)
+        dpo = post.dpo_step(model, opt, beta=0.3, aux_weight=0.0)
+        grpo = post.grpo_step(model, opt, beta=0.05, importance="sequence", aux_weight=0.0)
+        metrics = []
+        for _ in range(2):
+            params, state, md = dpo(params, state, batch)
+            params, state, mg = grpo(params, state, r.batch, **r.step_inputs())
+            metrics.append({**{f"dpo/{k}": float(v) for k, v in md.items()},
+                            **{f"grpo/{k}": float(v) for k, v in mg.items()}})  # fmt: skip
+        out[m] = metrics, jax.tree.map(np.asarray, model.trainable(params))
+    for a, b in zip(out[1][0], out[2][0], strict=True):
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], rtol=2e-5, atol=1e-6, err_msg=k)
+    for a, b in zip(jax.tree.leaves(out[1][1]), jax.tree.leaves(out[2][1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_pairs_straddling_microbatches_are_refused(hf_families):
+    run = hf_families.load("qwen3_moe", "1dev")
+    model, params = _lora_model(run, num_microbatches=2)
+    batch = post.preference_batch(*_pairs(13, 3), seq_len=24, pack=False)  # rows 0-2 | 3-5
+    opt = optax.sgd(1e-2)
+    step = post.dpo_step(model, opt)
+    with pytest.raises(ValueError, match=r"pair 1's chosen and rejected sequences fall in"):
+        step(params, model.init_optimizer(opt, params), batch)

@@ -15,8 +15,8 @@
   aggregations of GRPO, DAPO and Dr. GRPO, :data:`GRPO_AGGREGATIONS`; the k3 KL term) and
   :func:`grpo_step`.
 
-Meshes: data, expert and ZeRO; a pipe or context axis, and gradient accumulation, are refused
-(not built yet).
+Meshes: data, expert and ZeRO, with gradient accumulation (``num_microbatches``); a pipe or
+context axis is refused (not built yet).
 """
 
 if __name__ != "jaxops.models.post":

@@ -25,9 +25,16 @@ from jaxops._errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 
 from .. import _train
 from .._decoder import MoEDecoder
-from .._layout import with_frozen
 from .._packing import IGNORE_INDEX
-from ._scores import Scored, _check, check_model, disabled_adapters, per_sequence, scores
+from ._scores import (
+    Scored,
+    _check,
+    accumulated,
+    check_model,
+    disabled_adapters,
+    per_sequence,
+    scores,
+)
 
 __all__ = [
     "DPO_LOSSES",
@@ -123,22 +130,32 @@ def dpo_loss(
                 f"{op}: {name} must be float [P] like chosen {list(arrays[0].shape)}, got "
                 f"{list(a.shape)}"
             )
-    c, r, rc, rr = arrays
+    losses, chosen_rewards, rejected_rewards = _pair_terms(
+        *arrays, beta, label_smoothing, loss_type
+    )
+    return jnp.mean(losses), _reward_metrics(chosen_rewards, rejected_rewards, None, len(losses))
+
+
+def _pair_terms(c, r, rc, rr, beta, label_smoothing, loss_type):
+    """``(losses [P], chosen rewards [P], rejected rewards [P])`` of :func:`dpo_loss`."""
     h = (c - rc) - (r - rr)
     if loss_type == "sigmoid":
         eps = label_smoothing
         losses = -(1 - eps) * jax.nn.log_sigmoid(beta * h) - eps * jax.nn.log_sigmoid(-beta * h)
     else:
         losses = (h - 1 / (2 * beta)) ** 2
-    chosen_rewards = beta * jax.lax.stop_gradient(c - rc)
-    rejected_rewards = beta * jax.lax.stop_gradient(r - rr)
-    metrics = {
-        "rewards/chosen": jnp.mean(chosen_rewards),
-        "rewards/rejected": jnp.mean(rejected_rewards),
-        "rewards/margins": jnp.mean(chosen_rewards - rejected_rewards),
-        "rewards/accuracies": jnp.mean((chosen_rewards > rejected_rewards).astype(jnp.float32)),
+    return losses, beta * jax.lax.stop_gradient(c - rc), beta * jax.lax.stop_gradient(r - rr)
+
+
+def _reward_metrics(chosen, rejected, present, pairs) -> dict[str, jax.Array]:
+    """The rewards' metrics: sums over the `present` pairs (all: None) over `pairs`."""
+    keep = jnp.ones_like(chosen) if present is None else present.astype(jnp.float32)
+    return {
+        "rewards/chosen": jnp.sum(keep * chosen) / pairs,
+        "rewards/rejected": jnp.sum(keep * rejected) / pairs,
+        "rewards/margins": jnp.sum(keep * (chosen - rejected)) / pairs,
+        "rewards/accuracies": jnp.sum(keep * (chosen > rejected)) / pairs,
     }
-    return jnp.mean(losses), metrics
 
 
 def _ids(op: str, name: str, seq: Any, i: int, allow_empty: bool) -> np.ndarray:
@@ -306,13 +323,40 @@ class PostStep:
     the call, as the decoder's methods check theirs).
     """
 
-    def __init__(self, model: MoEDecoder, op: str, fn: Any):
-        self._model, self._op = model, op
+    def __init__(self, model: MoEDecoder, op: str, fn: Any, check: Any = None):
+        self._model, self._op, self._extra = model, op, check
         self._step = _train.TrainStep(model.layout.mesh, fn)
 
     def __call__(self, params: Any, opt_state: Any, batch: Scored, **references: Any) -> Any:
         _check(self._op, self._model, batch)
+        if self._extra is not None:
+            self._extra(batch)
         return self._step(params, opt_state, batch, **references)
+
+
+def _pairs_whole(op: str, layout: Any, batch: Scored) -> None:
+    """Refuses a host batch whose pairs straddle microbatches (their loss needs both halves)."""
+    m = layout.num_microbatches
+    ids = batch.sequence_ids
+    if m == 1 or isinstance(ids, jax.Array):
+        return
+    ids = np.asarray(ids)
+    rows = ids.shape[0]
+    per_shard = rows // layout.batch_devices
+    # split_microbatches: microbatch i takes the i-th slice of every device's rows
+    micro = (np.arange(rows) % per_shard) // (per_shard // m)
+    where = np.full(batch.num_sequences, -1)
+    for r in range(rows):
+        for k in np.unique(ids[r][ids[r] >= 0]):
+            where[k] = micro[r]
+    split = np.flatnonzero(where[0::2] != where[1::2])
+    if split.size:
+        i = int(split[0])
+        raise InvalidArgumentError(
+            f"{op}: pair {i}'s chosen and rejected sequences fall in microbatches "
+            f"{where[2 * i]} and {where[2 * i + 1]} of {m}: with num_microbatches > 1 keep each "
+            "pair in one row (preference_batch(pack=True))"
+        )
 
 
 def _reference(
@@ -392,7 +436,10 @@ def dpo_step(
     with ``"sigmoid"`` the sum.
 
     Args:
-      model: the decoder (a mesh without pipe or context axes, ``num_microbatches=1``).
+      model: the decoder (a mesh without pipe or context axes). With ``num_microbatches`` M > 1
+        the batch's rows run in M microbatches one after another, the gradients accumulated
+        (each pair must lie in one microbatch: ``preference_batch(pack=True)`` keeps a pair in
+        one row; the reference's forward runs per microbatch too).
       optimizer: an optax ``GradientTransformation``; its state from
         :meth:`MoEDecoder.init_optimizer`.
       beta: :func:`dpo_loss`'s.
@@ -443,35 +490,43 @@ def dpo_step(
         ids = jnp.asarray(batch.sequence_ids)
         counts = per_sequence(jnp.ones(ids.shape, jnp.float32), ids, n, layout.mesh)
         norm = jnp.maximum(counts, 1.0) if ipo else jnp.ones((n,), jnp.float32)
-        if ref_logprobs is None:
-            ref = _reference(op, layout, params, checked, batch, ref_params)
-        else:
-            ref = jax.lax.stop_gradient(jnp.asarray(ref_logprobs, jnp.float32))
-            if ref.shape != (n,):
+        given = None
+        if ref_logprobs is not None:
+            given = jax.lax.stop_gradient(jnp.asarray(ref_logprobs, jnp.float32))
+            if given.shape != (n,):
                 raise InvalidArgumentError(
                     f"{op}: ref_logprobs must be float [{n}] (one per sequence), got "
-                    f"{list(ref.shape)}"
+                    f"{list(given.shape)}"
                 )
-        ref = ref / norm
-
-        def loss(wrt):
-            p = with_frozen(wrt, params) if lora else wrt
-            lp, aux = scores(layout, p, checked)
-            seq = per_sequence(lp, ids, n, layout.mesh) / norm
-            value, metrics = dpo_loss(
-                seq[0::2],
-                seq[1::2],
-                ref[0::2],
-                ref[1::2],
-                beta=beta,
-                label_smoothing=label_smoothing,
-                loss_type=loss_type,
+        if given is None and ref_params is None and not lora:
+            raise ConfigError(
+                f"{op}: without lora the reference needs ref_logprobs (precomputed) or "
+                "ref_params (a frozen copy of the parameters)"
             )
-            return value + aux_weight * aux, {**metrics, "loss": value, "aux": aux}
+        m, pairs = layout.num_microbatches, n // 2
 
-        wrt = layout.trainable(params)
-        (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(wrt)
+        def part(p, mb, rows):  # a microbatch's share: its whole pairs over all P
+            mb_ids = rows["ids"]
+            lp, aux = scores(layout, p, mb)
+            seq = per_sequence(lp, mb_ids, n, layout.mesh) / norm
+            here = per_sequence(jnp.ones(mb_ids.shape, jnp.float32), mb_ids, n, layout.mesh)
+            present = (here[0::2] > 0) & (here[1::2] > 0)
+            if given is None:
+                reference = disabled_adapters(layout, p) if ref_params is None else ref_params
+                ref_lp = scores(layout, jax.lax.stop_gradient(reference), mb)[0]
+                ref = jax.lax.stop_gradient(per_sequence(ref_lp, mb_ids, n, layout.mesh))
+            else:
+                ref = given
+            ref = ref / norm
+            losses, chosen, rejected = _pair_terms(
+                seq[0::2], seq[1::2], ref[0::2], ref[1::2], beta, label_smoothing, loss_type
+            )
+            value = jnp.sum(jnp.where(present, losses, 0.0)) / pairs
+            metrics = {**_reward_metrics(chosen, rejected, present, pairs), "loss": value}
+            return value + aux_weight * aux / m, {**metrics, "aux": aux / m}
+
+        _, metrics, grads = accumulated(layout, params, checked, {"ids": ids}, part)
         params, opt_state = _train.apply_update(layout, optimizer, params, opt_state, grads)
         return params, opt_state, metrics
 
-    return PostStep(model, op, step)
+    return PostStep(model, op, step, check=lambda batch: _pairs_whole(op, layout, batch))

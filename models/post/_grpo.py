@@ -26,10 +26,9 @@ from jaxops._errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 from .. import _train
 from .._decoder import MoEDecoder
 from .._generate import generate
-from .._layout import with_frozen
 from .._packing import IGNORE_INDEX
 from ._dpo import PostStep
-from ._scores import Scored, _check, check_model, disabled_adapters, scores
+from ._scores import Scored, _check, accumulated, check_model, disabled_adapters, scores
 
 __all__ = [
     "GRPO_AGGREGATIONS",
@@ -103,6 +102,26 @@ def group_advantages(rewards: Any, group_size: int, *, scale: bool = True) -> np
     if scale:
         adv = adv / (groups.std(1, ddof=1, keepdims=True) + 1e-4)
     return adv.reshape(-1).astype(np.float32)
+
+
+def _shapes(op, shape, old_logprobs, advantages, ref_logprobs, beta) -> None:
+    """Refuses per-token arrays not shaped ``[B, T]`` like the log-probabilities (`shape`)."""
+    shaped = {"old_logprobs": old_logprobs}
+    if ref_logprobs is not None:
+        shaped["ref_logprobs"] = ref_logprobs
+    for name, a in shaped.items():
+        if tuple(np.shape(a)) != tuple(shape):
+            raise InvalidArgumentError(
+                f"{op}: {name} must be shaped like the log-probabilities {list(shape)}, got "
+                f"{list(np.shape(a))}"
+            )
+    if tuple(np.shape(advantages)) != tuple(shape[:1]):
+        raise InvalidArgumentError(
+            f"{op}: advantages must be float [{shape[0]}] (one per sequence), got "
+            f"{list(np.shape(advantages))}"
+        )
+    if beta > 0 and ref_logprobs is None:
+        raise InvalidArgumentError(f"{op}: beta={beta} > 0 needs ref_logprobs (the KL term)")
 
 
 def _check_objective(op, epsilon_low, epsilon_high, beta, importance, aggregation):
@@ -180,23 +199,23 @@ def grpo_loss(
     lp = jnp.asarray(logprobs, jnp.float32)
     if lp.ndim != 2:
         raise InvalidArgumentError(f"{op}: logprobs must be float [B, T], got {list(lp.shape)}")
-    shaped = {"old_logprobs": old_logprobs, "mask": mask}
-    if ref_logprobs is not None:
-        shaped["ref_logprobs"] = ref_logprobs
-    for name, a in shaped.items():
-        if np.shape(a) != lp.shape:
-            raise InvalidArgumentError(
-                f"{op}: {name} must be shaped like logprobs {list(lp.shape)}, got "
-                f"{list(np.shape(a))}"
-            )
-    if np.shape(advantages) != lp.shape[:1]:
+    if np.shape(mask) != lp.shape:
         raise InvalidArgumentError(
-            f"{op}: advantages must be float [{lp.shape[0]}] (one per sequence), got "
-            f"{list(np.shape(advantages))}"
+            f"{op}: mask must be shaped like logprobs {list(lp.shape)}, got {list(np.shape(mask))}"
         )
-    if beta > 0 and ref_logprobs is None:
-        raise InvalidArgumentError(f"{op}: beta={beta} > 0 needs ref_logprobs (the KL term)")
+    _shapes(op, lp.shape, old_logprobs, advantages, ref_logprobs, beta)
     m = jnp.asarray(mask).astype(jnp.float32)
+    terms = _terms(lp, old_logprobs, advantages, m, ref_logprobs, beta, low, high, importance)
+    weights = _weights(m, aggregation, max_tokens)
+    total = jnp.maximum(jnp.sum(m), 1.0)
+    return jnp.sum(weights * terms["objective"]), _metrics(terms, m, total)
+
+
+def _terms(lp, old_logprobs, advantages, m, ref_logprobs, beta, low, high, importance):
+    """Per-token ``[B, T]`` arrays: the objective's terms, the k3 KL, clipped flags, ratios.
+
+    The terms are 0 off the mask `m`; rows are whole sequences (GSPO's ratio is per row).
+    """
     old = jax.lax.stop_gradient(jnp.asarray(old_logprobs, jnp.float32))
     adv = jnp.asarray(advantages, jnp.float32)[:, None]
     counts = jnp.sum(m, axis=1)
@@ -205,28 +224,36 @@ def grpo_loss(
         log_ratio = (jnp.sum(log_ratio, 1) / jnp.maximum(counts, 1.0))[:, None]
     w = jnp.exp(log_ratio)
     clipped = jnp.clip(w, 1 - low, 1 + high)
-    per_token = -jnp.minimum(w * adv, clipped * adv)
-    per_token = jnp.broadcast_to(per_token, lp.shape)
+    per_token = jnp.broadcast_to(-jnp.minimum(w * adv, clipped * adv), lp.shape)
     kl = jnp.zeros_like(lp)
     if beta > 0:
         d = jax.lax.stop_gradient(jnp.asarray(ref_logprobs, jnp.float32)) - lp
         kl = jnp.where(m > 0, jnp.exp(d) - d - 1, 0.0)
         per_token = per_token + beta * kl
-    per_token = jnp.where(m > 0, per_token, 0.0)
-    if aggregation == "sequence":
-        loss = jnp.mean(jnp.sum(per_token, 1) / jnp.maximum(counts, 1.0))
-    elif aggregation == "token":
-        loss = jnp.sum(per_token) / jnp.maximum(jnp.sum(m), 1.0)
-    else:
-        loss = jnp.sum(per_token) / (lp.shape[0] * (max_tokens or lp.shape[1]))
-    total = jnp.maximum(jnp.sum(m), 1.0)
     is_clipped = ((w < 1 - low) & (adv < 0)) | ((w > 1 + high) & (adv > 0))
-    metrics = {
-        "kl": jnp.sum(kl * m) / total,
-        "clip_ratio": jnp.sum(jnp.broadcast_to(is_clipped, lp.shape) * m) / total,
-        "ratio": jnp.sum(jnp.broadcast_to(w, lp.shape) * m) / total,
+    return {
+        "objective": jnp.where(m > 0, per_token, 0.0),
+        "kl": kl,
+        "clipped": jnp.broadcast_to(is_clipped, lp.shape).astype(jnp.float32),
+        "ratio": jnp.broadcast_to(w, lp.shape),
     }
-    return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def _weights(m: jax.Array, aggregation: str, max_tokens: int | None) -> jax.Array:
+    """``[B, T]``: each counted token's weight in the loss under `aggregation`."""
+    rows, length = m.shape
+    if aggregation == "sequence":
+        return m / (jnp.maximum(jnp.sum(m, 1), 1.0)[:, None] * rows)
+    if aggregation == "token":
+        return m / jnp.maximum(jnp.sum(m), 1.0)
+    return m / (rows * (max_tokens or length))
+
+
+def _metrics(terms: dict[str, jax.Array], m: jax.Array, total: jax.Array) -> dict[str, jax.Array]:
+    """The metrics' shares of the counted tokens `m` (sums over `total` tokens), constant."""
+    out = {k: jnp.sum(terms[k] * m) / total for k in ("kl", "ratio")}
+    out["clip_ratio"] = jnp.sum(terms["clipped"] * m) / total
+    return jax.tree.map(jax.lax.stop_gradient, out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -475,7 +502,9 @@ def grpo_step(
     rollout is on-policy.
 
     Args:
-      model: the decoder (a mesh without pipe or context axes, ``num_microbatches=1``).
+      model: the decoder (a mesh without pipe or context axes). With ``num_microbatches`` M > 1
+        the rollout's rows run in M microbatches one after another, the gradients accumulated
+        (the aggregation's normalizers are the whole batch's).
       optimizer: an optax ``GradientTransformation``; its state from
         :meth:`MoEDecoder.init_optimizer`.
       beta: :func:`grpo_loss`'s (> 0 needs the rollout's reference log-probabilities).
@@ -512,34 +541,35 @@ def grpo_step(
     """
     op = "jaxops.models.post.grpo_step"
     layout = check_model(op, model)
-    _check_objective(op, epsilon_low, epsilon_high, beta, importance, aggregation)
+    low, high = _check_objective(op, epsilon_low, epsilon_high, beta, importance, aggregation)
     _number(op, "aux_weight", aux_weight, 0.0)
     model._check_trainable(op)
-    lora = layout.lora is not None
 
     def step(params, opt_state, batch, old_logprobs, advantages, ref_logprobs=None):
         checked = _check(op, model, batch)
-        mask = jnp.asarray(batch.targets) != IGNORE_INDEX
+        mask = (jnp.asarray(batch.targets) != IGNORE_INDEX).astype(jnp.float32)
+        _shapes(op, checked.tokens.shape, old_logprobs, advantages, ref_logprobs, beta)
+        # the global normalizers, so that the microbatches' shares sum to the whole
+        rows = {
+            "weights": _weights(mask, aggregation, max_tokens),
+            "mask": mask,
+            "old": jnp.asarray(old_logprobs, jnp.float32),
+            "advantages": jnp.asarray(advantages, jnp.float32),
+        }
+        if beta > 0:
+            rows["ref"] = jnp.asarray(ref_logprobs, jnp.float32)
+        total = jnp.maximum(jnp.sum(mask), 1.0)
+        m = layout.num_microbatches
 
-        def loss(wrt):
-            p = with_frozen(wrt, params) if lora else wrt
-            lp, aux = scores(layout, p, checked)
-            value, metrics = grpo_loss(
-                lp,
-                old_logprobs,
-                advantages,
-                mask,
-                ref_logprobs=ref_logprobs,
-                beta=beta,
-                epsilon_low=epsilon_low,
-                epsilon_high=epsilon_high,
-                importance=importance,
-                aggregation=aggregation,
-                max_tokens=max_tokens,
-            )
-            return value + aux_weight * aux, {**metrics, "loss": value, "aux": aux}
+        def part(p, mb, r):
+            lp, aux = scores(layout, p, mb)
+            terms = _terms(lp, r["old"], r["advantages"], r["mask"], r.get("ref"), beta,
+                           low, high, importance)  # fmt: skip
+            value = jnp.sum(r["weights"] * terms["objective"])
+            metrics = {**_metrics(terms, r["mask"], total), "loss": value, "aux": aux / m}
+            return value + aux_weight * aux / m, metrics
 
-        (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(layout.trainable(params))
+        _, metrics, grads = accumulated(layout, params, checked, rows, part)
         params, opt_state = _train.apply_update(layout, optimizer, params, opt_state, grads)
         return params, opt_state, metrics
 

@@ -12,6 +12,8 @@ of :mod:`~jaxops.models.post` build on: the log-probabilities and the MoE aux lo
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,6 +29,7 @@ from .._layout import Layout, adapters_of, with_frozen
 
 __all__ = [
     "Scored",
+    "accumulated",
     "check_model",
     "disabled_adapters",
     "per_sequence",
@@ -97,11 +100,6 @@ def check_model(op: str, model: Any) -> Layout:
                 f"{op}: a mesh with a {what} axis of size {size} is not supported by "
                 "post-training yet (data, expert and ZeRO meshes are)"
             )
-    if layout.num_microbatches > 1:
-        raise ConfigError(
-            f"{op}: num_microbatches={layout.num_microbatches} is not supported by "
-            "post-training yet: each step scores its whole batch at once"
-        )
     return layout
 
 
@@ -157,6 +155,48 @@ def scores(layout: Layout, params: dict[str, Any], batch: _batch.Batch):
     h, aux = _run.run_all(layout, params, x, where)
     nll = layout.token_nll(layout.head_params(params), h, targets)
     return 0.0 - nll, jnp.sum(aux.loss)  # (0, not -0, where ignored)
+
+
+def accumulated(
+    layout: Layout,
+    params: dict[str, Any],
+    batch: _batch.Batch,
+    rows: dict[str, jax.Array],
+    part: Callable[..., tuple[jax.Array, dict[str, jax.Array]]],
+):
+    """``(loss, metric sums, grads of trainable(params))``: `part` summed over microbatches.
+
+    ``part(params, batch, rows) -> (loss, metrics)`` is a microbatch's share of the objective
+    (its terms over the global normalizers, so that the shares sum to the whole) and of each
+    metric; `rows` are per-row arrays ``[B, ...]`` split with the batch. With
+    ``num_microbatches`` M > 1 the microbatches run one after another (their activations live
+    one at a time), the gradients accumulated in float32; with LoRA the adapters' only.
+    """
+    m = layout.num_microbatches
+    lora = layout.lora is not None
+    wrt = layout.trainable(params)
+
+    def one(wrt, mb, mb_rows):
+        p = with_frozen(wrt, params) if lora else wrt
+        return part(p, mb, mb_rows)
+
+    grad = jax.value_and_grad(one, has_aux=True)
+    if m == 1:
+        (loss, metrics), g = grad(wrt, batch, rows)
+        return loss, metrics, g
+    parts = _batch.split_microbatches((batch, rows), m, (layout.mesh, layout.batch_axes))
+
+    def body(acc, x):
+        (loss, metrics), g = grad(wrt, *x)
+        add = functools.partial(jax.tree.map, lambda a, b: a + b.astype(jnp.float32))
+        return (acc[0] + loss, add(acc[1], metrics), add(acc[2], g)), None
+
+    shapes = jax.eval_shape(lambda: one(wrt, *jax.tree.map(lambda a: a[0], parts))[1])
+    metrics = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), shapes)
+    grads = jax.tree.map(lambda a: jnp.zeros_like(a, jnp.float32), wrt)  # laid out as wrt
+    init = (jnp.zeros((), jnp.float32), metrics, grads)
+    (loss, metrics, g), _ = jax.lax.scan(body, init, parts)
+    return loss, metrics, jax.tree.map(lambda a, p: a.astype(p.dtype), g, wrt)
 
 
 def per_sequence(
