@@ -672,6 +672,10 @@ def test_grpo_refusals(hf_families):
     with pytest.raises(ValueError, match="reward_fn returned nan for completion 1"):
         post.rollout(model, params, [[1]], group_size=2,
                      **{**kw, "reward_fn": lambda p, c: [1.0, float("nan")]})  # fmt: skip
+    with pytest.raises(ValueError, match="rollout: max_new_tokens must be an int >= 1"):
+        post.rollout(model, params, [[1]], group_size=2, **{**kw, "max_new_tokens": 0})
+    with pytest.raises(ValueError, match="rollout: key is required"):
+        post.rollout(model, params, [[1]], group_size=2, **{**kw, "key": None})
     base = models.MoEDecoder(**_settings(run.model))
     with pytest.raises(ConfigError, match="reference must be None, 'adapters'"):
         post.rollout(base, run.params, [[1]], group_size=2, reference="adapters", **kw)

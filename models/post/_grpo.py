@@ -398,6 +398,16 @@ def rollout(
             f"advantage), got {group_size!r}"
         )
     _number(op, "temperature", temperature, 0.0, strict=True)
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or (max_new_tokens < 1)
+    ):
+        raise InvalidArgumentError(
+            f"{op}: max_new_tokens must be an int >= 1, got {max_new_tokens!r}"
+        )
+    if key is None:
+        raise InvalidArgumentError(f"{op}: key is required (a jax.random key: rollouts sample)")
     if not callable(reward_fn):
         raise ArgumentTypeError(f"{op}: reward_fn must be callable, got {type(reward_fn).__name__}")
     ids, mask = _prompts(op, prompts, pad_token_id)
