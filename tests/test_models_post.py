@@ -225,6 +225,30 @@ def _lora_model(run, mesh_name="1dev", **settings):
     return model, jax.tree.map(jnp.copy, jax.device_put(params, model.shardings()))
 
 
+def _with(adapters, params):
+    """`params` with the adapter leaves of `adapters` (the others None)."""
+    return jax.tree.map(lambda a, b: b if a is None else a, adapters, params,
+                        is_leaf=lambda x: x is None)  # fmt: skip
+
+
+def _check_sgd_update(model, before, new, want, atol):
+    """sgd(1)'s update is minus the gradient: ``before - new`` of the trained leaves equals
+    `want` (non-zero on every leaf); every other leaf is bit-identical."""
+    got = jax.tree.map(lambda b, a: b - a, model.trainable(before), model.trainable(new))
+    for (path, g), w in zip(
+        jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), strict=True
+    ):
+        scale = float(np.abs(w).max())
+        assert scale > 0, jax.tree_util.keystr(path)
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=atol * scale,
+                                   err_msg=jax.tree_util.keystr(path))  # fmt: skip
+    for (path, b), a in zip(
+        jax.tree_util.tree_flatten_with_path(before)[0], jax.tree.leaves(new), strict=True
+    ):
+        if "_lora_" not in jax.tree_util.keystr(path):
+            np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+
+
 def test_reference_by_disabled_adapters_equals_a_frozen_base(hf_families):
     run = hf_families.load("qwen3_moe", "1dev")
     model, params = _lora_model(run)
@@ -253,8 +277,7 @@ def test_dpo_step_gradient_is_the_reference_losss(hf_families, loss_type):
     norm = counts if loss_type == "ipo" else np.ones(6)
 
     def reference(adapters):
-        p = jax.tree.map(lambda a, b: b if a is None else a, adapters, params,
-                         is_leaf=lambda x: x is None)  # fmt: skip
+        p = _with(adapters, params)
         seq = post.sequence_logprobs(model, p, batch) / norm
         r = ref / norm
         return post.dpo_loss(seq[0::2], seq[1::2], r[0::2], r[1::2], beta=0.2,
@@ -268,21 +291,7 @@ def test_dpo_step_gradient_is_the_reference_losss(hf_families, loss_type):
     step = post.dpo_step(model, opt, beta=0.2, loss_type=loss_type, aux_weight=0.0)
     new, _, m = step(params, state, batch)
     np.testing.assert_allclose(m["loss"], want_loss, rtol=1e-6)
-    new = jax.tree.map(np.asarray, new)
-    for (path, b), a in zip(
-        jax.tree_util.tree_flatten_with_path(before)[0], jax.tree.leaves(new), strict=True
-    ):
-        name = jax.tree_util.keystr(path)
-        if "_lora_" not in name:
-            np.testing.assert_array_equal(a, b, err_msg=name)
-    got = jax.tree.map(lambda b, a: b - a, model.trainable(before), model.trainable(new))
-    for (path, g), w in zip(
-        jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), strict=True
-    ):
-        scale = float(np.abs(w).max())
-        assert scale > 0, jax.tree_util.keystr(path)
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * scale,
-                                   err_msg=jax.tree_util.keystr(path))  # fmt: skip
+    _check_sgd_update(model, before, jax.tree.map(np.asarray, new), want, atol=1e-5)
 
 
 def test_dpo_step_on_data_x_expert_equals_one_device(hf_families):
@@ -605,8 +614,7 @@ def test_grpo_step_gradient_is_the_reference_losss(hf_families, importance):
     mask = r.batch.targets != IGNORE
 
     def reference(adapters):
-        p = jax.tree.map(lambda a, b: b if a is None else a, adapters, params,
-                         is_leaf=lambda x: x is None)  # fmt: skip
+        p = _with(adapters, params)
         lp = post.token_logprobs(model, p, r.batch)
         return post.grpo_loss(lp, r.old_logprobs, r.advantages, mask,
                               ref_logprobs=r.ref_logprobs, **kw)  # fmt: skip
@@ -619,19 +627,7 @@ def test_grpo_step_gradient_is_the_reference_losss(hf_families, importance):
     step = post.grpo_step(model, opt, aux_weight=0.0, **kw)
     new, _, m = step(params, state, r.batch, **r.step_inputs())
     np.testing.assert_allclose(m["loss"], want_loss, rtol=1e-5)
-    new = jax.tree.map(np.asarray, new)
-    got = jax.tree.map(lambda b, a: b - a, model.trainable(before), model.trainable(new))
-    for (path, g), w in zip(
-        jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), strict=True
-    ):
-        scale = float(np.abs(w).max())
-        assert scale > 0, jax.tree_util.keystr(path)
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-5 * scale,
-                                   err_msg=jax.tree_util.keystr(path))  # fmt: skip
-    for (path, b), a in zip(jax.tree_util.tree_flatten_with_path(before)[0],
-                            jax.tree.leaves(new), strict=True):  # fmt: skip
-        if "_lora_" not in jax.tree_util.keystr(path):
-            np.testing.assert_array_equal(a, b)
+    _check_sgd_update(model, before, jax.tree.map(np.asarray, new), want, atol=2e-5)
 
 
 def test_grpo_on_data_x_expert_equals_one_device(hf_families):
