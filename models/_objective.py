@@ -227,11 +227,22 @@ def flat_loss_and_grads(
     )(place(params, layout.mesh, specs), place(fields, layout.mesh, field_specs))
 
 
-def pipeline_step(layout: Layout, params: dict[str, Any], batch: _batch.Batch):
+def pipeline_step(
+    layout: Layout,
+    params: dict[str, Any],
+    batch: _batch.Batch,
+    objective: Callable[[dict[str, Any], jax.Array, Any], jax.Array] | None = None,
+    rows: Any = None,
+):
     """``(loss, grads of :func:`trainable`)`` of one pipeline_step (the schedule).
 
     With LoRA the base weights and the head are the pipeline's ``frozen`` leaves: only the
     adapters' gradients are computed (in the stages, and in the dense layers ahead of them).
+    `objective`: None (the cross-entropy over the counted targets), or ``(head, h, rows) ->``
+    a microbatch's share of a loss normalized over the whole batch (post-training's), with
+    `rows` a pytree of ``[B, ...]`` arrays split with the batch (the last stage's output `h`
+    of that microbatch's rows, on its device). The MoE aux losses are added as the model's
+    loss has them.
     """
     lora = layout.lora is not None
     where, targets = where_targets(batch)
@@ -252,11 +263,19 @@ def pipeline_step(layout: Layout, params: dict[str, Any], batch: _batch.Batch):
     # pipeline_step averages each microbatch's loss over the M microbatches of each of the
     # data shards: scaling each by M * shards / count makes that the global token mean.
     shards = layout.batch_devices
-    scale = layout.num_microbatches * shards / _target_count(targets)
+    if objective is None:
+        scale = layout.num_microbatches * shards / _target_count(targets)
 
-    def loss_fn(lp, out, t):
-        head, s = lp
-        return layout.losses(head, out["h"], t)[0] * s
+        def loss_fn(lp, out, t):
+            head, s = lp
+            return layout.losses(head, out["h"], t)[0] * s
+
+    else:  # already normalized over the whole batch: undo pipeline_step's averaging only
+        scale, targets = jnp.float32(layout.num_microbatches * shards), rows
+
+        def loss_fn(lp, out, t):
+            head, s = lp
+            return objective(head, out["h"], t) * s
 
     stages = layout.stages(params["layers"])
     # with LoRA: every stage leaf but the adapters, and the head, read and not trained

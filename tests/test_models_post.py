@@ -401,10 +401,15 @@ def test_bad_batches_and_meshes_are_refused(hf_families):
         step(params, state, batch.model_inputs())
     with pytest.raises(ValueError, match="aux_weight"):
         post.dpo_step(model, opt, aux_weight=-1)
+    context_mesh = jax.make_mesh((2, 4), ("context", "expert"))
+    context = models.MoEDecoder(**{**_settings(run.model), "mesh": context_mesh})
+    with pytest.raises(ConfigError, match="dpo_step: a mesh with a context axis of size 2"):
+        post.dpo_step(context, opt)
     pipe = models.MoEDecoder(**{**_settings(run.model), "mesh": fam.mesh("p2e4"),
                                 "num_microbatches": 2})  # fmt: skip
-    with pytest.raises(ConfigError, match="dpo_step: a mesh with a pipe axis of size 2"):
-        post.dpo_step(pipe, opt)
+    with pytest.raises(ConfigError, match="rollout: generation runs without pipeline stages"):
+        post.rollout(pipe, params, [[1]], group_size=2, max_new_tokens=2, reward_fn=_reward,
+                     key=jax.random.key(0))  # fmt: skip
     with pytest.raises(ValueError, match=r"model must be a jaxops\.models\.MoEDecoder"):
         post.token_logprobs(object(), params, batch)
 
@@ -728,3 +733,65 @@ def test_pairs_straddling_microbatches_are_refused(hf_families):
     step = post.dpo_step(model, opt)
     with pytest.raises(ValueError, match=r"pair 1's chosen and rejected sequences fall in"):
         step(params, model.init_optimizer(opt, params), batch)
+
+
+def test_grpo_rollout_on_data_x_expert_update_through_the_pipeline(hf_families):
+    """Rollout on data 2 x expert 4, updates on pipe 2 x expert 4 (2 microbatches, the 1F1B
+    schedule): the metrics and the trained adapters equal the data x expert steps'."""
+    run = hf_families.load("qwen3_moe", "1dev")
+    flat, params = _lora_model(run, "d2e4")
+    r = post.rollout(flat, params, [[5, 6, 7], [9, 2], [1], [4, 4, 4]], group_size=4,
+                     max_new_tokens=4, reward_fn=_reward, key=jax.random.key(6),
+                     reference="adapters")  # fmt: skip
+    out = {}
+    for mesh_name, micro in (("d2e4", 1), ("p2e4", 2)):
+        model, params = _lora_model(run, mesh_name, num_microbatches=micro)
+        opt = optax.adam(1e-2)
+        state = model.init_optimizer(opt, params)
+        step = post.grpo_step(model, opt, beta=0.05, epsilon_high=0.28)
+        metrics = []
+        for _ in range(2):
+            params, state, m = step(params, state, r.batch, **r.step_inputs())
+            metrics.append({k: float(v) for k, v in m.items()})
+        out[mesh_name] = metrics, jax.tree.map(np.asarray, model.trainable(params))
+    for a, b in zip(out["d2e4"][0], out["p2e4"][0], strict=True):
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], rtol=2e-5, atol=1e-6, err_msg=k)
+    for a, b in zip(jax.tree.leaves(out["d2e4"][1]), jax.tree.leaves(out["p2e4"][1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=3e-5)  # adam: tiny gradients amplified
+    pipe, _ = _lora_model(run, "p2e4", num_microbatches=2)
+    with pytest.raises(ConfigError, match="aux_weight must be 1"):
+        post.grpo_step(pipe, optax.sgd(1.0), aux_weight=0.0)
+
+
+@pytest.mark.parametrize("reference", ["adapters", "given"])
+def test_dpo_through_the_pipeline_equals_data_x_expert(hf_families, reference):
+    """DPO steps on pipe 2 x expert 4 (2 microbatches, the 1F1B schedule) equal data 2 x
+    expert 4's: the reference in the step (adapters disabled) or precomputed."""
+    run = hf_families.load("qwen3_moe", "1dev")
+    batch = post.preference_batch(*_pairs(14, 8), seq_len=24, row_multiple=16)
+    out = {}
+    for mesh_name, micro in (("d2e4", 1), ("p2e4", 2)):
+        model, params = _lora_model(run, mesh_name, num_microbatches=micro)
+        refs = {}
+        if reference == "given":
+            refs["ref_logprobs"] = post.reference_logprobs(model, params, batch)
+        opt = optax.adam(1e-2)
+        state = model.init_optimizer(opt, params)
+        step = post.dpo_step(model, opt, beta=0.3, loss_type="ipo")
+        metrics = []
+        for _ in range(2):
+            params, state, m = step(params, state, batch, **refs)
+            metrics.append({k: float(v) for k, v in m.items()})
+        out[mesh_name] = metrics, jax.tree.map(np.asarray, model.trainable(params))
+    for a, b in zip(out["d2e4"][0], out["p2e4"][0], strict=True):
+        for k in a:
+            np.testing.assert_allclose(a[k], b[k], rtol=2e-5, atol=1e-6, err_msg=k)
+    for a, b in zip(jax.tree.leaves(out["d2e4"][1]), jax.tree.leaves(out["p2e4"][1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=3e-5)  # adam: tiny gradients amplified
+    if reference == "given":
+        pipe, params = _lora_model(run, "p2e4", num_microbatches=2)
+        rows = post.preference_batch(*_pairs(14, 8), seq_len=24, pack=False)
+        opt = optax.sgd(1.0)
+        with pytest.raises(ValueError, match="each pair must lie in one row"):
+            post.dpo_step(pipe, opt)(params, pipe.init_optimizer(opt, params), rows)

@@ -15,8 +15,9 @@
   aggregations of GRPO, DAPO and Dr. GRPO, :data:`GRPO_AGGREGATIONS`; the k3 KL term) and
   :func:`grpo_step`.
 
-Meshes: data, expert and ZeRO, with gradient accumulation (``num_microbatches``); a pipe or
-context axis is refused (not built yet).
+Meshes: data, expert and ZeRO, with gradient accumulation (``num_microbatches``), and pipe for
+the steps and the scoring (through the pipeline schedule; rollouts generate on a data x expert
+mesh); a context axis is refused (not built yet).
 """
 
 if __name__ != "jaxops.models.post":

@@ -20,10 +20,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxops._errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 
-from .. import _train
+from .. import _objective, _train
 from .._decoder import MoEDecoder
 from .._packing import IGNORE_INDEX
 from ._scores import (
@@ -331,7 +333,21 @@ class PostStep:
         _check(self._op, self._model, batch)
         if self._extra is not None:
             self._extra(batch)
+        references = {k: self._onto_mesh(v, batch) for k, v in references.items()}
         return self._step(params, opt_state, batch, **references)
+
+    def _onto_mesh(self, a: Any, batch: Scored) -> Any:
+        """A device array on another mesh, moved onto the model's (a rollout's on data x expert).
+
+        Split over the model's batch axes if it has a row per batch row, else replicated.
+        """
+        sharding = getattr(a, "sharding", None)
+        layout = self._model.layout
+        if not isinstance(sharding, NamedSharding) or sharding.mesh == layout.mesh:
+            return a
+        rows = a.ndim >= 1 and a.shape[0] == np.shape(batch.tokens)[0]
+        spec = P(layout.input_axes) if rows else P()
+        return jax.device_put(a, NamedSharding(layout.mesh, spec))
 
 
 def _pairs_whole(op: str, layout: Any, batch: Scored) -> None:
@@ -404,7 +420,7 @@ def reference_logprobs(
       (2,)
     """
     op = "jaxops.models.post.reference_logprobs"
-    layout = check_model(op, model)
+    layout = check_model(op, model, pipe=True)
     _check(op, model, batch)
 
     def run(params, batch, ref_params):
@@ -436,10 +452,14 @@ def dpo_step(
     with ``"sigmoid"`` the sum.
 
     Args:
-      model: the decoder (a mesh without pipe or context axes). With ``num_microbatches`` M > 1
-        the batch's rows run in M microbatches one after another, the gradients accumulated
-        (each pair must lie in one microbatch: ``preference_batch(pack=True)`` keeps a pair in
-        one row; the reference's forward runs per microbatch too).
+      model: the decoder (a mesh without a context axis). With ``num_microbatches`` M > 1 and
+        no pipe axis the batch's rows run in M microbatches one after another, the gradients
+        accumulated (each pair must lie in one microbatch: ``preference_batch(pack=True)``
+        keeps a pair in one row; the reference's forward runs per microbatch too). With a pipe
+        axis the step is one pipeline schedule of M microbatches per data shard: each pair
+        must lie in one row, `aux_weight` must be 1, the reference's log-probabilities come
+        from a forward-only pipeline pass, and the metrics from another at the step's
+        parameters.
       optimizer: an optax ``GradientTransformation``; its state from
         :meth:`MoEDecoder.init_optimizer`.
       beta: :func:`dpo_loss`'s.
@@ -471,11 +491,17 @@ def dpo_step(
       0.6931
     """
     op = "jaxops.models.post.dpo_step"
-    layout = check_model(op, model)
+    layout = check_model(op, model, pipe=True)
     _check_loss(op, beta, label_smoothing, loss_type)
     if isinstance(aux_weight, bool) or not isinstance(aux_weight, int | float) or aux_weight < 0:
         raise InvalidArgumentError(f"{op}: aux_weight must be a number >= 0, got {aux_weight!r}")
     model._check_trainable(op)
+    if layout.pipe > 1 and aux_weight != 1:
+        raise ConfigError(
+            f"{op}: on a mesh with a pipe axis the MoE aux losses enter the loss as the "
+            f"model's own loss has them: aux_weight must be 1, got {aux_weight} (leave them out "
+            "with the model's router_aux_loss_coef and router_z_loss_coef at 0)"
+        )
     lora = layout.lora is not None
     ipo = loss_type == "ipo"
 
@@ -525,8 +551,75 @@ def dpo_step(
             metrics = {**_reward_metrics(chosen, rejected, present, pairs), "loss": value}
             return value + aux_weight * aux / m, {**metrics, "aux": aux / m}
 
-        _, metrics, grads = accumulated(layout, params, checked, {"ids": ids}, part)
+        if layout.pipe > 1:
+            metrics, grads = _pipelined(params, checked, ids, n, norm, given, ref_params)
+        else:
+            _, metrics, grads = accumulated(layout, params, checked, {"ids": ids}, part)
         params, opt_state = _train.apply_update(layout, optimizer, params, opt_state, grads)
         return params, opt_state, metrics
 
-    return PostStep(model, op, step, check=lambda batch: _pairs_whole(op, layout, batch))
+    def _pipelined(params, checked, ids, n, norm, given, ref_params):
+        """``(metrics, grads)`` through the pipeline schedule.
+
+        Each microbatch's pairs (whole in its rows) are scored on the last stage's device; the
+        metrics come from the pipeline's forwards at these parameters.
+        """
+        _, targets = _objective.where_targets(checked)
+        safe = jnp.maximum(ids, 0)
+        norm_tok = jnp.where(ids >= 0, norm[safe], 1.0)
+        if given is None:
+            reference = disabled_adapters(layout, params) if ref_params is None else ref_params
+            ref_tok = scores(layout, jax.lax.stop_gradient(reference), checked)[0]
+        else:  # each sequence's whole value on its first scored token
+            first = (ids >= 0) & (ids != jnp.pad(ids, ((0, 0), (1, 0)), constant_values=-1)[:, :-1])
+            ref_tok = jnp.where(first, given[safe], 0.0)
+        rows = {"targets": targets, "ids": ids, "norm": norm_tok, "ref": ref_tok / norm_tok}
+
+        def objective(head, h, r):  # local rows: a plain scatter onto the N sequences
+            lp = 0.0 - layout.token_nll(head, h, r["targets"])
+            seq, ref, here = (
+                jnp.zeros((n,), jnp.float32).at[r["ids"]].add(v, mode="drop")
+                for v in (lp / r["norm"], r["ref"], jnp.ones_like(lp))
+            )
+            present = (here[0::2] > 0) & (here[1::2] > 0)
+            losses = _pair_terms(seq[0::2], seq[1::2], ref[0::2], ref[1::2], beta,
+                                 label_smoothing, loss_type)[0]  # fmt: skip
+            return jnp.sum(jnp.where(present, losses, 0.0)) / (n // 2)
+
+        rows["ids"] = jnp.where(ids >= 0, ids, n)  # -1: dropped by the scatter
+        loss, grads = _objective.pipeline_step(layout, params, checked, objective, rows)
+        lp = scores(layout, jax.lax.stop_gradient(params), checked)[0]
+        seq = per_sequence(lp, ids, n, layout.mesh) / norm
+        ref = per_sequence(rows["ref"], ids, n, layout.mesh)
+        losses, chosen, rejected = _pair_terms(
+            seq[0::2], seq[1::2], ref[0::2], ref[1::2], beta, label_smoothing, loss_type
+        )
+        value = jnp.mean(losses)
+        metrics = {**_reward_metrics(chosen, rejected, None, n // 2), "loss": value}
+        return {**metrics, "aux": loss - value}, grads
+
+    def check(batch):
+        _pairs_whole(op, layout, batch)
+        if layout.pipe > 1:
+            _pairs_in_rows(op, batch)
+
+    return PostStep(model, op, step, check=check)
+
+
+def _pairs_in_rows(op: str, batch: Scored) -> None:
+    """Refuses a host batch whose pairs are not each in one row (a pipe mesh's requirement)."""
+    ids = batch.sequence_ids
+    if isinstance(ids, jax.Array):
+        return
+    ids = np.asarray(ids)
+    row_of = np.full(batch.num_sequences, -1)
+    for r in range(ids.shape[0]):
+        row_of[np.unique(ids[r][ids[r] >= 0])] = r
+    split = np.flatnonzero(row_of[0::2] != row_of[1::2])
+    if split.size:
+        i = int(split[0])
+        raise InvalidArgumentError(
+            f"{op}: on a mesh with a pipe axis each pair must lie in one row (its loss is "
+            f"computed on the device holding it); pair {i} spans rows {row_of[2 * i]} and "
+            f"{row_of[2 * i + 1]}: use preference_batch(pack=True)"
+        )

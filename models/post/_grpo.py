@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxops._errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 
-from .. import _train
+from .. import _objective, _train
 from .._decoder import MoEDecoder
 from .._generate import generate
 from .._packing import IGNORE_INDEX
@@ -391,6 +391,12 @@ def rollout(
       ((4, 3), 4, (4, 5))
     """
     op = "jaxops.models.post.rollout"
+    if isinstance(model, MoEDecoder) and model.layout.pipe > 1:
+        raise ConfigError(
+            f"{op}: generation runs without pipeline stages (jaxops.models.generate): roll out "
+            "with the model on a data x expert mesh (dataclasses.replace(model, mesh=...)); the "
+            "updates may run on the pipe mesh"
+        )
     layout = check_model(op, model)
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
         raise InvalidArgumentError(
@@ -512,9 +518,12 @@ def grpo_step(
     rollout is on-policy.
 
     Args:
-      model: the decoder (a mesh without pipe or context axes). With ``num_microbatches`` M > 1
-        the rollout's rows run in M microbatches one after another, the gradients accumulated
-        (the aggregation's normalizers are the whole batch's).
+      model: the decoder (a mesh without a context axis). With ``num_microbatches`` M > 1 and
+        no pipe axis the rollout's rows run in M microbatches one after another, the gradients
+        accumulated (the aggregation's normalizers are the whole batch's). With a pipe axis
+        the step is one pipeline schedule of M microbatches per data shard (roll out on a
+        data x expert mesh: the rollout's arrays move onto this one), `aux_weight` must be 1,
+        and the metrics come from a forward-only pipeline pass at the step's parameters.
       optimizer: an optax ``GradientTransformation``; its state from
         :meth:`MoEDecoder.init_optimizer`.
       beta: :func:`grpo_loss`'s (> 0 needs the rollout's reference log-probabilities).
@@ -550,10 +559,16 @@ def grpo_step(
       1.0
     """
     op = "jaxops.models.post.grpo_step"
-    layout = check_model(op, model)
+    layout = check_model(op, model, pipe=True)
     low, high = _check_objective(op, epsilon_low, epsilon_high, beta, importance, aggregation)
     _number(op, "aux_weight", aux_weight, 0.0)
     model._check_trainable(op)
+    if layout.pipe > 1 and aux_weight != 1:
+        raise ConfigError(
+            f"{op}: on a mesh with a pipe axis the MoE aux losses enter the loss as the "
+            f"model's own loss has them: aux_weight must be 1, got {aux_weight} (leave them out "
+            "with the model's router_aux_loss_coef and router_z_loss_coef at 0)"
+        )
 
     def step(params, opt_state, batch, old_logprobs, advantages, ref_logprobs=None):
         checked = _check(op, model, batch)
@@ -579,8 +594,29 @@ def grpo_step(
             metrics = {**_metrics(terms, r["mask"], total), "loss": value, "aux": aux / m}
             return value + aux_weight * aux / m, metrics
 
-        _, metrics, grads = accumulated(layout, params, checked, rows, part)
+        if layout.pipe > 1:
+            metrics, grads = _pipelined(checked, params, rows, total)
+        else:
+            _, metrics, grads = accumulated(layout, params, checked, rows, part)
         params, opt_state = _train.apply_update(layout, optimizer, params, opt_state, grads)
         return params, opt_state, metrics
+
+    def objective(head, h, r):  # a microbatch's share, on the last stage's device
+        lp = 0.0 - layout.token_nll(head, h, r["targets"])
+        terms = _terms(lp, r["old"], r["advantages"], r["mask"], r.get("ref"), beta, low, high,
+                       importance)  # fmt: skip
+        return jnp.sum(r["weights"] * terms["objective"])
+
+    def _pipelined(checked, params, rows, total):
+        """Through the pipeline schedule; the metrics from its forwards at these parameters."""
+        _, targets = _objective.where_targets(checked)
+        rows = {**rows, "targets": targets}
+        loss, grads = _objective.pipeline_step(layout, params, checked, objective, rows)
+        lp = scores(layout, jax.lax.stop_gradient(params), checked)[0]
+        terms = _terms(lp, rows["old"], rows["advantages"], rows["mask"], rows.get("ref"), beta,
+                       low, high, importance)  # fmt: skip
+        value = jnp.sum(rows["weights"] * terms["objective"])
+        metrics = {**_metrics(terms, rows["mask"], total), "loss": value, "aux": loss - value}
+        return metrics, grads
 
     return PostStep(model, op, step)

@@ -87,18 +87,26 @@ jax.tree_util.register_dataclass(
 )
 
 
-def check_model(op: str, model: Any) -> Layout:
-    """The layout of a decoder post-training can run on (refusing what it cannot)."""
+def check_model(op: str, model: Any, pipe: bool = False) -> Layout:
+    """The layout of a decoder post-training can run on (refusing what it cannot).
+
+    `pipe`: whether `op` runs on a mesh with a pipe axis.
+    """
     if not isinstance(model, MoEDecoder):
         raise InvalidArgumentError(
             f"{op}: model must be a jaxops.models.MoEDecoder, got {type(model).__name__}"
         )
     layout = model.layout
-    for what, size in (("pipe", layout.pipe), ("context", layout.context)):
+    axes = (
+        (("context", layout.context),)
+        if pipe
+        else (("pipe", layout.pipe), ("context", layout.context))
+    )
+    for what, size in axes:
         if size > 1:
             raise ConfigError(
                 f"{op}: a mesh with a {what} axis of size {size} is not supported by "
-                "post-training yet (data, expert and ZeRO meshes are)"
+                "post-training yet (data, expert, pipe and ZeRO meshes are)"
             )
     return layout
 
@@ -149,8 +157,14 @@ def _check(op: str, model: MoEDecoder, batch: Any) -> _batch.Batch:
 def scores(layout: Layout, params: dict[str, Any], batch: _batch.Batch):
     """``(log-probabilities [B, S], aux)``: each target's, 0 where ignored, and the aux losses.
 
-    Differentiable; `batch` validated (a target at padding is ignored).
+    Differentiable; `batch` validated (a target at padding is ignored). With a pipe axis: the
+    pipeline's forwards (aux 0: the steps there take their gradients through the schedule).
     """
+    if layout.pipe > 1:
+        _, targets = _objective.where_targets(batch)
+        h = _objective.hidden(layout, params, batch)
+        nll = layout.token_nll(layout.head_params(params), h, targets)
+        return 0.0 - nll, jnp.zeros((), jnp.float32)
     x, where, targets = _objective.inputs(layout, params, batch)
     h, aux = _run.run_all(layout, params, x, where)
     nll = layout.token_nll(layout.head_params(params), h, targets)
@@ -262,7 +276,7 @@ def token_logprobs(model: MoEDecoder, params: dict[str, Any], batch: Scored) -> 
       ((1, 4), 0.0, True)
     """
     op = "jaxops.models.post.token_logprobs"
-    layout = check_model(op, model)
+    layout = check_model(op, model, pipe=True)
     checked = _check(op, model, batch)
     return scores(layout, params, checked)[0]
 
@@ -287,7 +301,7 @@ def sequence_logprobs(model: MoEDecoder, params: dict[str, Any], batch: Scored) 
       (2,)
     """
     op = "jaxops.models.post.sequence_logprobs"
-    layout = check_model(op, model)
+    layout = check_model(op, model, pipe=True)
     checked = _check(op, model, batch)
     lp = scores(layout, params, checked)[0]
     return per_sequence(lp, jnp.asarray(batch.sequence_ids), batch.num_sequences, layout.mesh)
