@@ -8,6 +8,7 @@ base untouched), the same step on data x expert as on one device, and refusals.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import types
 
 import jax
@@ -83,8 +84,6 @@ def test_token_logprobs_vocab_chunks_and_gradients(hf_families):
 
 
 def _settings(model) -> dict:
-    import dataclasses
-
     return {f.name: getattr(model, f.name) for f in dataclasses.fields(model) if f.init}
 
 
@@ -402,9 +401,14 @@ def test_bad_batches_and_meshes_are_refused(hf_families):
     with pytest.raises(ValueError, match="aux_weight"):
         post.dpo_step(model, opt, aux_weight=-1)
     context_mesh = jax.make_mesh((2, 4), ("context", "expert"))
-    context = models.MoEDecoder(**{**_settings(run.model), "mesh": context_mesh})
-    with pytest.raises(ConfigError, match="dpo_step: a mesh with a context axis of size 2"):
+    context = models.MoEDecoder(**{**_settings(run.model), "mesh": context_mesh,
+                                   "num_microbatches": 2})  # fmt: skip
+    with pytest.raises(ConfigError, match="dpo_step: a context axis together with num_micro"):
         post.dpo_step(context, opt)
+    with pytest.raises(ConfigError, match="rollout: generation runs without pipeline stages"):
+        post.rollout(dataclasses.replace(context, num_microbatches=1), params, [[1]],
+                     group_size=2, max_new_tokens=2, reward_fn=_reward,
+                     key=jax.random.key(0))  # fmt: skip
     pipe = models.MoEDecoder(**{**_settings(run.model), "mesh": fam.mesh("p2e4"),
                                 "num_microbatches": 2})  # fmt: skip
     with pytest.raises(ConfigError, match="rollout: generation runs without pipeline stages"):
@@ -795,3 +799,59 @@ def test_dpo_through_the_pipeline_equals_data_x_expert(hf_families, reference):
         opt = optax.sgd(1.0)
         with pytest.raises(ValueError, match="each pair must lie in one row"):
             post.dpo_step(pipe, opt)(params, pipe.init_optimizer(opt, params), rows)
+
+
+def test_updates_on_a_context_axis_equal_data_x_expert(hf_families):
+    """A rollout on data 2 x expert 4, then GRPO and DPO steps on context 2 x expert 4 (each
+    sequence split over 2 devices, ring attention): the metrics and the trained adapters equal
+    data 2 x expert 4's."""
+    run = hf_families.load("qwen3_moe", "1dev")
+    flat, params = _lora_model(run, "d2e4")
+    r = post.rollout(flat, params, [[5, 6, 7, 8], [9, 2], [1], [4, 4, 4]], group_size=4,
+                     max_new_tokens=5, reward_fn=_reward, key=jax.random.key(7),
+                     reference="adapters")  # fmt: skip
+    assert r.batch.tokens.shape[1] % 4 == 0
+    pairs = post.preference_batch(*_pairs(15, 8), seq_len=24, row_multiple=8)
+    out = {}
+    for name, mesh in (("flat", fam.mesh("d2e4")),
+                       ("context", jax.make_mesh((2, 4), ("context", "expert")))):  # fmt: skip
+        model, params = _lora_model(run, "d2e4", mesh=mesh, attention_block=8)
+        opt = optax.adam(1e-2)
+        state = model.init_optimizer(opt, params)
+        grpo = post.grpo_step(model, opt, beta=0.05)
+        dpo = post.dpo_step(model, opt, beta=0.3)
+        params, state, mg = grpo(params, state, r.batch, **r.step_inputs())
+        params, state, md = dpo(params, state, pairs)
+        out[name] = ({**{f"grpo/{k}": float(v) for k, v in mg.items()},
+                      **{f"dpo/{k}": float(v) for k, v in md.items()}},
+                     jax.tree.map(np.asarray, model.trainable(params)))  # fmt: skip
+    for k, v in out["flat"][0].items():
+        np.testing.assert_allclose(v, out["context"][0][k], rtol=2e-5, atol=1e-6, err_msg=k)
+    for a, b in zip(jax.tree.leaves(out["flat"][1]), jax.tree.leaves(out["context"][1]),
+                    strict=True):  # fmt: skip
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=3e-5)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_sharding_equals_zero_0(hf_families, zero):
+    """A DPO and a GRPO step with ZeRO-1 / ZeRO-3 (the base and the adapters sharded over the
+    batch axes, gathered per layer) equal ZeRO-0's on data 2 x expert 4."""
+    run = hf_families.load("qwen3_moe", "1dev")
+    flat, params = _lora_model(run, "d2e4")
+    r = post.rollout(flat, params, [[5, 6, 7], [9, 2], [1], [4, 4, 4]], group_size=4,
+                     max_new_tokens=4, reward_fn=_reward, key=jax.random.key(8))  # fmt: skip
+    pairs = post.preference_batch(*_pairs(16, 8), seq_len=24, row_multiple=8)
+    out = {}
+    for z in (0, zero):
+        model, params = _lora_model(run, "d2e4", zero=z)
+        opt = optax.adam(1e-2)
+        state = model.init_optimizer(opt, params)
+        params, state, mg = post.grpo_step(model, opt)(params, state, r.batch, **r.step_inputs())
+        params, state, md = post.dpo_step(model, opt)(params, state, pairs)
+        out[z] = ({**{f"grpo/{k}": float(v) for k, v in mg.items()},
+                   **{f"dpo/{k}": float(v) for k, v in md.items()}},
+                  jax.tree.map(np.asarray, model.trainable(params)))  # fmt: skip
+    for k, v in out[0][0].items():
+        np.testing.assert_allclose(v, out[zero][0][k], rtol=2e-5, atol=1e-6, err_msg=k)
+    for a, b in zip(jax.tree.leaves(out[0][1]), jax.tree.leaves(out[zero][1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=3e-5)

@@ -15,9 +15,10 @@
   aggregations of GRPO, DAPO and Dr. GRPO, :data:`GRPO_AGGREGATIONS`; the k3 KL term) and
   :func:`grpo_step`.
 
-Meshes: data, expert and ZeRO, with gradient accumulation (``num_microbatches``), and pipe for
-the steps and the scoring (through the pipeline schedule; rollouts generate on a data x expert
-mesh); a context axis is refused (not built yet).
+Meshes: every mesh the model trains on: data, expert and ZeRO, with gradient accumulation
+(``num_microbatches``); pipe (the steps through the pipeline schedule) and context (each
+sequence split over devices); rollouts generate on a data x expert mesh. A context axis with
+gradient accumulation is refused (not built yet).
 """
 
 if __name__ != "jaxops.models.post":

@@ -452,7 +452,8 @@ def dpo_step(
     with ``"sigmoid"`` the sum.
 
     Args:
-      model: the decoder (a mesh without a context axis). With ``num_microbatches`` M > 1 and
+      model: the decoder. With a context axis each sequence is split over its devices (ring
+        attention), the log-probabilities put back in order. With ``num_microbatches`` M > 1 and
         no pipe axis the batch's rows run in M microbatches one after another, the gradients
         accumulated (each pair must lie in one microbatch: ``preference_batch(pack=True)``
         keeps a pair in one row; the reference's forward runs per microbatch too). With a pipe

@@ -350,7 +350,8 @@ def rollout(
     reference.
 
     Args:
-      model: the decoder (a mesh without pipe or context axes; P x G a multiple of the batch
+      model: the decoder (a mesh without pipe or context axes, as generation; P x G a multiple
+        of the batch
         devices).
       params: the parameters being trained.
       prompts: P non-empty 1-D sequences of token ids (left-padded here).
@@ -391,11 +392,11 @@ def rollout(
       ((4, 3), 4, (4, 5))
     """
     op = "jaxops.models.post.rollout"
-    if isinstance(model, MoEDecoder) and model.layout.pipe > 1:
+    if isinstance(model, MoEDecoder) and (model.layout.pipe > 1 or model.layout.context > 1):
         raise ConfigError(
-            f"{op}: generation runs without pipeline stages (jaxops.models.generate): roll out "
-            "with the model on a data x expert mesh (dataclasses.replace(model, mesh=...)); the "
-            "updates may run on the pipe mesh"
+            f"{op}: generation runs without pipeline stages or a context axis "
+            "(jaxops.models.generate): roll out with the model on a data x expert mesh "
+            "(dataclasses.replace(model, mesh=...)); the updates may run on this mesh"
         )
     layout = check_model(op, model)
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2:
@@ -518,7 +519,8 @@ def grpo_step(
     rollout is on-policy.
 
     Args:
-      model: the decoder (a mesh without a context axis). With ``num_microbatches`` M > 1 and
+      model: the decoder. With a context axis each sequence is split over its devices (ring
+        attention), the log-probabilities put back in order. With ``num_microbatches`` M > 1 and
         no pipe axis the rollout's rows run in M microbatches one after another, the gradients
         accumulated (the aggregation's normalizers are the whole batch's). With a pipe axis
         the step is one pipeline schedule of M microbatches per data shard (roll out on a
@@ -573,7 +575,7 @@ def grpo_step(
     def step(params, opt_state, batch, old_logprobs, advantages, ref_logprobs=None):
         checked = _check(op, model, batch)
         mask = (jnp.asarray(batch.targets) != IGNORE_INDEX).astype(jnp.float32)
-        _shapes(op, checked.tokens.shape, old_logprobs, advantages, ref_logprobs, beta)
+        _shapes(op, np.shape(batch.tokens), old_logprobs, advantages, ref_logprobs, beta)
         # the global normalizers, so that the microbatches' shares sum to the whole
         rows = {
             "weights": _weights(mask, aggregation, max_tokens),

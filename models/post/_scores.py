@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxops._errors import ConfigError, InvalidArgumentError
 
-from .. import _batch, _layers, _objective, _run
+from .. import _batch, _context, _layers, _objective, _run
 from .._decoder import MoEDecoder
 from .._layout import Layout, adapters_of, with_frozen
 
@@ -97,17 +97,15 @@ def check_model(op: str, model: Any, pipe: bool = False) -> Layout:
             f"{op}: model must be a jaxops.models.MoEDecoder, got {type(model).__name__}"
         )
     layout = model.layout
-    axes = (
-        (("context", layout.context),)
-        if pipe
-        else (("pipe", layout.pipe), ("context", layout.context))
-    )
-    for what, size in axes:
-        if size > 1:
-            raise ConfigError(
-                f"{op}: a mesh with a {what} axis of size {size} is not supported by "
-                "post-training yet (data, expert, pipe and ZeRO meshes are)"
-            )
+    if not pipe and layout.pipe > 1:
+        raise ConfigError(
+            f"{op}: a mesh with a pipe axis of size {layout.pipe} is not supported here"
+        )
+    if layout.context > 1 and layout.num_microbatches > 1:
+        raise ConfigError(
+            f"{op}: a context axis together with num_microbatches={layout.num_microbatches} is "
+            "not supported by post-training yet (either alone is)"
+        )
     return layout
 
 
@@ -157,8 +155,9 @@ def _check(op: str, model: MoEDecoder, batch: Any) -> _batch.Batch:
 def scores(layout: Layout, params: dict[str, Any], batch: _batch.Batch):
     """``(log-probabilities [B, S], aux)``: each target's, 0 where ignored, and the aux losses.
 
-    Differentiable; `batch` validated (a target at padding is ignored). With a pipe axis: the
-    pipeline's forwards (aux 0: the steps there take their gradients through the schedule).
+    Differentiable; `batch` validated (a target at padding is ignored; with a context axis its
+    rows, the log-probabilities put back in sequence order). With a pipe axis: the pipeline's
+    forwards (aux 0: the steps there take their gradients through the schedule).
     """
     if layout.pipe > 1:
         _, targets = _objective.where_targets(batch)
@@ -167,8 +166,10 @@ def scores(layout: Layout, params: dict[str, Any], batch: _batch.Batch):
         return 0.0 - nll, jnp.zeros((), jnp.float32)
     x, where, targets = _objective.inputs(layout, params, batch)
     h, aux = _run.run_all(layout, params, x, where)
-    nll = layout.token_nll(layout.head_params(params), h, targets)
-    return 0.0 - nll, jnp.sum(aux.loss)  # (0, not -0, where ignored)
+    lp = 0.0 - layout.token_nll(layout.head_params(params), h, targets)
+    if layout.context > 1:  # the context axis's rows back in sequence order, [B, S]
+        lp = _context.from_rows(layout, lp)
+    return lp, jnp.sum(aux.loss)  # (0, not -0, where ignored)
 
 
 def accumulated(
@@ -253,7 +254,8 @@ def token_logprobs(model: MoEDecoder, params: dict[str, Any], batch: Scored) -> 
     time and never whole. Differentiable; call it under ``jax.jit``.
 
     Args:
-      model: the decoder (a mesh without pipe or context axes).
+      model: the decoder, on any mesh it runs on (a pipe axis: the pipeline's forwards; a
+        context axis: the log-probabilities put back in sequence order).
       params: its parameters.
       batch: the sequences (:class:`Scored`).
 
