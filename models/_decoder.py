@@ -40,6 +40,8 @@ __all__ = [
     "REMAT_POLICIES",
     "ZERO_STAGES",
     "MoEDecoder",
+    "check_batch",
+    "check_trainable",
 ]
 
 #: The pipeline schedules the decoder trains with (of :data:`jaxops.parallel.pipeline.SCHEDULES`;
@@ -391,18 +393,8 @@ class MoEDecoder(Settings):
             )
 
     def _check_trainable(self, op: str) -> None:
-        """A quantized base trains only through adapters; adapter dropout not through a pipeline."""
-        if self.base is not None and self.lora is None:
-            raise ConfigError(
-                f"{op}: base={self.base!r} keeps the base weights frozen and quantized, so they "
-                "have no gradients; train adapters on it (lora=jaxops.Lora(...))"
-            )
-        if self.lora is not None and self.lora.dropout > 0 and self.pipe > 1:
-            raise ConfigError(
-                f"{op}: lora dropout ({self.lora.dropout}) through a pipeline is not built yet "
-                f"(pipe axis {self.pipe_axis!r} of size {self.pipe}); train with dropout=0 "
-                "there, or with dropout on a mesh without a pipe axis"
-            )
+        """:func:`check_trainable` of this model."""
+        check_trainable(self, op)
 
     def _check_impl(self, op: str) -> None:
         """`impl` taken, and a required custom call present for every op family the model runs."""
@@ -531,40 +523,8 @@ class MoEDecoder(Settings):
     # Public methods: validate once, then run the internals.
 
     def _check(self, op: str, tokens, targets, mask, positions, segments) -> _batch.Batch:
-        """The validated batch of a public method (targets None: logits and the like).
-
-        With a context axis: its rows of chunk pairs (:func:`_context.to_rows`).
-        """
-        layout = self.layout
-        shards = int(np.prod([dict(self.mesh.shape)[a] for a in layout.input_axes]))
-        split = targets is not None and (self.pipe > 1 or self.num_microbatches > 1)
-        split |= self.pipe > 1
-        m = self.num_microbatches if split else 1
-        why = f"(the {shards} devices of the batch axes {layout.input_axes}" + (
-            f" times {m} microbatches)" if m > 1 else ")"
-        )
-        batch = _batch.check_batch(
-            op,
-            self.config.vocab_size,
-            shards * m,
-            why,
-            tokens,
-            targets,
-            need_targets=targets is not None,
-            attention_mask=mask,
-            positions=positions,
-            segment_ids=segments,
-        )
-        if layout.context == 1:
-            return batch
-        c, s = layout.context, batch.tokens.shape[1]
-        if s % (2 * c):
-            raise InvalidArgumentError(
-                f"{op}: tokens' sequence length ({s}) must be a multiple of {2 * c}: the context "
-                f"axis {self.context_axis!r} of size {c} splits each sequence into {2 * c} "
-                "chunks, two per device"
-            )
-        return _context.to_rows(layout, batch)
+        """The validated batch of a public method (:func:`check_batch`)."""
+        return check_batch(self, op, tokens, targets, mask, positions, segments)
 
     def _in_order(self, x: jax.Array) -> jax.Array:
         """Per-token outputs ``[B, S, ...]`` in sequence order (from the context axis's rows)."""
@@ -799,3 +759,61 @@ class MoEDecoder(Settings):
         # with flat ZeRO-1 the gradients come reduce-scattered into the ZeRO-1 shards
         grads = self._zero_loss_and_grads if self.layout.flat_zero else self.loss_and_grads
         return _train.train_step(self.layout, optimizer, grads)
+
+
+def check_batch(
+    model: MoEDecoder, op: str, tokens, targets, mask, positions, segments
+) -> _batch.Batch:
+    """The validated batch of a public method of `model` named `op` (targets None: logits).
+
+    With a context axis: its rows of chunk pairs (:func:`_context.to_rows`). The models tier's
+    other modules (post-training's) validate their batches through it.
+    """
+    layout = model.layout
+    shards = int(np.prod([dict(model.mesh.shape)[a] for a in layout.input_axes]))
+    split = targets is not None and (model.pipe > 1 or model.num_microbatches > 1)
+    split |= model.pipe > 1
+    m = model.num_microbatches if split else 1
+    why = f"(the {shards} devices of the batch axes {layout.input_axes}" + (
+        f" times {m} microbatches)" if m > 1 else ")"
+    )
+    batch = _batch.check_batch(
+        op,
+        model.config.vocab_size,
+        shards * m,
+        why,
+        tokens,
+        targets,
+        need_targets=targets is not None,
+        attention_mask=mask,
+        positions=positions,
+        segment_ids=segments,
+    )
+    if layout.context == 1:
+        return batch
+    c, s = layout.context, batch.tokens.shape[1]
+    if s % (2 * c):
+        raise InvalidArgumentError(
+            f"{op}: tokens' sequence length ({s}) must be a multiple of {2 * c}: the context "
+            f"axis {model.context_axis!r} of size {c} splits each sequence into {2 * c} "
+            "chunks, two per device"
+        )
+    return _context.to_rows(layout, batch)
+
+
+def check_trainable(model: MoEDecoder, op: str) -> None:
+    """Refuses training `model` where it cannot (`op`: the public name asking).
+
+    A quantized base trains only through adapters; adapter dropout not through a pipeline.
+    """
+    if model.base is not None and model.lora is None:
+        raise ConfigError(
+            f"{op}: base={model.base!r} keeps the base weights frozen and quantized, so they "
+            "have no gradients; train adapters on it (lora=jaxops.Lora(...))"
+        )
+    if model.lora is not None and model.lora.dropout > 0 and model.pipe > 1:
+        raise ConfigError(
+            f"{op}: lora dropout ({model.lora.dropout}) through a pipeline is not built yet "
+            f"(pipe axis {model.pipe_axis!r} of size {model.pipe}); train with dropout=0 "
+            "there, or with dropout on a mesh without a pipe axis"
+        )

@@ -26,13 +26,13 @@ from jax.sharding import PartitionSpec as P
 from jaxops._errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 
 from .. import _objective, _train
-from .._decoder import MoEDecoder
+from .._decoder import MoEDecoder, check_trainable
 from .._packing import IGNORE_INDEX
 from ._scores import (
     Scored,
-    _check,
     accumulated,
     check_model,
+    check_scored,
     disabled_adapters,
     per_sequence,
     scores,
@@ -330,7 +330,7 @@ class PostStep:
         self._step = _train.TrainStep(model.layout.mesh, fn)
 
     def __call__(self, params: Any, opt_state: Any, batch: Scored, **references: Any) -> Any:
-        _check(self._op, self._model, batch)
+        check_scored(self._op, self._model, batch)
         if self._extra is not None:
             self._extra(batch)
         references = {k: self._onto_mesh(v, batch) for k, v in references.items()}
@@ -421,10 +421,10 @@ def reference_logprobs(
     """
     op = "jaxops.models.post.reference_logprobs"
     layout = check_model(op, model, pipe=True)
-    _check(op, model, batch)
+    check_scored(op, model, batch)
 
     def run(params, batch, ref_params):
-        return _reference(op, layout, params, _check(op, model, batch), batch, ref_params)
+        return _reference(op, layout, params, check_scored(op, model, batch), batch, ref_params)
 
     with jax.set_mesh(layout.mesh):
         return jax.jit(run)(params, batch, ref_params)
@@ -496,7 +496,7 @@ def dpo_step(
     _check_loss(op, beta, label_smoothing, loss_type)
     if isinstance(aux_weight, bool) or not isinstance(aux_weight, int | float) or aux_weight < 0:
         raise InvalidArgumentError(f"{op}: aux_weight must be a number >= 0, got {aux_weight!r}")
-    model._check_trainable(op)
+    check_trainable(model, op)
     if layout.pipe > 1 and aux_weight != 1:
         raise ConfigError(
             f"{op}: on a mesh with a pipe axis the MoE aux losses enter the loss as the "
@@ -507,7 +507,7 @@ def dpo_step(
     ipo = loss_type == "ipo"
 
     def step(params, opt_state, batch, ref_logprobs=None, ref_params=None):
-        checked = _check(op, model, batch)
+        checked = check_scored(op, model, batch)
         n = batch.num_sequences
         if n % 2:
             raise InvalidArgumentError(

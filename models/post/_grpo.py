@@ -24,11 +24,11 @@ import numpy as np
 from jaxops._errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 
 from .. import _objective, _train
-from .._decoder import MoEDecoder
+from .._decoder import MoEDecoder, check_trainable
 from .._generate import generate
 from .._packing import IGNORE_INDEX
 from ._dpo import PostStep
-from ._scores import Scored, _check, accumulated, check_model, disabled_adapters, scores
+from ._scores import Scored, accumulated, check_model, check_scored, disabled_adapters, scores
 
 __all__ = [
     "GRPO_AGGREGATIONS",
@@ -472,7 +472,7 @@ def rollout(
     attention = np.concatenate([mask, np.ones((n, max_new_tokens - 1), np.int32)], 1)
     sequence_ids = np.where(scored, np.arange(n, dtype=np.int32)[:, None], -1).astype(np.int32)
     batch = Scored(tokens, targets, sequence_ids, n, attention_mask=attention)
-    checked = _check(op, model, batch)
+    checked = check_scored(op, model, batch)
     with jax.set_mesh(layout.mesh):
         old = _token_scores(layout, params, checked)
         ref = None
@@ -564,7 +564,7 @@ def grpo_step(
     layout = check_model(op, model, pipe=True)
     low, high = _check_objective(op, epsilon_low, epsilon_high, beta, importance, aggregation)
     _number(op, "aux_weight", aux_weight, 0.0)
-    model._check_trainable(op)
+    check_trainable(model, op)
     if layout.pipe > 1 and aux_weight != 1:
         raise ConfigError(
             f"{op}: on a mesh with a pipe axis the MoE aux losses enter the loss as the "
@@ -573,7 +573,7 @@ def grpo_step(
         )
 
     def step(params, opt_state, batch, old_logprobs, advantages, ref_logprobs=None):
-        checked = _check(op, model, batch)
+        checked = check_scored(op, model, batch)
         mask = (jnp.asarray(batch.targets) != IGNORE_INDEX).astype(jnp.float32)
         _shapes(op, np.shape(batch.tokens), old_logprobs, advantages, ref_logprobs, beta)
         # the global normalizers, so that the microbatches' shares sum to the whole

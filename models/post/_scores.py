@@ -24,13 +24,14 @@ from jax.sharding import PartitionSpec as P
 from jaxops._errors import ConfigError, InvalidArgumentError
 
 from .. import _batch, _context, _layers, _objective, _run
-from .._decoder import MoEDecoder
+from .._decoder import MoEDecoder, check_batch
 from .._layout import Layout, adapters_of, with_frozen
 
 __all__ = [
     "Scored",
     "accumulated",
     "check_model",
+    "check_scored",
     "disabled_adapters",
     "per_sequence",
     "scores",
@@ -109,7 +110,7 @@ def check_model(op: str, model: Any, pipe: bool = False) -> Layout:
     return layout
 
 
-def _check(op: str, model: MoEDecoder, batch: Any) -> _batch.Batch:
+def check_scored(op: str, model: MoEDecoder, batch: Any) -> _batch.Batch:
     """`batch` (a :class:`Scored`) validated as the decoder's batch, and its sequence ids."""
     if not isinstance(batch, Scored):
         raise InvalidArgumentError(
@@ -118,7 +119,8 @@ def _check(op: str, model: MoEDecoder, batch: Any) -> _batch.Batch:
     n = batch.num_sequences
     if not isinstance(n, int | np.integer) or isinstance(n, bool) or n < 1:
         raise InvalidArgumentError(f"{op}: num_sequences must be an int >= 1, got {n!r}")
-    checked = model._check(
+    checked = check_batch(
+        model,
         op,
         batch.tokens,
         batch.targets,
@@ -279,7 +281,7 @@ def token_logprobs(model: MoEDecoder, params: dict[str, Any], batch: Scored) -> 
     """
     op = "jaxops.models.post.token_logprobs"
     layout = check_model(op, model, pipe=True)
-    checked = _check(op, model, batch)
+    checked = check_scored(op, model, batch)
     return scores(layout, params, checked)[0]
 
 
@@ -304,6 +306,6 @@ def sequence_logprobs(model: MoEDecoder, params: dict[str, Any], batch: Scored) 
     """
     op = "jaxops.models.post.sequence_logprobs"
     layout = check_model(op, model, pipe=True)
-    checked = _check(op, model, batch)
+    checked = check_scored(op, model, batch)
     lp = scores(layout, params, checked)[0]
     return per_sequence(lp, jnp.asarray(batch.sequence_ids), batch.num_sequences, layout.mesh)
