@@ -109,8 +109,8 @@ def test_fp8_kernels_match_twins_in_the_train_step():
     move a gradient by up to 0.6% of its FP8 error (measured on an AVX2 machine; 1e-4 relative
     on an AMD AVX-512 one; up to 7.0% on an Intel Xeon AVX-512 machine, 2026-12-02, and the
     same there with that session's loss changes undone). A kernel's wiring bug (a scale, a
-    transpose, a block) moves it by the FP8 error's own size. So the kernels and the twins agree within 15%
-    of the FP8 error against the float32 step, the loss within 1e-4."""
+    transpose, a block) moves it by the FP8 error's own size. So the kernels and the twins
+    agree within 15% of the FP8 error against the float32 step, the loss within 1e-4."""
     cpu = jax.devices("cpu")[:1]
     _, grads32 = _loss_and_grads(cpu, None, "xla")
     (loss, grads), (loss_twin, grads_twin) = (
