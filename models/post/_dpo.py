@@ -14,6 +14,7 @@ parameters, or log-probabilities computed beforehand.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -394,6 +395,14 @@ def _reference(
     return jax.lax.stop_gradient(per_sequence(lp, ids, batch.num_sequences, layout.mesh))
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _reference_jit(model: MoEDecoder, params: Any, batch: Scored, ref_params: Any) -> jax.Array:
+    """:func:`reference_logprobs` compiled once per model and shapes (not on every call)."""
+    op = "jaxops.models.post.reference_logprobs"
+    checked = check_scored(op, model, batch)
+    return _reference(op, model.layout, params, checked, batch, ref_params)
+
+
 def reference_logprobs(
     model: MoEDecoder, params: dict[str, Any], batch: Scored, *, ref_params: Any = None
 ) -> jax.Array:
@@ -423,11 +432,8 @@ def reference_logprobs(
     layout = check_model(op, model, pipe=True)
     check_scored(op, model, batch)
 
-    def run(params, batch, ref_params):
-        return _reference(op, layout, params, check_scored(op, model, batch), batch, ref_params)
-
     with jax.set_mesh(layout.mesh):
-        return jax.jit(run)(params, batch, ref_params)
+        return _reference_jit(model, params, batch, ref_params)
 
 
 def dpo_step(
