@@ -248,9 +248,14 @@ def _check_sgd_update(model, before, new, want, atol):
             np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
 
 
-def _assert_runs_equal(a, b, atol=3e-5):
-    """Two runs' ``(metrics per step, trained leaves)`` equal (adam amplifies tiny gradients'
-    differences in the parameters, hence their atol)."""
+def _assert_runs_equal(a, b, atol=1e-4):
+    """Two runs' ``(metrics per step, trained leaves)`` equal.
+
+    The runs train with adam at lr 1e-2, whose step lr * m / sqrt(v) is about lr per element
+    whatever the gradient's size: where a gradient element is near zero, last-bit differences
+    between two equal computations move that element's step by a visible fraction of lr (seen:
+    3.9e-5 on one element of 4096 on an AMD EPYC, none on an Intel Xeon). The parameters' atol is
+    1% of one step (1e-4); a wrong microbatch, row or shard moves elements by whole steps."""
     for x, y in zip(a[0], b[0], strict=True):
         for k in x:
             np.testing.assert_allclose(x[k], y[k], rtol=2e-5, atol=1e-6, err_msg=k)
@@ -732,7 +737,7 @@ def test_gradient_accumulation_equals_one_pass(hf_families, mesh_name):
             metrics.append({**{f"dpo/{k}": float(v) for k, v in md.items()},
                             **{f"grpo/{k}": float(v) for k, v in mg.items()}})  # fmt: skip
         out[m] = metrics, jax.tree.map(np.asarray, model.trainable(params))
-    _assert_runs_equal(out[1], out[2], atol=1e-6)
+    _assert_runs_equal(out[1], out[2])
 
 
 def test_pairs_straddling_microbatches_are_refused(hf_families):
