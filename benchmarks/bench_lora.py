@@ -80,7 +80,7 @@ def _device_bytes(tree) -> int:
 
 def run(args) -> H.Result:
     from jaxops.models import MoEDecoder
-    from jaxops.models._layout import lora_targets
+    from jaxops.models._adapters import lora_targets
 
     from jaxops import Lora
 

@@ -37,7 +37,9 @@ class Batch:
     """A validated batch: int ``tokens [B, S]``, ``targets [B, S]`` (or None) and the masks.
 
     ``index``: the tokens' time steps where they are not ``0 .. S-1`` (the rows of a context
-    axis, :mod:`~jaxops.models._context`), else None.
+    axis, :mod:`~jaxops.models._context`), else None. ``mtp_tokens`` / ``mtp_targets [B, S,
+    D]``: the inputs and targets of the D multi-token-prediction depths (:func:`jaxops.models.
+    _mtp.shifted`), or None.
     """
 
     tokens: jax.Array
@@ -46,11 +48,16 @@ class Batch:
     positions: jax.Array | None
     segment_ids: jax.Array | None
     index: jax.Array | None = None
+    mtp_tokens: jax.Array | None = None
+    mtp_targets: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(
     Batch,
-    data_fields=["tokens", "targets", "attention_mask", "positions", "segment_ids", "index"],
+    data_fields=[
+        *("tokens", "targets", "attention_mask", "positions", "segment_ids", "index"),
+        *("mtp_tokens", "mtp_targets"),
+    ],
     meta_fields=[],
 )
 

@@ -102,6 +102,13 @@ class DecoderConfig:
         NoPE layers), checked against `num_layers`.
       rms_norm_eps: epsilon of every RMSNorm (MLA's two inner norms: 1e-6, as transformers).
       tie_word_embeddings: the output projection is the embedding table transposed.
+      mtp_layers: D, the multi-token-prediction modules after the last layer (DeepSeek-V3's
+        and GLM-4.5's ``num_nextn_predict_layers``; 0: none). Depth k (1..D) predicts token
+        ``i + k + 1`` at position i from depth k - 1's output (the trunk's after its final
+        norm for k = 1) and the embedding of token ``i + k``: ``eh_proj [enorm(emb) ;
+        hnorm(h)]``, one MoE decoder layer, ``head_norm``, then the shared output head
+        (:mod:`~jaxops.models._mtp`). Held as the parameters ``mtp``, loaded and saved under
+        the published names ``model.layers.{num_layers + k - 1}.*``.
       hf: the config.json dict it came from (written back by ``save_pretrained``), not compared.
     """
 
@@ -115,6 +122,7 @@ class DecoderConfig:
     pattern: LayerPattern = _NO_PATTERN
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
+    mtp_layers: int = 0
     hf: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
@@ -127,6 +135,9 @@ class DecoderConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{op}: {name} must be an int >= 1, got {value!r}")
+        n = self.mtp_layers
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError(f"{op}: mtp_layers must be an int >= 0, got {n!r}")
         for name, kind in (
             ("attention", AttentionSpec), ("moe", MoESpec), ("pattern", LayerPattern)
         ):  # fmt: skip
@@ -166,6 +177,12 @@ class DecoderConfig:
         if not rope.interleave and fam.interleave == "always":
             raise ConfigError(f"{op}: {self.model_type} rotates interleaved pairs; got {rope}")
         rotary_dim(rope, self.attention.head_dim)  # an even rotated width
+        if self.mtp_layers and fam.mtp_key is None:
+            mtp = ", ".join(t for t, f in FAMILIES.items() if f.mtp_key is not None)
+            raise ConfigError(
+                f"{op}: mtp_layers (multi-token prediction) is built for {mtp} only (their "
+                f"published layout); got mtp_layers={self.mtp_layers} for {self.model_type}"
+            )
         m = self.attention.mla
         if (m is not None) != fam.mla:
             mla = ", ".join(t for t, f in FAMILIES.items() if f.mla)

@@ -50,6 +50,8 @@ def to_rows(layout: Any, batch: _batch.Batch) -> _batch.Batch:
         "positions": where.positions,
         "segment_ids": where.segments,
         "index": where.index,
+        "mtp_tokens": batch.mtp_tokens,
+        "mtp_targets": batch.mtp_targets,
     }
     fields = {k: v for k, v in fields.items() if v is not None}
     chunks = jnp.asarray(_pairs(c))
@@ -57,9 +59,10 @@ def to_rows(layout: Any, batch: _batch.Batch) -> _batch.Batch:
     def cut(fields):
         mine = chunks[jax.lax.axis_index(axis)]
 
-        def one(a):  # [n, S] -> [n, S / C]: this device's two chunks
-            n, s = a.shape
-            return a.reshape(n, 2 * c, s // (2 * c))[:, mine].reshape(n, s // c)
+        def one(a):  # [n, S, ...] -> [n, S / C, ...]: this device's two chunks
+            n, s, *rest = a.shape
+            a = a.reshape(n, 2 * c, s // (2 * c), *rest)[:, mine]
+            return a.reshape(n, s // c, *rest)
 
         return jax.tree.map(one, fields)
 
@@ -78,6 +81,8 @@ def to_rows(layout: Any, batch: _batch.Batch) -> _batch.Batch:
         out["positions"],
         out.get("segment_ids"),
         out["index"],
+        out.get("mtp_tokens"),
+        out.get("mtp_targets"),
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -27,10 +28,11 @@ from jaxops._config import check_impl
 from jaxops._errors import ArgumentTypeError, ConfigError, InvalidArgumentError, renamed_fields
 from jaxops._lora import as_lora
 
-from . import _batch, _context, _objective, _run, _train
+from . import _batch, _context, _mtp, _objective, _run, _train
+from ._adapters import lora_targets
 from ._base import BASES
 from ._config import DecoderConfig
-from ._layout import Layout, Settings, lora_targets
+from ._layout import Layout, Settings
 
 __all__ = [
     "ATTENTION_IMPLS",
@@ -253,6 +255,14 @@ class MoEDecoder(Settings):
       base_block: ``(rows, columns)`` of a scale's block of a torch ``[out, in]`` weight
         (a published checkpoint's ``weight_block_size``; ``from_pretrained`` takes it from
         the checkpoint).
+      mtp_loss_weight: lambda of the multi-token-prediction loss (the config's
+        ``mtp_layers`` = D modules, :mod:`~jaxops.models._mtp`): the loss adds ``lambda / D
+        * sum_k CE_k``, each depth's cross-entropy over its own counted targets (the targets
+        ``k`` places further on, within the same document: a target past a document's end, or
+        at padding, counts for nothing). 0 (default): the modules stay out of the loss and are
+        frozen (:meth:`trainable` leaves them out; ``save_pretrained`` writes them as loaded).
+        DeepSeek-V3 trained with 0.3 then 0.1. Not yet with a pipe axis, LoRA or a quantized
+        base (refused).
       layout: the :class:`~jaxops.models._layout.Layout` of the fields above (not a field:
         built once, on construction).
 
@@ -349,11 +359,38 @@ class MoEDecoder(Settings):
                 f"{op}: grad_reduce must be one of {GRAD_REDUCES}, got {self.grad_reduce!r}"
             )
         self._check_lora(op)
+        self._check_mtp(op)
         # the fields validated and normalized: the layout of them, checked against the mesh
         self.layout.check_mesh(op)
         if self.moe_impl == "dense" and self.pipe > 1:
             raise ConfigError(f"{op}: moe_impl='dense' runs without a pipeline (pipe axis size 1)")
         self.moe  # noqa: B018 -- validates the MoE settings now
+
+    def _check_mtp(self, op: str) -> None:
+        w = self.mtp_loss_weight
+        if isinstance(w, bool) or not isinstance(w, int | float | np.floating | np.integer):
+            raise ConfigError(f"{op}: mtp_loss_weight must be a number >= 0, got {w!r}")
+        if not (math.isfinite(w) and w >= 0):
+            raise ConfigError(f"{op}: mtp_loss_weight must be a finite number >= 0, got {w!r}")
+        object.__setattr__(self, "mtp_loss_weight", float(w))
+        if not w:
+            return
+        if not self.config.mtp_layers:
+            raise ConfigError(
+                f"{op}: mtp_loss_weight={w} needs multi-token-prediction modules; the config "
+                "has mtp_layers = 0 (a checkpoint announces them as num_nextn_predict_layers)"
+            )
+        why = (
+            f"a pipe axis ({self.pipe_axis!r})" if self.pipe > 1
+            else "LoRA adapters" if self.lora is not None
+            else f"base={self.base!r}" if self.base is not None
+            else None
+        )  # fmt: skip
+        if why:
+            raise ConfigError(
+                f"{op}: training the multi-token-prediction modules (mtp_loss_weight={w}) with "
+                f"{why} is not built yet; with mtp_loss_weight=0 they stay frozen as loaded"
+            )
 
     def _check_lora(self, op: str) -> None:
         lora = as_lora(op, self.lora)
@@ -522,9 +559,11 @@ class MoEDecoder(Settings):
     # ---------------------------------------------------------------------------------------------
     # Public methods: validate once, then run the internals.
 
-    def _check(self, op: str, tokens, targets, mask, positions, segments) -> _batch.Batch:
+    def _check(
+        self, op: str, tokens, targets, mask, positions, segments, mtp: bool = False
+    ) -> _batch.Batch:
         """The validated batch of a public method (:func:`check_batch`)."""
-        return check_batch(self, op, tokens, targets, mask, positions, segments)
+        return check_batch(self, op, tokens, targets, mask, positions, segments, mtp)
 
     def _in_order(self, x: jax.Array) -> jax.Array:
         """Per-token outputs ``[B, S, ...]`` in sequence order (from the context axis's rows)."""
@@ -584,6 +623,38 @@ class MoEDecoder(Settings):
         layout = self.layout
         h = _objective.hidden(layout, params, batch)
         return self._in_order(layout.head(layout.head_params(params), h))
+
+    def mtp_logits(
+        self,
+        params: dict[str, Any],
+        tokens: jax.Array,
+        *,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
+        """float32 logits ``[B, S, D, V]`` of the D multi-token-prediction modules.
+
+        ``[:, i, k - 1]`` is depth k's prediction of token ``i + k + 1`` at position i, from
+        the trunk and the tokens up to ``i + k`` (:mod:`~jaxops.models._mtp`); where ``i + k``
+        lies past the row's end, in another document or at padding it is meaningless. The
+        arguments are :meth:`logits`'; without a pipeline (call it under ``jax.jit``).
+
+        Raises:
+          ConfigError: the config has no MTP modules (``mtp_layers = 0``), or a pipe axis.
+        """
+        op = f"{_OP}.mtp_logits"
+        if not self.config.mtp_layers:
+            raise ConfigError(f"{op}: the config has no multi-token-prediction modules")
+        if self.pipe > 1:
+            raise ConfigError(f"{op}: runs without a pipeline (pipe axis size 1)")
+        batch = self._check(op, tokens, None, attention_mask, positions, segment_ids, mtp=True)
+        layout = self.layout
+        x, where, _ = _objective.inputs(layout, params, batch)
+        h = _run.run_all(layout, params, x, where)[0]
+        out, _ = _mtp.hidden(layout, params, h, where, batch.mtp_tokens)
+        logits = jnp.stack([layout.head(head_k, y) for head_k, y in out], axis=2)
+        return self._in_order(logits)
 
     def forward(
         self,
@@ -762,12 +833,14 @@ class MoEDecoder(Settings):
 
 
 def check_batch(
-    model: MoEDecoder, op: str, tokens, targets, mask, positions, segments
+    model: MoEDecoder, op: str, tokens, targets, mask, positions, segments, mtp: bool = False
 ) -> _batch.Batch:
     """The validated batch of a public method of `model` named `op` (targets None: logits).
 
-    With a context axis: its rows of chunk pairs (:func:`_context.to_rows`). The models tier's
-    other modules (post-training's) validate their batches through it.
+    With the MTP modules in the loss (or `mtp`: their logits), the depths' inputs and targets
+    (:func:`_mtp.shifted`); with a context axis: its rows of chunk pairs
+    (:func:`_context.to_rows`). The models tier's other modules (post-training's) validate
+    their batches through it.
     """
     layout = model.layout
     shards = int(np.prod([dict(model.mesh.shape)[a] for a in layout.input_axes]))
@@ -789,6 +862,8 @@ def check_batch(
         positions=positions,
         segment_ids=segments,
     )
+    if mtp or (layout.mtp_trained and targets is not None):  # the MTP depths' inputs, targets
+        batch = _mtp.shifted(batch, model.config.mtp_layers)
     if layout.context == 1:
         return batch
     c, s = layout.context, batch.tokens.shape[1]

@@ -32,7 +32,7 @@ from ._base import (
 from ._config import read_config
 from ._decoder import MoEDecoder
 from ._families import family
-from ._names import name_map
+from ._names import mtp_copies, mtp_layers, name_map
 from ._quant import (
     Fp8Block,
     Fp8Codec,
@@ -107,6 +107,14 @@ def from_pretrained(
     tensors under ``language_model.``) loads its text model; the vision tower's and projector's
     tensors are skipped with a warning.
 
+    DeepSeek-V3's and GLM-4.5's multi-token-prediction modules (``num_nextn_predict_layers``
+    of them, stored as ``model.layers.{num_hidden_layers + k}.*``) load as the parameters
+    ``mtp`` (FP8 ones dequantized like the trunk's; with ``base="fp8"`` too, frozen), and
+    their copies of the embedding and output head (``embed_tokens``, ``shared_head.head``) are
+    checked equal to the model's own. A config that announces modules the files do not hold
+    at all (transformers drops them when it saves) loads without them, with a warning, and its
+    config says ``mtp_layers = 0``.
+
     Published FP8 checkpoints load too (DeepSeek-style block scaling, as Qwen3-30B-A3B-FP8 ships:
     ``quantization_config`` with ``quant_method: "fp8"`` and ``weight_block_size``): each
     F8_E4M3 ``X.weight`` is read with its float32 ``X.weight_scale_inv`` and dequantized,
@@ -148,7 +156,9 @@ def from_pretrained(
       ConfigError: ``base="fp8"`` with another ``base_block`` than the checkpoint's, or on
         an MXFP4 checkpoint; ``base="mxfp4"`` on a checkpoint that is not MXFP4.
       CheckpointError: a tensor the config needs is missing, has another shape, or the files
-        hold tensors the config does not account for (e.g. more experts or layers than it says);
+        hold tensors the config does not account for (e.g. more experts or layers than it says,
+        MTP modules it does not announce); an MTP module's copy of the embedding or output
+        head that differs from the model's;
         an FP8 weight whose ``weight_scale_inv`` is missing or of another shape; MXFP4 blocks
         without scales (or scales without blocks), either not uint8 or of shapes that do not
         fit, or a scale code 255 (E8M0's NaN); with ``base="fp8"``, a ``weight_scale_inv``
@@ -165,6 +175,8 @@ def from_pretrained(
     root = Path(path)
     config = read_config(root)
     quant = read_quantization(config.hf)
+    tensors = checkpoint.hf_tensors(root)  # validated headers and index
+    config = _announced_mtp(config, tensors)
     if mesh is None:
         mesh = jax.make_mesh((1,), ("expert",), devices=jax.devices()[:1])
     if dtype is None:
@@ -178,7 +190,6 @@ def from_pretrained(
         options = _base_options(op, quant, options)
     model = MoEDecoder(config, mesh, dtype=compute_dtype or dtype, **options)
     rules = name_map(config)
-    tensors = checkpoint.hf_tensors(root)  # validated headers and index
     if model.base == "fp8":  # the FP8 weights' scales are parameters too
         shapes = model.layout.weight_shapes()
         rules = (*rules, *scale_rules(shapes, rules, model.base_block))
@@ -209,7 +220,8 @@ def from_pretrained(
     extra = sorted(n for n in have - stored if not _IGNORED.fullmatch(n))
     if config.tie_word_embeddings:
         extra = [n for n in extra if n != "lm_head.weight"]
-    extra = _skip_mtp(config, extra)
+    copies = {n: c for n, c in mtp_copies(config).items() if n in have}
+    extra = [n for n in extra if n not in copies]
     extra = _skip_wrapper(config, extra)
     if extra:
         method = "mxfp4" if isinstance(quant, Mxfp4) else "fp8" if quant else None
@@ -227,6 +239,7 @@ def from_pretrained(
     )
     if model.base == "fp8":
         params = as_bytes(params)
+    _check_copies(op, root, params, target, copies, codec, progress)
     if lora is not None:  # the base as published, the adapters fresh (PEFT's initialization)
         model = dataclasses.replace(model, lora=lora)
         params = model.add_adapters(params, jax.random.key(0))
@@ -319,11 +332,24 @@ def save_pretrained(
     codec = None
     if quantize == fp8.BLOCK:
         quant = Fp8Block()
-        quantized = [r for r in rules if r.ours in BASE_WEIGHTS]
+        # the MTP modules' layers as the trunk's (DeepSeek-V3 ships them so)
+        quantized = [r for r in rules if r.ours.replace("mtp/block/", "layers/") in BASE_WEIGHTS]
         codec = Fp8Codec(quant, _expected_names(model, quantized))
         config["quantization_config"] = quant.to_hf(_unquantized_linears(model))
+    # each MTP module's copies of the embedding and head, as published (one array, two names)
+    source = params
+    copies = list(mtp_copies(model.config).items())
+    if copies:
+        source = {
+            **params,
+            "mtp_copies": {str(j): params[k] for j, (_, (k, _)) in enumerate(copies)},
+        }
+        rules = (
+            *rules,
+            *(Rule(f"mtp_copies/{j}", n, transpose=t) for j, (n, (_, t)) in enumerate(copies)),
+        )
     return checkpoint.export_safetensors(
-        params,
+        source,
         path,
         max_shard_size=max_shard_size,
         name_map=rules,
@@ -400,26 +426,53 @@ def _skip_wrapper(config: Any, extra: list[str]) -> list[str]:
     return [n for n in extra if not n.startswith(wrapper.skipped)]
 
 
-def _skip_mtp(config: Any, extra: list[str]) -> list[str]:
-    """`extra` less the multi-token-prediction layers' tensors, skipped with a warning.
+def _announced_mtp(config: Any, tensors: Any) -> Any:
+    """`config`, without MTP modules when it announces some and the files hold none at all.
 
-    DeepSeek-V3 and GLM-4.5 ship ``num_nextn_predict_layers`` MTP layers after the decoder's
-    (``model.layers.{L}.*`` onward); jaxops.models does not build them.
+    (transformers loads DeepSeek-V3 and GLM-4.5 without them and saves the config as it read
+    it.) Some of a module's tensors missing is the usual missing-tensor error.
     """
-    mtp = config.hf.get("num_nextn_predict_layers") or config.hf.get("num_mtp_layers") or 0
-    if not isinstance(mtp, int) or mtp < 1:
-        return extra
+    if not config.mtp_layers:
+        return config
     first = config.num_layers
-    skipped = [n for n in extra if (m := _LAYER.match(n)) and first <= int(m[1]) < first + mtp]
-    if skipped:
-        layers = f"model.layers.{first}" + (f"-{first + mtp - 1}" if mtp > 1 else "")
-        warnings.warn(
-            f"jaxops.models.from_pretrained: skipped {len(skipped)} multi-token-prediction "
-            f"tensor(s) of {layers}.* (num_nextn_predict_layers = {mtp}; jaxops.models does not "
-            "build MTP layers)",
-            stacklevel=3,
-        )
-    return [n for n in extra if n not in set(skipped)]
+    present = any(
+        (m := _LAYER.match(n)) and first <= int(m[1]) < first + config.mtp_layers for n in tensors
+    )
+    if present:
+        return config
+    layers = mtp_layers(config)
+    warnings.warn(
+        f"jaxops.models.from_pretrained: config.json announces {config.mtp_layers} "
+        f"multi-token-prediction module(s) (num_nextn_predict_layers; model.layers."
+        f"{layers[0]}.*) and the files hold none (transformers drops them when it saves): "
+        "loaded without them (mtp_layers = 0)",
+        stacklevel=3,
+    )
+    return dataclasses.replace(config, mtp_layers=0)
+
+
+def _check_copies(
+    op: str,
+    root: Path,
+    params: dict[str, Any],
+    target: dict[str, Any],
+    copies: dict[str, tuple[str, Any]],
+    codec: Any,
+    progress: bool | None,
+) -> None:
+    """The MTP modules' copies of the embedding and head in the files equal the model's own."""
+    for name, (key, transpose) in copies.items():
+        rule = Rule("copy", name, transpose=transpose)
+        copy = checkpoint.import_safetensors(
+            root, {"copy": target[key]}, name_map=[rule], progress=progress, codec=codec
+        )["copy"]
+        if not bool(jnp.array_equal(copy, params[key])):
+            own = "model.embed_tokens.weight" if key == "embed" else "lm_head.weight"
+            raise checkpoint.CheckpointError(
+                f"{op}: {root}'s {name} differs from {own}; "
+                "the multi-token-prediction modules share the model's embedding and output "
+                "head, so the copies stored beside them must equal those"
+            )
 
 
 def _unquantized_linears(model: MoEDecoder) -> list[str]:
@@ -430,6 +483,8 @@ def _unquantized_linears(model: MoEDecoder) -> list[str]:
     """
     names = family(model.config.model_type).names
     out = ["lm_head", f"{names.moe}.{names.router}"]
+    if model.config.mtp_layers:  # the MTP modules' projection and head copy stay unquantized
+        out += ["eh_proj", "shared_head.head"]
     if model.config.moe.shared_ffn and model.config.moe.shared_gate:
         out.append(f"{names.moe}.{names.shared}_gate")
     return out

@@ -31,104 +31,11 @@ from jaxops._sharding import axes_of, constrain, manual_axes, padded_spec, place
 from jaxops.fp8 import Recipe
 
 from . import _base, _layers, _loss, _mla
+from ._adapters import MOE_TARGETS, adapters_of, attention_targets, is_adapter, with_frozen
 from ._config import DecoderConfig
 from ._names import name_map
 
-__all__ = [
-    "ATTENTION_TARGETS",
-    "CAST_BEFORE_GATHER",
-    "GATHERED",
-    "DENSE_TARGETS",
-    "EXPERT_TARGETS",
-    "MLA_TARGETS",
-    "ROUTER_TARGET",
-    "SHARED_TARGETS",
-    "Layout",
-    "Settings",
-    "adapters_of",
-    "attention_targets",
-    "lora_targets",
-    "with_frozen",
-    "without_gathered",
-]
-
-#: LoRA targets of the GQA attention, by transformers' projection names (``w_qkv`` holds the
-#: first three side by side, ``w_o`` is ``o_proj``).
-ATTENTION_TARGETS = (*_layers.QKV, "o_proj")
-#: LoRA targets of multi-head latent attention (transformers' names) -> the weights they adapt.
-MLA_TARGETS = {
-    "q_proj": "w_q",
-    "q_a_proj": "w_q_a",
-    "q_b_proj": "w_q_b",
-    "kv_a_proj_with_mqa": "w_kv_a",
-    "kv_b_proj": "w_kv_b",
-    "o_proj": "w_o",
-}
-#: LoRA targets of the dense layers' MLP (``mlp.<name>``: transformers' projection names below
-#: the MLP module; ``w_in`` holds gate and up side by side).
-DENSE_TARGETS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-#: LoRA targets of the routed experts (PEFT's ``target_parameters`` names, relative to the MoE
-#: module) -> the expert layer's weights (``MoEConfig.lora``).
-EXPERT_TARGETS = {"experts.gate_up_proj": "w_in", "experts.down_proj": "w_out"}
-#: LoRA targets of the shared experts (transformers' projection names below the shared expert
-#: module, whatever a family calls it) -> the expert layer's (``MoEConfig.lora``).
-SHARED_TARGETS = {
-    "shared_experts.gate_proj": "shared_gate_proj",
-    "shared_experts.up_proj": "shared_up_proj",
-    "shared_experts.down_proj": "shared_down_proj",
-}
-#: The MoE router's LoRA target (PEFT's ``target_parameters`` on the family's router weight).
-ROUTER_TARGET = "router"
-_MOE_TARGETS = {**EXPERT_TARGETS, **SHARED_TARGETS, ROUTER_TARGET: "router"}
-
-
-def attention_targets(config: DecoderConfig) -> dict[str, tuple[int, int]]:
-    """The attention's LoRA targets a decoder of `config` has -> ``(in, out)`` of each."""
-    a, d = config.attention, config.hidden_size
-    if a.mla is None:
-        return {
-            "q_proj": (d, a.q_size),
-            "k_proj": (d, a.kv_size),
-            "v_proj": (d, a.kv_size),
-            "o_proj": (a.q_size, d),
-        }
-    shapes = _mla.param_shapes(config)
-    return {name: shapes[w] for name, w in MLA_TARGETS.items() if w in shapes}
-
-
-def lora_targets(config: DecoderConfig) -> tuple[str, ...]:
-    """The LoRA targets a decoder of `config` has.
-
-    Its attention's, the dense layers' MLP's and the shared experts' (where it has them), the
-    routed experts', the router.
-    """
-    dense = DENSE_TARGETS if config.pattern.dense_layers else ()
-    shared = tuple(SHARED_TARGETS) if config.moe.shared_ffn else ()
-    return (*attention_targets(config), *dense, *shared, *EXPERT_TARGETS, ROUTER_TARGET)
-
-
-def _is_adapter(path: tuple) -> bool:
-    last = path[-1] if path else None
-    return isinstance(last, jax.tree_util.DictKey) and "_lora_" in str(last.key)
-
-
-def adapters_of(tree: Any, is_leaf: Callable | None = None) -> Any:
-    """`tree` with every leaf but the adapters' (``*_lora_a``, ``*_lora_b``) None.
-
-    The trainable part of a model with LoRA; `tree` is the parameters, or their specs,
-    shardings or shapes (give `is_leaf` for a leaf type that is a pytree node itself).
-    """
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: x if _is_adapter(path) else None, tree, is_leaf=is_leaf
-    )
-
-
-def with_frozen(adapters: Any, params: Any) -> Any:
-    """`params` with its adapter leaves taken from `adapters` (:func:`adapters_of`'s shape)."""
-    return jax.tree.map(
-        lambda a, p: p if a is None else a, adapters, params, is_leaf=lambda x: x is None
-    )
-
+__all__ = ["CAST_BEFORE_GATHER", "GATHERED", "Layout", "Settings", "without_gathered"]
 
 _INIT_STD = 0.02  # transformers' initializer_range for these models
 # Leaves initialized to zeros: biases and the attention sinks.
@@ -211,10 +118,10 @@ def _initialized(abstract: Any, key: jax.Array) -> Any:
         for (path, leaf), k in zip(leaves, keys, strict=True):
             name = jax.tree_util.keystr(path)
             if name.endswith("_lora_b']") or (
-                not _is_adapter(path) and "norm" not in name and name.endswith(_ZERO_INIT)
+                not is_adapter(path) and "norm" not in name and name.endswith(_ZERO_INIT)
             ):
                 out.append(jnp.zeros(leaf.shape, leaf.dtype))
-            elif _is_adapter(path):
+            elif is_adapter(path):
                 bound = 1.0 / np.sqrt(leaf.shape[-2])
                 u = jax.random.uniform(k, leaf.shape, jnp.float32, -bound, bound)
                 out.append(u.astype(leaf.dtype))
@@ -299,6 +206,7 @@ class Settings:
     lora: Lora | None = None
     base: str | None = None
     base_block: tuple[int, int] = (128, 128)
+    mtp_loss_weight: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -545,9 +453,7 @@ class Layout(Settings):
         if self.router_aux_loss_coef is not None:
             spec = dataclasses.replace(spec, router_aux_loss_coef=self.router_aux_loss_coef)
         lora = self.lora
-        experts = (
-            [] if lora is None else [_MOE_TARGETS[t] for t in lora.targets if t in _MOE_TARGETS]
-        )
+        experts = [] if lora is None else [MOE_TARGETS[t] for t in lora.targets if t in MOE_TARGETS]
         return ep.MoEConfig(
             lora=dataclasses.replace(lora, targets=tuple(experts)) if experts else None,
             spec=spec,
@@ -618,6 +524,35 @@ class Layout(Settings):
         """
         c = self.config
         d = c.hidden_size
+        attn = self.attention_shapes()
+
+        def stack(layer, n):
+            return jax.tree.map(lambda s: (n, *s), layer, is_leaf=lambda s: isinstance(s, tuple))
+
+        moe = {**attn, "moe": dict(self.moe.param_shapes)}
+        tree = {"embed": (c.vocab_size, d), "layers": stack(moe, len(c.moe_layers))}
+        if c.pattern.dense_layers:
+            f = c.pattern.dense_ffn
+            mlp = {"w_in": (d, 2 * f), "w_out": (f, d)}
+            widths = {"gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+            for name in () if self.lora is None else self.lora.targets:
+                name = name.removeprefix("mlp.")
+                if name in widths:
+                    mlp[f"{name}_lora_a"] = (widths[name][0], self.lora.rank)
+                    mlp[f"{name}_lora_b"] = (self.lora.rank, widths[name][1])
+            dense = {**attn, "mlp": mlp}
+            tree["dense_layers"] = stack(dense, len(c.pattern.dense_layers))
+        tree["final_norm"] = (d,)
+        if not c.tie_word_embeddings:
+            tree["lm_head"] = (d, c.vocab_size)
+        if c.mtp_layers:
+            tree["mtp"] = stack(self._mtp_shapes(), c.mtp_layers)
+        return tree
+
+    def attention_shapes(self) -> dict[str, Any]:
+        """One layer's norms' and attention's shapes (with its adapters), for weight_shapes."""
+        c = self.config
+        d = c.hidden_size
         attn: dict[str, Any] = {"attn_norm": (d,)}
         if c.attention.mla is not None:
             attn.update(_mla.param_shapes(c))
@@ -642,27 +577,31 @@ class Layout(Settings):
                 attn[f"{name}_lora_a"] = (n_in, self.lora.rank)
                 attn[f"{name}_lora_b"] = (self.lora.rank, n_out)
         attn["mlp_norm"] = (d,)
+        return attn
 
-        def stack(layer, n):
-            return jax.tree.map(lambda s: (n, *s), layer, is_leaf=lambda s: isinstance(s, tuple))
+    def _mtp_shapes(self) -> dict[str, Any]:
+        """One multi-token-prediction module's shapes (unstacked; :mod:`~jaxops.models._mtp`).
 
-        moe = {**attn, "moe": dict(self.moe.param_shapes)}
-        tree = {"embed": (c.vocab_size, d), "layers": stack(moe, len(c.moe_layers))}
-        if c.pattern.dense_layers:
-            f = c.pattern.dense_ffn
-            mlp = {"w_in": (d, 2 * f), "w_out": (f, d)}
-            widths = {"gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
-            for name in () if self.lora is None else self.lora.targets:
-                name = name.removeprefix("mlp.")
-                if name in widths:
-                    mlp[f"{name}_lora_a"] = (widths[name][0], self.lora.rank)
-                    mlp[f"{name}_lora_b"] = (self.lora.rank, widths[name][1])
-            dense = {**attn, "mlp": mlp}
-            tree["dense_layers"] = stack(dense, len(c.pattern.dense_layers))
-        tree["final_norm"] = (d,)
-        if not c.tie_word_embeddings:
-            tree["lm_head"] = (d, c.vocab_size)
-        return tree
+        ``enorm, hnorm [D]``, ``eh_proj [2D, D]`` (the embedding's rows first), ``head_norm
+        [D]`` and ``block``: an MoE layer's parameters, unquantized and without adapters.
+        """
+        d = self.config.hidden_size
+        plain = self.plain
+        block = {**plain.attention_shapes(), "moe": dict(plain.moe.param_shapes)}
+        return {"enorm": (d,), "hnorm": (d,), "eh_proj": (2 * d, d), "head_norm": (d,),
+                "block": block}  # fmt: skip
+
+    @functools.cached_property
+    def plain(self) -> Layout:
+        """This layout without adapters or a quantized base (the MTP modules' layers)."""
+        if self.lora is None and self.base is None:
+            return self
+        return dataclasses.replace(self, lora=None, base=None)
+
+    @property
+    def mtp_trained(self) -> bool:
+        """Whether the loss has the MTP modules' term (``mtp_layers`` and a weight > 0)."""
+        return bool(self.config.mtp_layers) and self.mtp_loss_weight > 0
 
     @property
     def runs(self) -> tuple[tuple[str, int, int, int], ...]:
@@ -739,6 +678,11 @@ class Layout(Settings):
         specs["final_norm"] = P()
         if not self.config.tie_word_embeddings:
             specs["lm_head"] = P()
+        if self.config.mtp_layers:  # after the last stage: replicated over the pipe axis
+            specs["mtp"] = {
+                "enorm": P(), "hnorm": P(), "eh_proj": P(), "head_norm": P(),
+                "block": self.plain.layer_specs(None),
+            }  # fmt: skip
         return specs
 
     def zero_specs(self) -> dict[str, Any]:
@@ -780,7 +724,7 @@ class Layout(Settings):
         shapes = self.param_shapes()
         out = {}
         for key, specs in self.compute_specs().items():
-            first = 1 if self.zero == 3 and key in ("layers", "dense_layers") else 0
+            first = 1 if self.zero == 3 and key in ("layers", "dense_layers", "mtp") else 0
             out[key] = jax.tree.map(
                 lambda s, shape, f=first: split(s, shape, f), specs, shapes[key], is_leaf=_is_spec
             )
@@ -832,22 +776,33 @@ class Layout(Settings):
             init = jax.jit(lambda p: constrain(optimizer.init(p), shardings))
             return init(self.trainable(params))
 
-    def trainable(self, params: Any) -> Any:
-        """The parameters training updates: all, or with ``lora`` the adapters only.
+    @property
+    def frozen(self) -> bool:
+        """Whether training leaves some parameters as they are (:meth:`trainable`)."""
+        return self.lora is not None or (bool(self.config.mtp_layers) and not self.mtp_trained)
 
-        (:func:`adapters_of`: every other leaf None.)
+    def trainable(self, params: Any) -> Any:
+        """The parameters training updates, every other leaf None.
+
+        All; with ``lora`` the adapters only (:func:`adapters_of`); the MTP modules (``mtp``)
+        only with ``mtp_loss_weight > 0``.
         """
-        return params if self.lora is None else adapters_of(params)
+        return self._trainable(params, None)
 
     def trainable_specs(self, specs: Any) -> Any:
         """:meth:`trainable` of a tree of PartitionSpecs (or NamedShardings)."""
-        if self.lora is None:
-            return specs
-        return adapters_of(specs, is_leaf=lambda x: isinstance(x, P | NamedSharding))
+        return self._trainable(specs, lambda x: isinstance(x, P | NamedSharding))
+
+    def _trainable(self, tree: Any, is_leaf: Callable | None) -> Any:
+        if self.lora is not None:
+            return adapters_of(tree, is_leaf=is_leaf)
+        if isinstance(tree, dict) and "mtp" in tree and not self.mtp_trained:
+            return {**tree, "mtp": jax.tree.map(lambda _: None, tree["mtp"], is_leaf=is_leaf)}
+        return tree
 
     def with_trained(self, trained: Any, params: Any) -> Any:
         """`params` with :meth:`trainable`'s leaves from `trained`."""
-        return trained if self.lora is None else with_frozen(trained, params)
+        return with_frozen(trained, params) if self.frozen else trained
 
     def gathered(self, params: dict[str, Any]) -> dict[str, Any]:
         """`params` laid out as the layers use them (:meth:`compute_specs`; ZeRO-3 gathered)."""

@@ -32,6 +32,8 @@ __all__ = [
     "expert_names",
     "llama_name_map",
     "moe_block_rules",
+    "mtp_copies",
+    "mtp_layers",
     "name_map",
 ]
 
@@ -102,7 +104,43 @@ def name_map(config: DecoderConfig) -> tuple[Rule, ...]:
     rules.append(Rule("final_norm", "model.norm.weight"))
     if not c.tie_word_embeddings:
         rules.append(Rule("lm_head", "lm_head.weight", transpose=t))
+    if c.mtp_layers:
+        rules += _mtp_rules(c)
     return tuple(rules)
+
+
+def mtp_layers(config: DecoderConfig) -> tuple[int, ...]:
+    """The published layer indices of the MTP modules: ``num_layers .. num_layers + D - 1``."""
+    return tuple(range(config.num_layers, config.num_layers + config.mtp_layers))
+
+
+def mtp_copies(config: DecoderConfig) -> dict[str, tuple[str, tuple[int, int] | None]]:
+    """Published name -> ``(our key, transpose)`` of the MTP modules' copies of shared tensors.
+
+    DeepSeek-V3 and GLM-4.5 store each module's ``embed_tokens`` and ``shared_head.head``
+    beside it, equal to the model's embedding and output head (GLM-4.6 leaves them out); the
+    modules share the model's own.
+    """
+    head = ("embed", None) if config.tie_word_embeddings else ("lm_head", (1, 0))
+    out = {}
+    for i in mtp_layers(config):
+        out[f"model.layers.{i}.embed_tokens.weight"] = ("embed", None)
+        out[f"model.layers.{i}.shared_head.head.weight"] = head
+    return out
+
+
+def _mtp_rules(c: DecoderConfig) -> list[Rule]:
+    """The MTP modules' Rules: ``mtp/*`` stacked over the depths (``model.layers.{L + k}``)."""
+    index = {"i": mtp_layers(c)}
+    lay = "model.layers.{i}."
+    t = (1, 0)
+    rules = [
+        Rule("mtp/enorm", lay + "enorm.weight", stack=("i",), index=index),
+        Rule("mtp/hnorm", lay + "hnorm.weight", stack=("i",), index=index),
+        Rule("mtp/eh_proj", lay + "eh_proj.weight", transpose=t, stack=("i",), index=index),
+        Rule("mtp/head_norm", lay + "shared_head.norm.weight", stack=("i",), index=index),
+    ]
+    return rules + _attention_rules(c, "mtp/block", index) + _moe_rules(c, index, "mtp/block")
 
 
 def _attention_rules(c: DecoderConfig, key: str, index: dict | None) -> list[Rule]:
@@ -152,32 +190,32 @@ def _attention_rules(c: DecoderConfig, key: str, index: dict | None) -> list[Rul
     return rules
 
 
-def _moe_rules(c: DecoderConfig, index: dict | None) -> list[Rule]:
-    """The MoE block's Rules of our stack ``layers``."""
+def _moe_rules(c: DecoderConfig, index: dict | None, key: str = "layers") -> list[Rule]:
+    """The MoE block's Rules of our stack `key` (``layers``, or the MTP modules' block)."""
     lay = "model.layers.{i}."
     t = (1, 0)
     names = family(c.model_type).names
     if names.fused_experts:
-        return _fused_moe_rules(c, index)
+        return _fused_moe_rules(c, index, key)
     moe = names.moe
     gate, up, down = names.experts
     experts = lay + f"{moe}.experts.{{e}}."
     rules = [
-        Rule("layers/moe/router", lay + f"{moe}.{names.router}.weight", transpose=t,
+        Rule(f"{key}/moe/router", lay + f"{moe}.{names.router}.weight", transpose=t,
              stack=("i",), index=index),
         Rule(
-            "layers/moe/w_in",
+            f"{key}/moe/w_in",
             (experts + f"{gate}.weight", experts + f"{up}.weight"),
             transpose=t,
             stack=("i", "e"),
             index=index,
         ),
-        Rule("layers/moe/w_out", experts + f"{down}.weight", transpose=t, stack=("i", "e"),
+        Rule(f"{key}/moe/w_out", experts + f"{down}.weight", transpose=t, stack=("i", "e"),
              index=index),
     ]  # fmt: skip
     if c.moe.router_bias:  # kept float32, as published
         rules.append(
-            Rule("layers/moe/router_bias", lay + f"{moe}.{names.router_bias}", stack=("i",),
+            Rule(f"{key}/moe/router_bias", lay + f"{moe}.{names.router_bias}", stack=("i",),
                  index=index, dtype="float32", squeeze=0 if names.router_bias_squeeze else None)
         )  # fmt: skip
     if c.moe.shared_ffn:
@@ -185,24 +223,24 @@ def _moe_rules(c: DecoderConfig, index: dict | None) -> list[Rule]:
         shared = lay + f"{moe}.{names.shared}."
         rules += [
             Rule(
-                "layers/moe/shared_w_in",
+                f"{key}/moe/shared_w_in",
                 (shared + "gate_proj.weight", shared + "up_proj.weight"),
                 transpose=t,
                 stack=("i",),
                 index=index,
             ),
-            Rule("layers/moe/shared_w_out", shared + "down_proj.weight", transpose=t,
+            Rule(f"{key}/moe/shared_w_out", shared + "down_proj.weight", transpose=t,
                  stack=("i",), index=index),
         ]  # fmt: skip
         if gated:
             rules.append(
-                Rule("layers/moe/shared_gate", lay + f"{moe}.{names.shared}_gate.weight",
+                Rule(f"{key}/moe/shared_gate", lay + f"{moe}.{names.shared}_gate.weight",
                      transpose=t, stack=("i",), index=index)
             )  # fmt: skip
     return rules
 
 
-def _fused_moe_rules(c: DecoderConfig, index: dict | None) -> list[Rule]:
+def _fused_moe_rules(c: DecoderConfig, index: dict | None, key: str = "layers") -> list[Rule]:
     """gpt-oss's and Llama 4's MoE blocks: one expert tensor per layer, ours' layout."""
     names = family(c.model_type).names
     moe = f"model.layers.{{i}}.{names.moe}."
@@ -210,7 +248,7 @@ def _fused_moe_rules(c: DecoderConfig, index: dict | None) -> list[Rule]:
 
     def rule(ours, theirs, **kw):
         theirs = moe + theirs if isinstance(theirs, str) else tuple(moe + t for t in theirs)
-        return Rule(f"layers/moe/{ours}", theirs, stack=("i",), index=index, **kw)
+        return Rule(f"{key}/moe/{ours}", theirs, stack=("i",), index=index, **kw)
 
     rules = [
         rule("router", f"{names.router}.weight", transpose=t),

@@ -21,8 +21,9 @@ from jaxops.parallel import pipeline as pl
 
 from jaxops._sharding import place
 
-from . import _batch, _flat, _layers, _run
-from ._layout import Layout, adapters_of, with_frozen
+from . import _batch, _flat, _layers, _mtp, _run
+from ._adapters import adapters_of
+from ._layout import Layout
 
 __all__ = [
     "accumulate",
@@ -69,11 +70,29 @@ def hidden(layout: Layout, params: dict[str, Any], batch: _batch.Batch) -> jax.A
     return _run.run_all(layout, params, x, placed)[0]
 
 
-def terms(layout: Layout, params, x, where, targets) -> tuple[jax.Array, jax.Array]:
-    """(summed cross-entropy, summed MoE aux losses) of one batch without a pipeline."""
+def terms(
+    layout: Layout, params, x, where, targets, mtp: tuple[_batch.Batch, jax.Array] | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(summed cross-entropy, summed MoE aux losses, MTP term) of one batch without a pipeline.
+
+    `mtp`: ``(batch, counts)``: the batch's MTP inputs and targets (:func:`_mtp.shifted`) and
+    each depth's counted targets in the whole global batch; the MTP term is then
+    :func:`_mtp.term` of this batch's share (0 without), the MTP modules' aux losses added to
+    the trunk's.
+    """
     h, aux = _run.run_all(layout, params, x, where)
     total, _ = layout.losses(layout.head_params(params), h, targets)
-    return total, jnp.sum(aux.loss)
+    aux = jnp.sum(aux.loss)
+    if mtp is None:
+        return total, aux, jnp.zeros((), jnp.float32)
+    batch, n = mtp
+    totals, mtp_aux = _mtp.losses(layout, params, h, where, batch)
+    return total, aux + mtp_aux, _mtp.term(layout, totals, n)
+
+
+def _mtp_counts(batch: _batch.Batch, axes: tuple[str, ...] = ()) -> jax.Array | None:
+    """Each MTP depth's counted targets in the global batch (None: no MTP term)."""
+    return None if batch.mtp_targets is None else _mtp.counts(batch.mtp_targets, axes)
 
 
 def accumulate(
@@ -92,16 +111,17 @@ def accumulate(
     """
     m = layout.num_microbatches
     count = _target_count(where_targets(batch)[1])
+    n = _mtp_counts(batch)
     parts = _batch.split_microbatches(batch, m, (layout.mesh, layout.batch_axes))
     wrt = trainable(layout, params)
 
     def one(wrt, mb, i):
-        p = with_frozen(wrt, params) if layout.lora is not None else wrt
+        p = layout.with_trained(wrt, params)
         if dropout_key is not None:  # each microbatch its own dropout masks
             p = {**p, _layers.DROPOUT_KEY: jax.random.fold_in(dropout_key, i)}
         x, where, targets = inputs(layout, p, mb)
-        total, aux = terms(layout, p, x, where, targets)
-        return total / count + aux / m
+        total, aux, extra = terms(layout, p, x, where, targets, None if n is None else (mb, n))
+        return total / count + aux / m + extra
 
     f32 = functools.partial(jax.tree.map, lambda a: jnp.zeros_like(a, jnp.float32))
     xs = (parts, jnp.arange(m))
@@ -118,11 +138,11 @@ def accumulate(
 
 
 def trainable(layout: Layout, params: dict[str, Any]) -> Any:
-    """What the gradients are taken of: `params`, or with LoRA the adapters only.
+    """What the gradients are taken of: :meth:`Layout.trainable` (with LoRA the adapters only).
 
-    (Every other leaf None: the base weights frozen, their gradients never computed.)
+    (Every other leaf None: the frozen weights' gradients are never computed.)
     """
-    return params if layout.lora is None else adapters_of(params)
+    return layout.trainable(params)
 
 
 def loss_and_grads(
@@ -141,7 +161,7 @@ def loss_and_grads(
     wrt = trainable(layout, params)
 
     def loss(wrt, batch):
-        p = with_frozen(wrt, params) if layout.lora is not None else wrt
+        p = layout.with_trained(wrt, params)
         if dropout_key is not None:
             p = {**p, _layers.DROPOUT_KEY: dropout_key}
         return objective(layout, p, batch)
@@ -164,8 +184,10 @@ def objective(layout: Layout, params: dict[str, Any], batch: _batch.Batch) -> ja
     x, where, targets = inputs(layout, params, batch)
     count = _target_count(targets)
     if layout.pipe == 1:
-        total, aux = terms(layout, params, x, where, targets)
-        return total / count + aux
+        n = _mtp_counts(batch)
+        mtp = None if n is None else (batch, n)
+        total, aux, extra = terms(layout, params, x, where, targets, mtp)
+        return total / count + aux + extra
 
     def stage(sp, carry):
         out, aux = _run.stage(layout, sp, carry)
@@ -203,26 +225,30 @@ def flat_loss_and_grads(
 
     def body(params, fields):
         local = _batch.Batch(**{k: fields.get(k) for k in vars(batch)})
+        n = _mtp_counts(local, axes)
 
-        def share(p):
+        def share(wrt):
+            p = layout.with_trained(wrt, params)
             x, where, targets = inputs(layout, p, local)
             count = jax.lax.psum(_target_count(targets), axes)
-            total, aux = terms(layout, p, x, where, targets)
-            return total / count + aux / devices
+            mtp = None if n is None else (local, n)
+            total, aux, extra = terms(layout, p, x, where, targets, mtp)
+            return total / count + aux / devices + extra
 
-        loss, grads = jax.value_and_grad(share)(params)
+        loss, grads = jax.value_and_grad(share)(layout.trainable(params))
         if scatter:
-            grads = _flat.scatter_flat(grads, specs, zero, layout.mesh, axes)
+            grads = _flat.scatter_flat(grads, trained_specs, trained_zero, layout.mesh, axes)
         else:
-            grads = _flat.sum_flat(grads, specs, layout.mesh, axes)
+            grads = _flat.sum_flat(grads, trained_specs, layout.mesh, axes)
         return jax.lax.psum(loss, axes), grads
 
+    trained_specs, trained_zero = layout.trainable_specs(specs), layout.trainable_specs(zero)
     field_specs = jax.tree.map(lambda _: P(axes), fields)
     return jax.shard_map(
         body,
         mesh=layout.mesh,
         in_specs=(specs, field_specs),
-        out_specs=(P(), zero if scatter else specs),
+        out_specs=(P(), trained_zero if scatter else trained_specs),
         check_vma=False,
     )(place(params, layout.mesh, specs), place(fields, layout.mesh, field_specs))
 
@@ -252,7 +278,7 @@ def pipeline_step(
     ahead_grads = not lora or bool(jax.tree.leaves(wrt))
 
     def front(wrt):  # the embedding and the dense layers ahead of the stages
-        ahead_ = with_frozen(wrt, ahead) if lora else wrt
+        ahead_ = layout.with_trained(wrt, ahead)
         x = layout.embed(ahead_["embed"], batch.tokens, where)
         return _run.run_all(layout, ahead_, x, where, prefix=True)[0]
 
@@ -312,6 +338,8 @@ def pipeline_step(
         grads["embed"] = d_embed + head["embed"]
     else:
         grads["lm_head"] = head["lm_head"]
+    if "mtp" in params:  # frozen (mtp_loss_weight > 0 is refused with a pipeline)
+        grads["mtp"] = layout.trainable(params)["mtp"]
     return loss, grads
 
 

@@ -31,9 +31,7 @@ from jaxops.parallel import checkpoint
 
 from jaxops._errors import ArgumentTypeError, ConfigError, named_errors
 
-from ._decoder import MoEDecoder
-from ._families import family
-from ._layout import (
+from ._adapters import (
     DENSE_TARGETS,
     EXPERT_TARGETS,
     MLA_TARGETS,
@@ -41,6 +39,8 @@ from ._layout import (
     SHARED_TARGETS,
     attention_targets,
 )
+from ._decoder import MoEDecoder
+from ._families import family
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "load_adapter", "merge_adapter", "save_adapter"]
 

@@ -150,6 +150,7 @@ def plan(
     lora: int | None = None,
     lora_targets: Sequence[str] | None = None,
     base: str | None = None,
+    mtp_loss_weight: float = 0.0,
 ) -> dict[str, Any]:
     """The memory plan of one training step (the process must have the mesh's CPU devices).
 
@@ -174,10 +175,14 @@ def plan(
       lora: None (full fine-tuning) or the rank of :class:`jaxops.Lora` adapters (alpha twice
         the rank): the step trains them alone, with optimizer state and gradients for them.
       lora_targets: their targets (default: every one the model has,
-        :func:`~jaxops.models._layout.lora_targets`).
+        :func:`~jaxops.models._adapters.lora_targets`).
       base: None (the base weights in `param_dtype`), "fp8" (:attr:`MoEDecoder.base`: the
         layers' linear weights as FP8 bytes with 128 x 128 block scales) or "mxfp4" (the
         routed experts as packed MXFP4 bytes with E8M0 scales); with `lora`.
+      mtp_loss_weight: :attr:`MoEDecoder.mtp_loss_weight`: > 0 trains the config's
+        multi-token-prediction modules (their activations, gradients and optimizer state in
+        the plan); 0 keeps them frozen (their parameters only). The report counts them apart
+        (``mtp_params``).
 
     Returns:
       The JSON-ready dict :func:`main` prints (see the module docstring).
@@ -190,10 +195,10 @@ def plan(
 
     from jaxops._lora import Lora
 
+    from ._adapters import lora_targets as all_targets
     from ._config import DecoderConfig, read_config
     from ._decoder import MoEDecoder
     from ._hlo import collective_traffic
-    from ._layout import lora_targets as all_targets
 
     try:
         import optax
@@ -230,6 +235,7 @@ def plan(
         exchange="dense",  # the GPU's ragged_all_to_all's receive buffers, plus its padding
         lora=adapters,
         base=base,
+        mtp_loss_weight=mtp_loss_weight,
     )
     # the batch's sequences split over the batch axes but the context axis (which splits each)
     shards = math.prod(mesh_shape[a] for a in model.input_axes)
@@ -291,6 +297,8 @@ def plan(
     return {
         "model_type": cfg.model_type,
         "params": count_params(model.layout.weight_shapes()),  # weights, not their bytes
+        "mtp_params": count_params(model.layout.weight_shapes().get("mtp", {})),
+        "mtp_loss_weight": model.mtp_loss_weight,
         "mesh": dict(mesh_shape),
         "devices": devices,
         "batch": batch,
@@ -348,7 +356,15 @@ def _report(r: dict[str, Any]) -> str:
         f"{k} {_size(v['bytes'])} ({v['count']}x)" for k, v in r["collectives"].items()
     )
     lines = [
-        f"{r['model_type']}: {r['params'] / 1e9:.2f} B parameters on {r['devices']} devices "
+        f"{r['model_type']}: {r['params'] / 1e9:.2f} B parameters"
+        + (
+            f" ({r['mtp_params'] / 1e9:.2f} B of them in the MTP modules, "
+            + ("trained" if r["mtp_loss_weight"] else "frozen")
+            + ")"
+            if r.get("mtp_params")
+            else ""
+        )
+        + f" on {r['devices']} devices "
         f"({mesh}), batch {r['batch']} x {r['seq']} tokens, zero={r['zero']}, fp8={r['fp8']}, "
         f"remat={r['remat']}, {r['dtype']} compute, {r['param_dtype']} parameters, "
         f"{r['microbatches']} microbatches, vocab chunk "
@@ -408,6 +424,13 @@ def _parser() -> argparse.ArgumentParser:
         "routed experts as packed MXFP4, gpt-oss's format; the other parameters in "
         "--param-dtype) or bf16 (every parameter bfloat16)",
     )
+    p.add_argument(
+        "--mtp-loss-weight",
+        type=float,
+        default=0.0,
+        help="train the config's multi-token-prediction modules with this loss weight "
+        "(default 0: frozen, their parameters only)",
+    )
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     return p
 
@@ -444,6 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lora=args.lora,
             lora_targets=args.lora_targets.split(",") if args.lora_targets else None,
             base=None if args.base in (None, "bf16") else args.base,
+            mtp_loss_weight=args.mtp_loss_weight,
         )
     except (ValueError, TypeError, ImportError) as e:  # refused config, mesh or batch; no optax
         print(f"error: {e}", file=sys.stderr)

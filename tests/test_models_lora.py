@@ -286,7 +286,7 @@ def test_merge_then_save_pretrained_loads_in_transformers(hf_families, family, t
 
 def lora_targets_of(family: str) -> tuple[str, ...]:
     """Every LoRA target the family's tiny model has."""
-    from jaxops.models._layout import lora_targets
+    from jaxops.models._adapters import lora_targets
 
     return lora_targets(models.DecoderConfig.from_hf(fam.hf_config(family).to_dict()))
 

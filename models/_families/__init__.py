@@ -169,11 +169,22 @@ def config_fields(hf: dict[str, Any]) -> dict[str, Any]:
             rms_norm_eps=get(hf, "rms_norm_eps", float, fam.rms_norm_eps),
             rope=_read_rope(fam, rope_hf, head_dim, interleave),
             tie_word_embeddings=get(hf, "tie_word_embeddings", bool, fam.tie_word_embeddings),
+            mtp_layers=_mtp_layers(hf, fam),
             hf=dict(hf),
             **_moe_keys(hf, fam),
             **kw,
         )
     )
+
+
+def _mtp_layers(hf: dict[str, Any], fam: Family) -> int:
+    """The multi-token-prediction layers config.json announces (0: the family has none)."""
+    if fam.mtp_key is None:
+        return 0
+    n = get(hf, fam.mtp_key, int, fam.mtp_default)
+    if n < 0:
+        raise ConfigError(f"config.json: {fam.mtp_key} must be >= 0, got {n}")
+    return n
 
 
 def _moe_keys(hf: dict[str, Any], fam: Family) -> dict[str, Any]:
@@ -253,6 +264,8 @@ def hf_keys(c: Any, out: dict[str, Any]) -> dict[str, Any]:
     out.update(rope_to_hf(c.rope))
     if c.pattern.dense_layers:
         out[fam.dense_ffn_key] = c.pattern.dense_ffn
+    if fam.mtp_key is not None:
+        out[fam.mtp_key] = c.mtp_layers
     fam.write(c, out)
     if len(out.get("layer_types") or []) != c.num_layers:
         out.pop("layer_types", None)  # stale (e.g. after a change of num_layers)

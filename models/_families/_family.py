@@ -136,6 +136,10 @@ class Family:
       peft_swapped: PEFT reads the family's fused ``[E, H, 2F]`` expert tensors as ``[E, out,
         in]`` (Llama 4's experts have no ``is_transposed`` flag): its ``lora_A`` holds our B
         and its ``lora_B`` our A (:mod:`~jaxops.models._peft`).
+      mtp_key: the config.json key of its multi-token-prediction layers' count (DeepSeek-V3's
+        and GLM-4.5's ``num_nextn_predict_layers``, stored as ``model.layers.{L + k}.*``), or
+        None: the family has no published MTP layers jaxops reads.
+      mtp_default: transformers' default of `mtp_key`.
     """
 
     model_type: str
@@ -164,6 +168,8 @@ class Family:
     wrapper: Wrapper | None = None
     moe_module: str = "mlp"
     peft_swapped: bool = False
+    mtp_key: str | None = None
+    mtp_default: int = 0
 
     def __post_init__(self):
         if self.interleave not in INTERLEAVE:

@@ -24,8 +24,9 @@ from jax.sharding import PartitionSpec as P
 from jaxops._errors import ConfigError, InvalidArgumentError
 
 from .. import _batch, _context, _layers, _objective, _run
+from .._adapters import adapters_of, with_frozen
 from .._decoder import MoEDecoder, check_batch
-from .._layout import Layout, adapters_of, with_frozen
+from .._layout import Layout
 
 __all__ = [
     "Scored",
@@ -190,12 +191,10 @@ def accumulated(
     one at a time), the gradients accumulated in float32; with LoRA the adapters' only.
     """
     m = layout.num_microbatches
-    lora = layout.lora is not None
     wrt = layout.trainable(params)
 
     def one(wrt, mb, mb_rows):
-        p = with_frozen(wrt, params) if lora else wrt
-        return part(p, mb, mb_rows)
+        return part(layout.with_trained(wrt, params), mb, mb_rows)
 
     grad = jax.value_and_grad(one, has_aux=True)
     if m == 1:
