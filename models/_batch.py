@@ -38,8 +38,8 @@ class Batch:
 
     ``index``: the tokens' time steps where they are not ``0 .. S-1`` (the rows of a context
     axis, :mod:`~jaxops.models._context`), else None. ``mtp_tokens`` / ``mtp_targets [B, S,
-    D]``: the inputs and targets of the D multi-token-prediction depths (:func:`jaxops.models.
-    _mtp.shifted`), or None.
+    D]``: the inputs and targets of the D multi-token-prediction depths
+    (:func:`~jaxops.models._mtp.shifted`), or None.
     """
 
     tokens: jax.Array

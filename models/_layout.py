@@ -520,7 +520,9 @@ class Layout(Settings):
         [E, 2F]`` and ``b_out [E, D]`` (gpt-oss), the shared experts); per dense
         layer (``dense_layers [Ld, ...]``, present when the config has dense layers) the same
         with ``mlp`` (``w_in [D, 2F]``, ``w_out [F, D]``) for ``moe``; then ``final_norm [D]``
-        and ``lm_head [D, V]`` (absent with tied embeddings). Kernels are ``[in, out]``.
+        and ``lm_head [D, V]`` (absent with tied embeddings); with the config's MTP modules
+        ``mtp`` (each leaf stacked ``[mtp_layers, ...]``: :meth:`_mtp_shapes`). Kernels are
+        ``[in, out]``.
         """
         c = self.config
         d = c.hidden_size

@@ -262,7 +262,8 @@ def _masked_ce(logits: np.ndarray, targets: np.ndarray) -> tuple[float, int]:
 
 
 def test_loss_adds_the_weighted_depth_loss_within_documents(made):
-    """loss = main + lambda / D * CE_1, CE_1 over targets i + 1 of the same document only."""
+    """loss = main + lambda / D * CE_1, CE_1 over targets i + 1 of the same document only; the
+    same over two microbatches."""
     path, _, _ = made["deepseek_v3"]
     frozen, params = _load(path)
     model, _ = _load(path, mtp_loss_weight=0.3)
@@ -285,6 +286,9 @@ def test_loss_adds_the_weighted_depth_loss_within_documents(made):
     # row 1: 9 real tokens then padding (8 pairs)
     assert count == 16
     np.testing.assert_allclose(got, main + 0.3 * total / count, rtol=2e-6)
+    # one row per microbatch: each depth's count is still the whole batch's
+    micro, _ = _load(path, mtp_loss_weight=0.3, num_microbatches=2)
+    np.testing.assert_allclose(micro.loss(params, ids, targets, **batch), got, rtol=2e-6)
 
 
 def test_train_step_updates_the_modules_only_with_a_weight(made):
