@@ -652,7 +652,8 @@ class MoEDecoder(Settings):
         layout = self.layout
         x, where, _ = _objective.inputs(layout, params, batch)
         h = _run.run_all(layout, params, x, where)[0]
-        out, _ = _mtp.hidden(layout, params, h, where, batch.mtp_tokens)
+        head = layout.head_params(params)
+        out, _ = _mtp.hidden(layout, params, head, h, where, batch.mtp_tokens)
         logits = jnp.stack([layout.head(head_k, y) for head_k, y in out], axis=2)
         return self._in_order(logits)
 

@@ -84,19 +84,24 @@ def _depth(layout: Layout, params: dict[str, Any], k: int) -> dict[str, Any]:
 
 
 def hidden(
-    layout: Layout, params: dict[str, Any], h: jax.Array, where: _layers.Tokens, tokens: jax.Array
+    layout: Layout,
+    params: dict[str, Any],
+    head: dict[str, Any],
+    h: jax.Array,
+    where: _layers.Tokens,
+    tokens: jax.Array,
 ) -> tuple[list[tuple[dict[str, Any], jax.Array]], jax.Array]:
     """``([(head_k, y_k)] for each depth, summed MoE aux loss)``.
 
-    `h`: the trunk's last layer output ``[B, S, D]`` (before its final norm); `tokens`: the
-    depths' input tokens ``[B, S, depth]`` (:func:`shifted`). ``layout.head(head_k, y_k)`` are
-    depth k's logits (``head_k``: the output head with the depth's ``head_norm`` for the final
-    norm).
+    `head`: the trunk's head (``layout.head_params``, gathered once for the trunk's loss and
+    the depths'); `h`: the trunk's last layer output ``[B, S, D]`` (before its final norm);
+    `tokens`: the depths' input tokens ``[B, S, depth]`` (:func:`shifted`).
+    ``layout.head(head_k, y_k)`` are depth k's logits (``head_k``: the output head with the
+    depth's ``head_norm`` for the final norm).
     """
     c, ops = layout.config, layout.ops
     plain = layout.plain
     eps = c.rms_norm_eps
-    head = layout.head_params(params)
     x = jaxops.rms_norm(h, head["final_norm"], eps=eps, impl=ops.impl)
     static, scanned = _layers.layer_kinds(c, [c.num_layers - 1])  # the last layer's pattern
     kind = None if scanned is None else jax.tree.map(lambda a: a[0], scanned)
@@ -117,10 +122,15 @@ def hidden(
 
 
 def losses(
-    layout: Layout, params: dict[str, Any], h: jax.Array, where: _layers.Tokens, batch: Any
+    layout: Layout,
+    params: dict[str, Any],
+    head: dict[str, Any],
+    h: jax.Array,
+    where: _layers.Tokens,
+    batch: Any,
 ) -> tuple[jax.Array, jax.Array]:
     """``(summed cross-entropy per depth [depth], summed MoE aux loss)`` of the MTP modules."""
-    out, aux = hidden(layout, params, h, where, batch.mtp_tokens)
+    out, aux = hidden(layout, params, head, h, where, batch.mtp_tokens)
     totals = [
         layout.losses(head_k, y, batch.mtp_targets[..., k])[0] for k, (head_k, y) in enumerate(out)
     ]

@@ -81,12 +81,13 @@ def terms(
     the trunk's.
     """
     h, aux = _run.run_all(layout, params, x, where)
-    total, _ = layout.losses(layout.head_params(params), h, targets)
+    head = layout.head_params(params)  # gathered once (ZeRO-3) for the trunk and the depths
+    total, _ = layout.losses(head, h, targets)
     aux = jnp.sum(aux.loss)
     if mtp is None:
         return total, aux, jnp.zeros((), jnp.float32)
     batch, n = mtp
-    totals, mtp_aux = _mtp.losses(layout, params, h, where, batch)
+    totals, mtp_aux = _mtp.losses(layout, params, head, h, where, batch)
     return total, aux + mtp_aux, _mtp.term(layout, totals, n)
 
 
