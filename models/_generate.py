@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -35,22 +35,14 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import jaxops
 from jaxops import _checks
 from jaxops._errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 
+from . import _speculative
 from ._decoder import MoEDecoder
-from ._layers import (
-    LayerKind,
-    Tokens,
-    Visible,
-    attention_inputs,
-    attention_output,
-    embed,
-    layer_kinds,
-)
+from ._decoding import Cache, Sampling, next_token, to_slots, trunk
+from ._layers import Tokens
 from ._layout import Layout
-from ._run import ffn
 
 __all__ = ["generate"]
 
@@ -58,178 +50,17 @@ _OP = "jaxops.models.generate"
 _TOKEN_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Sampling:
-    """How the next token is chosen: arrays only, so greedy and sampling share one compile.
-
-    Attributes:
-      greedy: bool scalar: the most likely token (the filters and the key are then unused).
-      temperature: float32 scalar > 0.
-      top_k: int32 scalar in ``[1, V]`` (V: no filter).
-      top_p: float32 scalar in ``(0, 1]`` (1: no filter).
-      eos: int32 ``[n]``: the ids that end a row (-1: none), n a multiple of 8.
-      pad: int32 scalar: what a finished row emits.
-      key: a typed ``jax.random`` key; new token i samples with ``fold_in(key, i)``.
-    """
-
-    greedy: jax.Array
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    eos: jax.Array
-    pad: jax.Array
-    key: jax.Array
-
-
-jax.tree_util.register_dataclass(
-    _Sampling,
-    data_fields=["greedy", "temperature", "top_k", "top_p", "eos", "pad", "key"],
-    meta_fields=[],
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Cache:
-    """The KV cache: ``kv`` (per layer, ``[L, B, C, ...]``), ``index, positions, segments``.
-
-    Each slot's time step, rotary position (Llama 4's attention chunks) and document, int32
-    ``[B, C]``.
-
-    ``kv``: GQA ``(k, v)`` each ``[L, B, C, Hkv, Dh]``; MLA ``(latent [L, B, C, R],
-    k_rope [L, B, C, 1, dr])``.
-    """
-
-    kv: tuple[jax.Array, ...]
-    index: jax.Array
-    positions: jax.Array
-    segments: jax.Array
-
-
-jax.tree_util.register_dataclass(
-    _Cache, data_fields=["kv", "index", "positions", "segments"], meta_fields=[]
-)
-
-
-def _sample(s: _Sampling, logits: jax.Array, key: jax.Array) -> jax.Array:
-    """int32 ``[B]`` drawn from ``softmax(logits [B, V] / temperature)`` after top-k, top-p."""
-    logits = logits / s.temperature
-    ranked = -jnp.sort(-logits, axis=-1)
-    kth = jax.lax.dynamic_index_in_dim(ranked, s.top_k - 1, axis=1)
-    logits, ranked = (jnp.where(x < kth, -jnp.inf, x) for x in (logits, ranked))
-    # top_p: the smallest set of most likely tokens whose probability reaches top_p; a token
-    # stays when the tokens more likely than it hold less than top_p (the most likely always).
-    probs = jax.nn.softmax(ranked, axis=-1)
-    keep = (jnp.cumsum(probs, axis=-1) - probs < s.top_p) | (s.top_p >= 1.0)
-    cutoff = jnp.min(jnp.where(keep, ranked, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
-    sharding = jax.typeof(logits).sharding
-    out = sharding.update(spec=P(*sharding.spec[:1])) if sharding.spec else None
-    return jax.random.categorical(key, logits, out_sharding=out).astype(jnp.int32)
-
-
-def _choose(s: _Sampling, logits: jax.Array, key: jax.Array) -> jax.Array:
-    """int32 ``[B]``: the next token of float32 ``logits [B, V]`` (transformers' warpers).
-
-    Greedy runs only the argmax (a ``lax.cond``: no sort of the vocabulary).
-    """
-    argmax = lambda logits, key: jnp.argmax(logits, axis=-1).astype(jnp.int32)  # noqa: E731
-    return jax.lax.cond(s.greedy, argmax, functools.partial(_sample, s), logits, key)
-
-
-def _next(s: _Sampling, logits: jax.Array, i: Any, done: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(token, done)``: new token `i` of each row, and which rows emitted an EOS token.
-
-    A finished row emits `s.pad`.
-    """
-    token = jnp.where(done, s.pad, _choose(s, logits, jax.random.fold_in(s.key, i)))
-    return token, done | jnp.isin(token, s.eos)
-
-
-def _slots(x: jax.Array, slots: int) -> jax.Array:
-    """``x [B, S, ...]`` (time on axis 1) as the cache's ``[B, slots, ...]``.
-
-    The last `slots` time steps, step ``t`` in slot ``t % slots``; zeros (segment 0: empty)
-    after a prompt shorter than the cache.
-    """
-    s = x.shape[1]
-    if s < slots:
-        return jnp.pad(x, [(0, 0), (0, slots - s)] + [(0, 0)] * (x.ndim - 2))
-    return jnp.roll(x[:, s - slots :], (s - slots) % slots, axis=1)
-
-
-def _layer(
-    layout: Layout,
-    key: str,
-    ffn: Callable,
-    where: Tokens,
-    keys: Tokens,
-    keep: Callable[[jax.Array], jax.Array],
-    static: LayerKind,
-    h: jax.Array,
-    xs: tuple[dict[str, Any], tuple[jax.Array, ...] | None, LayerKind | None],
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """One decoder layer over `h` whose queries are placed by `where`, keys by `keys`.
-
-    ``xs``: the layer's parameters, its cached KV entries (``_layers.attention_inputs``'
-    ``kv``, time on axis 1; None in the prefill, where the queries attend to their own keys)
-    and its attention pattern when the layers' differ (else `static`). Returns
-    ``(h', keep(kv))``: this call's KV entries as the cache stores them. `key`: the stack
-    (a quantized base's weights are dequantized here, one layer at a time).
-    """
-    ops, c = layout.ops, layout.config
-    p, past, kind = xs
-    p = layout.dequantized(p, key)  # a quantized base: this layer's weights, for this step
-    kind = static if kind is None else kind
-    a = jaxops.rms_norm(h, p["attn_norm"], eps=c.rms_norm_eps, impl=ops.impl)
-    q, kv = attention_inputs(ops, c, p, a, where, kind)
-    seen = kv
-    if past is not None:  # the cached entries, then this step's
-        seen = tuple(jnp.concatenate([old, new], 1) for old, new in zip(past, kv, strict=True))
-    a = attention_output(ops, c, p, q, seen, Visible(where, keys, kind.window, kind.chunk))
-    y, h = jaxops.add_rms_norm(a, h, p["mlp_norm"], eps=c.rms_norm_eps, impl=ops.impl)
-    m, _ = ffn(p, y, where.valid)
-    return h + m, tuple(keep(x) for x in kv)
-
-
-def _forward(
-    layout: Layout,
-    params: dict[str, Any],
-    tokens: jax.Array,
-    where: Tokens,
-    keys: Tokens,
-    keep: Callable[[jax.Array], jax.Array],
-    past: tuple[jax.Array, ...] | None,
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """The last query's float32 logits ``[B, V]`` and every layer's KV entries.
-
-    Embedding, the layers (one ``lax.scan`` per run of one kind), the head; the KV entries are
-    stacked ``[L, ...]`` in layer order.
-    """
-    x = layout.place(embed(layout.ops, params["embed"], jnp.where(where.valid, tokens, 0)))
-    h, entries = x, []
-    for key, start, stop, first in layout.runs:
-        n = stop - start
-        static, scanned = layer_kinds(layout.config, range(first, first + n))
-        body = functools.partial(_layer, layout, key, ffn(layout, key), where, keys, keep, static)
-        stack = jax.tree.map(lambda a, i=start, j=stop: a[i:j], params[key])
-        cached = None if past is None else tuple(a[first : first + n] for a in past)
-        h, kv = jax.lax.scan(body, h, (stack, cached, scanned))
-        entries.append(kv)
-    kv = entries[0] if len(entries) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *entries)
-    return layout.head(layout.head_params(params), h[:, -1:])[:, 0], kv
-
-
 @functools.partial(jax.jit, static_argnames=("layout", "slots", "steps"))
 def _prefill(
     params: dict[str, Any],
     prompt: jax.Array,
     mask: jax.Array,
-    sampling: _Sampling,
+    sampling: Sampling,
     *,
     layout: Layout,
     slots: int,
     steps: int,
-) -> tuple[_Cache, jax.Array, jax.Array]:
+) -> tuple[Cache, jax.Array, jax.Array]:
     """The prompt through the model: the filled cache, the first new token, the EOS flags."""
     b, s = prompt.shape
     where = Tokens(
@@ -237,9 +68,10 @@ def _prefill(
         positions=jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32),
         segments=mask.astype(jnp.int32),
     )
-    logits, kv = _forward(layout, params, prompt, where, where, lambda x: _slots(x, slots), None)
-    cache = _Cache(kv, *(_slots(x, slots) for x in (where.index, where.positions, where.segments)))
-    token, done = _next(sampling, logits, 0, layout.place(jnp.zeros((b,), bool)))
+    h, kv = trunk(layout, params, prompt, where, where, lambda x: to_slots(x, slots), None)
+    logits = layout.head(layout.head_params(params), h[:, -1:])[:, 0]
+    cache = Cache(kv, *(to_slots(x, slots) for x in (where.index, where.positions, where.segments)))
+    token, done = next_token(sampling, logits, 0, layout.place(jnp.zeros((b,), bool)))
     out = jnp.where(jnp.arange(steps) == 0, token[:, None], sampling.pad)
     return cache, out, done
 
@@ -247,15 +79,15 @@ def _prefill(
 @functools.partial(jax.jit, static_argnames=("layout", "start"), donate_argnames=("cache", "out"))
 def _decode(
     params: dict[str, Any],
-    cache: _Cache,
+    cache: Cache,
     out: jax.Array,
     done: jax.Array,
     first: jax.Array,
-    sampling: _Sampling,
+    sampling: Sampling,
     *,
     layout: Layout,
     start: int,
-) -> tuple[jax.Array, _Cache]:
+) -> tuple[jax.Array, Cache]:
     """The new tokens after the first: one ``lax.while_loop`` over the decode step.
 
     `out` int32 ``[B, N]`` holds the first new token in column 0; `done` bool ``[B]``; `first`
@@ -278,9 +110,10 @@ def _decode(
             positions=jnp.concatenate([cache.positions, where.positions], 1),
             segments=jnp.concatenate([cache.segments, where.segments], 1),
         )
-        logits, kv = _forward(layout, params, fed, where, keys, lambda x: x, cache.kv)
+        h, kv = trunk(layout, params, fed, where, keys, lambda x: x, cache.kv)
+        logits = layout.head(layout.head_params(params), h[:, -1:])[:, 0]
         slot = t % slots
-        cache = _Cache(
+        cache = Cache(
             tuple(
                 jax.lax.dynamic_update_slice_in_dim(old, new, slot, axis=2)
                 for old, new in zip(cache.kv, kv, strict=True)
@@ -294,7 +127,7 @@ def _decode(
                 )
             ),
         )
-        token, done = _next(sampling, logits, i, done)
+        token, done = next_token(sampling, logits, i, done)
         out = jax.lax.dynamic_update_index_in_dim(out, token[:, None], i, axis=1)
         return i + 1, cache, out, done
 
@@ -348,7 +181,7 @@ def _sampling(
     key: Any,
     eos_token_id: Any,
     pad_token_id: Any,
-) -> _Sampling:
+) -> Sampling:
     """The checked sampling settings (host arrays and the key)."""
     for name, value in (("temperature", temperature), ("top_p", top_p)):
         optional = value is None and name == "top_p"
@@ -383,7 +216,7 @@ def _sampling(
         raise ArgumentTypeError(f"{_OP}: key must be a jax.random key, got {type(key).__name__}")
     elif not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
         key = jax.random.wrap_key_data(key)  # a raw uint32 key: one compile for both kinds
-    return _Sampling(
+    return Sampling(
         greedy=np.bool_(temperature == 0),
         temperature=np.float32(temperature or 1.0),
         top_k=np.int32(min(top_k or vocab, vocab)),
@@ -407,7 +240,9 @@ def generate(
     key: jax.Array | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
-) -> jax.Array:
+    speculative: str | None = None,
+    return_stats: bool = False,
+) -> jax.Array | tuple[jax.Array, dict[str, jax.Array]]:
     """The prompt followed by `max_new_tokens` generated tokens, as transformers' ``generate``.
 
     The prompt runs at once (prefill), then each new token is one decode step over the KV cache
@@ -440,9 +275,21 @@ def generate(
       eos_token_id: an id or ids that end a row: a row that emitted one continues with
         `pad_token_id`, and generation stops once every row did (the output keeps its shape).
       pad_token_id: what a finished row emits (default: the first eos_token_id).
+      speculative: None, or "mtp": speculative decoding with the model's multi-token
+        prediction modules (``config.mtp_layers`` = D >= 1, ``params["mtp"]``, as DeepSeek-V3
+        and GLM-4.5 checkpoints ship them): they draft D tokens, the trunk checks them in one
+        step and keeps 1 to D + 1 tokens. Greedy output is token for token the plain greedy
+        output; sampling keeps its distribution (speculative sampling), not its tokens for a
+        key. The cache then has ``S + (D + 1) * (max_new_tokens - 1)`` slots (rejected
+        drafts leave empty ones).
+      return_stats: also return ``{"new_tokens": int32 [B], "trunk_steps": int32 [B]}``: each
+        row's generated tokens up to its EOS (included) and the trunk forwards that made them
+        (the prefill's included; equal to ``new_tokens`` without `speculative`), whose ratio
+        is the tokens per trunk step.
 
     Returns:
-      int32 ``[B, S + max_new_tokens]``: the prompt, then the new tokens (batch-sharded).
+      int32 ``[B, S + max_new_tokens]``: the prompt, then the new tokens (batch-sharded); with
+      `return_stats`, ``(tokens, stats)``.
 
     Raises:
       ConfigError: a mesh with pipeline stages.
@@ -499,6 +346,16 @@ def generate(
             f"batch axes {model.batch_axes})"
         )
     steps = _checks.check_int(_OP, "max_new_tokens", max_new_tokens, 1)
+    if speculative not in (None, "mtp"):
+        raise InvalidArgumentError(f"{_OP}: speculative must be None or 'mtp', got {speculative!r}")
+    depth = model.config.mtp_layers if speculative else 0
+    if speculative and (not depth or "mtp" not in params):
+        raise ConfigError(
+            f"{_OP}: speculative='mtp' needs the model's multi-token prediction modules "
+            f"(config.mtp_layers >= 1 and params['mtp']), got mtp_layers={depth} and "
+            f"{'a' if 'mtp' in params else 'no'} params['mtp']; load a checkpoint that ships "
+            "them (DeepSeek-V3, GLM-4.5) or generate with speculative=None"
+        )
     mask = _check_mask(attention_mask, (b, s))
     vocab = model.config.vocab_size
     if isinstance(prompt, np.ndarray):
@@ -514,13 +371,32 @@ def generate(
     windows = {w for w, _, _ in model.config.layer_attention}  # a ring when every layer has one
     window = None if None in windows else max(windows)
     slots = s + steps if window is None else min(window, s + steps)
+    if depth:  # no ring buffer: rejected drafts leave empty slots behind
+        slots = _speculative.slots(s, steps, depth)
     prompt, mask_dev = model.place_batch(np.asarray(prompt).astype(np.int32), mask)
     if model.zero == 3:  # the whole model gathered for generation
         params = model.gathered(params)
-    cache, out, done = _prefill(
-        params, prompt, mask_dev, sampling, layout=model.layout, slots=slots, steps=steps
-    )
-    if steps > 1:
-        first = model.place_batch(mask.sum(1).astype(np.int32))
-        out, _ = _decode(params, cache, out, done, first, sampling, layout=model.layout, start=s)
-    return jnp.concatenate([prompt, out], axis=1)
+    layout = model.layout
+    first = model.place_batch(mask.sum(1).astype(np.int32))
+    trunk_steps = None
+    if depth:
+        cache, drafts, out, done = _speculative.prefill(
+            params, prompt, mask_dev, sampling, layout=layout, slots=slots, steps=steps
+        )
+        if steps > 1:
+            out, trunk_steps, _, _ = _speculative.decode(
+                params, cache, drafts, out, done, first, sampling, layout=layout, start=s
+            )
+            trunk_steps = trunk_steps + 1  # the prefill's
+    else:
+        cache, out, done = _prefill(
+            params, prompt, mask_dev, sampling, layout=layout, slots=slots, steps=steps
+        )
+        if steps > 1:
+            out, _ = _decode(params, cache, out, done, first, sampling, layout=layout, start=s)
+    tokens = jnp.concatenate([prompt, out], axis=1)
+    if not return_stats:
+        return tokens
+    ended = jnp.isin(out, sampling.eos)
+    made = jnp.where(jnp.any(ended, 1), jnp.argmax(ended, 1) + 1, steps).astype(jnp.int32)
+    return tokens, {"new_tokens": made, "trunk_steps": made if trunk_steps is None else trunk_steps}

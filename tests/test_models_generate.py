@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from _hf_families import hf_generate, hf_model  # noqa: E402
-from jaxops.models import _generate, generate  # noqa: E402
+from jaxops.models import _decoding, _generate, generate  # noqa: E402
 
 from jaxops import models  # noqa: E402
 
@@ -80,7 +80,7 @@ def mixtral_greedy(mixtral):
     """The module's first greedy generation, twice, counting the traces of the decode step."""
     model, params = mixtral
     calls = {"decode": 0}
-    layer = _generate._layer
+    layer = _decoding.layer
 
     def counting(model, key, moe, where, keys, keep, static, h, xs):
         calls["decode"] += xs[1] is not None
@@ -88,7 +88,7 @@ def mixtral_greedy(mixtral):
 
     prompt, mask = _prompt(2, [0, 3])
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(_generate, "_layer", counting)
+        m.setattr(_decoding, "layer", counting)
         out = generate(model, params, prompt, N, attention_mask=mask)
         traces = calls["decode"]
         again = generate(model, params, (prompt + 1) * mask, N, attention_mask=mask)
@@ -148,7 +148,7 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy(mixtral, mixtral_greedy)
     np.testing.assert_array_equal(sample(4, top_p=1e-6), greedy)
 
 
-_draw = jax.jit(jax.vmap(_generate._choose, in_axes=(None, None, 0)))  # one compile
+_draw = jax.jit(jax.vmap(_decoding.choose, in_axes=(None, None, 0)))  # one compile
 
 
 @pytest.mark.parametrize("top_k,top_p", [(5, None), (None, 0.6), (8, 0.5), (None, None)])
@@ -167,6 +167,9 @@ def test_sampled_tokens_are_transformers_top_k_top_p_set(top_k, top_p):
     got = set(np.unique(_draw(s, logits, jax.random.split(jax.random.key(0), 3000))))
     assert got <= set(np.flatnonzero(probs > 0))  # only the tokens transformers keeps
     assert set(np.flatnonzero(probs > 0.003)) <= got  # and every likely one of them
+    # the warped logits (what speculative sampling compares): transformers' kept set exactly
+    kept = np.isfinite(np.asarray(_decoding.warped(s, logits)))[0]
+    np.testing.assert_array_equal(kept, probs > 0)
 
 
 def test_eos_pads_finished_rows_and_stops(mixtral, mixtral_greedy):
@@ -228,6 +231,16 @@ _BAD = {  # id: (changed arguments, exception, message after "jaxops.models.gene
     ),
     "empty-row": (dict(attention_mask=np.zeros((2, 4), int)), ValueError, "attention_mask row 0"),
     "eos": (dict(eos_token_id=-2), ValueError, "eos_token_id must be >= 0"),
+    "speculative": (
+        dict(speculative="eagle"),
+        ValueError,
+        "speculative must be None or 'mtp', got 'eagle'",
+    ),
+    "speculative-no-mtp": (
+        dict(speculative="mtp"),
+        models.ConfigError,
+        r"speculative='mtp' needs the model's multi-token prediction modules .*mtp_layers=0",
+    ),
 }
 
 

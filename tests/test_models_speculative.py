@@ -1,0 +1,109 @@
+"""jaxops.models.generate(..., speculative="mtp"): speculative decoding with the MTP modules.
+
+Greedy: the output equals plain greedy decoding token for token (left padding, EOS, one and two
+depths, both families that ship MTP modules, one device and data x expert), with a vocabulary small
+enough that drafts are often kept, so that rows advance by different counts. Sampling: the
+joint distribution of the new tokens is the plain one, computed exactly from the model's
+logits over every continuation (a chi-square test over thousands of rows).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+import scipy.stats
+from _hf_families import mesh
+
+from jaxops import models
+
+VOCAB = 4  # small: random MTP modules' drafts are then often the trunk's tokens
+
+
+def _model(family: str, depth: int, seed: int, mesh_name: str = "1dev"):
+    hf = models.family(family).tiny_config(num_nextn_predict_layers=depth, vocab_size=VOCAB)
+    model = models.MoEDecoder(models.DecoderConfig.from_hf(hf), mesh(mesh_name))
+    return model, model.init(jax.random.key(seed))
+
+
+@pytest.mark.parametrize(
+    "family,depth,seed,mesh_name",
+    [("deepseek_v3", 2, 9, "d2e4"), ("glm4_moe", 1, 3, "1dev")],
+    ids=["deepseek_v3-depth2-d2e4", "glm4_moe-depth1-1dev"],
+)
+def test_greedy_output_is_the_plain_greedy_output(family, depth, seed, mesh_name):
+    model, params = _model(family, depth, seed, mesh_name)
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, VOCAB, (8, 5)).astype(np.int32)
+    mask = np.ones(prompt.shape, np.int32)
+    mask[0, :2] = mask[1, :1] = 0
+    prompt *= mask
+    new = 20
+    plain = np.asarray(models.generate(model, params, prompt, new, attention_mask=mask))
+    got, stats = models.generate(
+        model, params, prompt, new, attention_mask=mask, speculative="mtp", return_stats=True
+    )
+    np.testing.assert_array_equal(np.asarray(got), plain)
+    steps, made = np.asarray(stats["trunk_steps"]), np.asarray(stats["new_tokens"])
+    print(f"{family} depth {depth}: trunk steps {steps.tolist()} for {made.tolist()} tokens")
+    assert (made == new).all()
+    # each trunk step makes 1 to depth + 1 tokens; some rows kept drafts, so rows differ
+    assert ((steps <= made) & (steps >= -(-made // (depth + 1)))).all()
+    assert steps.min() < new and len(set(steps.tolist())) > 1
+    # EOS: a row ends at its first EOS, as in plain decoding, and pads after it
+    eos = int(plain[2, 5 + new // 2])
+    want = models.generate(model, params, prompt, new, attention_mask=mask, eos_token_id=eos)
+    got = models.generate(
+        model, params, prompt, new, attention_mask=mask, eos_token_id=eos, speculative="mtp"
+    )
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # one new token: the prefill's only (no speculative step runs)
+    one = models.generate(model, params, prompt, 1, attention_mask=mask, speculative="mtp")
+    np.testing.assert_array_equal(np.asarray(one), plain[:, :6])
+
+
+def test_sampling_keeps_the_plain_distribution():
+    """Speculative sampling's joint distribution of 3 new tokens is the exact plain one."""
+    model, params = _model("deepseek_v3", 2, 4)
+    rows, new, prompt = 4096, 3, np.array([1, 3, 0, 2, 1], np.int32)
+    temperature, top_k = 1.3, 3
+    # The exact distribution: the model's logits over every continuation of the prompt.
+    tails = np.array(list(itertools.product(range(VOCAB), repeat=new - 1)), np.int32)
+    ids = np.concatenate([np.broadcast_to(prompt, (len(tails), len(prompt))), tails], 1)
+    logits = np.asarray(jax.jit(model.logits)(params, ids), np.float64)[:, len(prompt) - 1 :]
+    logits = logits / temperature
+    kth = np.sort(logits, -1)[..., -top_k][..., None]
+    p = np.exp(np.where(logits < kth, -np.inf, logits - logits.max(-1, keepdims=True)))
+    p /= p.sum(-1, keepdims=True)  # [tails, new, V]: token j's distribution after tail[:j]
+    exact = np.zeros((VOCAB,) * new)
+    for t, tail in enumerate(tails):
+        for last in range(VOCAB):
+            seq = (*tail, last)
+            exact[seq] = np.prod([p[t, j, seq[j]] for j in range(new)])
+    assert np.isclose(exact.sum(), 1.0)
+
+    def counts(**options):
+        out = models.generate(
+            model,
+            params,
+            np.broadcast_to(prompt, (rows, len(prompt))),
+            new,
+            temperature=temperature,
+            top_k=top_k,
+            key=jax.random.key(11),
+            **options,
+        )
+        got = np.asarray(out)[:, len(prompt) :]
+        return np.bincount(np.ravel_multi_index(got.T, (VOCAB,) * new), minlength=VOCAB**new)
+
+    expected = exact.ravel() * rows
+    seen = expected > 0
+    for options in ({}, {"speculative": "mtp"}):
+        observed = counts(**options)
+        assert observed[~seen].sum() == 0, options  # nothing top-k removed
+        chi2 = np.sum((observed[seen] - expected[seen]) ** 2 / expected[seen])
+        dof = seen.sum() - 1
+        print(f"{options or 'plain'}: chi-square {chi2:.1f} over {dof} degrees of freedom")
+        assert scipy.stats.chi2.sf(chi2, dof) > 1e-4, (options, chi2, dof)
