@@ -199,8 +199,12 @@ def cuda_module_function(name: str) -> Any:
     return None if module is None else getattr(module, name, None)
 
 
-def _initialize() -> None:
-    """Loads the compiled modules, checks their FFI API, registers their stateless targets."""
+def check_settings() -> None:
+    """Raises InvalidArgumentError for a JAXOPS_* environment setting jaxops cannot take.
+
+    Run at import: JAXOPS_CPU_THREADS, JAXOPS_CPU_GEMM_KERNEL, JAXOPS_GPU_GEMM_PIPELINE and
+    JAXOPS_GPU_GROUPED_GEMM, each unset or one of its values.
+    """
     _check_cpu_threads()
     _check_choice(
         "JAXOPS_CPU_GEMM_KERNEL",
@@ -213,6 +217,11 @@ def _initialize() -> None:
         "the CUDA grouped GEMM's pipeline for 16-bit operands",
     )
     _check_choice("JAXOPS_GPU_GROUPED_GEMM", GPU_GROUPED_GEMMS, _GROUPED_GEMM_CHOICE)
+
+
+def _initialize() -> None:
+    """Loads the compiled modules, checks their FFI API, registers their stateless targets."""
+    check_settings()
     runtime = _runtime_ffi_api_version()
     for name, platform in _PLATFORM_OF_MODULE.items():
         module = _load(name)

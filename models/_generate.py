@@ -279,9 +279,11 @@ def generate(
         prediction modules (``config.mtp_layers`` = D >= 1, ``params["mtp"]``, as DeepSeek-V3
         and GLM-4.5 checkpoints ship them): they draft D tokens, the trunk checks them in one
         step and keeps 1 to D + 1 tokens. Greedy output is token for token the plain greedy
-        output; sampling keeps its distribution (speculative sampling), not its tokens for a
-        key. The cache then has ``S + (D + 1) * (max_new_tokens - 1)`` slots (rejected
-        drafts leave empty ones).
+        output (where a token's result does not depend on the other tokens of a forward: not
+        with a ``capacity_factor``, whose drops do, nor with per-tensor FP8 scales); sampling
+        keeps its distribution (speculative sampling), not its tokens for a key. The cache
+        then has ``S + (D + 1) * (max_new_tokens - 1)`` slots (rejected drafts leave empty
+        ones).
       return_stats: also return ``{"new_tokens": int32 [B], "trunk_steps": int32 [B]}``: each
         row's generated tokens up to its EOS (included) and the trunk forwards that made them
         (the prefill's included; equal to ``new_tokens`` without `speculative`), whose ratio

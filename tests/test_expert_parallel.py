@@ -51,6 +51,21 @@ ROUTINGS = [
 ]
 
 
+def _rid(routing) -> str:
+    k, router, cf = routing
+    return f"top{k}-{router}-cf{cf}"
+
+
+def _covering(names: list, routings: list = ROUTINGS) -> list:
+    """Each routing on two consecutive `names` (cyclically): every name meets every kind of
+    routing (dropless, capacity, softmax, sigmoid, top-1 to top-8) at half the full product."""
+    return [
+        pytest.param(names[(i + j) % len(names)], r, id=f"{names[(i + j) % len(names)]}-{_rid(r)}")
+        for i, r in enumerate(routings)
+        for j in (0, 1)
+    ]
+
+
 def _mesh(name):
     shape, names, _ = MESHES[name]
     return jax.make_mesh(shape, names)
@@ -300,8 +315,10 @@ SHARED_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(SHARED_CASES))
-@pytest.mark.parametrize("mesh_name", ["e8", "d2e4"])
+@pytest.mark.parametrize(
+    "mesh_name,case",
+    [("d2e4", c) for c in SHARED_CASES] + [("e8", "deepseek"), ("e8", "qwen2-gelu")],
+)
 def test_deepseek_and_qwen2_layers_match_dense_reference(mesh_name, case):
     cfg = _config(mesh_name, **SHARED_CASES[case])
     params = init_moe_params(jax.random.key(30), cfg)
@@ -399,8 +416,7 @@ def test_update_router_bias_formula_and_errors():
 # The layer vs the dense reference.
 
 
-@pytest.mark.parametrize("routing", ROUTINGS, ids=[f"top{k}-{r}-cf{cf}" for k, r, cf in ROUTINGS])
-@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("mesh_name,routing", _covering(list(MESHES)))
 def test_layer_matches_dense_reference(mesh_name, routing):
     k, router, cf = routing
     cfg = _config(mesh_name, top_k=k, router=router, capacity_factor=cf)
@@ -413,10 +429,14 @@ def test_layer_matches_dense_reference(mesh_name, routing):
         assert int(got[0][1].dropped) > 0, "the capacity case must drop slots"
 
 
-@pytest.mark.parametrize("routing", ROUTINGS, ids=[f"top{k}-{r}-cf{cf}" for k, r, cf in ROUTINGS])
-@pytest.mark.parametrize("exchange", ["dense", "gather"])
+@pytest.mark.parametrize(
+    "exchange,routing",
+    [pytest.param("dense", ROUTINGS[i], id=f"dense-{_rid(ROUTINGS[i])}") for i in (0, 2, 3)]
+    + [pytest.param("gather", ROUTINGS[i], id=f"gather-{_rid(ROUTINGS[i])}") for i in (1, 3, 4)],
+)
 def test_each_exchange_matches_dense_reference(exchange, routing):
-    """Both CPU exchanges pinned (auto picks one per config), on a mesh with a data axis."""
+    """Both CPU exchanges pinned (auto picks one per config), on a mesh with a data axis; each
+    with a capacity case and dropless ones, the routings split between them."""
     k, router, cf = routing
     cfg = _config("d2e4", top_k=k, router=router, capacity_factor=cf, exchange=exchange)
     assert _plan(cfg, "d2e4", 80).kind == exchange
@@ -1547,12 +1567,12 @@ def test_two_processes_fp8_dispatch():
 
 
 @pytest.mark.parametrize(
-    "mesh_name,local,gemm",
-    [("e8", 1, "ragged_dot"), ("e8", 2, "ragged_dot"), ("d2e4", 4, "ragged_dot"),
-     ("e8", 2, "loop"), ("d2e4", 4, "loop")],
+    "exchange,mesh_name,local,gemm",
+    [("gather", "e8", 1, "ragged_dot"), ("dense", "e8", 2, "ragged_dot"),
+     ("gather", "d2e4", 4, "ragged_dot"), ("gather", "e8", 2, "loop"),
+     ("dense", "d2e4", 4, "loop")],
 )  # fmt: skip
-@pytest.mark.parametrize("exchange", ["gather", "dense"])
-def test_gpu_gemm_paths_on_cpu_devices(mesh_name, local, gemm, exchange, monkeypatch):
+def test_gpu_gemm_paths_on_cpu_devices(exchange, mesh_name, local, gemm, monkeypatch):
     """The GPU plan's grouped GEMMs without jaxops' CUDA kernel, run on the 8 CPU devices:
     jax.lax.ragged_dot (plan tile 0: one local expert, or a small dense form) and the loop over
     GPU_TILE chunks (the dense form's budget set to 0). The expert weights' gradients are each
@@ -1573,18 +1593,16 @@ def test_gpu_gemm_paths_on_cpu_devices(mesh_name, local, gemm, exchange, monkeyp
 
 
 @pytest.mark.parametrize(
-    "mesh_name,gpu", [("e8", False), ("d2e4", False), ("e8", True), ("d2e4", True)]
-)
-@pytest.mark.parametrize(
-    "routing", ROUTINGS[:4], ids=[f"top{k}-{r}-cf{cf}" for k, r, cf in ROUTINGS[:4]]
+    "placement,routing", _covering(["e8-cpu", "d2e4-cpu", "e8-gpu", "d2e4-gpu"], ROUTINGS[:4])
 )
 def test_ragged_exchange_emulated_on_cpu_matches_reference(
-    mesh_name, gpu, routing, ragged_on_cpu, monkeypatch
+    placement, routing, ragged_on_cpu, monkeypatch
 ):
     """exchange="ragged" (the GPU's choice) with ragged_all_to_all run as its dense twin: y and
     every gradient equal the reference's. The rows received into the zero buffer were typed
     invariant, so their cotangents were summed over the mesh: every gradient wrong (2026-11-29).
-    gpu: the GPU plan's ragged_dot grouped GEMMs instead of the CPU kernels."""
+    "-gpu": the GPU plan's ragged_dot grouped GEMMs instead of the CPU kernels."""
+    mesh_name, gpu = placement.split("-")[0], placement.endswith("-gpu")
     if gpu:
         monkeypatch.setattr(expert._exchange, "_platform", lambda mesh: "gpu")
         monkeypatch.setattr(expert._exchange._grouped_gemm, "kernel_available", lambda *a: False)

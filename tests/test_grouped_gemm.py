@@ -416,18 +416,29 @@ def test_subprocess_settings_match_float64(tmp_path, env):
         _close(jnp.asarray(got), want)
 
 
-@pytest.mark.parametrize(
-    ("variable", "value", "message"),
+_BAD_SETTINGS = (
     [("JAXOPS_CPU_THREADS", v, "must be a positive integer") for v in ("0", "-2", "two", "1.5")]
     + [("JAXOPS_CPU_GEMM_KERNEL", v, "must be one of") for v in ("AVX2", "sse", "1", "")]
     + [("JAXOPS_GPU_GEMM_PIPELINE", v, "must be one of") for v in ("Async", "wgmma", "4", "")]
-    + [("JAXOPS_GPU_GROUPED_GEMM", v, "must be one of") for v in ("cuBLASLt", "cutlass", "")],
+    + [("JAXOPS_GPU_GROUPED_GEMM", v, "must be one of") for v in ("cuBLASLt", "cutlass", "")]
 )
-def test_bad_setting_is_refused_at_import(tmp_path, variable, value, message):
-    run = _run_in_subprocess(tmp_path, **{variable: value})
+
+
+@pytest.mark.parametrize(("variable", "value", "message"), _BAD_SETTINGS)
+def test_bad_setting_is_refused(monkeypatch, variable, value, message):
+    """The checks import runs (_ffi.check_settings), each bad value named with its variable."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=f"^{variable} {message}") as info:
+        _ffi.check_settings()
+    assert repr(value) in str(info.value)
+
+
+def test_bad_setting_is_refused_at_import(tmp_path):
+    """Importing jaxops with a bad setting fails with that message (one fresh process)."""
+    run = _run_in_subprocess(tmp_path, JAXOPS_CPU_GEMM_KERNEL="sse")
     assert run.returncode != 0
-    assert f"{variable} {message}" in run.stderr, run.stderr[-3000:]
-    assert repr(value) in run.stderr, run.stderr[-3000:]
+    assert "JAXOPS_CPU_GEMM_KERNEL must be one of" in run.stderr, run.stderr[-3000:]
+    assert "'sse'" in run.stderr, run.stderr[-3000:]
 
 
 @pytest.mark.skipif(
