@@ -401,12 +401,16 @@ def test_dropout_in_the_training_step(tmp_path):
     mesh = jax.make_mesh((1,), ("expert",), devices=jax.devices()[:1])
     tokens = np.random.default_rng(1).integers(0, 64, (2, 8)).astype(np.int32)
 
+    built = {}  # (targets, dropout) -> (model, its jitted loss_and_grads): one compile each
+
     def loss(targets, dropout, key, fresh=False):
-        model = models.MoEDecoder(cfg, mesh, lora=Lora(4, 8.0, targets, dropout=dropout))
+        if (targets, dropout) not in built:
+            model = models.MoEDecoder(cfg, mesh, lora=Lora(4, 8.0, targets, dropout=dropout))
+            built[targets, dropout] = model, jax.jit(model.loss_and_grads)
+        model, step = built[targets, dropout]
         params = model.init(jax.random.key(0))
         if not fresh:
             params = _randomized(model, params)
-        step = jax.jit(model.loss_and_grads)
         return float(step(params, tokens, tokens, dropout_key=key)[0])
 
     experts = ("experts.gate_up_proj", "experts.down_proj")

@@ -832,17 +832,16 @@ def test_updates_on_a_context_axis_equal_data_x_expert(hf_families):
     _assert_runs_equal(([out["flat"][0]], out["flat"][1]), ([out["context"][0]], out["context"][1]))
 
 
-@pytest.mark.parametrize("zero", [1, 3])
-def test_zero_sharding_equals_zero_0(hf_families, zero):
-    """A DPO and a GRPO step with ZeRO-1 / ZeRO-3 (the base and the adapters sharded over the
-    batch axes, gathered per layer) equal ZeRO-0's on data 2 x expert 4."""
+def test_zero_sharding_equals_zero_0(hf_families):
+    """A DPO and a GRPO step with ZeRO-1 and with ZeRO-3 (the base and the adapters sharded
+    over the batch axes, gathered per layer) equal ZeRO-0's on data 2 x expert 4."""
     run = hf_families.load("qwen3_moe", "1dev")
     flat, params = _lora_model(run, "d2e4")
     r = post.rollout(flat, params, [[5, 6, 7], [9, 2], [1], [4, 4, 4]], group_size=4,
                      max_new_tokens=4, reward_fn=_reward, key=jax.random.key(8))  # fmt: skip
     pairs = post.preference_batch(*_pairs(16, 8), seq_len=24, row_multiple=8)
     out = {}
-    for z in (0, zero):
+    for z in (0, 1, 3):
         model, params = _lora_model(run, "d2e4", zero=z)
         opt = optax.adam(1e-2)
         state = model.init_optimizer(opt, params)
@@ -851,4 +850,5 @@ def test_zero_sharding_equals_zero_0(hf_families, zero):
         out[z] = ({**{f"grpo/{k}": float(v) for k, v in mg.items()},
                    **{f"dpo/{k}": float(v) for k, v in md.items()}},
                   jax.tree.map(np.asarray, model.trainable(params)))  # fmt: skip
-    _assert_runs_equal(([out[0][0]], out[0][1]), ([out[zero][0]], out[zero][1]))
+    for zero in (1, 3):
+        _assert_runs_equal(([out[0][0]], out[0][1]), ([out[zero][0]], out[zero][1]))
