@@ -6,7 +6,10 @@ whole prompt at once, fills the cache and picks the first new token; the decode 
 one ``lax.while_loop`` whose body (the decode step, traced once and reused for every new token)
 feeds the last token through the layers, writes its keys and values into the cache (donated,
 updated in place) and picks the next token. Both are laid out like training: the batch over the
-model's batch axes, the experts over its expert axis (the expert-parallel MoE layer).
+model's batch axes, the experts over its expert axis (the expert-parallel MoE layer). With
+``speculative="mtp"`` the prefill and decode loop of :mod:`._speculative` (the MTP modules'
+drafts checked by the trunk) run instead, on a cache of this layout (never a ring buffer)
+and the MTP layers' own beside it.
 
 The cache of a model with ``L`` layers, ``Hkv`` key/value heads of width ``Dh``:
 ``k, v [L, B, C, Hkv, Dh]`` in the compute dtype (with multi-head latent attention, DeepSeek-V3:
@@ -294,7 +297,8 @@ def generate(
       `return_stats`, ``(tokens, stats)``.
 
     Raises:
-      ConfigError: a mesh with pipeline stages.
+      ConfigError: a mesh with pipeline stages or a context axis; ``speculative="mtp"`` for a
+        model without MTP modules.
       TypeError / ValueError: a bad argument (named, with what was expected and what came).
 
     Example:
