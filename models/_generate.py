@@ -355,11 +355,12 @@ def generate(
     if speculative not in (None, "mtp"):
         raise InvalidArgumentError(f"{_OP}: speculative must be None or 'mtp', got {speculative!r}")
     depth = model.config.mtp_layers if speculative else 0
-    if speculative and (not depth or "mtp" not in params):
+    has_mtp = isinstance(params, dict) and "mtp" in params
+    if speculative and (not depth or not has_mtp):
         raise ConfigError(
             f"{_OP}: speculative='mtp' needs the model's multi-token prediction modules "
             f"(config.mtp_layers >= 1 and params['mtp']), got mtp_layers={depth} and "
-            f"{'a' if 'mtp' in params else 'no'} params['mtp']; load a checkpoint that ships "
+            f"{'a' if has_mtp else 'no'} params['mtp']; load a checkpoint that ships "
             "them (DeepSeek-V3, GLM-4.5) or generate with speculative=None"
         )
     mask = _check_mask(attention_mask, (b, s))
