@@ -55,7 +55,8 @@ class Sampling:
       top_p: float32 scalar in ``(0, 1]`` (1: no filter).
       eos: int32 ``[n]``: the ids that end a row (-1: none), n a multiple of 8.
       pad: int32 scalar: what a finished row emits.
-      key: a typed ``jax.random`` key; new token i samples with ``fold_in(key, i)``.
+      key: a typed ``jax.random`` key; in plain decoding new token i samples with
+        ``fold_in(key, i)``.
     """
 
     greedy: jax.Array

@@ -249,7 +249,8 @@ def generate(
     """The prompt followed by `max_new_tokens` generated tokens, as transformers' ``generate``.
 
     The prompt runs at once (prefill), then each new token is one decode step over the KV cache
-    (see the module docstring for its layout and size); the two are compiled once per model
+    (with `speculative`, each step makes 1 to D + 1 tokens; see the module docstring for the
+    cache's layout and size); the two are compiled once per model
     and shapes. Prompt tokens sit at positions ``cumsum(attention_mask) - 1``
     (transformers' position ids), new tokens continue from there; a sliding window (Mixtral)
     counts time steps, padding included, as transformers does. Call it outside ``jax.jit`` (it
@@ -274,7 +275,8 @@ def generate(
       top_p: keep the smallest set of most likely tokens whose probability reaches top_p, at
         least one (nucleus sampling; None or 1: all).
       key: a ``jax.random`` key (typed or raw uint32), required when temperature > 0; the
-        same key gives the same tokens, on any mesh (step i samples with ``fold_in(key, i)``).
+        same key gives the same tokens, on any mesh (plain decoding: step i samples with
+        ``fold_in(key, i)``; speculative decoding draws otherwise, so its tokens differ).
       eos_token_id: an id or ids that end a row: a row that emitted one continues with
         `pad_token_id`, and generation stops once every row did (the output keeps its shape).
       pad_token_id: what a finished row emits (default: the first eos_token_id).
@@ -282,8 +284,10 @@ def generate(
         prediction modules (``config.mtp_layers`` = D >= 1, ``params["mtp"]``, as DeepSeek-V3
         and GLM-4.5 checkpoints ship them): they draft D tokens, the trunk checks them in one
         step and keeps 1 to D + 1 tokens. Greedy output is token for token the plain greedy
-        output (where a token's result does not depend on the other tokens of a forward: not
-        with a ``capacity_factor``, whose drops do, nor with per-tensor FP8 scales); sampling
+        output up to floating-point rounding (D + 1 queries over a longer cache may round
+        otherwise, so nearly tied logits can order differently) where a token's result does
+        not depend on the other tokens of a forward (not with a ``capacity_factor``, whose
+        drops do, nor with per-tensor FP8 scales); sampling
         keeps its distribution (speculative sampling), not its tokens for a key. The cache
         then has ``S + (D + 1) * (max_new_tokens - 1)`` slots (rejected drafts leave empty
         ones).

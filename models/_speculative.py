@@ -7,7 +7,9 @@ token of its own: 1 to D + 1 new tokens per trunk step. The drafts are only prop
 
 - greedy (temperature 0): a draft is kept when it is the trunk's argmax at its position, and
   the token after the kept run is the trunk's argmax there, so the output is token for token
-  the plain greedy output, whatever the drafts were;
+  the plain greedy output, whatever the drafts were (up to floating-point rounding: the trunk
+  runs D + 1 queries over a longer cache, whose sums may round otherwise, so two nearly tied
+  logits can order differently, more likely in bfloat16);
 - sampling: standard speculative sampling (Leviathan et al. 2023, Chen et al. 2023). Draft j
   is drawn from the module's distribution ``q_j`` (the same temperature, top-k and top-p as
   the trunk's), kept with probability ``min(1, p_j(d_j) / q_j(d_j))`` under the trunk's
@@ -230,7 +232,8 @@ def prefill(
     token, done = next_token(sampling, logits, 0, layout.place(jnp.zeros((b,), bool)))
     stream = jnp.concatenate([prompt[:, 1:], token[:, None]], axis=1)
     last = jnp.full((b,), s - 1, jnp.int32)
-    key = jax.random.fold_in(jax.random.fold_in(sampling.key, 0), 1)  # the token drew with (key, 0)
+    # (key, 0) drew the token; (key, n) for n in 1 .. steps - 1 are the decode steps'
+    key = jax.random.fold_in(sampling.key, steps)
     tokens, probs, mtp_kv = _draft(
         layout, params, head, h, where, where, stream, last, None, keep, sampling, key
     )

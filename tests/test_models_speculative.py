@@ -2,7 +2,8 @@
 
 Greedy: the output equals plain greedy decoding token for token (left padding, EOS, one and two
 depths, both families that ship MTP modules, one device and data x expert), with a vocabulary small
-enough that drafts are often kept, so that rows advance by different counts. Sampling: the
+enough that drafts are often kept, so that rows advance by different counts; the drafts are the
+modules' own predictions on the generated text (the trunk steps replayed from them). Sampling: the
 joint distribution of the new tokens is the plain one, computed exactly from the model's
 logits over every continuation (a chi-square test over thousands of rows).
 """
@@ -62,6 +63,29 @@ def test_greedy_output_is_the_plain_greedy_output(family, depth, seed, mesh_name
     # one new token: the prefill's only (no speculative step runs)
     one = models.generate(model, params, prompt, 1, attention_mask=mask, speculative="mtp")
     np.testing.assert_array_equal(np.asarray(one), plain[:, :6])
+
+
+def test_drafts_are_the_modules_argmax_on_the_generated_text():
+    """D = 1: each draft is the argmax of ``mtp_logits`` at the position before the last token
+    emitted (the module at i reads the trunk at i and token i + 1, predicts i + 2): replaying
+    greedy acceptance with those drafts gives every row's trunk steps exactly, so the tokens fed
+    to the module and its own KV cache are the ones it was trained on."""
+    model, params = _model("deepseek_v3", 1, 8, "d2e4")
+    prompt = np.random.default_rng(5).integers(0, VOCAB, (8, 5)).astype(np.int32)
+    s, new = prompt.shape[1], 16
+    out, stats = models.generate(model, params, prompt, new, speculative="mtp", return_stats=True)
+    seq = np.asarray(out)
+    mtp = np.asarray(jax.jit(model.mtp_logits)(params, model.place_batch(seq)))[:, :, 0]
+    draft = mtp.argmax(-1)  # draft[b, i]: the module's token i + 2
+    want = []
+    for b in range(len(seq)):
+        last, steps = s, 1  # the prefill made token s
+        while last - s + 1 < new:
+            last += 2 if draft[b, last - 1] == seq[b, last + 1] else 1
+            steps += 1
+        want.append(steps)
+    np.testing.assert_array_equal(np.asarray(stats["trunk_steps"]), want)
+    assert min(want) < new and len(set(want)) > 1  # drafts were kept, rows differ
 
 
 def test_sampling_keeps_the_plain_distribution():
