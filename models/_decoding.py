@@ -37,7 +37,9 @@ __all__ = [
     "choose",
     "layer",
     "next_token",
+    "prompt_tokens",
     "sample",
+    "seen",
     "to_slots",
     "trunk",
     "warped",
@@ -156,6 +158,29 @@ def to_slots(x: jax.Array, slots: int) -> jax.Array:
     if s < slots:
         return jnp.pad(x, [(0, 0), (0, slots - s)] + [(0, 0)] * (x.ndim - 2))
     return jnp.roll(x[:, s - slots :], (s - slots) % slots, axis=1)
+
+
+def prompt_tokens(layout: Layout, mask: jax.Array) -> Tokens:
+    """The prompt's tokens, `mask` int32 ``[B, S]`` (1: a token, 0: padding, left or right).
+
+    Time steps ``0 .. S - 1``; rotary positions counting a row's tokens from 0 (padding before
+    them holds position 0); segment 1 for a token, 0 (attended by nothing) for padding.
+    """
+    b, s = mask.shape
+    return Tokens(
+        index=layout.place(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))),
+        positions=jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32),
+        segments=mask.astype(jnp.int32),
+    )
+
+
+def seen(cache: Cache, where: Tokens) -> Tokens:
+    """The keys a decode step's queries `where` ``[B, Q]`` attend to: the cache's, then theirs."""
+    return Tokens(
+        index=jnp.concatenate([cache.index, where.index], 1),
+        positions=jnp.concatenate([cache.positions, where.positions], 1),
+        segments=jnp.concatenate([cache.segments, where.segments], 1),
+    )
 
 
 def layer(

@@ -43,7 +43,7 @@ from jaxops._errors import ArgumentTypeError, ConfigError, InvalidArgumentError
 
 from . import _speculative
 from ._decoder import MoEDecoder
-from ._decoding import Cache, Sampling, next_token, to_slots, trunk
+from ._decoding import Cache, Sampling, next_token, prompt_tokens, seen, to_slots, trunk
 from ._layers import Tokens
 from ._layout import Layout
 
@@ -65,12 +65,8 @@ def _prefill(
     steps: int,
 ) -> tuple[Cache, jax.Array, jax.Array]:
     """The prompt through the model: the filled cache, the first new token, the EOS flags."""
-    b, s = prompt.shape
-    where = Tokens(
-        index=layout.place(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))),
-        positions=jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32),
-        segments=mask.astype(jnp.int32),
-    )
+    b = prompt.shape[0]
+    where = prompt_tokens(layout, mask)
     h, kv = trunk(layout, params, prompt, where, where, lambda x: to_slots(x, slots), None)
     logits = layout.head(layout.head_params(params), h[:, -1:])[:, 0]
     cache = Cache(kv, *(to_slots(x, slots) for x in (where.index, where.positions, where.segments)))
@@ -108,12 +104,7 @@ def _decode(
             positions=first[:, None] + i - 1,
             segments=(~done[:, None]).astype(jnp.int32),  # a finished row's tokens are padding
         )
-        keys = Tokens(
-            index=jnp.concatenate([cache.index, where.index], 1),
-            positions=jnp.concatenate([cache.positions, where.positions], 1),
-            segments=jnp.concatenate([cache.segments, where.segments], 1),
-        )
-        h, kv = trunk(layout, params, fed, where, keys, lambda x: x, cache.kv)
+        h, kv = trunk(layout, params, fed, where, seen(cache, where), lambda x: x, cache.kv)
         logits = layout.head(layout.head_params(params), h[:, -1:])[:, 0]
         slot = t % slots
         cache = Cache(

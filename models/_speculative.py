@@ -48,6 +48,9 @@ from ._decoding import (
     categorical,
     layer,
     next_token,
+    prompt_tokens,
+    seen,
+    to_slots,
     trunk,
     warped,
 )
@@ -217,14 +220,10 @@ def prefill(
     ``[B, steps]`` the first new token in column 0 (`pad` after it); `done` the EOS flags.
     """
     b, s = prompt.shape
-    where = Tokens(
-        index=layout.place(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))),
-        positions=jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32),
-        segments=mask.astype(jnp.int32),
-    )
+    where = prompt_tokens(layout, mask)
 
     def keep(x):
-        return jnp.pad(x, [(0, 0), (0, slots - s)] + [(0, 0)] * (x.ndim - 2))
+        return to_slots(x, slots)  # slots > S: the prompt in slots 0 .. S - 1, zeros after
 
     h, kv = trunk(layout, params, prompt, where, where, keep, None)
     head = layout.head_params(params)
@@ -281,16 +280,7 @@ def decode(
             positions=(first + made - 1)[:, None] + ahead,
             segments=jnp.broadcast_to(live[:, None], fed.shape).astype(jnp.int32),
         )
-        keys = Tokens(
-            *(
-                jnp.concatenate([old, new], 1)
-                for old, new in (
-                    (cache.index, where.index),
-                    (cache.positions, where.positions),
-                    (cache.segments, where.segments),
-                )
-            )
-        )
+        keys = seen(cache, where)
         h, kv = trunk(layout, params, fed, where, keys, lambda x: x, cache.kv)
         key = jax.random.fold_in(sampling.key, n + 1)  # 0: the prefill's
         kept, token = _verify(sampling, layout.head(head, h), drafts, jax.random.fold_in(key, 0))
