@@ -166,9 +166,18 @@ def test_forward_table():
 # Loss and gradients vs the sequential model.
 
 
-@pytest.mark.parametrize("schedule,v", SCHEDULES, ids=[f"{s}-v{v}" for s, v in SCHEDULES])
-@pytest.mark.parametrize("p", [2, 4, 8], ids=lambda p: f"P{p}")
-@pytest.mark.parametrize("mult", [1, 2, 4], ids=lambda k: f"M{k}P")
+# Every schedule on every P, and each of them (and each P) with every M / P: the pairs of the
+# 4 x 3 x 3 product in 12 runs (M / P chosen by a Latin square on the schedule and P). The
+# schedule tables of the whole product are checked above, without running them.
+_SEQUENTIAL = [
+    pytest.param(s, v, p, mult, id=f"{s}-v{v}-P{p}-M{mult}P")
+    for i, (s, v) in enumerate(SCHEDULES)
+    for j, p in enumerate((2, 4, 8))
+    for mult in [(1, 2, 4)[(i + j) % 3]]
+]
+
+
+@pytest.mark.parametrize("schedule,v,p,mult", _SEQUENTIAL)
 def test_matches_sequential(schedule, v, p, mult):
     m = mult * p
     mesh = _mesh(p)
@@ -592,6 +601,12 @@ def _call(**kw):
             ValueError,
             "other than the pipeline axis",
         ),
+        (dict(loss_param_specs=P("pipe")), ValueError, "loss_param_specs shard loss_params"),
+        (
+            dict(loss_param_specs={"head": P()}),
+            ValueError,
+            "loss_param_specs must be a pytree like loss_params",
+        ),
         (dict(mesh="pipe"), TypeError, "mesh must be a jax.sharding.Mesh"),
         (dict(frozen=({"w1": 1}, True)), TypeError, "frozen must hold bools"),
         (dict(frozen=({"w9": True}, True)), ValueError, r"frozen must be bools shaped like"),
@@ -613,6 +628,8 @@ def _call(**kw):
         "loss-not-scalar",
         "aux-missing",
         "param-specs-pipe",
+        "loss-param-specs-pipe",
+        "loss-param-specs-structure",
         "mesh",
         "frozen-not-bool",
         "frozen-structure",
@@ -678,6 +695,46 @@ def test_deprecated_axis_keyword():
         )
     with pytest.raises(TypeError, match="got both pipe_axis= and its deprecated name axis="):
         pl.pipeline_forward(_stage, params, x, axis="stages", pipe_axis="stages", **fkw)
+
+
+def test_loss_params_sharded_over_a_data_axis():
+    """A loss_params leaf sharded over the data axis (loss_param_specs) is a different parameter
+    on each of its devices: each data shard's rows use its own row of `v`, and v's gradient is
+    that row's, not summed over the axis; the replicated head's is summed."""
+    mesh = _mesh(4)  # pipe 4 x data 2
+    params, head = _model(4, jax.random.key(0))
+    x, t = _batch(16, jax.random.key(1))
+    v = 1.0 + 0.5 * jax.random.normal(jax.random.key(2), (2, H))
+
+    def loss_fn(lp, y, t):  # lp["v"]: this data shard's row [1, H]
+        return _loss(lp["head"], y * lp["v"][0], t)
+
+    step = jax.jit(
+        lambda p, lp, x, t: pl.pipeline_step(
+            _stage, p, x, targets=t, loss_params=lp, loss_fn=loss_fn, mesh=mesh,
+            num_microbatches=2, loss_param_specs={"head": P(), "v": P("data")},
+        )
+    )  # fmt: skip
+    loss, grads = step(params, {"head": head, "v": v}, x, t)
+
+    def reference(params, head, v):  # shard d: rows 8 d .. 8 d + 7, row d of v
+        total = 0.0
+        for d in range(2):
+            y = x[8 * d : 8 * d + 8]
+            for s in range(4):
+                y = _stage(jax.tree.map(lambda a, s=s: a[s], params), y)
+            total += _loss(head, y * v[d], t[8 * d : 8 * d + 8]) / 2
+        return total
+
+    ref_loss, (dparams, dhead, dv) = jax.value_and_grad(reference, argnums=(0, 1, 2))(
+        params, head, v
+    )
+    assert_allclose(loss, ref_loss, np.float32, scale=4.0, err_msg="loss")
+    assert_allclose(grads.loss_params["head"], dhead, np.float32, scale=4.0, err_msg="head")
+    assert_allclose(grads.loss_params["v"], dv, np.float32, scale=4.0, err_msg="v")
+    for name in dparams:
+        assert_allclose(grads.stage_params[name], dparams[name], np.float32, scale=4.0)
+    assert grads.loss_params["v"].sharding.spec[0] == "data"  # not gathered
 
 
 def test_without_input_grads():

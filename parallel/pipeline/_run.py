@@ -359,7 +359,7 @@ def run_training(
     loss_fn: Callable,
     has_aux: bool,
     input_grads: bool,
-    grad_specs: Any,
+    grad_specs: tuple[Any, Any],
     frozen: bool,
     params: Any,
     loss_params: Any,
@@ -371,7 +371,9 @@ def run_training(
     `fn` is stage_fn checkpointed per remat. The loss and every gradient are float32 sums over
     this device's microbatches, reduced over the mesh after the loop. `frozen`: params and
     loss_params are ``(trained, frozen)`` pairs, and the gradients the trained halves';
-    `grad_specs`: the PartitionSpecs of the stage params' gradients.
+    `grad_specs`: the PartitionSpecs of the stage params' gradients and of loss_params'; a
+    gradient is summed over the data axes (and for loss_params the pipeline axis) its leaf is
+    not sharded over.
     """
     pro = prologue(setup, fn, has_aux, params, inputs, frozen)
     m, prog, everywhere = setup.m, setup.program, pro.everywhere
@@ -437,16 +439,18 @@ def run_training(
     init["gacc"] = conform(init["gacc"], jax.tree.map(lambda a: a[None], types["dp"]))
     final, _ = jax.lax.scan(tick, init, pro.rows)
 
-    reduce_axes = jax.tree.map(
-        lambda spec: tuple(a for a in setup.data_axes if a not in spec_axes(spec)),
-        grad_specs,
-        is_leaf=lambda s: isinstance(s, P),
-    )
+    def reduced(grads: Any, specs: Any, axes: tuple[str, ...]) -> Any:
+        over = jax.tree.map(
+            lambda spec: tuple(a for a in axes if a not in spec_axes(spec)),
+            specs,
+            is_leaf=lambda s: isinstance(s, P),
+        )
+        return jax.tree.map(lambda g, a: jax.lax.psum(g, a) if a else g, grads, over)
+
+    param_specs, lp_specs = grad_specs
     loss = jax.lax.psum(final["loss"], everywhere)
-    dparams = jax.tree.map(
-        lambda g, axes: jax.lax.psum(g, axes) if axes else g, final["gacc"], reduce_axes
-    )
-    dlp = jax.lax.psum(final["dlp"], everywhere)
+    dparams = reduced(final["gacc"], param_specs, setup.data_axes)
+    dlp = reduced(final["dlp"], lp_specs, everywhere)
     if not input_grads:
         return loss, dparams, dlp
     # Input gradients live on the device of stage 0, target gradients on that of the last stage.

@@ -126,6 +126,32 @@ def _stage_specs(op: str, pipe_axis: str, param_specs: Any, stage_params: Any) -
     return specs
 
 
+def loss_specs(op: str, pipe_axis: str, loss_param_specs: Any, loss_params: Any) -> Any:
+    """PartitionSpecs of loss_params: `loss_param_specs` checked, or replicated (None)."""
+    if loss_param_specs is None:
+        return jax.tree.map(lambda _: P(), loss_params)
+    try:
+        specs = jax.tree.map(
+            lambda s, _: s, loss_param_specs, loss_params, is_leaf=lambda s: isinstance(s, P)
+        )
+    except ValueError as e:
+        raise InvalidArgumentError(
+            f"{op}: loss_param_specs must be a pytree like loss_params with a PartitionSpec "
+            f"per leaf: {e}"
+        ) from None
+    for spec in jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)):
+        if not isinstance(spec, P):
+            raise ArgumentTypeError(
+                f"{op}: loss_param_specs must hold PartitionSpecs, got {type(spec).__name__}"
+            )
+        if pipe_axis in spec_axes(spec):
+            raise InvalidArgumentError(
+                f"{op}: loss_param_specs shard loss_params over mesh axes other than the "
+                f"pipeline axis {pipe_axis!r} (the loss runs on the last stage); got {spec}"
+            )
+    return specs
+
+
 def make_setup(
     op: str,
     stage_params: Any,

@@ -23,7 +23,7 @@ from jaxops._errors import ArgumentTypeError, InvalidArgumentError, renamed_kwar
 from jaxops._sharding import place
 
 from ._run import run_forward, run_training
-from ._setup import checkpointed, make_setup
+from ._setup import checkpointed, loss_specs, make_setup
 from ._trees import float0_like, float_leaves, split_frozen
 
 __all__ = ["PipelineGrads", "pipeline_forward", "pipeline_step"]
@@ -80,6 +80,7 @@ def pipeline_step(
     param_specs: Any = None,
     input_grads: bool = True,
     frozen: Any = None,
+    loss_param_specs: Any = None,
 ) -> tuple[jax.Array, PipelineGrads]:
     """Loss and gradients of a pipelined model, in one ``shard_map`` (call it under ``jax.jit``).
 
@@ -100,7 +101,8 @@ def pipeline_step(
       inputs: pytree of ``[B, ...]`` arrays, the input of stage 0; B a multiple of
         ``num_microbatches`` times the devices of `data_axes`.
       loss_fn: ``(loss_params, outputs, targets) -> scalar`` on one microbatch; runs on the
-        device of the last stage.
+        devices of the last stage, inside ``shard_map`` like stage_fn (collectives over the
+        non-pipeline axes allowed: a multi-token-prediction module's MoE layer).
       mesh: the mesh holding `pipe_axis` (and `data_axes`).
       num_microbatches: M, microbatches per data shard (a multiple of P when V > 1).
       targets: pytree of ``[B, ...]`` arrays split like inputs and passed to loss_fn, or None.
@@ -128,6 +130,10 @@ def pipeline_step(
         program) and comes back None; residuals computed from frozen leaves alone (a
         dequantized weight, say) are recomputed by the backward, like the trained params'.
         None (the default): everything is trained.
+      loss_param_specs: pytree like loss_params of PartitionSpecs over mesh axes other than
+        `pipe_axis` (default: every leaf replicated), with param_specs' rule for the
+        gradients: a leaf sharded over a data axis (the experts of an MoE layer in the loss)
+        is not reduced over it.
 
     Returns:
       ``(loss, grads)``: the float32 loss and a :class:`PipelineGrads` (``grads.stage_params``
@@ -137,7 +143,8 @@ def pipeline_step(
       TypeError / ValueError: an unknown schedule, M or V that do not fit it, a mesh without
         the axes, params not stacked on ``P * V`` stages, a batch not divisible by
         ``M * data shards``, stage_fn changing its input's shape, loss_fn not scalar, `frozen`
-        not bools shaped like (a prefix of) ``(stage_params, loss_params)``.
+        not bools shaped like (a prefix of) ``(stage_params, loss_params)``, loss_param_specs
+        not shaped like loss_params or naming the pipeline axis.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -173,7 +180,8 @@ def pipeline_step(
     )
     fn = checkpointed(op, stage_fn, remat)
     batch = setup.batch_spec
-    param_specs, lp_specs = setup.param_specs, jax.tree.map(lambda _: P(), loss_params)
+    param_specs = setup.param_specs
+    lp_specs = loss_specs(op, setup.pipe_axis, loss_param_specs, loss_params)
     params, lparams = stage_params, loss_params
     masks = _frozen_masks(op, frozen, stage_params, loss_params)
     if masks is not None:  # each a pair (trained, frozen)
@@ -192,7 +200,14 @@ def pipeline_step(
     args = place((params, lparams, inputs, targets), mesh, in_specs)
     input_grads = _checks.check_bool(op, "input_grads", input_grads)
     body = functools.partial(
-        run_training, setup, fn, loss_fn, has_aux, input_grads, grad_specs, masks is not None
+        run_training,
+        setup,
+        fn,
+        loss_fn,
+        has_aux,
+        input_grads,
+        (grad_specs, dlp_specs),
+        masks is not None,
     )
     if not input_grads:
         out_specs = out_specs[:3]
