@@ -261,8 +261,8 @@ class MoEDecoder(Settings):
         ``k`` places further on, within the same document: a target past a document's end, or
         at padding, counts for nothing). 0 (default): the modules stay out of the loss and are
         frozen (:meth:`trainable` leaves them out; ``save_pretrained`` writes them as loaded).
-        DeepSeek-V3 trained with 0.3 then 0.1. Not yet with a pipe axis, LoRA or a quantized
-        base (refused).
+        DeepSeek-V3 trained with 0.3 then 0.1. With a pipe axis the modules run after the
+        last stage, on its devices. Not yet with LoRA or a quantized base (refused).
       layout: the :class:`~jaxops.models._layout.Layout` of the fields above (not a field:
         built once, on construction).
 
@@ -381,8 +381,7 @@ class MoEDecoder(Settings):
                 "has mtp_layers = 0 (a checkpoint announces them as num_nextn_predict_layers)"
             )
         why = (
-            f"a pipe axis ({self.pipe_axis!r})" if self.pipe > 1
-            else "LoRA adapters" if self.lora is not None
+            "LoRA adapters" if self.lora is not None
             else f"base={self.base!r}" if self.base is not None
             else None
         )  # fmt: skip

@@ -71,10 +71,10 @@ def shifted(batch: _batch.Batch, depth: int) -> _batch.Batch:
     )
 
 
-def _depth(layout: Layout, params: dict[str, Any], k: int) -> dict[str, Any]:
-    """Depth k's parameters (0-based), laid out as the module uses them (ZeRO-3 gathered)."""
+def _depth(layout: Layout, params: dict[str, Any], k: int, gather: bool) -> dict[str, Any]:
+    """Depth k's parameters (0-based), laid out as the module uses them (`gather`: ZeRO-3's)."""
     p = jax.tree.map(lambda a: a[k], params["mtp"])
-    if layout.zero != 3:
+    if layout.zero != 3 or not gather:
         return p
 
     def one(specs):  # without the stacked depth axis
@@ -90,6 +90,7 @@ def hidden(
     h: jax.Array,
     where: _layers.Tokens,
     tokens: jax.Array,
+    gather: bool = True,
 ) -> tuple[list[tuple[dict[str, Any], jax.Array]], jax.Array]:
     """``([(head_k, y_k)] for each depth, summed MoE aux loss)``.
 
@@ -97,7 +98,9 @@ def hidden(
     the depths'); `h`: the trunk's last layer output ``[B, S, D]`` (before its final norm);
     `tokens`: the depths' input tokens ``[B, S, depth]`` (:func:`shifted`).
     ``layout.head(head_k, y_k)`` are depth k's logits (``head_k``: the output head with the
-    depth's ``head_norm`` for the final norm).
+    depth's ``head_norm`` for the final norm). `gather` False: ``params["mtp"]`` and
+    ``params["embed"]`` are laid out for the computation already (ZeRO-3 gathers nothing;
+    a pipeline's last stage, whose shard_map gathered them).
     """
     c, ops = layout.config, layout.ops
     plain = layout.plain
@@ -108,8 +111,13 @@ def hidden(
     step = _run.layer_step(plain, "layers", where, static, gather=False)
     out, aux = [], jnp.zeros((), jnp.float32)
     for k in range(c.mtp_layers):
-        p = _depth(layout, params, k)
-        e = layout.embed(params["embed"], tokens[..., k], where)
+        p = _depth(layout, params, k, gather)
+        if gather:
+            e = layout.embed(params["embed"], tokens[..., k], where)
+        else:
+            e = _layers.embed(ops, params["embed"], tokens[..., k])
+            if where.segments is not None:  # 0 at padding, as layout.embed
+                e = jnp.where(where.valid[..., None], e, jnp.zeros((), e.dtype))
         e = jaxops.rms_norm(e, p["enorm"], eps=eps, impl=ops.impl)
         prev = jaxops.rms_norm(x, p["hnorm"], eps=eps, impl=ops.impl)
         y = _layers.projection(ops, jnp.concatenate([e, prev], axis=-1), p["eh_proj"], None)
@@ -127,13 +135,17 @@ def losses(
     head: dict[str, Any],
     h: jax.Array,
     where: _layers.Tokens,
-    batch: Any,
+    tokens: jax.Array,
+    targets: jax.Array,
+    gather: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-    """``(summed cross-entropy per depth [depth], summed MoE aux loss)`` of the MTP modules."""
-    out, aux = hidden(layout, params, head, h, where, batch.mtp_tokens)
-    totals = [
-        layout.losses(head_k, y, batch.mtp_targets[..., k])[0] for k, (head_k, y) in enumerate(out)
-    ]
+    """``(summed cross-entropy per depth [depth], summed MoE aux loss)`` of the MTP modules.
+
+    `tokens`, `targets`: the depths' ``[B, S, depth]`` (:func:`shifted`); the others as in
+    :func:`hidden`.
+    """
+    out, aux = hidden(layout, params, head, h, where, tokens, gather)
+    totals = [layout.losses(head_k, y, targets[..., k])[0] for k, (head_k, y) in enumerate(out)]
     return jnp.stack(totals), aux
 
 

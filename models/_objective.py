@@ -87,7 +87,9 @@ def terms(
     if mtp is None:
         return total, aux, jnp.zeros((), jnp.float32)
     batch, n = mtp
-    totals, mtp_aux = _mtp.losses(layout, params, head, h, where, batch)
+    totals, mtp_aux = _mtp.losses(
+        layout, params, head, h, where, batch.mtp_tokens, batch.mtp_targets
+    )
     return total, aux + mtp_aux, _mtp.term(layout, totals, n)
 
 
@@ -198,8 +200,32 @@ def objective(layout: Layout, params: dict[str, Any], batch: _batch.Batch) -> ja
     carry = {"h": x, "where": where, "aux": layout.place(jnp.zeros(x.shape[:1], jnp.float32))}
     stages = layout.stages(params["layers"])
     out = pl.pipeline_forward(stage, stages, carry, **layout.pipeline_keywords())
-    total, _ = layout.losses(layout.head_params(params), out["h"], targets)
-    return total / count + jnp.mean(out["aux"])
+    head = layout.head_params(params)
+    total, _ = layout.losses(head, out["h"], targets)
+    loss = total / count + jnp.mean(out["aux"])
+    if batch.mtp_targets is not None:
+        loss = loss + _pipeline_mtp(layout, params, head, out["h"], where, batch)
+    return loss
+
+
+def _pipeline_mtp(layout: Layout, params, head, h, where, batch: _batch.Batch) -> jax.Array:
+    """The MTP term plus the modules' aux losses after a forward-only pipeline.
+
+    Per microbatch, as :func:`pipeline_step` computes them on the last stage: the aux losses
+    averaged over the microbatches, the term's shares over the whole batch's counts summed.
+    """
+    m = layout.num_microbatches
+    n = _mtp.counts(batch.mtp_targets)
+    tree = {"h": h, "where": where, "tokens": batch.mtp_tokens, "targets": batch.mtp_targets}
+    parts = _batch.split_microbatches(tree, m, (layout.mesh, layout.batch_axes))
+    term = aux = jnp.zeros((), jnp.float32)
+    for i in range(m):
+        part = jax.tree.map(lambda a, i=i: a[i], parts)
+        totals, a = _mtp.losses(
+            layout, params, head, part["h"], part["where"], part["tokens"], part["targets"]
+        )
+        term, aux = term + _mtp.term(layout, totals, n), aux + a
+    return term + aux / m
 
 
 def flat_loss_and_grads(
@@ -269,7 +295,8 @@ def pipeline_step(
     a microbatch's share of a loss normalized over the whole batch (post-training's), with
     `rows` a pytree of ``[B, ...]`` arrays split with the batch (the last stage's output `h`
     of that microbatch's rows, on its device). The MoE aux losses are added as the model's
-    loss has them.
+    loss has them. With the MTP modules trained (and `objective` None), they run after the
+    last stage inside its loss, on its devices, and their term is added.
     """
     lora = layout.lora is not None
     where, targets = where_targets(batch)
@@ -290,20 +317,37 @@ def pipeline_step(
     # pipeline_step averages each microbatch's loss over the M microbatches of each of the
     # data shards: scaling each by M * shards / count makes that the global token mean.
     shards = layout.batch_devices
+    mtp = objective is None and layout.mtp_trained
+    extra, extra_specs = (), ()  # loss_params after (head, scale)
     if objective is None:
         scale = layout.num_microbatches * shards / _target_count(targets)
+        if mtp:  # the MTP modules after the last stage, on its devices
+            laid, laid_specs, targets = _mtp_inputs(layout, params, batch, targets)
+            extra, extra_specs = (laid,), (laid_specs,)
 
         def loss_fn(lp, out, t):
-            head, s = lp
-            return layout.losses(head, out["h"], t)[0] * s
+            head, s = lp[:2]
+            if not mtp:
+                return layout.losses(head, out["h"], t)[0] * s
+            total = layout.losses(head, out["h"], t["targets"])[0] * s
+            p = lp[2]
+            totals, aux = _mtp.losses(
+                layout, p, head, out["h"], out["where"], t["tokens"], t["mtp"], gather=False
+            )
+            # the term's share of this microbatch, undoing pipeline_step's mean like `s`; the
+            # MTP layers' aux losses averaged over the microbatches like the stages'
+            share = _mtp.term(layout, totals, p["counts"]) * layout.num_microbatches * shards
+            return total + share + aux
 
     else:  # already normalized over the whole batch: undo pipeline_step's averaging only
         scale, targets = jnp.float32(layout.num_microbatches * shards), rows
 
         def loss_fn(lp, out, t):
-            head, s = lp
+            head, s = lp[:2]
             return objective(head, out["h"], t) * s
 
+    # the head gathered in its own dtype: pipeline_step returns its gradient in it
+    head = layout.head_params(params, cast=False)
     stages = layout.stages(params["layers"])
     # with LoRA: every stage leaf but the adapters, and the head, read and not trained
     frozen = (jax.tree.map(lambda a: a is None, adapters_of(stages), is_leaf=_is_none), True)
@@ -312,8 +356,8 @@ def pipeline_step(
         stages,
         {"h": x, "where": where},
         targets=targets,
-        # gathered in their own dtype: pipeline_step returns the head's gradient in it
-        loss_params=(layout.head_params(params, cast=False), scale),
+        loss_params=(head, scale, *extra),
+        loss_param_specs=(jax.tree.map(lambda _: P(), head), P(), *extra_specs),
         loss_fn=loss_fn,
         schedule=layout.schedule,
         remat=layout.remat_policy,
@@ -339,9 +383,33 @@ def pipeline_step(
         grads["embed"] = d_embed + head["embed"]
     else:
         grads["lm_head"] = head["lm_head"]
-    if "mtp" in params:  # frozen (mtp_loss_weight > 0 is refused with a pipeline)
+    if mtp:  # the MTP modules' gradients, and their embedding lookups'
+        d_mtp = g.loss_params[2]
+        grads["mtp"] = d_mtp["mtp"]
+        grads["embed"] = grads["embed"] + d_mtp["embed"]
+    elif "mtp" in params:  # frozen: None leaves (:meth:`Layout.trainable`)
         grads["mtp"] = layout.trainable(params)["mtp"]
     return loss, grads
+
+
+def _mtp_inputs(layout: Layout, params: dict[str, Any], batch: _batch.Batch, targets):
+    """What the pipeline's loss needs for the MTP term: ``(inputs, their specs, targets)``.
+
+    The inputs: the modules' parameters and the embedding laid out for the computation (the
+    MoE block's experts over the expert axis, the rest replicated: the pipeline's shard_map
+    gathers a ZeRO-3 layout), and each depth's counted targets in the whole batch. The
+    targets: a dict of the trunk's and the depths' inputs and targets, split into
+    microbatches with the batch.
+    """
+    compute, zero = layout.compute_specs(), layout.zero_specs()
+    inputs = {
+        "mtp": layout.gather(params["mtp"], compute["mtp"], zero["mtp"], cast=False),
+        "embed": layout.gather(params["embed"], P(), zero["embed"], cast=False),
+        "counts": _mtp.counts(batch.mtp_targets),
+    }
+    specs = {"mtp": compute["mtp"], "embed": P(), "counts": P()}
+    t = {"targets": targets, "tokens": batch.mtp_tokens, "mtp": batch.mtp_targets}
+    return inputs, specs, t
 
 
 def pipe_loss(layout: Layout) -> Callable:

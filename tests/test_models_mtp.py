@@ -309,30 +309,37 @@ def test_train_step_updates_the_modules_only_with_a_weight(made):
 
 
 def test_meshes_give_the_one_device_loss_and_gradients(made):
-    """The loss with the MTP term and its gradients on data x expert (flat gradients, ZeRO-1)
-    and context x data x expert (ring attention, ZeRO-3) equal one device's."""
+    """The loss with the MTP term and its gradients on data x expert (flat gradients, ZeRO-1),
+    context x data x expert (ring attention, ZeRO-3) and pipe x data x expert (the modules
+    after the last stage, 2 microbatches, ZeRO-3; its forward-only loss too) equal one
+    device's."""
     path, _, _ = made["deepseek_v3"]
     ids = random_tokens(8, 16, seed=9)
     targets = np.roll(ids, -1, axis=1)
     segments = np.array([[1] * 6 + [2] * 10, [1] * 16, [1] * 13 + [0] * 3, [1] * 16] * 2, np.int32)
     one, params = _load(path, mtp_loss_weight=0.5)
     want_loss, want = jax.jit(one.loss_and_grads)(params, ids, targets, segment_ids=segments)
-    meshes = {"d2e4-zero1": ((2, 4), ("data", "expert"), 1),
-              "c2d2e2-zero3": ((2, 2, 2), ("context", "data", "expert"), 3)}  # fmt: skip
-    for name, (shape, axes, zero) in meshes.items():
+    meshes = {"d2e4-zero1": ((2, 4), ("data", "expert"), {"zero": 1}),
+              "c2d2e2-zero3": ((2, 2, 2), ("context", "data", "expert"), {"zero": 3}),
+              "p2d2e2-zero3": ((2, 2, 2), ("pipe", "data", "expert"),
+                               {"zero": 3, "num_microbatches": 2})}  # fmt: skip
+    for name, (shape, axes, options) in meshes.items():
         devices = jax.devices()[: int(np.prod(shape))]
         model, p = _load(path, mesh=jax.make_mesh(shape, axes, devices=devices),
-                         mtp_loss_weight=0.5, zero=zero)  # fmt: skip
+                         mtp_loss_weight=0.5, **options)  # fmt: skip
         args = model.place_batch(ids, targets, segments)
         loss, grads = jax.jit(model.loss_and_grads)(p, args[0], args[1], segment_ids=args[2])
         np.testing.assert_allclose(loss, want_loss, rtol=2e-5, err_msg=name)
+        if model.pipe > 1:  # the forward-only pipeline's value
+            value = jax.jit(model.loss)(p, args[0], args[1], segment_ids=args[2])
+            np.testing.assert_allclose(value, want_loss, rtol=2e-5, err_msg=f"{name} loss")
         for key in ("mtp", "embed", "lm_head", "final_norm"):
             for g, w in zip(jax.tree.leaves(grads[key]), jax.tree.leaves(want[key]), strict=True):
                 np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-6, err_msg=f"{name} {key}")
 
 
 def test_bad_settings_are_refused():
-    """mtp_loss_weight: a number >= 0, MTP modules in the config, no pipe / LoRA / base yet."""
+    """mtp_loss_weight: a number >= 0, MTP modules in the config, no LoRA / base yet."""
     hf = models.family("deepseek_v3").tiny_config(num_nextn_predict_layers=1)
     cfg = models.DecoderConfig.from_hf(hf)
     one = mesh("1dev")
@@ -344,9 +351,6 @@ def test_bad_settings_are_refused():
         models.MoEDecoder(plain, one, mtp_loss_weight=0.1)
     with pytest.raises(models.ConfigError, match="no multi-token-prediction modules"):
         models.MoEDecoder(plain, one).mtp_logits({}, np.zeros((1, 4), np.int32))
-    pipe = jax.make_mesh((2, 1), ("pipe", "expert"), devices=jax.devices()[:2])
-    with pytest.raises(models.ConfigError, match="a pipe axis"):
-        models.MoEDecoder(cfg, pipe, mtp_loss_weight=0.1)
     with pytest.raises(models.ConfigError, match="LoRA adapters"):
         models.MoEDecoder(cfg, one, mtp_loss_weight=0.1, lora=jaxops.Lora(2, 4, ("o_proj",)))
     mixtral = models.DecoderConfig.from_hf(models.family("mixtral").tiny_config())
