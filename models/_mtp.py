@@ -34,7 +34,7 @@ import jaxops
 from . import _batch, _layers, _run
 from ._layout import Layout
 
-__all__ = ["counts", "hidden", "losses", "shifted", "term"]
+__all__ = ["counts", "embedded", "hidden", "losses", "shifted", "term"]
 
 
 def shifted(batch: _batch.Batch, depth: int) -> _batch.Batch:
@@ -89,8 +89,9 @@ def hidden(
     head: dict[str, Any],
     h: jax.Array,
     where: _layers.Tokens,
-    tokens: jax.Array,
+    tokens: jax.Array | None,
     gather: bool = True,
+    embedded: jax.Array | None = None,
 ) -> tuple[list[tuple[dict[str, Any], jax.Array]], jax.Array]:
     """``([(head_k, y_k)] for each depth, summed MoE aux loss)``.
 
@@ -98,9 +99,9 @@ def hidden(
     the depths'); `h`: the trunk's last layer output ``[B, S, D]`` (before its final norm);
     `tokens`: the depths' input tokens ``[B, S, depth]`` (:func:`shifted`).
     ``layout.head(head_k, y_k)`` are depth k's logits (``head_k``: the output head with the
-    depth's ``head_norm`` for the final norm). `gather` False: ``params["mtp"]`` and
-    ``params["embed"]`` are laid out for the computation already (ZeRO-3 gathers nothing;
-    a pipeline's last stage, whose shard_map gathered them).
+    depth's ``head_norm`` for the final norm). `gather` False: ``params["mtp"]`` is laid out
+    for the computation already (ZeRO-3 gathers nothing: inside a pipeline's loss, given it
+    gathered); `embedded`: the tokens embedded already (:func:`embedded`; `tokens` unused).
     """
     c, ops = layout.config, layout.ops
     plain = layout.plain
@@ -112,12 +113,10 @@ def hidden(
     out, aux = [], jnp.zeros((), jnp.float32)
     for k in range(c.mtp_layers):
         p = _depth(layout, params, k, gather)
-        if gather:
+        if embedded is None:
             e = layout.embed(params["embed"], tokens[..., k], where)
         else:
-            e = _layers.embed(ops, params["embed"], tokens[..., k])
-            if where.segments is not None:  # 0 at padding, as layout.embed
-                e = jnp.where(where.valid[..., None], e, jnp.zeros((), e.dtype))
+            e = embedded[..., k, :]
         e = jaxops.rms_norm(e, p["enorm"], eps=eps, impl=ops.impl)
         prev = jaxops.rms_norm(x, p["hnorm"], eps=eps, impl=ops.impl)
         y = _layers.projection(ops, jnp.concatenate([e, prev], axis=-1), p["eh_proj"], None)
@@ -135,18 +134,29 @@ def losses(
     head: dict[str, Any],
     h: jax.Array,
     where: _layers.Tokens,
-    tokens: jax.Array,
+    tokens: jax.Array | None,
     targets: jax.Array,
     gather: bool = True,
+    embedded: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``(summed cross-entropy per depth [depth], summed MoE aux loss)`` of the MTP modules.
 
     `tokens`, `targets`: the depths' ``[B, S, depth]`` (:func:`shifted`); the others as in
     :func:`hidden`.
     """
-    out, aux = hidden(layout, params, head, h, where, tokens, gather)
+    out, aux = hidden(layout, params, head, h, where, tokens, gather, embedded)
     totals = [layout.losses(head_k, y, targets[..., k])[0] for k, (head_k, y) in enumerate(out)]
     return jnp.stack(totals), aux
+
+
+def embedded(layout: Layout, table: jax.Array, tokens: jax.Array, where: _layers.Tokens):
+    """The depths' input tokens ``[B, S, depth]`` embedded: ``[B, S, depth, D]``, 0 at padding.
+
+    (What a pipeline's last stage reads instead of the embedding table: computed before the
+    pipeline, its gradient returned with the targets'.)
+    """
+    depth = tokens.shape[-1]
+    return jnp.stack([layout.embed(table, tokens[..., k], where) for k in range(depth)], axis=2)
 
 
 def counts(mtp_targets: jax.Array, axes: tuple[str, ...] = ()) -> jax.Array:

@@ -180,7 +180,8 @@ def objective(layout: Layout, params: dict[str, Any], batch: _batch.Batch) -> ja
     microbatch the aux losses are each layer's over the whole batch; otherwise per
     microbatch, averaged over the microbatches (and data shards with a pipeline), as
     :meth:`MoEDecoder.loss_and_grads` computes them (with a pipeline: from a forward-only
-    pipeline in which each stage adds its aux loss to a per-example carry).
+    pipeline in which each stage adds its aux loss to a per-example carry). With the MTP
+    modules trained, their term and aux losses are added (per microbatch after a pipeline).
     """
     if layout.pipe == 1 and layout.num_microbatches > 1:
         return accumulate(layout, params, batch, grads=False)
@@ -218,14 +219,14 @@ def _pipeline_mtp(layout: Layout, params, head, h, where, batch: _batch.Batch) -
     n = _mtp.counts(batch.mtp_targets)
     tree = {"h": h, "where": where, "tokens": batch.mtp_tokens, "targets": batch.mtp_targets}
     parts = _batch.split_microbatches(tree, m, (layout.mesh, layout.batch_axes))
-    term = aux = jnp.zeros((), jnp.float32)
-    for i in range(m):
-        part = jax.tree.map(lambda a, i=i: a[i], parts)
-        totals, a = _mtp.losses(
+
+    def one(acc, part):  # one microbatch (a scan: one copy of the modules in the program)
+        totals, aux = _mtp.losses(
             layout, params, head, part["h"], part["where"], part["tokens"], part["targets"]
         )
-        term, aux = term + _mtp.term(layout, totals, n), aux + a
-    return term + aux / m
+        return acc + _mtp.term(layout, totals, n) + aux / m, None
+
+    return jax.lax.scan(one, jnp.zeros((), jnp.float32), parts)[0]
 
 
 def flat_loss_and_grads(
@@ -318,11 +319,13 @@ def pipeline_step(
     # data shards: scaling each by M * shards / count makes that the global token mean.
     shards = layout.batch_devices
     mtp = objective is None and layout.mtp_trained
-    extra, extra_specs = (), ()  # loss_params after (head, scale)
+    extra, extra_specs, embed_vjp = (), (), None  # loss_params after (head, scale)
     if objective is None:
         scale = layout.num_microbatches * shards / _target_count(targets)
         if mtp:  # the MTP modules after the last stage, on its devices
-            laid, laid_specs, targets = _mtp_inputs(layout, params, batch, targets)
+            laid, laid_specs, targets, embed_vjp = _mtp_inputs(
+                layout, params, batch, where, targets
+            )
             extra, extra_specs = (laid,), (laid_specs,)
 
         def loss_fn(lp, out, t):
@@ -332,7 +335,7 @@ def pipeline_step(
             total = layout.losses(head, out["h"], t["targets"])[0] * s
             p = lp[2]
             totals, aux = _mtp.losses(
-                layout, p, head, out["h"], out["where"], t["tokens"], t["mtp"], gather=False
+                layout, p, head, out["h"], out["where"], None, t["mtp"], False, t["embedded"]
             )
             # the term's share of this microbatch, undoing pipeline_step's mean like `s`; the
             # MTP layers' aux losses averaged over the microbatches like the stages'
@@ -383,33 +386,38 @@ def pipeline_step(
         grads["embed"] = d_embed + head["embed"]
     else:
         grads["lm_head"] = head["lm_head"]
-    if mtp:  # the MTP modules' gradients, and their embedding lookups'
-        d_mtp = g.loss_params[2]
-        grads["mtp"] = d_mtp["mtp"]
-        grads["embed"] = grads["embed"] + d_mtp["embed"]
-    elif "mtp" in params:  # frozen: None leaves (:meth:`Layout.trainable`)
+    if mtp:  # the MTP modules' gradients, and their embedding lookups' (the targets')
+        grads["mtp"] = g.loss_params[2]["mtp"]
+        grads["embed"] = grads["embed"] + embed_vjp(g.targets["embedded"])[0]
+    elif "mtp" in params:  # frozen: None leaves (post-training refuses trained ones)
         grads["mtp"] = layout.trainable(params)["mtp"]
     return loss, grads
 
 
-def _mtp_inputs(layout: Layout, params: dict[str, Any], batch: _batch.Batch, targets):
-    """What the pipeline's loss needs for the MTP term: ``(inputs, their specs, targets)``.
+def _mtp_inputs(
+    layout: Layout, params: dict[str, Any], batch: _batch.Batch, where: _layers.Tokens, targets
+):
+    """What the pipeline's loss needs for the MTP term: ``(inputs, specs, targets, embed_vjp)``.
 
-    The inputs: the modules' parameters and the embedding laid out for the computation (the
-    MoE block's experts over the expert axis, the rest replicated: the pipeline's shard_map
-    gathers a ZeRO-3 layout), and each depth's counted targets in the whole batch. The
-    targets: a dict of the trunk's and the depths' inputs and targets, split into
-    microbatches with the batch.
+    The inputs (loss_params): the modules' parameters laid out for the computation (the MoE
+    block's experts over the expert axis, the rest replicated: a ZeRO-3 layout gathered here,
+    before the pipeline) and each depth's counted targets in the whole batch. The targets: a
+    dict of the trunk's targets and the depths' embedded inputs and targets, split into
+    microbatches with the batch: the depths' tokens are embedded here, so that no stage holds
+    the embedding table, and `embed_vjp` takes the pipeline's gradient of the embedded
+    inputs to the table's.
     """
     compute, zero = layout.compute_specs(), layout.zero_specs()
     inputs = {
         "mtp": layout.gather(params["mtp"], compute["mtp"], zero["mtp"], cast=False),
-        "embed": layout.gather(params["embed"], P(), zero["embed"], cast=False),
         "counts": _mtp.counts(batch.mtp_targets),
     }
-    specs = {"mtp": compute["mtp"], "embed": P(), "counts": P()}
-    t = {"targets": targets, "tokens": batch.mtp_tokens, "mtp": batch.mtp_targets}
-    return inputs, specs, t
+    specs = {"mtp": compute["mtp"], "counts": P()}
+    embedded, embed_vjp = jax.vjp(
+        lambda table: _mtp.embedded(layout, table, batch.mtp_tokens, where), params["embed"]
+    )
+    t = {"targets": targets, "embedded": embedded, "mtp": batch.mtp_targets}
+    return inputs, specs, t, embed_vjp
 
 
 def pipe_loss(layout: Layout) -> Callable:

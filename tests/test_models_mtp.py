@@ -21,6 +21,7 @@ import numpy as np
 import optax
 import pytest
 from _hf_families import build, max_rel_err, mesh, random_tokens
+from jaxops.models import post
 from jaxops.parallel.checkpoint import CheckpointError, hf_tensors
 from safetensors.numpy import load_file, save_file
 
@@ -333,13 +334,39 @@ def test_meshes_give_the_one_device_loss_and_gradients(made):
         if model.pipe > 1:  # the forward-only pipeline's value
             value = jax.jit(model.loss)(p, args[0], args[1], segment_ids=args[2])
             np.testing.assert_allclose(value, want_loss, rtol=2e-5, err_msg=f"{name} loss")
-        for key in ("mtp", "embed", "lm_head", "final_norm"):
+        assert set(grads) == set(want), name
+        for key in want:  # the modules' term reaches the layers too
             for g, w in zip(jax.tree.leaves(grads[key]), jax.tree.leaves(want[key]), strict=True):
                 np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-6, err_msg=f"{name} {key}")
 
 
+def test_pipeline_averages_the_modules_aux_losses_over_microbatches(made):
+    """With the aux losses on: a pipe of 2 stages with one data shard and 2 microbatches equals
+    one device accumulating the same 2 microbatches (the modules' aux losses averaged over the
+    microbatches like the stages'), loss, forward-only loss and every gradient."""
+    path, _, _ = made["deepseek_v3"]
+    ids = random_tokens(4, 16, seed=10)
+    targets = np.roll(ids, -1, axis=1)
+
+    def load(**options):
+        options.update(router_aux_loss_coef=0.05, mtp_loss_weight=0.3, num_microbatches=2)
+        return models.from_pretrained(path, dtype=np.float32, **options)
+
+    one, params = load()
+    want_loss, want = jax.jit(one.loss_and_grads)(params, ids, targets)
+    model, p = load(mesh=jax.make_mesh((2, 1), ("pipe", "expert"), devices=jax.devices()[:2]))
+    loss, grads = jax.jit(model.loss_and_grads)(p, ids, targets)
+    np.testing.assert_allclose(loss, want_loss, rtol=2e-5)
+    np.testing.assert_allclose(jax.jit(model.loss)(p, ids, targets), want_loss, rtol=2e-5)
+    for (where, g), w in zip(
+        jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want), strict=True
+    ):
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(where))
+
+
 def test_bad_settings_are_refused():
-    """mtp_loss_weight: a number >= 0, MTP modules in the config, no LoRA / base yet."""
+    """mtp_loss_weight: a number >= 0, MTP modules in the config, no LoRA / base yet, no
+    post-training step (its objective has no MTP term)."""
     hf = models.family("deepseek_v3").tiny_config(num_nextn_predict_layers=1)
     cfg = models.DecoderConfig.from_hf(hf)
     one = mesh("1dev")
@@ -353,6 +380,10 @@ def test_bad_settings_are_refused():
         models.MoEDecoder(plain, one).mtp_logits({}, np.zeros((1, 4), np.int32))
     with pytest.raises(models.ConfigError, match="LoRA adapters"):
         models.MoEDecoder(cfg, one, mtp_loss_weight=0.1, lora=jaxops.Lora(2, 4, ("o_proj",)))
+    trained = models.MoEDecoder(cfg, one, mtp_loss_weight=0.1)  # DPO / GRPO have no MTP term
+    for step in (post.dpo_step, post.grpo_step):
+        with pytest.raises(models.ConfigError, match=r"post\.\w+_step: .* has no MTP term"):
+            step(trained, optax.sgd(0.1))
     mixtral = models.DecoderConfig.from_hf(models.family("mixtral").tiny_config())
     with pytest.raises(models.ConfigError, match="built for glm4_moe, deepseek_v3 only"):
         dataclasses.replace(mixtral, mtp_layers=1)

@@ -498,7 +498,7 @@ def dpo_step(
       0.6931
     """
     op = "jaxops.models.post.dpo_step"
-    layout = check_model(op, model, pipe=True)
+    layout = check_model(op, model, pipe=True, step=True)
     _check_loss(op, beta, label_smoothing, loss_type)
     if isinstance(aux_weight, bool) or not isinstance(aux_weight, int | float) or aux_weight < 0:
         raise InvalidArgumentError(f"{op}: aux_weight must be a number >= 0, got {aux_weight!r}")

@@ -561,7 +561,7 @@ def grpo_step(
       1.0
     """
     op = "jaxops.models.post.grpo_step"
-    layout = check_model(op, model, pipe=True)
+    layout = check_model(op, model, pipe=True, step=True)
     low, high = _check_objective(op, epsilon_low, epsilon_high, beta, importance, aggregation)
     _number(op, "aux_weight", aux_weight, 0.0)
     check_trainable(model, op)

@@ -89,10 +89,12 @@ jax.tree_util.register_dataclass(
 )
 
 
-def check_model(op: str, model: Any, pipe: bool = False) -> Layout:
+def check_model(op: str, model: Any, pipe: bool = False, step: bool = False) -> Layout:
     """The layout of a decoder post-training can run on (refusing what it cannot).
 
-    `pipe`: whether `op` runs on a mesh with a pipe axis.
+    `pipe`: whether `op` runs on a mesh with a pipe axis; `step`: whether it trains (the
+    objectives have no multi-token-prediction term: a model that trains the MTP modules on
+    its own loss is refused, not given zero or stale gradients for them).
     """
     if not isinstance(model, MoEDecoder):
         raise InvalidArgumentError(
@@ -107,6 +109,12 @@ def check_model(op: str, model: Any, pipe: bool = False) -> Layout:
         raise ConfigError(
             f"{op}: a context axis together with num_microbatches={layout.num_microbatches} is "
             "not supported by post-training yet (either alone is)"
+        )
+    if step and layout.mtp_trained:
+        raise ConfigError(
+            f"{op}: the model trains its multi-token-prediction modules on its own loss "
+            f"(mtp_loss_weight={layout.mtp_loss_weight}); this objective has no MTP term: "
+            "build it with mtp_loss_weight=0 (the modules stay frozen, saved as loaded)"
         )
     return layout
 

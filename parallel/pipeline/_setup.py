@@ -130,9 +130,12 @@ def loss_specs(op: str, pipe_axis: str, loss_param_specs: Any, loss_params: Any)
     """PartitionSpecs of loss_params: `loss_param_specs` checked, or replicated (None)."""
     if loss_param_specs is None:
         return jax.tree.map(lambda _: P(), loss_params)
-    try:
+    try:  # a spec where loss_params has a subtree: every leaf of it so
         specs = jax.tree.map(
-            lambda s, _: s, loss_param_specs, loss_params, is_leaf=lambda s: isinstance(s, P)
+            lambda s, sub: jax.tree.map(lambda _: s, sub),
+            loss_param_specs,
+            loss_params,
+            is_leaf=lambda s: isinstance(s, P),
         )
     except ValueError as e:
         raise InvalidArgumentError(

@@ -106,7 +106,8 @@ def pipeline_step(
       mesh: the mesh holding `pipe_axis` (and `data_axes`).
       num_microbatches: M, microbatches per data shard (a multiple of P when V > 1).
       targets: pytree of ``[B, ...]`` arrays split like inputs and passed to loss_fn, or None.
-      loss_params: pytree passed whole to loss_fn (an output head, say), or None.
+      loss_params: pytree passed to loss_fn (an output head, say), or None: whole, or each
+        device's shard of the leaves `loss_param_specs` shards.
       pipe_axis: the pipeline mesh axis (its old name ``axis=`` works for one more release,
         with a DeprecationWarning).
       data_axes: mesh axes the batch is split over (default: every axis but `pipe_axis`).
@@ -130,10 +131,10 @@ def pipeline_step(
         program) and comes back None; residuals computed from frozen leaves alone (a
         dequantized weight, say) are recomputed by the backward, like the trained params'.
         None (the default): everything is trained.
-      loss_param_specs: pytree like loss_params of PartitionSpecs over mesh axes other than
-        `pipe_axis` (default: every leaf replicated), with param_specs' rule for the
-        gradients: a leaf sharded over a data axis (the experts of an MoE layer in the loss)
-        is not reduced over it.
+      loss_param_specs: pytree like loss_params (or a prefix of it) of PartitionSpecs over
+        mesh axes other than `pipe_axis` (default: every leaf replicated), with param_specs'
+        rule for the gradients: a leaf sharded over a data axis (the experts of an MoE layer
+        in the loss) is not reduced over it.
 
     Returns:
       ``(loss, grads)``: the float32 loss and a :class:`PipelineGrads` (``grads.stage_params``
