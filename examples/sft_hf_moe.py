@@ -10,7 +10,9 @@ Instruction tuning end to end, on 8 simulated CPU devices, with no download:
    tokens (segment ids keep each example attending to itself, positions restart per example);
 3. ``jaxops.models.from_pretrained`` puts the model on a ``pipe x data x expert`` mesh and
    optax adamw (warmup, cosine decay) trains it with ``model.loss_and_grads`` in one jitted
-   step (the 1F1B pipeline; ``--mesh 1,4,2``: no pipeline, gradient accumulation instead);
+   step (the 1F1B pipeline; ``--mesh 1,4,2``: no pipeline, gradient accumulation instead;
+   ``--mesh 1,2,2 --context 2``: ``data x context x expert``, each packed row split over the 2
+   devices of the context axis, attention as a ring);
 4. ``jaxops.models.save_pretrained`` writes the fine-tuned model; transformers and jaxops (on a
    ``data x expert`` mesh, for ``jaxops.models.generate``) both load it and answer held-out
    prompts greedily: the answers must agree token for token, and the right ones are counted.
@@ -20,6 +22,7 @@ Usage::
     python examples/sft_hf_moe.py                      # qwen3_moe on pipe 2 x data 2 x expert 2
     python examples/sft_hf_moe.py --steps 10 --no-progress        # a quick check (CI)
     python examples/sft_hf_moe.py --arch mixtral --mesh 1,4,2 --out /tmp/sft
+    python examples/sft_hf_moe.py --mesh 1,2,2 --context 2   # data x context x expert
 """
 
 from __future__ import annotations
@@ -43,7 +46,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--arch", choices=("qwen3_moe", "mixtral", "qwen2_moe"), default="qwen3_moe"
     )
-    parser.add_argument("--mesh", default="2,2,2", help="pipe,data,expert sizes (product 8)")
+    parser.add_argument("--mesh", default="2,2,2", help="pipe,data,expert sizes")
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=1,
+        help="a context axis of this size (pipe must be 1; devices: the product with --mesh's)",
+    )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seq", type=int, default=64, help="tokens per packed row")
@@ -157,7 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--mesh must be pipe,data,expert, got {args.mesh!r}")
     if args.seq < 2 * MAX_LEN + 3:
         raise SystemExit(f"--seq must hold the longest example ({2 * MAX_LEN + 3} tokens)")
-    devices = sizes[0] * sizes[1] * sizes[2]
+    if args.context < 1 or (args.context > 1 and sizes[0] != 1):
+        raise SystemExit(f"--context {args.context} needs a pipe size of 1 in --mesh")
+    if args.seq % (2 * args.context):
+        raise SystemExit(f"--seq must be a multiple of {2 * args.context} (2 x --context)")
+    devices = sizes[0] * sizes[1] * sizes[2] * args.context
     if args.eval_prompts % devices:
         raise SystemExit(f"--eval-prompts must be a multiple of the {devices} devices")
     os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(devices))
@@ -177,7 +190,10 @@ def main(argv: list[str] | None = None) -> int:
     make_hf_model(args.arch, src)
     print(f"transformers wrote a tiny random {args.arch} to {src}")
 
-    mesh = jax.make_mesh(sizes, ("pipe", "data", "expert"))
+    if args.context > 1:  # each row's tokens split over the context axis
+        mesh = jax.make_mesh((sizes[1], args.context, sizes[2]), ("data", "context", "expert"))
+    else:
+        mesh = jax.make_mesh(sizes, ("pipe", "data", "expert"))
     progress = False if args.no_progress else None  # None: a bar on a terminal
     model, params = from_pretrained(
         src, mesh=mesh, dtype=jnp.float32, num_microbatches=args.microbatches, progress=progress
@@ -193,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     while len(held_out) < args.eval_prompts:
         prompt, response = make_example(rng)
         held_out.setdefault(tuple(prompt), response)
-    shards = int(np.prod([dict(mesh.shape)[a] for a in model.batch_axes]))
+    shards = int(np.prod([dict(mesh.shape)[a] for a in model.input_axes]))
     multiple = shards * args.microbatches  # every microbatch splits over the batch axes
     if args.rows % multiple:
         raise SystemExit(f"--rows must be a multiple of {multiple} on mesh {dict(mesh.shape)}")

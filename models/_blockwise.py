@@ -22,7 +22,9 @@ Shapes: ``q [b, sq, Hkv, G, Dh]``, ``k [b, sk, Hkv, Dh]``, ``v [b, sk, Hkv, Dv]`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -293,8 +295,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def ring_attention(
     q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
+    kv: Any,
     visible: Visible,
     *,
     axis: str,
@@ -303,17 +304,47 @@ def ring_attention(
     sinks: jax.Array | None,
     dtype: Any,
     block: int,
+    expand: Callable[[Any, Any], tuple[jax.Array, jax.Array]] | None = None,
+    params: Any = (),
+    hops: int | None = None,
+    near: bool | jax.Array = False,
 ) -> jax.Array:
     """:func:`attention` of this device's queries over the keys of every device of `axis`.
 
-    Inside ``shard_map``: the keys and values (with their placement) pass around the ring of
-    the `size` devices of mesh axis `axis` by ``ppermute``, one step per device, each step's
-    blockwise attention merged into the running result (its log-sum-exp); the backward passes
-    them around again with their gradients, which are home after the last step. The mask is
-    the placements' (global time steps, positions, documents), wherever the tokens sit.
-    Arguments as :func:`attention` (no KV-cache slots: ``visible.valid_keys`` is None).
+    Inside ``shard_map``: `kv` (with the keys' placement) passes around the ring of the `size`
+    devices of mesh axis `axis` by ``ppermute``, one step per device, each step's blockwise
+    attention merged into the running result (its log-sum-exp); the backward passes it around
+    again with its gradient, which is home after the last step. The mask is the placements'
+    (global time steps, positions, documents), wherever the tokens sit.
+
+    Args:
+      q: as :func:`attention`.
+      kv: what the ring carries, every leaf ``[b, sk, ...]``: the keys and values ``(k, v)``
+        themselves, or (with `expand`) a compressed form that each device expands on arrival:
+        multi-head latent attention passes its latent and shared RoPE key (``R + dr`` numbers a
+        token instead of ``H (dn + dr + dv)``).
+      visible: as :func:`attention` (no KV-cache slots: ``visible.valid_keys`` is None).
+      expand: ``expand(params, kv) -> (k, v)``, differentiable in both; None: `kv` is
+        ``(k, v)``.
+      params: what `expand` reads besides `kv` (their gradient: this device's queries' part,
+        summed over the keys of every device).
+      hops: with `near`, the keys reach only the devices this many places behind and ahead on
+        the ring (a sliding window or attention chunk: a query looks back a bounded number of
+        time steps, and the caller knows which devices hold them), ``2 hops`` sends instead of
+        ``size - 1`` when that is fewer; None: once around the ring.
+      near: whether `hops` applies to this call: a bool, or a traced bool scalar (a scan over
+        layers of which only some are windowed: both rings are compiled, ``lax.cond`` picks).
+      axis: the ring's mesh axis.
+      size: the number of devices on `axis`.
+      scale: as :func:`attention`.
+      sinks: as :func:`attention`.
+      dtype: as :func:`attention`.
+      block: as :func:`attention`.
+
+    Returns:
+      ``[b, sq, Hkv, G, Dv]`` in `dtype`, as :func:`attention`.
     """
-    sq, sk = q.shape[1], k.shape[1]
+    sq, sk = q.shape[1], jax.tree.leaves(kv)[0].shape[1]
     if visible.valid_keys is not None:
         raise InvalidArgumentError(
             "jaxops.models._blockwise.ring_attention: visible.valid_keys (KV-cache slots) must "
@@ -327,68 +358,137 @@ def ring_attention(
         visible.window,
         visible.chunk,
     )
-    q, k, v = _pad(q, nq * bq), _pad(k, nk * block), _pad(v, nk * block)
-    out = _ring(q, k, v, sinks, padded, axis, size, scale, jnp.dtype(dtype), (bq, block), sk)
+    q, kv = _pad(q, nq * bq), jax.tree.map(lambda a: _pad(a, nk * block), kv)
+    ring = _Ring(expand, axis, size, scale, jnp.dtype(dtype), (bq, block), sk, None)
+    if hops is None or 2 * hops >= size - 1 or near is False:  # every device's keys
+        out = _ring(q, kv, params, sinks, padded, ring)
+    else:  # those of the `hops` devices either way
+        near_ring = dataclasses.replace(ring, hops=hops)
+        if near is True:
+            out = _ring(q, kv, params, sinks, padded, near_ring)
+        else:
+            out = jax.lax.cond(
+                near,
+                lambda *a: _ring(*a, near_ring),
+                lambda *a: _ring(*a, ring),
+                q, kv, params, sinks, padded,
+            )  # fmt: skip
     return out[:, :sq]
 
 
-def _send(tree: Any, axis: str, size: int) -> Any:
-    """Every leaf to the next device of the ring."""
-    perm = [(i, (i + 1) % size) for i in range(size)]
-    return jax.tree.map(lambda a: jax.lax.ppermute(a, axis, perm), tree)
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """What a ring's custom_vjp holds static (see :func:`ring_attention`).
+
+    `hops`: the keys go that many devices each way (None: once around the ring).
+    """
+
+    expand: Any
+    axis: str
+    size: int
+    scale: float
+    dtype: Any
+    blocks: tuple[int, int]
+    sk: int
+    hops: int | None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
-def _ring(q, k, v, sinks, visible, axis, size, scale, dtype, blocks, sk):
-    return _ring_fwd(q, k, v, sinks, visible, axis, size, scale, dtype, blocks, sk)[0]
+def _send(tree: Any, r: _Ring, shift: int = 1) -> Any:
+    """Every leaf to the device `shift` places on in the ring."""
+    perm = [(i, (i + shift) % r.size) for i in range(r.size)]
+    return jax.tree.map(lambda a: jax.lax.ppermute(a, r.axis, perm), tree)
 
 
-def _ring_fwd(q, k, v, sinks, visible, axis, size, scale, dtype, blocks, sk):
-    def part_of(kv):
-        seen = Visible(visible.q, kv[2], visible.window, visible.chunk)
-        return _partial(q, kv[0], kv[1], seen, scale, dtype, blocks, sk)
-
-    def step(carry, _):  # one device's keys, then them to the next device
-        kv, part = carry
-        return (_send(kv, axis, size), _merge(part, part_of(kv))), None
-
-    acc = _accumulator(dtype)
-    empty = (
-        jnp.zeros((*q.shape[:-1], v.shape[-1]), acc),
-        jnp.full(q.shape[:-1], -jnp.inf, acc),
-    )
-    # one loop body for the steps (their buffers shared), the last step's keys not sent on; a
-    # while loop, as in _partial
-    kv, part = jax.lax.fori_loop(
-        0, jnp.asarray(size - 1), lambda _, c: step(c, None)[0], ((k, v, visible.k), empty)
-    )
-    out, lse = _with_sinks(*_merge(part, part_of(kv)), sinks, dtype)
-    return out, (q, k, v, sinks, visible, out, lse)
+def _keys(r: _Ring, params, kv):
+    """``(k, v)`` of what the ring carries."""
+    return tuple(kv) if r.expand is None else r.expand(params, kv)
 
 
-def _ring_bwd(axis, size, scale, dtype, blocks, sk, res, dout):
-    q, k, v, sinks, visible, out, lse = res
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ring(q, kv, params, sinks, visible, r):
+    return _ring_fwd(q, kv, params, sinks, visible, r)[0]
+
+
+def _ring_fwd(q, kv, params, sinks, visible, r):
+    def part_of(held):  # (out, lse) of this device's queries over the keys `held`
+        k, v = _keys(r, params, held[0])
+        seen = Visible(visible.q, held[1], visible.window, visible.chunk)
+        return _partial(q, k, v, seen, r.scale, r.dtype, r.blocks, r.sk)
+
+    def step(shift):  # the keys on to the next device, merged there
+        def body(_, carry):
+            held, part = carry
+            held = _send(held, r, shift)
+            return held, _merge(part, part_of(held))
+
+        return body
+
+    own = (kv, visible.k)
+    # a while loop (as in _partial): one loop body for the steps, their buffers shared
+    loop = lambda n, body, init: jax.lax.fori_loop(0, jnp.asarray(n), body, init)  # noqa: E731
+    part = part_of(own)
+    if r.hops is None:  # once around: size - 1 sends
+        _, part = loop(r.size - 1, step(1), (own, part))
+    else:  # the keys of the devices behind and ahead, `hops` each
+        for shift in (1, -1):
+            _, part = loop(r.hops, step(shift), (own, part))
+    out, lse = _with_sinks(*part, sinks, r.dtype)
+    return out, (q, kv, params, sinks, visible, out, lse)
+
+
+def _ring_bwd(r, res, dout):
+    q, kv, params, sinks, visible, out, lse = res
     delta = _delta(dout, out)
-    acc = _accumulator(dtype)
+    acc = _accumulator(r.dtype)
+    zeros = lambda tree: jax.tree.map(lambda a: jnp.zeros(a.shape, acc), tree)  # noqa: E731
 
-    def grads_of(kv):
-        seen = Visible(visible.q, kv[2], visible.window, visible.chunk)
-        return _backward_part(q, kv[0], kv[1], seen, dout, lse, delta, scale, dtype, blocks, sk)
+    def add(a, b):
+        return jax.tree.map(lambda x, y: x + y.astype(acc), a, b)
 
-    def step(carry, _):  # the keys' gradients travel with them, home after `size` sends
-        kv, dkv, dq = carry
-        dq_s, dk_s, dv_s = grads_of(kv)
-        dkv = _send((dkv[0] + dk_s, dkv[1] + dv_s), axis, size)
-        return (_send(kv, axis, size), dkv, dq + dq_s), None
+    def grads_of(held):  # (dq, d kv, d params) of this device's queries over `held`'s keys
+        seen = Visible(visible.q, held[1], visible.window, visible.chunk)
+        args = (dout, lse, delta, r.scale, r.dtype, r.blocks, r.sk)
+        if r.expand is None:
+            k, v = held[0]
+            dq_s, dk_s, dv_s = _backward_part(q, k, v, seen, *args)
+            return dq_s, (dk_s, dv_s), ()
+        (k, v), pull = jax.vjp(r.expand, params, held[0])
+        dq_s, dk_s, dv_s = _backward_part(q, k, v, seen, *args)
+        dp_s, dkv_s = pull((dk_s.astype(k.dtype), dv_s.astype(v.dtype)))
+        return dq_s, dkv_s, dp_s
 
-    init = ((k, v, visible.k), (jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc)))
-    init = (*init, jnp.zeros(q.shape, acc))
-    (kv, dkv, dq), _ = jax.lax.scan(step, init, None, length=size - 1)
-    dq_s, dk_s, dv_s = grads_of(kv)
-    dkv = _send((dkv[0] + dk_s, dkv[1] + dv_s), axis, size)
+    def step(shift):  # the keys on; their gradient travels with them
+        def body(_, carry):
+            held, dkv, dq, dp = carry
+            held, dkv = _send(held, r, shift), _send(dkv, r, shift)
+            dq_s, dkv_s, dp_s = grads_of(held)
+            return held, add(dkv, dkv_s), dq + dq_s, add(dp, dp_s)
+
+        return body
+
+    own = (kv, visible.k)
+    dq, dkv, dp = grads_of(own)
+    dkv, dp = add(zeros(kv), dkv), add(zeros(params), dp)
+    if r.hops is None:  # once around: the gradient is home after the last send
+        carry = (own, zeros(kv), dq, dp)
+        carry = jax.lax.fori_loop(0, jnp.asarray(r.size - 1), step(1), carry)
+        dkv = add(dkv, _send(carry[1], r))
+        dq, dp = carry[2], carry[3]
+    else:  # `hops` each way, then each gradient home in one send
+        for shift in (1, -1):
+            carry = (own, zeros(kv), dq, dp)
+            carry = jax.lax.fori_loop(0, jnp.asarray(r.hops), step(shift), carry)
+            dkv = add(dkv, _send(carry[1], r, -shift * r.hops))
+            dq, dp = carry[2], carry[3]
     dsinks = None if sinks is None else _dsinks(sinks, lse, delta)
-    grads = ((dq + dq_s).astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), dsinks)
-    return (*map(cotangent_like, grads, (q, k, v, sinks)), None)
+    cast = lambda grads, like: jax.tree.map(lambda g, a: g.astype(a.dtype), grads, like)  # noqa: E731
+    return (
+        cotangent_like(dq.astype(q.dtype), q),
+        jax.tree.map(cotangent_like, cast(dkv, kv), kv),
+        jax.tree.map(cotangent_like, cast(dp, params), params),
+        cotangent_like(dsinks, sinks),
+        None,
+    )
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

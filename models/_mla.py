@@ -40,7 +40,7 @@ import jaxops
 
 from ._config import DecoderConfig
 from ._mask import Visible
-from ._ops import Ops, adapted, attend, projection
+from ._ops import Ops, adapted, adapter_down, adapter_up, attend_expanded, projection
 from ._rope import apply_rotary, softmax_scale_factor
 
 __all__ = ["NORM_EPS", "cache_bytes_per_token", "inputs", "output", "param_shapes"]
@@ -106,21 +106,33 @@ def output(
     """Attention of `q` over the keys of ``kv = (latent [b, sk, R], k_rope [b, sk, 1, dr])``.
 
     Each key position's latent expands through ``w_kv_b`` into every head's key part without
-    RoPE and its value. `visible`: which keys each query sees; `causal` as in
-    ``_ops.attend``.
+    RoPE and its value; on a context axis the ring carries the latent and the RoPE key, not the
+    expanded keys and values (``_ops.attend_expanded``). `visible`: which keys each query
+    sees; `causal` as in ``_ops.attend``.
     Returns ``[b, sq, D]``.
     """
     m = c.attention.mla
+    h, dn, dr = c.attention.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim
     latent, k_rope = kv
-    b, sk, _ = latent.shape
-    h, dn = c.attention.num_heads, m.qk_nope_head_dim
-    expanded = adapted(ops, p, "kv_b_proj", latent, projection(ops, latent, p["w_kv_b"], None))
-    expanded = expanded.reshape(b, sk, h, dn + m.v_head_dim)
-    k_nope, v = expanded[..., :dn], expanded[..., dn:]
-    rope = jnp.broadcast_to(k_rope.astype(k_nope.dtype), (b, sk, h, m.qk_rope_head_dim))
-    k = jnp.concatenate([k_nope, rope], axis=-1)
+    # The kv_b_proj adapter's down projection (and dropout) where the latent is; a context
+    # ring carries its rank-wide result with the latent, each device expanding on arrival.
+    t = adapter_down(ops, p, "kv_b_proj", latent)
+    carried = (latent, k_rope) if t is None else (latent, k_rope, t)
+    params = {k: p[k] for k in ("w_kv_b", "kv_b_proj_lora_b") if t is not None or k == "w_kv_b"}
+
+    def expand(params, carried):  # every head's keys and values of these tokens
+        latent, k_rope, *t = carried
+        b, sk, _ = latent.shape
+        expanded = projection(ops, latent, params["w_kv_b"], None)
+        expanded = adapter_up(ops, params, "kv_b_proj", expanded, t[0] if t else None)
+        expanded = expanded.reshape(b, sk, h, dn + m.v_head_dim)
+        k_nope, v = expanded[..., :dn], expanded[..., dn:]
+        rope = jnp.broadcast_to(k_rope.astype(k_nope.dtype), (b, sk, h, dr))
+        return jnp.concatenate([k_nope, rope], axis=-1), v
+
     scale = c.attention.qk_head_dim**-0.5 * softmax_scale_factor(c.rope)
-    out = attend(ops, c, q, k, v, visible, scale, causal)  # dn + dr != dv: never cuDNN's
+    # dn + dr != dv: never cuDNN's
+    out = attend_expanded(ops, c, q, carried, params, expand, visible, scale, causal)
     return adapted(ops, p, "o_proj", out, projection(ops, out, p["w_o"], None))
 
 

@@ -8,8 +8,10 @@ Pure functions of their arrays and an :class:`Ops`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -31,7 +33,10 @@ __all__ = [
     "PROJECTION",
     "Ops",
     "adapted",
+    "adapter_down",
+    "adapter_up",
     "attend",
+    "attend_expanded",
     "causal_blocks",
     "projection",
 ]
@@ -90,11 +95,17 @@ def adapted(ops: Ops, p: dict[str, jax.Array], name: str, x: jax.Array, y: jax.A
     (never FP8: the base projection may be), float32 accumulation, the sum in the compute dtype.
     With a dropout key in `p` (:data:`DROPOUT_KEY`) and ``ops.lora_dropout`` > 0, ``x`` is
     dropped out first (each element kept with ``1 - dropout``, scaled by its inverse; the mask
-    drawn from the key folded with the adapter's name).
+    drawn from the key folded with the adapter's name). The two halves:
+    :func:`adapter_down` and :func:`adapter_up`.
     """
+    return adapter_up(ops, p, name, y, adapter_down(ops, p, name, x))
+
+
+def adapter_down(ops: Ops, p: dict[str, jax.Array], name: str, x: jax.Array) -> jax.Array | None:
+    """``t = dropout(x) @ A [..., r]`` of the adapter `name` (see :func:`adapted`), or None."""
     a = p.get(f"{name}_lora_a")
     if a is None or ops.lora_scaling is None:
-        return y
+        return None
     key = p.get(DROPOUT_KEY)
     if key is not None and ops.lora_dropout > 0:  # training: PEFT's lora_dropout on x
         keep = 1.0 - ops.lora_dropout
@@ -103,8 +114,16 @@ def adapted(ops: Ops, p: dict[str, jax.Array], name: str, x: jax.Array, y: jax.A
         mask = jax.random.bernoulli(key, keep, x.shape, out_sharding=jax.typeof(x).sharding)
         x = jnp.where(mask, x / keep, jnp.zeros((), x.dtype)).astype(x.dtype)
     dt = ops.dtype
-    t = jnp.dot(x.astype(dt), a.astype(dt), preferred_element_type=jnp.float32).astype(dt)
-    d = jnp.dot(t, p[f"{name}_lora_b"].astype(dt), preferred_element_type=jnp.float32)
+    return jnp.dot(x.astype(dt), a.astype(dt), preferred_element_type=jnp.float32).astype(dt)
+
+
+def adapter_up(
+    ops: Ops, p: dict[str, jax.Array], name: str, y: jax.Array, t: jax.Array | None
+) -> jax.Array:
+    """``y + scaling * t @ B`` (float32 accumulation, in y's dtype); `y` when `t` is None."""
+    if t is None:
+        return y
+    d = jnp.dot(t, p[f"{name}_lora_b"].astype(ops.dtype), preferred_element_type=jnp.float32)
     return (y.astype(jnp.float32) + ops.lora_scaling * d).astype(y.dtype)
 
 
@@ -189,7 +208,7 @@ def attend(
     scale = dh**-0.5 if scale is None else scale
     block = ops.attention_block
     if ops.context > 1 or (ops.attention != "xla" and max(sq, sk) > block):
-        return _attend_blockwise(ops, q, k, v, visible, scale, sinks).reshape(b, sq, hq * dv)
+        return _attend_blockwise(ops, c, q, (k, v), visible, scale, sinks).reshape(b, sq, hq * dv)
     mask = visible.dense()
     blocks = causal_blocks(sq) if causal and sk == sq else 1
     if blocks == 1:
@@ -208,33 +227,107 @@ def attend(
     return out.reshape(b, sq, hq * dv)
 
 
-def _attend_blockwise(ops: Ops, q, k, v, visible: Visible, scale: float, sinks) -> jax.Array:
+def attend_expanded(
+    ops: Ops,
+    c: DecoderConfig,
+    q: jax.Array,
+    kv: tuple[jax.Array, ...],
+    params: dict[str, jax.Array],
+    expand: Callable[[Any, Any], tuple[jax.Array, jax.Array]],
+    visible: Visible,
+    scale: float | None = None,
+    causal: bool = False,
+) -> jax.Array:
+    """:func:`attend` over the keys and values ``expand(params, kv) = (k, v)``.
+
+    `kv` is a compressed form of the keys and values, every leaf ``[b, sk, ...]`` (multi-head
+    latent attention's latent and shared RoPE key), `params` what `expand` reads besides it.
+    On a context axis the ring carries `kv` and each device expands the keys of each step
+    (:func:`~jaxops.models._blockwise.ring_attention`: ``R + dr`` numbers a token travel
+    instead of ``H (dn + dr + dv)``); otherwise the keys are expanded once, here.
+    """
+    if ops.context == 1:
+        return attend(ops, c, q, *expand(params, kv), visible, scale, causal)
+    b, sq, hq, dh = q.shape
+    k, v = jax.eval_shape(expand, params, kv)
+    hkv, dv = k.shape[2], v.shape[-1]
+    q = q.reshape(b, sq, hkv, hq // hkv, dh)
+    scale = dh**-0.5 if scale is None else scale
+    out = _attend_blockwise(ops, c, q, kv, visible, scale, None, expand, params)
+    return out.reshape(b, sq, hq * dv)
+
+
+def _attend_blockwise(
+    ops: Ops, c: DecoderConfig, q, kv, visible: Visible, scale: float, sinks, expand=None, params=()
+) -> jax.Array:
     """:func:`~jaxops.models._blockwise.attention`, on each device's rows of a sharded batch.
 
-    (Each row attends within itself: with batch-sharded tokens every device runs its own rows
-    in a ``shard_map``, as inside a pipeline stage, where the tokens are local already.)
+    ``kv = (k, v)``, or on a context axis with `expand` what the ring carries (see
+    :func:`attend_expanded`). (Each row attends within itself: with batch-sharded tokens every
+    device runs its own rows in a ``shard_map``, as inside a pipeline stage, where the tokens
+    are local already.)
     """
     extra = () if sinks is None else (sinks,)
+    hops, near = _ring_reach(c, visible, q.shape[1])
+    fixed = near(visible)  # a bool unless the window is traced (then read inside)
 
-    def run(q, k, v, visible, *sinks):
+    def run(q, kv, params, visible, *sinks):
         kw = dict(sinks=sinks[0] if sinks else None, dtype=ops.dtype, block=ops.attention_block)
         if ops.context > 1:  # each device its chunks' queries, the keys around the ring
             return _blockwise.ring_attention(
-                q, k, v, visible, axis=ops.context_axis, size=ops.context, scale=scale, **kw
-            )
-        return _blockwise.attention(q, k, v, visible, scale=scale, **kw)
+                q, kv, visible, axis=ops.context_axis, size=ops.context, scale=scale,
+                expand=expand, params=params, hops=hops,
+                near=fixed if isinstance(fixed, bool) else near(visible), **kw,
+            )  # fmt: skip
+        return _blockwise.attention(q, *kv, visible, scale=scale, **kw)
 
     spec = getattr(jax.typeof(q).sharding, "spec", None)
     if ops.mesh is None or spec is None or spec[0] is None:  # local (a pipeline stage) or whole
-        return run(q, k, v, visible, *extra)
+        return run(q, kv, params, visible, *extra)
     rows = P(spec[0])
     visible = jax.tree.map(jnp.asarray, visible)  # a Python window or chunk as a scalar
-    in_specs = (rows, rows, rows, jax.tree.map(lambda a: rows if a.ndim else P(), visible))
-    in_specs += (P(),) * len(extra)
-    args = place((q, k, v, visible, *extra), ops.mesh, in_specs)
+    in_specs = (
+        rows,
+        jax.tree.map(lambda _: rows, kv),
+        jax.tree.map(lambda _: P(), params),  # the compute layout: whole on every device
+        jax.tree.map(lambda a: rows if a.ndim else P(), visible),
+        *(P(),) * len(extra),
+    )
+    args = place((q, kv, params, visible, *extra), ops.mesh, in_specs)
     return jax.shard_map(run, mesh=ops.mesh, in_specs=in_specs, out_specs=rows, check_vma=False)(
         *args
     )
+
+
+def _ring_reach(c: DecoderConfig, visible: Visible, rows: int) -> tuple[int | None, Callable]:
+    """``(hops, near)`` of a context ring (:func:`~jaxops.models._blockwise.ring_attention`).
+
+    A sliding window or an attention chunk bounds how far back a query looks: ``window - 1``
+    time steps, ``chunk - 1`` within a document (whose tokens are consecutive). In the zigzag
+    placement of :mod:`~jaxops.models._context` a row of `rows` tokens is two chunks of
+    ``rows / 2`` (the c-th and the (2C-1-c)-th of the sequence), so the keys within that reach
+    of a device's queries lie on the devices at most ``hops = ceil(reach / (rows / 2))``
+    places away, either way. ``near(visible)``: whether this layer is so bounded (a bool, or
+    a traced bool in a scan over windowed and full layers, whose bound is then the config's
+    window or chunk, else :data:`~jaxops.models._layers.UNLIMITED`).
+    """
+    bounds = [
+        b for b in (c.attention.sliding_window, c.attention.attention_chunk_size) if b is not None
+    ]
+    if not bounds or rows < 2:
+        return None, lambda visible: False
+    limit = max(bounds)
+    hops = -(-(limit - 1) // (rows // 2))
+
+    def near(visible: Visible) -> bool | jax.Array:
+        given = [b for b in (visible.window, visible.chunk) if b is not None]
+        if not given:
+            return False
+        if all(isinstance(b, int) for b in given):
+            return True
+        return functools.reduce(jnp.logical_or, [jnp.asarray(b) <= limit for b in given])
+
+    return hops, near
 
 
 #: Query blocks of causal self-attention in the jnp softmax (each block computes the scores of

@@ -4,17 +4,20 @@ batch rows): logits, loss and every gradient equal the same model's on a mesh wi
 (which equals transformers: tests/test_models_families.py), for Qwen3-MoE, DeepSeek-V3 (MLA),
 gpt-oss (sinks, sliding windows) and Llama 4 (chunks, NoPE), with packed documents and
 padding, on context 2 with data and expert axes and on context 4; the compiled step moves keys
-and values with collective-permutes and gathers no sequence; refusals (a pipe axis with a
+and values with collective-permutes and gathers no sequence; MLA's ring moves the compressed
+latent (with a LoRA adapter on its up projection), not per-head keys; refusals (a pipe axis with a
 context axis is not built yet).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 torch = pytest.importorskip("torch")
 
@@ -79,6 +82,137 @@ def test_context_axis_equals_the_model_without_it(hf_families, family):
         # (no sequence is gathered).
         assert got[3].count(" collective-permute(") >= 2 * shape[0], name
         assert len(_all_gathers(got[3])) <= len(_all_gathers(want[3])), name
+
+
+def _zigzag(a: np.ndarray, c: int) -> np.ndarray:
+    """``[b, S, ...]`` as the context rows ``[c b, S / c, ...]``: device i's rows hold chunks i
+    and 2c - 1 - i of the 2c chunks of each sequence (models._context's placement)."""
+    chunks = np.split(a, 2 * c, axis=1)
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * c - 1 - i]], 1) for i in range(c)])
+
+
+@pytest.mark.parametrize(
+    "bound", ["window", "chunk", "traced-window"], ids=["window", "chunk", "traced"]
+)
+def test_ring_passes_the_keys_only_as_far_as_a_window_reaches(bound):
+    """ring_attention on context 8 (64-token sequences: 16 chunks of 4) with a window or chunk
+    of 7 tokens (hops 2: 4 sends instead of 7), packed documents and attention sinks: output
+    and gradients (queries, keys, values, sinks) equal the full ring's and whole-sequence
+    blockwise attention's, also with `near` a traced bool (``lax.cond``: True the near ring,
+    False the full one); with 1 hop (too few for this window) the result differs, so the near
+    ring is the one that ran."""
+    from jaxops.models import _blockwise
+    from jaxops.models._mask import Tokens, Visible
+
+    c, b, s, hkv, g, dh = 8, 2, 64, 2, 2, 8
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal(shape).astype(np.float32)
+               for shape in ((b, s, hkv, g, dh), (b, s, hkv, dh), (b, s, hkv, dh)))  # fmt: skip
+    sinks = rng.standard_normal(hkv * g).astype(np.float32)
+    time = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
+    segments = np.repeat(np.array([[1, 1, 2, 2], [3, 3, 3, 0]], np.int32), 16, axis=1)
+    positions = np.where(segments == 2, time - 32, time).astype(np.int32)  # per document
+    where = Tokens(time, positions, segments)
+    window, chunk = (7, None) if bound != "chunk" else (None, 7)
+    visible = Visible(where, where, window, chunk)
+    mesh = jax.make_mesh((c,), ("context",))
+    rows = jax.sharding.PartitionSpec("context")
+
+    def whole(q, k, v, sinks):
+        return _blockwise.attention(
+            q, k, v, visible, scale=0.3, sinks=sinks, dtype=jax.numpy.float32, block=4
+        )
+
+    def ring(hops, near):
+        def run(q, k, v, sinks, where, near):
+            seen = Visible(where, where, window, chunk)
+            return _blockwise.ring_attention(
+                q, (k, v), seen, axis="context", size=c, scale=0.3, sinks=sinks,
+                dtype=jax.numpy.float32, block=4, hops=hops, near=near,
+            )  # fmt: skip
+
+        def f(q, k, v, sinks, where, near=near):
+            specs = (rows, rows, rows, P(), jax.tree.map(lambda _: rows, where))
+            if isinstance(near, bool):
+                body = lambda *a: run(*a, near)  # noqa: E731
+            else:
+                body, specs = run, (*specs, P())
+            args = (q, k, v, sinks, where) + (() if isinstance(near, bool) else (near,))
+            args = jax.tree.map(
+                lambda a, spec: jax.reshard(a, jax.NamedSharding(mesh, spec)), args, specs
+            )
+            return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=rows,
+                                 check_vma=False)(*args)  # fmt: skip
+
+        return f
+
+    def value_and_grads(f, *args):
+        loss = lambda *a: (f(*a) * weights).sum()  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(*args)
+
+    weights = rng.standard_normal((b, s, hkv, g, dh)).astype(np.float32)
+    want_out = _zigzag(np.asarray(jax.jit(whole)(q, k, v, sinks)), c)
+    _, want = value_and_grads(whole, q, k, v, sinks)
+    want = [_zigzag(np.asarray(a), c) for a in want[:3]] + [np.asarray(want[3])]
+    zq, zk, zv = (_zigzag(a, c) for a in (q, k, v))
+    zwhere = jax.tree.map(lambda a: _zigzag(np.asarray(a), c), where)
+    weights = _zigzag(weights, c)
+    near = jax.numpy.asarray(True) if bound == "traced-window" else True
+    cases = {"full": ring(None, False), "near": ring(2, near)}
+    if bound == "traced-window":
+        cases["cond-full"] = ring(2, jax.numpy.asarray(False))
+    for name, f in cases.items():
+        out = np.asarray(jax.jit(f)(zq, zk, zv, sinks, zwhere))
+        np.testing.assert_allclose(out, want_out, rtol=2e-5, atol=2e-6, err_msg=name)
+        _, grads = value_and_grads(lambda *a, f=f: f(*a, zwhere), zq, zk, zv, sinks)
+        for what, got, ref in zip("qkv", grads, want[:3], strict=False):
+            np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5, err_msg=f"{name} d{what}")
+        np.testing.assert_allclose(grads[3], want[3], rtol=2e-4, atol=2e-5, err_msg=name)
+    short = np.asarray(jax.jit(ring(1, True))(zq, zk, zv, sinks, zwhere))
+    assert np.abs(short - want_out).max() > 1e-2  # 1 hop misses keys this window sees
+
+
+def _permuted_shapes(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, shape) of every array a collective-permute of the compiled program moves."""
+    out = []
+    for line in hlo.splitlines():
+        if " collective-permute(" in line:
+            result = line.split("=", 1)[1].split(" collective-permute(")[0]
+            for dtype, dims in re.findall(r"([a-z]+\d*)\[([\d,]*)\]", result):
+                out.append((dtype, tuple(int(d) for d in dims.split(",") if d)))
+    return out
+
+
+def test_mla_ring_carries_the_latent_not_the_keys(hf_families):
+    """DeepSeek-V3 (MLA) with LoRA adapters on kv_b_proj (the latent's up projection) and the
+    queries on context 2 x data 2 x expert 2: loss, logits and every adapter gradient equal data
+    2 x expert 4's, and the ring moves the latent, the shared RoPE key and the adapter's
+    rank-wide down projection (with the tokens' placement), never a per-head key or value."""
+    run = hf_families.load("deepseek_v3", "d2e4")
+    lora = jaxops.Lora(4, 8.0, ("q_b_proj", "kv_b_proj"))
+    flat = dataclasses.replace(run.model, lora=lora)
+    params = flat.add_adapters(run.params, jax.random.key(3))
+    rng = np.random.default_rng(5)
+    params = jax.tree_util.tree_map_with_path(  # B not zero: adapters that changed something
+        lambda path, x: (
+            jax.numpy.asarray(rng.normal(size=x.shape) * 0.05, x.dtype)
+            if "_lora_b" in jax.tree_util.keystr(path)
+            else x
+        ),
+        params,
+    )
+    want = _step(flat, jax.device_put(params, flat.shardings()))
+    shape, axes = MESHES["c2d2e2"]
+    model = dataclasses.replace(flat, mesh=jax.make_mesh(shape, axes), attention_block=8)
+    got = _step(model, jax.device_put(params, model.shardings()))
+    _same(got, want)
+    mla, heads = model.config.attention.mla, model.config.attention.num_heads
+    moved = _permuted_shapes(got[3])
+    floats = [s for dtype, s in moved if dtype.startswith(("f", "bf"))]
+    widths = {s[-1] for s in floats}
+    assert mla.kv_lora_rank in widths and lora.rank in widths, moved
+    assert widths <= {mla.kv_lora_rank, mla.qk_rope_head_dim, lora.rank}, moved
+    assert not any(heads in s[2:] for s in floats if len(s) > 3), moved
 
 
 def test_refusals(hf_families):
