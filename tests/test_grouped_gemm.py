@@ -378,15 +378,18 @@ def _widest_kernel(cap: str) -> str:
 def test_each_micro_kernel_matches_float64(tmp_path, kernel):
     """Every shape of SHAPES and every dtype with JAXOPS_CPU_GEMM_KERNEL=`kernel`: build_info
     names the widest kernel this CPU has at or below it (AVX-512's 12 x 32 tiles, AVX2's 6 x 16,
-    the portable 4 x 32), and y, y from w transposed and dw match float64 numpy."""
+    the portable 4 x 32), and y, y from w transposed and dw match float64 numpy. A kernel this
+    CPU lacks runs the first shape only (the kernel it falls back to has its own row)."""
+    fallback = _widest_kernel(kernel) != kernel
+    shapes = dict(list(SHAPES.items())[:1]) if fallback else SHAPES
     run = _run_in_subprocess(
-        tmp_path, _SWEEP_SCRIPT, (repr(SHAPES),), JAXOPS_CPU_GEMM_KERNEL=kernel
+        tmp_path, _SWEEP_SCRIPT, (repr(shapes),), JAXOPS_CPU_GEMM_KERNEL=kernel
     )
     assert run.returncode == 0, run.stderr[-3000:]
     r = np.load(tmp_path / "out.npz")
     assert str(r["kernel"]) == _widest_kernel(kernel), (str(r["kernel"]), _cpu_flags() & {
         "avx512f", "avx2", "fma"})  # fmt: skip
-    for name, (_, _, _, sizes) in SHAPES.items():
+    for name, (_, _, _, sizes) in shapes.items():
         for dtype in ("float32", "bfloat16", "float16"):
             key = f"{name}-{dtype}"
             y_ref, dw_ref = _oracle(r[key + "-x"], r[key + "-w"], r[key + "-dy"], sizes)
