@@ -415,23 +415,27 @@ def _ring_fwd(q, kv, params, sinks, visible, r):
         seen = Visible(visible.q, held[1], visible.window, visible.chunk)
         return _partial(q, k, v, seen, r.scale, r.dtype, r.blocks, r.sk)
 
-    def step(shift):  # the keys on to the next device, merged there
+    def sweep(held, part, n, shift):
+        # `part` merged with the keys `held` and those of the `n` devices on (`shift` a step),
+        # each step's keys sent on while they are computed
         def body(_, carry):
             held, part = carry
-            held = _send(held, r, shift)
-            return held, _merge(part, part_of(held))
+            return _send(held, r, shift), _merge(part, part_of(held))
 
-        return body
+        # a while loop (as in _partial): one loop body for the steps, their buffers shared
+        held, part = jax.lax.fori_loop(0, jnp.asarray(n), body, (held, part))
+        return _merge(part, part_of(held))
 
+    acc = _accumulator(r.dtype)
+    dv = jax.eval_shape(lambda: _keys(r, params, kv))[1].shape[-1]
+    part = (jnp.zeros((*q.shape[:-1], dv), acc), jnp.full(q.shape[:-1], -jnp.inf, acc))
     own = (kv, visible.k)
-    # a while loop (as in _partial): one loop body for the steps, their buffers shared
-    loop = lambda n, body, init: jax.lax.fori_loop(0, jnp.asarray(n), body, init)  # noqa: E731
-    part = part_of(own)
     if r.hops is None:  # once around: size - 1 sends
-        _, part = loop(r.size - 1, step(1), (own, part))
-    else:  # the keys of the devices behind and ahead, `hops` each
-        for shift in (1, -1):
-            _, part = loop(r.hops, step(shift), (own, part))
+        part = sweep(own, part, r.size - 1, 1)
+    else:  # the keys of the `hops` devices behind, then ahead
+        part = sweep(own, part, r.hops, 1)
+        if r.hops:
+            part = sweep(_send(own, r, -1), part, r.hops - 1, -1)
     out, lse = _with_sinks(*part, sinks, r.dtype)
     return out, (q, kv, params, sinks, visible, out, lse)
 
@@ -457,29 +461,29 @@ def _ring_bwd(r, res, dout):
         dp_s, dkv_s = pull((dk_s.astype(k.dtype), dv_s.astype(v.dtype)))
         return dq_s, dkv_s, dp_s
 
-    def step(shift):  # the keys on; their gradient travels with them
+    def sweep(held, grads, n, shift, home):
+        # `grads` (dq, dp) plus those of the keys `held` and of the `n` devices on (`shift` a
+        # step); their keys' gradient travels with them and goes `home` places at the end
         def body(_, carry):
             held, dkv, dq, dp = carry
-            held, dkv = _send(held, r, shift), _send(dkv, r, shift)
             dq_s, dkv_s, dp_s = grads_of(held)
-            return held, add(dkv, dkv_s), dq + dq_s, add(dp, dp_s)
+            dkv = _send(add(dkv, dkv_s), r, shift)
+            return _send(held, r, shift), dkv, dq + dq_s, add(dp, dp_s)
 
-        return body
+        held, dkv, dq, dp = jax.lax.fori_loop(0, jnp.asarray(n), body, (held, zeros(kv), *grads))
+        dq_s, dkv_s, dp_s = grads_of(held)
+        return (dq + dq_s, add(dp, dp_s)), _send(add(dkv, dkv_s), r, home)
 
     own = (kv, visible.k)
-    dq, dkv, dp = grads_of(own)
-    dkv, dp = add(zeros(kv), dkv), add(zeros(params), dp)
-    if r.hops is None:  # once around: the gradient is home after the last send
-        carry = (own, zeros(kv), dq, dp)
-        carry = jax.lax.fori_loop(0, jnp.asarray(r.size - 1), step(1), carry)
-        dkv = add(dkv, _send(carry[1], r))
-        dq, dp = carry[2], carry[3]
-    else:  # `hops` each way, then each gradient home in one send
-        for shift in (1, -1):
-            carry = (own, zeros(kv), dq, dp)
-            carry = jax.lax.fori_loop(0, jnp.asarray(r.hops), step(shift), carry)
-            dkv = add(dkv, _send(carry[1], r, -shift * r.hops))
-            dq, dp = carry[2], carry[3]
+    grads = (jnp.zeros(q.shape, acc), zeros(params))
+    if r.hops is None:  # once around: the gradient is home after `size` sends
+        grads, dkv = sweep(own, grads, r.size - 1, 1, 1)
+    else:  # `hops` devices each way, each direction's gradient home in one send
+        grads, dkv = sweep(own, grads, r.hops, 1, -r.hops)
+        if r.hops:
+            grads, ahead = sweep(_send(own, r, -1), grads, r.hops - 1, -1, r.hops)
+            dkv = add(dkv, ahead)
+    dq, dp = grads
     dsinks = None if sinks is None else _dsinks(sinks, lse, delta)
     cast = lambda grads, like: jax.tree.map(lambda g, a: g.astype(a.dtype), grads, like)  # noqa: E731
     return (
