@@ -35,7 +35,7 @@ from jaxops._sharding import cotangent_like, vary_like
 
 from ._mask import Tokens, Visible
 
-__all__ = ["attention"]
+__all__ = ["attention", "gathered_attention", "ring_attention"]
 
 
 def _accumulator(dtype: Any) -> Any:
@@ -374,6 +374,59 @@ def ring_attention(
                 q, kv, params, sinks, padded,
             )  # fmt: skip
     return out[:, :sq]
+
+
+def gathered_attention(
+    q: jax.Array,
+    kv: Any,
+    visible: Visible,
+    *,
+    axis: str,
+    scale: float,
+    sinks: jax.Array | None,
+    dtype: Any,
+    block: int,
+    expand: Callable[[Any, Any], tuple[jax.Array, jax.Array]] | None = None,
+    params: Any = (),
+) -> jax.Array:
+    """:func:`attention` of this device's queries over the keys of every device of `axis`, gathered.
+
+    Inside ``shard_map``: `kv` and the keys' placement are all-gathered over `axis` (each
+    device then holds the keys of the whole sequence, in device order; the mask reads the
+    placements, so the order does not matter), expanded by `expand` if given, and this
+    device's queries attend over them blockwise; the backward reduce-scatters the keys'
+    gradient home (the all-gather's transpose). The exchange of context parallelism inside
+    pipeline stages: an all-gather over one axis involves only the devices of that axis's
+    group, which run the same stage at the same time, while a ``ppermute`` (the ring's
+    collective-permute) names every device of the mesh, so on XLA:CPU it waits for stages
+    whose pipeline tick runs other work. Memory: one layer's keys and values of the whole
+    sequence (its blocks' scores stay ``[b, heads, block, block]``).
+
+    Args:
+      q: as :func:`attention`.
+      kv: as :func:`ring_attention`: ``(k, v)``, or with `expand` what is gathered (the latent
+        and shared RoPE key of multi-head latent attention).
+      visible: as :func:`ring_attention`.
+      axis: the mesh axis the sequence is split over.
+      scale: as :func:`attention`.
+      sinks: as :func:`attention`.
+      dtype: as :func:`attention`.
+      block: as :func:`attention`.
+      expand: as :func:`ring_attention`.
+      params: as :func:`ring_attention`.
+
+    Returns:
+      ``[b, sq, Hkv, G, Dv]`` in `dtype`, as :func:`attention`.
+    """
+    if visible.valid_keys is not None:
+        raise InvalidArgumentError(
+            "jaxops.models._blockwise.gathered_attention: visible.valid_keys (KV-cache slots) "
+            "must be None: the keys gathered are whole sequences'"
+        )
+    every = jax.tree.map(lambda a: jax.lax.all_gather(a, axis, axis=1, tiled=True), (kv, visible.k))
+    k, v = tuple(every[0]) if expand is None else expand(params, every[0])
+    seen = Visible(visible.q, every[1], visible.window, visible.chunk)
+    return attention(q, k, v, seen, scale=scale, sinks=sinks, dtype=dtype, block=block)
 
 
 @dataclasses.dataclass(frozen=True)

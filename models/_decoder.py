@@ -142,8 +142,8 @@ class MoEDecoder(Settings):
         way); everything else treats the chunks as rows of the batch. The sequence length
         must be a multiple of 2C; :meth:`place_batch` splits ``[B, S]`` arrays over the
         other batch axes (:attr:`input_axes`), and the methods take and return whole
-        sequences in order. ``generate`` refuses it, and so does a mesh with a pipe axis too
-        (not built yet).
+        sequences in order. With a pipe axis too, each stage all-gathers the keys over the
+        context axis instead of passing them around a ring. ``generate`` refuses it.
       num_microbatches: microbatches per data shard in the pipeline (>= the pipe size is
         efficient). Formerly ``microbatches`` (deprecated alias for one release).
       schedule: "1f1b" or "gpipe" (:data:`DECODER_SCHEDULES`).
@@ -306,12 +306,6 @@ class MoEDecoder(Settings):
                 f"{self.attention_impl!r}"
             )
         _checks.check_int(op, "attention_block", self.attention_block, 1)
-        if self.layout.context > 1 and self.pipe > 1:
-            raise ConfigError(
-                f"{op}: a context axis ({self.context_axis!r}, size {self.layout.context}) "
-                f"together with a pipe axis ({self.pipe_axis!r}, size {self.pipe}) is not "
-                "built yet; split sequences over a mesh of context, data and expert axes"
-            )
         explicit = all(t == jax.sharding.AxisType.Explicit for t in self.mesh.axis_types)
         if self.layout.context > 1 and not explicit:
             raise ConfigError(

@@ -308,6 +308,9 @@ class Layout(Settings):
             attention_block=self.attention_block,
             context_axis=self.context_axis if self.context > 1 else None,
             context=self.context,
+            # in a pipeline stage a ring's collective-permute would name the devices of every
+            # stage, which run other work at that tick (_blockwise.gathered_attention)
+            context_exchange="gather" if self.pipe > 1 else "ring",
             lora_scaling=None if self.lora is None else self.lora.scaling,
             lora_dropout=0.0 if self.lora is None else self.lora.dropout,
         )

@@ -69,6 +69,10 @@ class Ops:
       context_axis: the mesh axis each sequence is split over (its keys and values pass around
         its ring: :func:`~jaxops.models._blockwise.ring_attention`), or None.
       context: the size of the context axis (1 without one).
+      context_exchange: how the keys of a context axis reach every device's queries: "ring"
+        (:func:`~jaxops.models._blockwise.ring_attention`: passed on device to device while
+        each step is computed) or "gather" (:func:`~jaxops.models._blockwise.gathered_attention`:
+        all-gathered once a layer; the exchange inside pipeline stages).
       lora_dropout: ``Lora.dropout``: the adapters' input dropout where a layer's parameters
         carry a key (:data:`DROPOUT_KEY`, training only).
       lora_scaling: the low-rank adapters' scale (``Lora.scaling``), or None without adapters:
@@ -86,6 +90,7 @@ class Ops:
     attention_block: int = 512
     context_axis: str | None = None
     context: int = 1
+    context_exchange: str = "ring"
 
 
 def adapted(ops: Ops, p: dict[str, jax.Array], name: str, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -273,6 +278,11 @@ def _attend_blockwise(
 
     def run(q, kv, params, visible, *sinks):
         kw = dict(sinks=sinks[0] if sinks else None, dtype=ops.dtype, block=ops.attention_block)
+        if ops.context > 1 and ops.context_exchange == "gather":  # every device's keys at once
+            return _blockwise.gathered_attention(
+                q, kv, visible, axis=ops.context_axis, scale=scale, expand=expand,
+                params=params, **kw,
+            )  # fmt: skip
         if ops.context > 1:  # each device its chunks' queries, the keys around the ring
             return _blockwise.ring_attention(
                 q, kv, visible, axis=ops.context_axis, size=ops.context, scale=scale,

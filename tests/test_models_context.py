@@ -5,8 +5,8 @@ batch rows): logits, loss and every gradient equal the same model's on a mesh wi
 gpt-oss (sinks, sliding windows) and Llama 4 (chunks, NoPE), with packed documents and
 padding, on context 2 with data and expert axes and on context 4; the compiled step moves keys
 and values with collective-permutes and gathers no sequence; MLA's ring moves the compressed
-latent (with a LoRA adapter on its up projection), not per-head keys; refusals (a pipe axis with a
-context axis is not built yet).
+latent (with a LoRA adapter on its up projection), not per-head keys; with a pipe axis the keys
+are all-gathered over the context axis inside the stages; refusals.
 """
 
 from __future__ import annotations
@@ -82,6 +82,22 @@ def test_context_axis_equals_the_model_without_it(hf_families, family):
         # (no sequence is gathered).
         assert got[3].count(" collective-permute(") >= 2 * shape[0], name
         assert len(_all_gathers(got[3])) <= len(_all_gathers(want[3])), name
+
+
+def test_pipe_and_context_axes_equal_the_pipeline_without_context(hf_families):
+    """pipe 2 x context 2 x expert 2 (2 microbatches; the keys all-gathered over the context
+    axis inside each stage: a ring's collective-permute would name the devices of the other
+    stage, busy with other work at that tick) equals pipe 2 x expert 4 for DeepSeek-V3 (MLA:
+    the latent gathered and expanded per stage): loss, every gradient, logits; more
+    all-gathers than without the context axis (the keys')."""
+    run = hf_families.load("deepseek_v3", "p2e4")
+    want = _step(run.model, run.params)
+    mesh = jax.make_mesh((2, 2, 2), ("pipe", "context", "expert"))
+    model = dataclasses.replace(run.model, mesh=mesh, attention_block=8)
+    assert model.context == 2 and model.pipe == 2 and model.input_axes == ("expert",)
+    got = _step(model, jax.device_put(run.params, model.shardings()))
+    _same(got, want)
+    assert len(_all_gathers(got[3])) > len(_all_gathers(want[3]))
 
 
 def _zigzag(a: np.ndarray, c: int) -> np.ndarray:
@@ -233,6 +249,3 @@ def test_refusals(hf_families):
     auto = jax.make_mesh((2, 2, 2), ("context", "data", "expert"), axis_types=(AUTO,) * 3)
     with pytest.raises(models.ConfigError, match="needs a mesh of Explicit axes"):
         dataclasses.replace(model, mesh=auto)
-    pipe = jax.make_mesh((2, 2, 2), ("pipe", "context", "expert"))
-    with pytest.raises(models.ConfigError, match=r"together with a pipe axis .* not built yet"):
-        dataclasses.replace(model, mesh=pipe)

@@ -242,15 +242,20 @@ def test_plan_with_a_context_axis(tmp_path):
     """context=4 splits each 8192-token sequence over 4 devices: each device's temporaries are
     within 1.3x of a device's holding whole 2048-token sequences (the same mesh shape, the axis
     a data axis), and under half of one holding whole 8192-token sequences; the keys and
-    values move by collective-permutes; a --seq the axis cannot split is refused by name."""
+    values move by collective-permutes; with a pipe axis too (the keys all-gathered over the
+    context axis in the stages, their gradient reduce-scattered) within 1.3x of whole 2048-token
+    sequences on the same pipe mesh; a --seq the axis cannot split is refused by name."""
     path = _tiny(tmp_path)
     run = functools.partial(plan.plan, path, param_dtype="float32")
     split = run({"context": 4, "expert": 2}, batch=2, seq=8192)["bytes_per_device"]["temp"]
     share = run({"data": 4, "expert": 2}, batch=8, seq=2048)["bytes_per_device"]["temp"]
     whole = run({"data": 4, "expert": 2}, batch=8, seq=8192)["bytes_per_device"]["temp"]
-    print(split, share, whole)
     assert split < 1.3 * share and split < 0.5 * whole
     ring = run({"context": 4, "expert": 2}, batch=2, seq=2048)
     assert ring["collectives"]["collective-permute"]["count"] > 0
+    piped = run({"pipe": 2, "context": 2, "expert": 2}, batch=4, seq=4096)
+    piped_share = run({"pipe": 2, "data": 2, "expert": 2}, batch=8, seq=2048)
+    assert piped["bytes_per_device"]["temp"] < 1.3 * piped_share["bytes_per_device"]["temp"]
+    assert piped["collectives"]["reduce-scatter"]["count"] > 0
     with pytest.raises(jaxops.InvalidArgumentError, match=r"--seq \(seq=\) must be a multiple"):
         plan.plan(path, {"context": 4, "expert": 2}, batch=2, seq=4092)
