@@ -29,7 +29,7 @@ H200 = 141 * 10**9
 CASES = (
     ("qwen3-30b-a3b", 32768, {"context": 4, "expert": 2}, H100, (), "all"),
     ("qwen3-30b-a3b", 131072, {"context": 8, "expert": 2}, H100, (), "all"),
-    ("deepseek-v3", 32768, {"context": 2, "expert": 8}, H200,
+    ("deepseek-v3", 32768, {"context": 4, "expert": 8}, H200,
      ("--lora", "16", "--base", "fp8"), "LoRA 16, FP8 base"),
     ("gpt-oss-120b", 65536, {"context": 8, "expert": 1}, H100,
      ("--lora", "16", "--base", "mxfp4"), "LoRA 16, MXFP4 experts"),
