@@ -24,8 +24,11 @@ JAX_PROCESS_ID)::
     python examples/train_moe.py --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0
     python examples/train_moe.py --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 1
 
-or on one machine ``python examples/launch_local.py -n 2 -- --steps 20``. CPU processes talk
-over gloo. Every model and mesh size is a flag (``--help``); the mesh must have
+or on one machine ``python examples/launch_local.py -n 2 -- --steps 20``. Started by SLURM's
+``srun`` (a job step of more than one task; ``examples/launch/slurm.sbatch``) it needs none of
+them: ``jax.distributed.initialize()`` reads SLURM's variables (the coordinator on the step's
+first node, at a port derived from the job id; the process count and id from the tasks).
+CPU processes talk over gloo. Every model and mesh size is a flag (``--help``); the mesh must have
 pipe * data * expert = number of devices in all processes.
 
 Output: ``step <i> loss <value>`` lines (every --log-every steps, on process 0), a tqdm bar
@@ -129,18 +132,55 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Any]:
     return args, cfg
 
 
+#: What jax.distributed's SLURM detection reads (jax._src.clusters.SlurmCluster).
+SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+                   "SLURM_LOCALID")  # fmt: skip
+
+
+def slurm_task() -> tuple[int, int] | None:
+    """``(tasks, this task's rank)`` inside a SLURM job step of more than one task, else None."""
+    if not all(name in os.environ for name in SLURM_VARIABLES):
+        return None
+    tasks = int(os.environ["SLURM_NTASKS"])
+    return (tasks, int(os.environ["SLURM_PROCID"])) if tasks > 1 else None
+
+
+def slurm_local_devices() -> list[int] | None:
+    """The GPUs of this task: all of its node's with one task per node, else None.
+
+    None lets jax choose: one GPU per task, the task's local rank (``SLURM_LOCALID``).
+    """
+    gpus = os.environ.get("SLURM_GPUS_ON_NODE")
+    if os.environ.get("SLURM_NTASKS_PER_NODE") == "1" and gpus:
+        return list(range(int(gpus)))
+    return None
+
+
 def init_runtime(args: argparse.Namespace, cfg: Any) -> None:
     """CPU device count and jax.distributed, before anything touches a backend."""
     import jax
 
+    slurm = None if args.coordinator or args.num_processes > 1 else slurm_task()
+    if slurm is not None:
+        args.num_processes, args.process_id = slurm
     if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
         raise SystemExit(f"bad --num-processes/--process-id {args.num_processes}/{args.process_id}")
     per_process = args.devices_per_process or max(cfg.devices // args.num_processes, 1)
     jax.config.update("jax_num_cpu_devices", per_process)
     if args.num_processes > 1:
-        if not args.coordinator:
-            raise SystemExit("--coordinator (or JAX_COORDINATOR_ADDRESS) is needed with >1 process")
+        if not args.coordinator and slurm is None:
+            raise SystemExit(
+                "--coordinator (or JAX_COORDINATOR_ADDRESS) is needed with >1 process outside "
+                "a SLURM job step"
+            )
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if slurm is not None:  # the coordinator, count and id from SLURM's variables
+            jax.distributed.initialize(
+                local_device_ids=slurm_local_devices(),
+                initialization_timeout=120,
+                heartbeat_timeout_seconds=30,
+            )
+            return
         jax.distributed.initialize(
             args.coordinator,
             args.num_processes,

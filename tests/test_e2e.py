@@ -1,7 +1,8 @@
 """End-to-end tests of the MoE training example (examples/moe_transformer.py, train_moe.py,
-launch_local.py) on ``jaxops.models.MoEDecoder``: the pipelined, expert- and data-parallel model
-against a single-device run of the same model, with jaxops' kernels and with their pure-JAX
-twins; training, checkpoints and resume; and 2 processes against 1.
+launch_local.py, the SLURM recipe) on ``jaxops.models.MoEDecoder``: the pipelined, expert- and
+data-parallel model against a single-device run of the same model, with jaxops' kernels and with
+their pure-JAX twins; training, checkpoints and resume; 2 processes against 1; 2 processes
+started as a SLURM job step would start them.
 
 Tolerances (float32 throughout): loss and every gradient within ``assert_allclose(float32,
 scale=16)``, i.e. rtol = atol = 3.2e-4, for 3 steps of SGD (the parallel run sums in a different
@@ -16,6 +17,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shlex
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -228,3 +232,82 @@ def test_two_processes_match_one():
     assert sorted(multi) == sorted(single) == [1, 2, 3, 4], (multi, single)
     for step in single:
         np.testing.assert_allclose(multi[step], single[step], rtol=1e-5, err_msg=f"step {step}")
+
+
+def _slurm_job_id() -> int:
+    """A SLURM job id whose coordinator port (jax's SlurmCluster: the id mod 4096, counted from
+    61440) is free on 127.0.0.1 now."""
+    rng = np.random.default_rng()
+    for _ in range(100):
+        offset = int(rng.integers(4096))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", 61440 + offset))
+            except OSError:
+                continue
+        return 4096 * 1000 + offset
+    raise AssertionError("no free port in 61440..65535")
+
+
+@pytest.mark.multiprocess
+def test_slurm_job_step_starts_the_processes():
+    """examples/train_moe.py as srun starts it (examples/launch/slurm.sbatch): 2 tasks with
+    SLURM's variables and no multi-host flag or JAX_* variable; jax.distributed reads the
+    coordinator (the step's first node, a port from the job id), the count and the ids, and
+    the 2 processes train the 8-device mesh together (both exit 0, 2 steps logged)."""
+    job = str(_slurm_job_id())
+    base = {k: v for k, v in child_environ(JAX_PLATFORMS="cpu").items() if not k.startswith("JAX_")}
+    base["JAX_PLATFORMS"] = "cpu"
+    slurm = dict(SLURM_JOB_ID=job, SLURM_STEP_NODELIST="127.0.0.1", SLURM_NTASKS="2",
+                 SLURM_NTASKS_PER_NODE="2")  # fmt: skip
+    argv = [sys.executable, str(EXAMPLES / "train_moe.py"), "--steps", "2", "--log-every", "1",
+            "--no-progress"]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            argv,
+            env={**base, **slurm, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for i in range(2)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert [p.returncode for p in procs] == [0, 0], "\n----\n".join(outs)
+    assert "on 8 cpu devices, 2 process(es)" in outs[0], outs[0]
+    assert sorted(_losses(outs[0])) == [1, 2], outs[0]
+
+
+def test_launch_recipes_flags_parse_and_cover_their_devices():
+    """examples/launch/: the flags the SLURM script and the Kubernetes Job pass to train_moe.py
+    parse into a valid Config whose mesh has exactly the job's GPUs (nodes x GPUs per node;
+    pods x GPUs per pod), and the Job's process count is its completions."""
+    yaml = pytest.importorskip("yaml")
+    train_moe = _load("train_moe")
+    script = (EXAMPLES / "launch" / "slurm.sbatch").read_text()
+    sbatch = dict(re.findall(r"^#SBATCH --([a-z-]+)=(\S+)$", script, re.M))
+    lines = script.replace("\\\n", " ").splitlines()  # continuation lines joined
+    command = shlex.split(next(line for line in lines if line.startswith("srun ")))
+    flags = command[command.index("examples/train_moe.py") + 1 :]
+    _, cfg = train_moe.parse_args(flags)
+    assert cfg.devices == int(sbatch["nodes"]) * int(sbatch["gpus-per-node"])
+    service, job = yaml.safe_load_all((EXAMPLES / "launch" / "k8s-indexed-job.yaml").read_text())
+    pod = job["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    _, cfg = train_moe.parse_args(container["command"][2:])
+    pods = job["spec"]["completions"]
+    assert cfg.devices == pods * container["resources"]["limits"]["nvidia.com/gpu"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["JAX_NUM_PROCESSES"] == str(pods) == str(job["spec"]["parallelism"])
+    host = f"{job['metadata']['name']}-0.{pod['subdomain']}"
+    assert env["JAX_COORDINATOR_ADDRESS"].split(":")[0] == host
+    assert pod["subdomain"] == service["metadata"]["name"]
+    assert service["spec"]["clusterIP"] == "None"
