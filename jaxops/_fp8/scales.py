@@ -232,7 +232,9 @@ def scale_from_amax(
       >>> float(jaxops.fp8.scale_from_amax(jnp.float32(448.0)))
       1.0
     """
-    return _scale_from_amax(amax, dtype, pow2_scale=pow2_scale, amax_floor=amax_floor)
+    return _scale_from_amax(
+        amax, jnp.dtype(dtype), pow2_scale=bool(pow2_scale), amax_floor=float(amax_floor)
+    )
 
 
 # The twins are jitted: called eagerly, each of their dozens of jnp operations would be
