@@ -8,21 +8,25 @@ Parameter-efficient instruction tuning end to end, on 8 simulated CPU devices, w
    mesh (or ``pipe x data x expert``: the adapters train through the 1F1B pipeline, the base
    weights its frozen leaves) with low-rank adapters on every projection PEFT can target: the
    attention's, the routed experts' fused tensors (one adapter per expert, sharded with the
-   experts) and the shared expert's; the base weights stay as loaded;
+   experts) and the shared expert's; the base weights stay as loaded (``--base fp8``: QLoRA,
+   the layers' linear weights quantized at load to block FP8 and kept so, frozen, one byte a
+   weight plus a float32 scale per block, dequantized layer by layer as the step runs);
 3. the synthetic instruction set of ``sft_hf_moe.py`` (the answer is the prompt reversed; the
    loss on the responses only; packed rows), trained by ``model.train_step`` with optax adamw:
    gradients and optimizer state for the adapters alone;
 4. ``jaxops.models.save_adapter`` writes a PEFT adapter; PEFT loads it onto transformers' model
    (from the base files) and both answer held-out prompts greedily (jaxops on a ``data x
    expert`` mesh: generation runs without pipeline stages): the answers must agree token for
-   token. ``merge_adapter`` + ``save_pretrained`` then write a full checkpoint, which
-   transformers answers with the same tokens.
+   token (with ``--base fp8`` PEFT's base is the dequantized FP8 base, the weights the
+   adapters were trained on, written by jaxops). ``merge_adapter`` + ``save_pretrained`` then
+   write a full checkpoint, which transformers answers with the same tokens.
 
 Usage::
 
     python examples/lora_hf_moe.py                            # qwen3_moe, data 2 x expert 4
     python examples/lora_hf_moe.py --mesh 2,2,2               # pipe 2 x data 2 x expert 2
-    python examples/lora_hf_moe.py --mesh 2,2,2 --steps 10 --no-progress   # a quick check (CI)
+    python examples/lora_hf_moe.py --base fp8                 # QLoRA: the base kept in FP8
+    python examples/lora_hf_moe.py --mesh 2,2,2 --base fp8 --steps 10 --no-progress   # CI
     python examples/lora_hf_moe.py --arch qwen2_moe --rank 8 --out /tmp/lora
 """
 
@@ -56,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--microbatches", type=int, default=2, help="per step, with a pipe axis (1F1B)"
+    )
+    parser.add_argument(
+        "--base", choices=("float32", "fp8"), default="float32", help="the frozen base's format"
     )
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--alpha", type=float, default=32.0)
@@ -140,12 +147,21 @@ def main(argv: list[str] | None = None) -> int:
             "shared_experts.up_proj",
             "shared_experts.down_proj",
         )
+    # [load]
     lora = Lora(rank=args.rank, alpha=args.alpha, targets=targets)
     progress = False if args.no_progress else None
     model, params = from_pretrained(
         src, mesh=mesh, dtype=jnp.float32, lora=lora, router_aux_loss_coef=0.0,
         num_microbatches=micro, progress=progress,
+        base="fp8" if args.base == "fp8" else None,
     )  # fmt: skip
+    # [/load]
+    if args.base == "fp8":  # PEFT's base: the FP8 weights dequantized, as the adapters saw them
+        peft_base = work / "base_dequantized"
+        save_pretrained(*merge_adapter(model, params), peft_base)  # fresh adapters add zero
+        print(f"base kept in block FP8; its dequantized weights for PEFT: {peft_base}")
+    else:
+        peft_base = src
     trainable = model.trainable(params)
     count = lambda tree: sum(int(np.prod(a.shape)) for a in jax.tree.leaves(tree))  # noqa: E731
     print(
@@ -164,9 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     lr = optax.warmup_cosine_decay_schedule(
         0.0, args.lr, warmup, max(args.steps, warmup + 1), args.lr / 10
     )
+    # [step]
     opt = optax.adamw(lr, weight_decay=0.0)
     state = model.init_optimizer(opt, params)  # the adapters' moments only
     step = model.train_step(opt)
+    # [/step]
     base = {k: np.asarray(v) for k, v in params["layers"]["moe"].items() if "_lora_" not in k}
     losses, t0 = [], time.perf_counter()
     for i, batch in enumerate(batches):
@@ -189,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         if not np.array_equal(np.asarray(params["layers"]["moe"][name]), old):
             raise SystemExit(f"the base weight moe/{name} changed")
 
+    # [adapter]
     save_adapter(model, params, adapter)
+    # [/adapter]
     print(f"save_adapter: {adapter} (adapter_config.json, adapter_model.safetensors)")
     if model.pipe > 1:  # generation runs without pipeline stages: the same model on data x expert
         flat = jax.make_mesh((devices // sizes[2], sizes[2]), ("data", "expert"))
@@ -204,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             pad_token_id=sft.PAD,
         )
     )  # fmt: skip
-    theirs = peft_generate(src, adapter, tokens, mask, max_new, sft)
+    theirs = peft_generate(peft_base, adapter, tokens, mask, max_new, sft)
     if not np.array_equal(ours, theirs):
         rows = np.flatnonzero((ours != theirs).any(1)).tolist()
         raise SystemExit(f"jaxops' generate differs from PEFT's in rows {rows}")
@@ -215,8 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"PEFT on transformers answers as jaxops does, token for token ({len(held_out)} prompts)")
     print(f"right answers (the prompt reversed): {right}/{len(held_out)} held-out prompts")
 
+    # [merge]
     plain, merged = merge_adapter(model, params)
     save_pretrained(plain, merged, merged_dir)
+    # [/merge]
     full = sft.hf_generate(merged_dir, tokens, mask, max_new)
     if not np.array_equal(ours, full):
         raise SystemExit("transformers' answers from the merged checkpoint differ")

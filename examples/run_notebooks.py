@@ -1,10 +1,11 @@
 """Executes the example notebooks with nbclient and fails on any error or on stale outputs.
 
-Every ``examples/*.ipynb`` (or the notebooks given on the command line) is first checked for
-committed outputs and execution counts (committed notebooks carry none), then executed in a
-fresh kernel whose working directory is ``examples/``. The executed outputs are never written
-back. The kernel runs the interpreter that runs this script (a kernelspec written at runtime
-into a temporary directory), so it imports the jaxops installed in that environment.
+Every ``examples/*.ipynb`` and ``docs/tutorials/*.ipynb`` (or the notebooks given on the
+command line) is first checked for committed outputs and execution counts (committed notebooks
+carry none), then executed in a fresh kernel whose working directory is the notebook's
+folder. The executed outputs are never written back. The kernel runs the interpreter that runs
+this script (a kernelspec written at runtime into a temporary directory), so it imports the
+jaxops installed in that environment.
 
 Usage (from any directory)::
 
@@ -33,6 +34,8 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
 EXAMPLES = Path(__file__).resolve().parent
+#: The folders whose notebooks run by default: the examples and the tutorials.
+FOLDERS = (EXAMPLES, EXAMPLES.parent / "docs" / "tutorials")
 KERNEL = "python3"
 TIMEOUT_S = 300
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the colours of IPython tracebacks
@@ -96,7 +99,7 @@ def execute(path: Path, specs: KernelSpecManager) -> str | None:
 def notebooks(names: Sequence[str]) -> list[Path]:
     """The notebooks to run: the given paths (or names inside examples/), else all of them."""
     if not names:
-        return sorted(EXAMPLES.glob("*.ipynb"))
+        return [path for folder in FOLDERS for path in sorted(folder.glob("*.ipynb"))]
     paths = []
     for name in names:
         path = Path(name)
@@ -110,7 +113,9 @@ def notebooks(names: Sequence[str]) -> list[Path]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("notebooks", nargs="*", help="notebooks (default: examples/*.ipynb)")
+    parser.add_argument(
+        "notebooks", nargs="*", help="notebooks (default: examples/ and docs/tutorials/ *.ipynb)"
+    )
     parser.add_argument(
         "--strip", action="store_true", help="remove outputs and execution counts in place"
     )

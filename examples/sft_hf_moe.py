@@ -13,7 +13,9 @@ Instruction tuning end to end, on 8 simulated CPU devices, with no download:
    step (the 1F1B pipeline; ``--mesh 1,4,2``: no pipeline, gradient accumulation instead;
    ``--mesh 1,2,2 --context 2``: ``data x context x expert``, each packed row split over the 2
    devices of the context axis, attention as a ring; ``--mesh 2,1,2 --context 2``: ``pipe x
-   context x expert``, the keys all-gathered over the context axis inside the stages);
+   context x expert``, the keys all-gathered over the context axis inside the stages;
+   ``--fp8 block``: the experts' and attention projections' GEMMs in FP8 with DeepSeek-V3's
+   block scales, the parameters and optimizer state in float32 as without it);
 4. ``jaxops.models.save_pretrained`` writes the fine-tuned model; transformers and jaxops (on a
    ``data x expert`` mesh, for ``jaxops.models.generate``) both load it and answer held-out
    prompts greedily: the answers must agree token for token, and the right ones are counted.
@@ -24,6 +26,7 @@ Usage::
     python examples/sft_hf_moe.py --steps 10 --no-progress        # a quick check (CI)
     python examples/sft_hf_moe.py --arch mixtral --mesh 1,4,2 --out /tmp/sft
     python examples/sft_hf_moe.py --mesh 1,2,2 --context 2   # data x context x expert
+    python examples/sft_hf_moe.py --fp8 block                # block-scaled FP8 GEMMs
 """
 
 from __future__ import annotations
@@ -53,6 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="a context axis of this size (devices: the product with --mesh's)",
+    )
+    parser.add_argument(
+        "--fp8",
+        choices=("block",),
+        default=None,
+        help="train with DeepSeek-V3's block-scaled FP8 recipe (the GEMMs of the experts and "
+        "the attention projections)",
     )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -191,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     make_hf_model(args.arch, src)
     print(f"transformers wrote a tiny random {args.arch} to {src}")
 
+    # [mesh]
     if args.context > 1:  # each row's tokens split over the context axis
         mesh = jax.make_mesh(
             (sizes[0], sizes[1], args.context, sizes[2]), ("pipe", "data", "context", "expert")
@@ -199,11 +210,14 @@ def main(argv: list[str] | None = None) -> int:
         mesh = jax.make_mesh(sizes, ("pipe", "data", "expert"))
     progress = False if args.no_progress else None  # None: a bar on a terminal
     model, params = from_pretrained(
-        src, mesh=mesh, dtype=jnp.float32, num_microbatches=args.microbatches, progress=progress
-    )
+        src, mesh=mesh, dtype=jnp.float32, num_microbatches=args.microbatches, progress=progress,
+        fp8=args.fp8,
+    )  # fmt: skip
+    # [/mesh]
     n = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
     print(
         f"from_pretrained: {model.config.model_type}, {n:,} parameters on mesh {dict(mesh.shape)}"
+        + (f", FP8 recipe {model.fp8.scaling}" if model.fp8 else "")
     )
 
     # The data: held-out prompts first, then training examples that never repeat them, packed.
@@ -224,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{np.mean([b.num_targets for b in batches]):.0f} response targets per batch"
     )
 
+    # [step]
     warmup = min(20, args.steps // 10)
     lr = optax.warmup_cosine_decay_schedule(
         0.0, args.lr, warmup, max(args.steps, warmup + 1), args.lr / 10
@@ -238,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         updates, state = opt.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 
+    # [/step]
+
     bar = None
     if not args.no_progress:
         from tqdm import tqdm
@@ -246,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     log = print if bar is None else bar.write
     losses = []
     with jax.set_mesh(mesh):
+        # [train]
         state = jax.jit(opt.init)(params)
         t0 = time.perf_counter()
         for i, batch in enumerate(batches):
@@ -253,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             inputs = model.place_batch(b["tokens"], b["targets"], b["segment_ids"], b["positions"])
             params, state, loss = step(params, state, *inputs)
             losses.append(float(loss))
+            # [/train]
             if i == 0:
                 t_first = time.perf_counter() - t0
             if bar is not None:
@@ -272,8 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     if not losses[-1] < losses[0]:
         raise SystemExit("the loss did not fall")
 
+    # [save]
     names = save_pretrained(model, params, out)
     print(f"save_pretrained: {len(names)} tensors in {out}")
+    # [/save]
 
     # Greedy answers to the held-out prompts from the saved files: jaxops on a data x expert
     # mesh (generation runs without pipeline stages) beside transformers.
