@@ -10,7 +10,9 @@ The Sphinx build itself (warnings as errors, the notebooks executed) runs in CI 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import re
+import shlex
 from pathlib import Path
 
 import jaxops.models
@@ -130,3 +132,40 @@ def test_commands_quoted_in_the_docs_are_the_readmes():
     assert test_command in contributing
     docs_command = _fenced_after(readme, "<!-- docs-command")
     assert "sphinx-build -W" in docs_command and docs_command.split(" && ")[-1] in contributing
+
+
+def _example(name: str):
+    """examples/<name>.py as a module (examples/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_tutorial_{name}", ROOT / "examples" / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tutorial_commands() -> list[tuple[str, str, list[str]]]:
+    """``(page, script, arguments)`` of every ``python examples/X.py ...`` line of the
+    tutorials' bash blocks (continuation lines joined, comments dropped)."""
+    commands = []
+    for page in sorted((DOCS / "tutorials").glob("*.md")):
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                words = shlex.split(line, comments=True)
+                if words[:1] == ["python"] and words[1].startswith("examples/"):
+                    commands.append((page.name, words[1].removeprefix("examples/"), words[2:]))
+    return commands
+
+
+def test_tutorial_commands_parse():
+    """Every command a tutorial shows names a script that exists and flags it takes (a launch
+    line's flags after ``--`` are train_moe.py's); the tutorials' code comes from the scripts
+    by markers that Sphinx (-W) fails on when they are missing."""
+    commands = _tutorial_commands()
+    assert len(commands) >= 12
+    for page, script, args in commands:
+        assert (ROOT / "examples" / script).is_file(), f"{page}: no examples/{script}"
+        if script == "launch_local.py":
+            script, args = "train_moe.py", args[args.index("--") + 1 :]
+        try:
+            _example(script).parse_args(args)
+        except SystemExit as e:
+            raise AssertionError(f"{page}: {script} {shlex.join(args)} does not parse") from e
