@@ -44,7 +44,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--arch", choices=ARCHS, default="qwen3_moe", help="the tiny model's family (no --model)"
     )
     parser.add_argument("--mesh", default="2,4", help="data,expert sizes")
-    parser.add_argument("--dtype", default="float32", help="parameter dtype (bfloat16 at size)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="parameter dtype (bfloat16 at size; the token-for-token check against "
+        "transformers' float32 model expects float32)",
+    )
     parser.add_argument(
         "--prompt", action="append", default=None, help="a prompt (the tokenizer's; repeatable)"
     )
