@@ -81,16 +81,16 @@ __all__ = [
 BASES = (None, "fp8", "mxfp4")
 #: The parameter tree keys of the weights a quantized base holds in FP8: the decoder layers'
 #: linear weights (the attention projections, the routed and shared experts' and the dense
-#: MLPs' gate/up/down), the weights a published FP8 checkpoint stores so. Not the embeddings,
-#: output head, norms, biases, sinks, router or shared-expert gate.
+#: MLPs' gate/up/down; the MTP modules' layers' as the MoE layers'), the weights a published
+#: FP8 checkpoint stores so. Not the embeddings, output head, norms, biases, sinks, router,
+#: shared-expert gate or an MTP module's ``eh_proj``.
 _ATTENTION = ("w_qkv", "w_o", "w_q", "w_q_a", "w_q_b", "w_kv_a", "w_kv_b")
+_EXPERTS = ("moe/w_in", "moe/w_out", "moe/shared_w_in", "moe/shared_w_out")
 BASE_WEIGHTS = frozenset(
     {
         *(f"{stack}/{k}" for stack in ("layers", "dense_layers") for k in _ATTENTION),
-        "layers/moe/w_in",
-        "layers/moe/w_out",
-        "layers/moe/shared_w_in",
-        "layers/moe/shared_w_out",
+        *(f"{stack}/{k}" for stack in ("layers", "mtp/block") for k in _EXPERTS),
+        *(f"mtp/block/{k}" for k in _ATTENTION),
         "dense_layers/mlp/w_in",
         "dense_layers/mlp/w_out",
     }

@@ -262,7 +262,10 @@ class MoEDecoder(Settings):
         at padding, counts for nothing). 0 (default): the modules stay out of the loss and are
         frozen (:meth:`trainable` leaves them out; ``save_pretrained`` writes them as loaded).
         DeepSeek-V3 trained with 0.3 then 0.1. With a pipe axis the modules run after the
-        last stage, on its devices. Not yet with LoRA or a quantized base (refused).
+        last stage, on its devices. With ``lora`` the modules' layers get adapters on the
+        same targets as the trunk's (their names: ``model.layers.{L + k}``, as the
+        checkpoint stores the modules), which the MTP loss trains with the trunk's; with
+        ``base="fp8"`` the modules' layers are base weights in FP8 like the trunk's.
       layout: the :class:`~jaxops.models._layout.Layout` of the fields above (not a field:
         built once, on construction).
 
@@ -373,16 +376,6 @@ class MoEDecoder(Settings):
             raise ConfigError(
                 f"{op}: mtp_loss_weight={w} needs multi-token-prediction modules; the config "
                 "has mtp_layers = 0 (a checkpoint announces them as num_nextn_predict_layers)"
-            )
-        why = (
-            "LoRA adapters" if self.lora is not None
-            else f"base={self.base!r}" if self.base is not None
-            else None
-        )  # fmt: skip
-        if why:
-            raise ConfigError(
-                f"{op}: training the multi-token-prediction modules (mtp_loss_weight={w}) with "
-                f"{why} is not built yet; with mtp_loss_weight=0 they stay frozen as loaded"
             )
 
     def _check_lora(self, op: str) -> None:

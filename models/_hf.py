@@ -109,7 +109,7 @@ def from_pretrained(
 
     DeepSeek-V3's and GLM-4.5's multi-token-prediction modules (``num_nextn_predict_layers``
     of them, stored as ``model.layers.{num_hidden_layers + k}.*``) load as the parameters
-    ``mtp`` (FP8 ones dequantized like the trunk's; with ``base="fp8"`` too, frozen), and
+    ``mtp`` (FP8 ones dequantized like the trunk's, or kept in FP8 with ``base="fp8"``), and
     their copies of the embedding and output head (``embed_tokens``, ``shared_head.head``) are
     checked equal to the model's own. A config that announces modules the files do not hold
     at all (transformers drops them when it saves) loads without them, with a warning, and its
@@ -333,7 +333,7 @@ def save_pretrained(
     if quantize == fp8.BLOCK:
         quant = Fp8Block()
         # the MTP modules' layers as the trunk's (DeepSeek-V3 ships them so)
-        quantized = [r for r in rules if r.ours.replace("mtp/block/", "layers/") in BASE_WEIGHTS]
+        quantized = [r for r in rules if r.ours in BASE_WEIGHTS]
         codec = Fp8Codec(quant, _expected_names(model, quantized))
         config["quantization_config"] = quant.to_hf(_unquantized_linears(model))
     # each MTP module's copies of the embedding and head, as published (one array, two names)

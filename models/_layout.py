@@ -588,20 +588,27 @@ class Layout(Settings):
         """One multi-token-prediction module's shapes (unstacked; :mod:`~jaxops.models._mtp`).
 
         ``enorm, hnorm [D]``, ``eh_proj [2D, D]`` (the embedding's rows first), ``head_norm
-        [D]`` and ``block``: an MoE layer's parameters, unquantized and without adapters.
+        [D]`` and ``block``: an MoE layer's parameters as :attr:`mtp_layout` lays them out
+        (with the trunk's adapters only where the MTP loss trains them).
         """
         d = self.config.hidden_size
-        plain = self.plain
-        block = {**plain.attention_shapes(), "moe": dict(plain.moe.param_shapes)}
+        block_layout = self.mtp_layout
+        block = {**block_layout.attention_shapes(), "moe": dict(block_layout.moe.param_shapes)}
         return {"enorm": (d,), "hnorm": (d,), "eh_proj": (2 * d, d), "head_norm": (d,),
                 "block": block}  # fmt: skip
 
     @functools.cached_property
-    def plain(self) -> Layout:
-        """This layout without adapters or a quantized base (the MTP modules' layers)."""
-        if self.lora is None and self.base is None:
+    def mtp_layout(self) -> Layout:
+        """The layout the MTP modules' layers run on (:mod:`~jaxops.models._mtp`).
+
+        This one, its quantized base included (a module's linear weights are base weights
+        like the trunk's: ``mtp/block/...`` of :data:`~jaxops.models._base.BASE_WEIGHTS`);
+        its LoRA adapters only when the MTP loss trains the modules (``mtp_loss_weight >
+        0``): frozen modules carry none.
+        """
+        if self.lora is None or self.mtp_trained:
             return self
-        return dataclasses.replace(self, lora=None, base=None)
+        return dataclasses.replace(self, lora=None)
 
     @property
     def mtp_trained(self) -> bool:
@@ -686,7 +693,7 @@ class Layout(Settings):
         if self.config.mtp_layers:  # after the last stage: replicated over the pipe axis
             specs["mtp"] = {
                 "enorm": P(), "hnorm": P(), "eh_proj": P(), "head_norm": P(),
-                "block": self.plain.layer_specs(None),
+                "block": self.mtp_layout.layer_specs(None),
             }  # fmt: skip
         return specs
 

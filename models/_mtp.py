@@ -15,7 +15,10 @@ Megatron-Core run them. Depth k + 1 reads depth k's output after ``head_norm`` (
 order; the published checkpoints have D = 1, so no checkpoint decides it).
 
 The parameters are ``params["mtp"]``, each leaf stacked ``[D, ...]``
-(:meth:`~jaxops.models._layout.Layout.weight_shapes`). The inputs and targets of every depth
+(:meth:`~jaxops.models._layout.Layout.weight_shapes`). A module's layer is laid out as the
+trunk's MoE layers (:attr:`~jaxops.models._layout.Layout.mtp_layout`): in FP8 with a quantized
+base, with LoRA adapters on the trunk's targets when the MTP loss trains the modules of a model
+with adapters. The inputs and targets of every depth
 are cut from the batch before it is split (:func:`shifted`), so that a context axis's rows and
 the microbatches carry them like the tokens.
 """
@@ -34,7 +37,10 @@ import jaxops
 from . import _batch, _layers, _run
 from ._layout import Layout
 
-__all__ = ["counts", "embedded", "hidden", "losses", "shifted", "term"]
+__all__ = ["BLOCK", "counts", "embedded", "hidden", "losses", "shifted", "term"]
+
+#: The tree key of the modules' layers (``params["mtp"]["block"]``, stacked over the depths).
+BLOCK = "mtp/block"
 
 
 def shifted(batch: _batch.Batch, depth: int) -> _batch.Batch:
@@ -104,15 +110,17 @@ def hidden(
     gathered); `embedded`: the tokens embedded already (:func:`embedded`; `tokens` unused).
     """
     c, ops = layout.config, layout.ops
-    plain = layout.plain
     eps = c.rms_norm_eps
     x = jaxops.rms_norm(h, head["final_norm"], eps=eps, impl=ops.impl)
     static, scanned = _layers.layer_kinds(c, [c.num_layers - 1])  # the last layer's pattern
     kind = None if scanned is None else jax.tree.map(lambda a: a[0], scanned)
-    step = _run.layer_step(plain, "layers", where, static, gather=False)
+    step = _run.layer_step(layout.mtp_layout, BLOCK, where, static, gather=False)
+    dropout = params.get(_layers.DROPOUT_KEY)  # a training step's LoRA dropout key
     out, aux = [], jnp.zeros((), jnp.float32)
     for k in range(c.mtp_layers):
         p = _depth(layout, params, k, gather)
+        # the module's layer is model layer L + k (its name in the checkpoint) for its dropout
+        drop = None if dropout is None else jax.random.fold_in(dropout, c.num_layers + k)
         if embedded is None:
             e = layout.embed(params["embed"], tokens[..., k], where)
         else:
@@ -120,7 +128,7 @@ def hidden(
         e = jaxops.rms_norm(e, p["enorm"], eps=eps, impl=ops.impl)
         prev = jaxops.rms_norm(x, p["hnorm"], eps=eps, impl=ops.impl)
         y = _layers.projection(ops, jnp.concatenate([e, prev], axis=-1), p["eh_proj"], None)
-        y, stats = step(y, (p["block"], kind, None))
+        y, stats = step(y, (p["block"], kind, drop))
         aux = aux + jnp.sum(stats.loss)
         head_k = {**head, "final_norm": p["head_norm"]}
         out.append((head_k, y))

@@ -291,7 +291,8 @@ def pipeline_step(
     """``(loss, grads of :func:`trainable`)`` of one pipeline_step (the schedule).
 
     With LoRA the base weights and the head are the pipeline's ``frozen`` leaves: only the
-    adapters' gradients are computed (in the stages, and in the dense layers ahead of them).
+    adapters' gradients are computed (in the stages, in the dense layers ahead of them and in
+    the MTP modules after them).
     `objective`: None (the cross-entropy over the counted targets), or ``(head, h, rows) ->``
     a microbatch's share of a loss normalized over the whole batch (post-training's), with
     `rows` a pytree of ``[B, ...]`` arrays split with the batch (the last stage's output `h`
@@ -352,8 +353,12 @@ def pipeline_step(
     # the head gathered in its own dtype: pipeline_step returns its gradient in it
     head = layout.head_params(params, cast=False)
     stages = layout.stages(params["layers"])
-    # with LoRA: every stage leaf but the adapters, and the head, read and not trained
+    # with LoRA: every stage leaf but the adapters, and the head, read and not trained (the
+    # MTP modules' adapters, in the loss's parameters, trained)
     frozen = (jax.tree.map(lambda a: a is None, adapters_of(stages), is_leaf=_is_none), True)
+    if lora and mtp:
+        laid = jax.tree.map(lambda a: a is None, adapters_of(extra[0]), is_leaf=_is_none)
+        frozen = (frozen[0], (True, True, laid))
     loss, g = pl.pipeline_step(
         functools.partial(_run.stage, layout),
         stages,
@@ -376,7 +381,10 @@ def pipeline_step(
     )
     d_ahead = ahead_vjp(g.inputs["h"])[0] if ahead_grads else wrt
     if lora:
-        return loss, {**adapters_of(params), **d_ahead, "layers": layers}
+        grads = {**adapters_of(params), **d_ahead, "layers": layers}
+        if mtp:  # the MTP modules' adapters' gradients (None at their frozen leaves)
+            grads["mtp"] = g.loss_params[2]["mtp"]
+        return loss, grads
     d_embed = d_ahead["embed"]
     head = g.loss_params[0]
     grads = {"embed": d_embed, "layers": layers, "final_norm": head["final_norm"]}

@@ -41,6 +41,8 @@ from ._adapters import (
 )
 from ._decoder import MoEDecoder
 from ._families import family
+from ._mtp import BLOCK
+from ._names import mtp_layers
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "load_adapter", "merge_adapter", "save_adapter"]
 
@@ -51,9 +53,35 @@ _PREFIX = "base_model.model.model.layers"
 
 
 def _layer_stacks(model: MoEDecoder) -> dict[str, tuple[int, ...]]:
-    """Our stacks and the model layers their rows are."""
+    """Our stacks of layers (their keys in the parameter tree) -> the model layers of their rows.
+
+    The MTP modules' layers (``mtp/block``) are ``model.layers.{L + k}``, as stored.
+    """
     c = model.config
-    return {"layers": c.moe_layers, "dense_layers": c.pattern.dense_layers}
+    out = {"layers": c.moe_layers, "dense_layers": c.pattern.dense_layers}
+    if c.mtp_layers:
+        out[BLOCK] = mtp_layers(c)
+    return out
+
+
+def _stack(params: dict[str, Any], key: str) -> dict[str, Any]:
+    """The subtree of stack `key` ("mtp/block": ``params["mtp"]["block"]``), {} if absent."""
+    for part in key.split("/"):
+        params = params.get(part, {})
+    return params
+
+
+def _moe_stacks(model: MoEDecoder) -> dict[str, tuple[int, ...]]:
+    """The stacks of MoE layers: the trunk's, and the MTP modules' when they have adapters."""
+    out = {"layers": model.config.moe_layers}
+    if _mtp_adapted(model):
+        out[BLOCK] = mtp_layers(model.config)
+    return out
+
+
+def _mtp_adapted(model: MoEDecoder) -> bool:
+    """Whether the MTP modules' layers carry adapters (``Layout.mtp_layout``)."""
+    return bool(model.config.mtp_layers) and model.layout.mtp_layout.lora is not None
 
 
 def _expert_names(model: MoEDecoder) -> dict[str, str]:
@@ -127,7 +155,7 @@ def _peft_tensors(model: MoEDecoder, params: dict[str, Any]) -> dict[str, np.nda
     """Every adapter tensor by its PEFT name (float32, on the host of every process)."""
     out: dict[str, np.ndarray] = {}
     for stack, layers in _layer_stacks(model).items():
-        p = params.get(stack, {})
+        p = _stack(params, stack)
         for name in attention_targets(model.config):
             if f"{name}_lora_a" not in p:
                 continue
@@ -145,19 +173,20 @@ def _peft_tensors(model: MoEDecoder, params: dict[str, Any]) -> dict[str, np.nda
             out[f"{key}.lora_A.weight"] = a[row].T
             out[f"{key}.lora_B.weight"] = b[row].T
     swapped = fam.peft_swapped
-    moe = params["layers"]["moe"]
-    for weight, module in _shared_names(model).items():
-        a, b = _host(moe[f"{weight}_lora_a"]), _host(moe[f"{weight}_lora_b"])
-        for row, layer in enumerate(model.config.moe_layers):
-            key = f"{_PREFIX}.{layer}.{module}"
-            out[f"{key}.lora_A.weight"] = a[row].T
-            out[f"{key}.lora_B.weight"] = b[row].T
-    for weight, module in _expert_names(model).items():
-        a, b = _host(moe[f"{weight}_lora_a"]), _host(moe[f"{weight}_lora_b"])
-        for row, layer in enumerate(model.config.moe_layers):
-            lora_a, lora_b = _to_peft(a[row], b[row], swapped)
-            key = f"{_PREFIX}.{layer}.{module}"
-            out[f"{key}.lora_A.weight"], out[f"{key}.lora_B.weight"] = lora_a, lora_b
+    for stack, layers in _moe_stacks(model).items():
+        moe = _stack(params, stack)["moe"]
+        for weight, module in _shared_names(model).items():
+            a, b = _host(moe[f"{weight}_lora_a"]), _host(moe[f"{weight}_lora_b"])
+            for row, layer in enumerate(layers):
+                key = f"{_PREFIX}.{layer}.{module}"
+                out[f"{key}.lora_A.weight"] = a[row].T
+                out[f"{key}.lora_B.weight"] = b[row].T
+        for weight, module in _expert_names(model).items():
+            a, b = _host(moe[f"{weight}_lora_a"]), _host(moe[f"{weight}_lora_b"])
+            for row, layer in enumerate(layers):
+                lora_a, lora_b = _to_peft(a[row], b[row], swapped)
+                key = f"{_PREFIX}.{layer}.{module}"
+                out[f"{key}.lora_A.weight"], out[f"{key}.lora_B.weight"] = lora_a, lora_b
     return out
 
 
@@ -294,6 +323,14 @@ def load_adapter(
         raise checkpoint.CheckpointError(
             f"{op}: {root} lacks {len(missing)} adapter tensor(s), e.g. {missing[:3]}"
         )
+    past = [k for k in stored if k not in expected and _layer_of(k) >= model.config.num_layers]
+    if past:  # adapters of MTP modules' layers (model.layers.{L + k}) the model has none of
+        raise ConfigError(
+            f"{op}: {root} holds {len(past)} adapter tensor(s) of layers past the trunk's "
+            f"{model.config.num_layers}, e.g. {sorted(past)[:2]}: the MTP modules' adapters. "
+            "The model's MTP layers carry adapters only when its MTP loss trains them: load "
+            "them into a model with mtp_loss_weight > 0 (and mtp_layers as trained)"
+        )
     for k, v in expected.items():
         if stored[k].shape != v.shape:
             raise checkpoint.CheckpointError(
@@ -302,53 +339,60 @@ def load_adapter(
     return _place(model, params, stored)
 
 
+def _layer_of(name: str) -> int:
+    """The layer index of a PEFT tensor name (``...model.layers.{i}....``), -1 if it has none."""
+    rest = name.removeprefix(_PREFIX + ".")
+    head = rest.split(".", 1)[0]
+    return int(head) if rest != name and head.isdigit() else -1
+
+
 def _place(model: MoEDecoder, params: dict[str, Any], stored: dict[str, np.ndarray]):
     """`params` with the adapter leaves built from PEFT's tensors `stored`, on their shardings."""
     out = jax.tree.map(lambda x: x, params)
     shardings = model.shardings()
+
+    def stacked(name: str, layers: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        a = np.stack([stored[name.format(i) + ".lora_A.weight"].T for i in layers])
+        b = np.stack([stored[name.format(i) + ".lora_B.weight"].T for i in layers])
+        return a, b
+
+    def put(node: dict, where: Any, leaf: str, value: np.ndarray) -> None:
+        node[leaf] = jax.device_put(value.astype(node[leaf].dtype), where[leaf])
+
     for stack, layers in _layer_stacks(model).items():
-        p = out.get(stack, {})
+        p, where = _stack(out, stack), _stack(shardings, stack)
         for name in attention_targets(model.config):
             if f"{name}_lora_a" not in p:
                 continue
-            key = f"{_PREFIX}.{{}}.self_attn.{name}"
-            a = np.stack([stored[key.format(i) + ".lora_A.weight"].T for i in layers])
-            b = np.stack([stored[key.format(i) + ".lora_B.weight"].T for i in layers])
-            for leaf, value in ((f"{name}_lora_a", a), (f"{name}_lora_b", b)):
-                p[leaf] = jax.device_put(value.astype(p[leaf].dtype), shardings[stack][leaf])
+            a, b = stacked(f"{_PREFIX}.{{}}.self_attn.{name}", layers)
+            put(p, where, f"{name}_lora_a", a)
+            put(p, where, f"{name}_lora_b", b)
     fam = family(model.config.model_type)
     mlp = out.get("dense_layers", {}).get("mlp", {})
     for name in _dense_names(model):
-        key = f"{_PREFIX}.{{}}.{fam.moe_module}.{name}"
-        layers = model.config.pattern.dense_layers
-        a = np.stack([stored[key.format(i) + ".lora_A.weight"].T for i in layers])
-        b = np.stack([stored[key.format(i) + ".lora_B.weight"].T for i in layers])
-        for leaf, value in ((f"{name}_lora_a", a), (f"{name}_lora_b", b)):
-            target = shardings["dense_layers"]["mlp"][leaf]
-            mlp[leaf] = jax.device_put(value.astype(mlp[leaf].dtype), target)
+        a, b = stacked(f"{_PREFIX}.{{}}.{fam.moe_module}.{name}", model.config.pattern.dense_layers)
+        put(mlp, shardings["dense_layers"]["mlp"], f"{name}_lora_a", a)
+        put(mlp, shardings["dense_layers"]["mlp"], f"{name}_lora_b", b)
     swapped = fam.peft_swapped
-    moe = out["layers"]["moe"]
-    for weight, module in _shared_names(model).items():
-        layers = model.config.moe_layers
-        a = np.stack([stored[f"{_PREFIX}.{i}.{module}.lora_A.weight"].T for i in layers])
-        b = np.stack([stored[f"{_PREFIX}.{i}.{module}.lora_B.weight"].T for i in layers])
-        for leaf, value in ((f"{weight}_lora_a", a), (f"{weight}_lora_b", b)):
-            target = shardings["layers"]["moe"][leaf]
-            moe[leaf] = jax.device_put(value.astype(moe[leaf].dtype), target)
     e = model.config.moe.num_experts
-    for weight, module in _expert_names(model).items():
-        pairs = [
-            _from_peft(
-                stored[f"{_PREFIX}.{i}.{module}.lora_A.weight"],
-                stored[f"{_PREFIX}.{i}.{module}.lora_B.weight"],
-                e,
-                swapped,
-            )
-            for i in model.config.moe_layers
-        ]
-        for k, leaf in enumerate((f"{weight}_lora_a", f"{weight}_lora_b")):
-            value = np.stack([pair[k] for pair in pairs]).astype(moe[leaf].dtype)
-            moe[leaf] = jax.device_put(value, shardings["layers"]["moe"][leaf])
+    for stack, layers in _moe_stacks(model).items():
+        moe, where = _stack(out, stack)["moe"], _stack(shardings, stack)["moe"]
+        for weight, module in _shared_names(model).items():
+            a, b = stacked(f"{_PREFIX}.{{}}.{module}", layers)
+            put(moe, where, f"{weight}_lora_a", a)
+            put(moe, where, f"{weight}_lora_b", b)
+        for weight, module in _expert_names(model).items():
+            pairs = [
+                _from_peft(
+                    stored[f"{_PREFIX}.{i}.{module}.lora_A.weight"],
+                    stored[f"{_PREFIX}.{i}.{module}.lora_B.weight"],
+                    e,
+                    swapped,
+                )
+                for i in layers
+            ]
+            for k, leaf in enumerate((f"{weight}_lora_a", f"{weight}_lora_b")):
+                put(moe, where, leaf, np.stack([pair[k] for pair in pairs]))
     return out
 
 
@@ -445,6 +489,9 @@ def merge_adapter(model: MoEDecoder, params: dict[str, Any]) -> tuple[MoEDecoder
             if stack in params:
                 layers = model.layout.dequantized(params[stack], stack)
                 out[stack] = _merged_layer(model, layers)
+        if "mtp" in params:  # the MTP modules' layers (adapted when their loss trained them)
+            block = model.layout.dequantized(params["mtp"]["block"], BLOCK)
+            out["mtp"] = {**params["mtp"], "block": _merged_layer(model, block)}
         return out
 
     with jax.set_mesh(model.mesh):

@@ -56,6 +56,7 @@ from ._decoding import (
 )
 from ._layers import Tokens, embed, layer_kinds, projection
 from ._layout import Layout
+from ._mtp import BLOCK
 from ._run import ffn
 
 __all__ = ["Drafts", "decode", "prefill", "slots"]
@@ -138,11 +139,11 @@ def _draft(
     ones. `kv`: this call's entries, ``keep`` applied, stacked ``[D, ...]``.
     """
     c, ops = layout.config, layout.ops
-    plain = layout.plain
+    block = layout.mtp_layout
     eps = c.rms_norm_eps
     static, scanned = layer_kinds(c, [c.num_layers - 1])  # the last layer's pattern
     kind = None if scanned is None else jax.tree.map(lambda a: a[0], scanned)
-    moe = ffn(plain, "layers")
+    moe = ffn(block, BLOCK)
     x = jaxops.rms_norm(h, head["final_norm"], eps=eps, impl=ops.impl)
     at_last = last[:, None, None]
     drafts, probs, entries = [], [], []
@@ -155,9 +156,7 @@ def _draft(
         prev = jaxops.rms_norm(x, p["hnorm"], eps=eps, impl=ops.impl)
         y = projection(ops, jnp.concatenate([e, prev], axis=-1), p["eh_proj"], None)
         cached = None if past is None else tuple(a[k] for a in past)
-        y, kv = layer(
-            plain, "layers", moe, where, keys, keep, static, y, (p["block"], cached, kind)
-        )
+        y, kv = layer(block, BLOCK, moe, where, keys, keep, static, y, (p["block"], cached, kind))
         y_last = jnp.take_along_axis(y, at_last, axis=1)
         logits = layout.head({**head, "final_norm": p["head_norm"]}, y_last)[:, 0]
         token, prob = _draw(s, logits, jax.random.fold_in(key, k))

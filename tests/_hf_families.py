@@ -367,6 +367,19 @@ def check_greedy_generate(model, params, torch_model, seq: int = 8, new: int = 6
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def randomized_adapters(model, params, seed: int = 0):
+    """`params` with every LoRA adapter leaf random (B not zero: a trained adapter), placed."""
+    rng = np.random.default_rng(seed)
+
+    def one(path, x, sharding):
+        if "_lora_" not in jax.tree_util.keystr(path):
+            return x
+        value = rng.normal(size=x.shape) * 0.3 / np.sqrt(x.shape[-2])
+        return jax.device_put(value.astype(np.float32), sharding)
+
+    return jax.tree_util.tree_map_with_path(one, params, model.shardings())
+
+
 def max_rel_err(got, want) -> float:
     """max |got - want| / max |want|, in float64."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)

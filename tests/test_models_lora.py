@@ -52,20 +52,6 @@ CASES = {
 }  # fmt: skip
 
 
-def _randomized(model, params, seed: int = 0):
-    """`params` with every adapter leaf random (B not zero: a trained adapter)."""
-    rng = np.random.default_rng(seed)
-    shardings = model.shardings()
-
-    def one(path, x, sharding):
-        if "_lora_" not in jax.tree_util.keystr(path):
-            return x
-        value = rng.normal(size=x.shape) * 0.3 / np.sqrt(x.shape[-2])
-        return jax.device_put(value.astype(np.float32), sharding)
-
-    return jax.tree_util.tree_map_with_path(one, params, shardings)
-
-
 def _load(hf_families, family, targets, **options):
     torch_model, path = hf_families.hf(family)
     model, params = models.from_pretrained(
@@ -82,7 +68,7 @@ def _load(hf_families, family, targets, **options):
 @pytest.mark.parametrize("family", list(CASES))
 def test_adapters_match_peft_on_transformers(hf_families, family, tmp_path):
     torch_model, _, model, params = _load(hf_families, family, CASES[family])
-    params = _randomized(model, params)
+    params = fam.randomized_adapters(model, params)
     out = models.save_adapter(model, params, tmp_path / "adapter")
     tuned = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(out)).eval()
     tokens = fam.random_tokens(8, seed=2)
@@ -142,7 +128,7 @@ def test_microbatches_and_generation_with_adapters(hf_families, tmp_path):
     greedy generation with the adapters (the KV cache's projections adapted too), read back
     on another mesh, is PEFT's."""
     torch_model, _, model, params = _load(hf_families, "qwen3_moe", ("k_proj", "o_proj"))
-    params = _randomized(model, params, seed=3)
+    params = fam.randomized_adapters(model, params, seed=3)
     tokens = fam.random_tokens(16, seed=5)
     batch = model.place_batch(tokens, np.roll(tokens, -1, axis=1))
     loss, grads = jax.jit(model.loss_and_grads)(params, *batch)
@@ -205,7 +191,7 @@ def test_adapters_train_through_a_pipeline(hf_families, family, tmp_path):
             path, mesh=fam.mesh(mesh_name), dtype=np.float32, num_microbatches=2,
             lora=Lora(4, 8.0, CASES[family]), router_aux_loss_coef=0.0,
         )  # fmt: skip
-        runs[mesh_name] = model, _randomized(model, params)
+        runs[mesh_name] = model, fam.randomized_adapters(model, params)
     model, params = runs["p2e4"]
     out = models.save_adapter(model, params, tmp_path / "adapter")
     tuned = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(out)).eval()
@@ -268,7 +254,7 @@ def test_merge_then_save_pretrained_loads_in_transformers(hf_families, family, t
     save_pretrained's checkpoint loads in transformers with the same logits."""
     transformers = pytest.importorskip("transformers")
     _, _, model, params = _load(hf_families, family, lora_targets_of(family))
-    params = _randomized(model, params, seed=6)
+    params = fam.randomized_adapters(model, params, seed=6)
     tokens = fam.random_tokens(8, seed=7)
     want = jax.jit(model.logits)(params, model.place_batch(tokens))
     plain, merged = models.merge_adapter(model, params)
@@ -295,7 +281,7 @@ def test_adapter_gradients_are_the_chain_rule_of_the_merged_weights(hf_families)
     """dL/dA = scaling dL/dW B^T and dL/dB = scaling A^T dL/dW, with dL/dW the plain model's
     gradient at the merged weights: for the q part of w_qkv and every expert's w_in."""
     _, _, model, params = _load(hf_families, "qwen3_moe", ("q_proj", "experts.gate_up_proj"))
-    params = _randomized(model, params, seed=8)
+    params = fam.randomized_adapters(model, params, seed=8)
     tokens = fam.random_tokens(16, seed=9)
     batch = model.place_batch(tokens, np.roll(tokens, -1, axis=1))
     _, grads = jax.jit(model.loss_and_grads)(params, *batch)
@@ -410,7 +396,7 @@ def test_dropout_in_the_training_step(tmp_path):
         model, step = built[targets, dropout]
         params = model.init(jax.random.key(0))
         if not fresh:
-            params = _randomized(model, params)
+            params = fam.randomized_adapters(model, params)
         return float(step(params, tokens, tokens, dropout_key=key)[0])
 
     experts = ("experts.gate_up_proj", "experts.down_proj")

@@ -11,6 +11,7 @@ MTP layer itself, the head.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -20,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _hf_families import build, max_rel_err, mesh, random_tokens
+from _hf_families import build, max_rel_err, mesh, random_tokens, randomized_adapters
 from jaxops.models import post
+from jaxops.models._adapters import lora_targets
 from jaxops.parallel.checkpoint import CheckpointError, hf_tensors
 from safetensors.numpy import load_file, save_file
 
@@ -198,7 +200,8 @@ def test_load_save_keeps_every_mtp_tensor_bytewise(made, family, tmp_path):
 
 def test_fp8_export_quantizes_the_module_layer_as_the_trunks(made, tmp_path):
     """quantize=BLOCK writes the MTP layer's linears in FP8 like the trunk's, eh_proj as it is;
-    base="fp8" loads the module dequantized and frozen: its logits are the dequantized model's."""
+    base="fp8" keeps the module's layer in FP8 as stored (bytes and scales), frozen: its logits
+    are those of the checkpoint dequantized at load."""
     path, _, _ = made["deepseek_v3"]
     model, params = _load(path)
     out = tmp_path / "fp8"
@@ -210,9 +213,13 @@ def test_fp8_export_quantizes_the_module_layer_as_the_trunks(made, tmp_path):
     assert stored[pre + "eh_proj.weight"].dtype == "F32"
     assert pre + "eh_proj.weight_scale_inv" not in stored
     qlora, qparams = _load(out, base="fp8")
-    assert "mtp" not in qlora.trainable(qparams) or not jax.tree.leaves(
-        qlora.trainable(qparams)["mtp"]
-    )
+    block = qparams["mtp"]["block"]
+    assert block["w_kv_b"].dtype == block["moe"]["w_out"].dtype == np.uint8
+    assert block["w_kv_b_scale_inv"].dtype == np.float32
+    assert qparams["mtp"]["eh_proj"].dtype == np.float32
+    trunk = qparams["layers"]["w_kv_b"][0]  # the trunk's layer of the same shape, as stored
+    assert trunk.shape == block["w_kv_b"][0].shape and trunk.dtype == np.uint8
+    assert not jax.tree.leaves(qlora.trainable(qparams)["mtp"])
     deq, dparams = _load(out)  # the same checkpoint dequantized at load
     ids = random_tokens(2, SEQ, seed=6)
     want = np.asarray(jax.jit(deq.mtp_logits)(dparams, ids))[:, : SEQ - 1]
@@ -253,6 +260,117 @@ def test_unannounced_or_mismatched_modules_are_refused(made, tmp_path):
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=f"{name} differs from model.embed_tokens.weight"):
         _load(bad)
+
+
+def _lora(model_config, **options) -> dict:
+    """LoRA on every target the family has (the MTP layers' included), rank 4."""
+    return dict(lora=jaxops.Lora(4, 8.0, lora_targets(model_config)), **options)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_adapts_the_modules_layers_as_peft_does(made, family, tmp_path):
+    """LoRA with the MTP loss on: the modules' layers carry adapters on the trunk's targets
+    (every target the family has). save_adapter writes them as ``model.layers.{L}``'s, and PEFT
+    loads them onto transformers' model of L + 1 layers (its layer L is the module's): the
+    float64 oracle of that model gives the MTP logits jaxops computes with the adapters.
+    merge_adapter folds them in (the merged model's MTP logits the same) and load_adapter reads
+    them back bit for bit; a model whose modules are frozen refuses them."""
+    peft = pytest.importorskip("peft")
+    path, torch_model, mtp = made[family]
+    plain, _ = _load(path)
+    model, params = _load(path, **_lora(plain.config, mtp_loss_weight=0.3))
+    params = randomized_adapters(model, params, seed=4)
+    block = params["mtp"]["block"]
+    assert any("_lora_" in k for k in block) and any("_lora_" in k for k in block["moe"])
+    out = models.save_adapter(model, params, tmp_path / "adapter")
+    stored = load_file(out / "adapter_model.safetensors")
+    assert any(n.startswith(f"base_model.model.model.layers.{LAYERS}.") for n in stored)
+    tuned = peft.PeftModel.from_pretrained(copy.deepcopy(torch_model), str(out)).eval()
+    ids = random_tokens(2, SEQ, seed=5)
+    got = np.asarray(jax.jit(model.mtp_logits)(params, ids))[:, : SEQ - 1]
+    want = _oracle(tuned.base_model.model, mtp, ids, 1)[:, : SEQ - 1]
+    err = max_rel_err(got, want)
+    print(f"{family}: adapted MTP logits' max relative error against PEFT {err:.2e}")
+    assert err < 1e-4
+    unadapted = _oracle(torch_model, mtp, ids, 1)[:, : SEQ - 1]
+    assert max_rel_err(got, unadapted) > 20 * max(err, 1e-6)  # the adapters matter
+    merged_model, merged = models.merge_adapter(model, params)
+    np.testing.assert_allclose(
+        jax.jit(merged_model.mtp_logits)(merged, ids)[:, : SEQ - 1], got, rtol=2e-5, atol=2e-5
+    )
+    fresh = model.add_adapters(jax.tree.map(lambda x: x, params), jax.random.key(7))
+    back = models.load_adapter(model, fresh, out)
+    for (where, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(back), jax.tree.leaves(params), strict=True
+    ):
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(where))
+    frozen, fparams = _load(path, **_lora(plain.config))
+    assert not any("_lora_" in k for k in fparams["mtp"]["block"])
+    with pytest.raises(models.ConfigError, match=r"layers past the trunk's 3.*mtp_loss_weight > 0"):
+        models.load_adapter(frozen, fparams, out)
+
+
+def test_qlora_trains_the_modules_adapters_on_an_fp8_layer(made):
+    """base="fp8" with LoRA and the MTP loss: the modules' layers stay FP8 bytes (bit for bit
+    through adamw steps) while their adapters train; the loss is the merged (dequantized)
+    model's; with weight 0 the modules carry no adapters and nothing of them moves."""
+    path, _, _ = made["deepseek_v3"]
+    plain, _ = _load(path)
+    ids = random_tokens(2, SEQ, seed=12)
+    targets = np.roll(ids, -1, axis=1)
+    opt = optax.adam(1e-2)
+    for weight in (0.3, 0.0):
+        model, params = _load(path, **_lora(plain.config, base="fp8", mtp_loss_weight=weight))
+        block = params["mtp"]["block"]
+        assert block["w_q_b"].dtype == block["moe"]["w_in"].dtype == np.uint8
+        params = randomized_adapters(model, params, seed=13)
+        merged_model, merged = models.merge_adapter(model, params)
+        np.testing.assert_allclose(
+            model.loss(params, ids, targets), merged_model.loss(merged, ids, targets), rtol=2e-5
+        )
+        before = jax.tree.map(np.asarray, params["mtp"])
+        state = model.init_optimizer(opt, params)
+        step = model.train_step(opt)
+        for _ in range(2):
+            params, state, _ = step(params, state, ids, targets)
+        for (where, a), b in zip(
+            jax.tree_util.tree_leaves_with_path(params["mtp"]),
+            jax.tree.leaves(before),
+            strict=True,
+        ):
+            moved = not np.array_equal(a, b)
+            assert moved == (weight > 0 and "_lora_" in jax.tree_util.keystr(where)), where
+
+
+def test_lora_meshes_give_the_one_device_loss_and_gradients(made):
+    """LoRA with the MTP loss: data x expert (flat gradients) and pipe x data x expert (the
+    modules' adapters trained after the last stage, 2 microbatches) give one device's loss and
+    adapter gradients, the modules' adapters' included."""
+    path, _, _ = made["glm4_moe"]
+    plain, _ = _load(path)
+    ids = random_tokens(8, 16, seed=14)
+    targets = np.roll(ids, -1, axis=1)
+    one, params = _load(path, **_lora(plain.config, mtp_loss_weight=0.5))
+    params = randomized_adapters(one, params, seed=15)
+    want_loss, want = jax.jit(one.loss_and_grads)(params, ids, targets)
+    assert any(np.abs(g).max() > 0 for g in jax.tree.leaves(want["mtp"]))
+    meshes = {
+        "d2e4": ((2, 4), ("data", "expert"), {}),
+        "p2d2e2": ((2, 2, 2), ("pipe", "data", "expert"), {"num_microbatches": 2}),
+    }
+    for name, (shape, axes, options) in meshes.items():
+        devices = jax.devices()[: int(np.prod(shape))]
+        model, p = _load(path, mesh=jax.make_mesh(shape, axes, devices=devices),
+                         **_lora(plain.config, mtp_loss_weight=0.5, **options))  # fmt: skip
+        p = jax.tree.map(lambda a, s: jax.device_put(np.asarray(a), s), params, model.shardings())
+        args = model.place_batch(ids, targets)
+        loss, grads = jax.jit(model.loss_and_grads)(p, *args)
+        np.testing.assert_allclose(loss, want_loss, rtol=2e-5, err_msg=name)
+        for (where, g), w in zip(
+            jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want), strict=True
+        ):
+            where = f"{name} {jax.tree_util.keystr(where)}"
+            np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-6, err_msg=where)
 
 
 def _masked_ce(logits: np.ndarray, targets: np.ndarray) -> tuple[float, int]:
@@ -365,8 +483,8 @@ def test_pipeline_averages_the_modules_aux_losses_over_microbatches(made):
 
 
 def test_bad_settings_are_refused():
-    """mtp_loss_weight: a number >= 0, MTP modules in the config, no LoRA / base yet, no
-    post-training step (its objective has no MTP term)."""
+    """mtp_loss_weight: a number >= 0, MTP modules in the config, no post-training step (its
+    objective has no MTP term)."""
     hf = models.family("deepseek_v3").tiny_config(num_nextn_predict_layers=1)
     cfg = models.DecoderConfig.from_hf(hf)
     one = mesh("1dev")
@@ -378,8 +496,6 @@ def test_bad_settings_are_refused():
         models.MoEDecoder(plain, one, mtp_loss_weight=0.1)
     with pytest.raises(models.ConfigError, match="no multi-token-prediction modules"):
         models.MoEDecoder(plain, one).mtp_logits({}, np.zeros((1, 4), np.int32))
-    with pytest.raises(models.ConfigError, match="LoRA adapters"):
-        models.MoEDecoder(cfg, one, mtp_loss_weight=0.1, lora=jaxops.Lora(2, 4, ("o_proj",)))
     trained = models.MoEDecoder(cfg, one, mtp_loss_weight=0.1)  # DPO / GRPO have no MTP term
     for step in (post.dpo_step, post.grpo_step):
         with pytest.raises(models.ConfigError, match=r"post\.\w+_step: .* has no MTP term"):

@@ -16,8 +16,10 @@ import jax
 import numpy as np
 import pytest
 import scipy.stats
-from _hf_families import mesh
+from _hf_families import mesh, randomized_adapters
+from jaxops.models._adapters import lora_targets
 
+import jaxops
 from jaxops import models
 
 VOCAB = 4  # small: random MTP modules' drafts are then often the trunk's tokens
@@ -65,16 +67,15 @@ def test_greedy_output_is_the_plain_greedy_output(family, depth, seed, mesh_name
     np.testing.assert_array_equal(np.asarray(one), plain[:, :6])
 
 
-def test_drafts_are_the_modules_argmax_on_the_generated_text():
+def _check_drafts_replay(model, params, prompt: np.ndarray, new: int) -> None:
     """D = 1: each draft is the argmax of ``mtp_logits`` at the position before the last token
     emitted (the module at i reads the trunk at i and token i + 1, predicts i + 2): replaying
     greedy acceptance with those drafts gives every row's trunk steps exactly, so the tokens fed
     to the module and its own KV cache are the ones it was trained on."""
-    model, params = _model("deepseek_v3", 1, 8, "d2e4")
-    prompt = np.random.default_rng(5).integers(0, VOCAB, (8, 5)).astype(np.int32)
-    s, new = prompt.shape[1], 16
+    s = prompt.shape[1]
     out, stats = models.generate(model, params, prompt, new, speculative="mtp", return_stats=True)
     seq = np.asarray(out)
+    np.testing.assert_array_equal(seq, np.asarray(models.generate(model, params, prompt, new)))
     mtp = np.asarray(jax.jit(model.mtp_logits)(params, model.place_batch(seq)))[:, :, 0]
     draft = mtp.argmax(-1)  # draft[b, i]: the module's token i + 2
     want = []
@@ -86,6 +87,28 @@ def test_drafts_are_the_modules_argmax_on_the_generated_text():
         want.append(steps)
     np.testing.assert_array_equal(np.asarray(stats["trunk_steps"]), want)
     assert min(want) < new and len(set(want)) > 1  # drafts were kept, rows differ
+
+
+def test_drafts_are_the_modules_argmax_on_the_generated_text():
+    """:func:`_check_drafts_replay` on data x expert."""
+    model, params = _model("deepseek_v3", 1, 8, "d2e4")
+    prompt = np.random.default_rng(5).integers(0, VOCAB, (8, 5)).astype(np.int32)
+    _check_drafts_replay(model, params, prompt, 16)
+
+
+def test_drafts_run_the_modules_adapters_on_an_fp8_base():
+    """QLoRA with the MTP loss (the modules' layer in FP8 with adapters on every target, B
+    random): the drafts are still the modules' own ``mtp_logits`` (:func:`_check_drafts_replay`),
+    the greedy output plain greedy's."""
+    hf = models.family("deepseek_v3").tiny_config(num_nextn_predict_layers=1, vocab_size=VOCAB)
+    config = models.DecoderConfig.from_hf(hf)
+    lora = jaxops.Lora(4, 8.0, lora_targets(config))
+    model = models.MoEDecoder(config, mesh("1dev"), lora=lora, base="fp8", mtp_loss_weight=0.3)
+    params = randomized_adapters(model, model.init(jax.random.key(6)), seed=7)
+    assert params["mtp"]["block"]["w_kv_b"].dtype == np.uint8
+    assert "kv_b_proj_lora_b" in params["mtp"]["block"]
+    prompt = np.random.default_rng(8).integers(0, VOCAB, (8, 5)).astype(np.int32)
+    _check_drafts_replay(model, params, prompt, 16)
 
 
 def test_sampling_keeps_the_plain_distribution():
