@@ -12,6 +12,10 @@ expert e is ``scaling * B_e^T A_e^T`` in the tensor's own ``[out, in]`` layout, 
 transposed. Both expert tensors of a module targeted, the first (``gate_up_proj``) is wrapped
 inside the second: its names carry ``.base_layer``. Llama 4's fused tensors are read by PEFT
 as ``[E, out, in]`` (:attr:`Family.peft_swapped`): there ``lora_A`` holds B and ``lora_B`` A.
+The multi-token-prediction modules' layers, when their loss trains adapters on them, are
+``model.layers.{L + k}`` (where the checkpoint stores them): PEFT applies those to the last
+layers of transformers' model built with ``num_hidden_layers = L + D`` (transformers builds no
+MTP modules; on its ``L``-layer model PEFT leaves them unused).
 """
 
 from __future__ import annotations
@@ -238,8 +242,9 @@ def save_adapter(model: MoEDecoder, params: dict[str, Any], path: str | os.PathL
     the experts' ``target_parameters``) and ``adapter_model.safetensors``, which
     ``peft.PeftModel.from_pretrained(model, path)`` loads onto transformers' model of the
     family (the base checkpoint :func:`~jaxops.models.from_pretrained` read) and
-    :func:`load_adapter` reads back. The base weights are not written. Every process calls it
-    (the adapters are gathered); process 0 writes.
+    :func:`load_adapter` reads back. The base weights are not written; the MTP modules' layers'
+    adapters (a model with ``mtp_loss_weight > 0``) are, as ``model.layers.{L + k}``'s. Every
+    process calls it (the adapters are gathered); process 0 writes.
 
     Args:
       model: a :class:`~jaxops.models.MoEDecoder` with ``lora``.
@@ -278,8 +283,10 @@ def load_adapter(
     the model's ``lora`` (its ``adapter_config.json`` is checked), and PEFT features jaxops does
     not build (another adapter type, DoRA, LoRA biases, per-module ranks or alphas, trained
     copies of whole modules, a layer subset) are refused naming the key; every adapter tensor
-    the model has must be there with its shape (CheckpointError naming it). The adapters are
-    placed as the parameters are.
+    the model has must be there with its shape (CheckpointError naming it), and adapters of
+    layers past the trunk that the model has none of (an MTP module's, for a model whose
+    modules are frozen) are refused (ConfigError). The adapters are placed as the parameters
+    are.
     """
     op = "jaxops.models.load_adapter"
     _check_lora(op, model)

@@ -272,7 +272,8 @@ def test_lora_adapts_the_modules_layers_as_peft_does(made, family, tmp_path):
     """LoRA with the MTP loss on: the modules' layers carry adapters on the trunk's targets
     (every target the family has). save_adapter writes them as ``model.layers.{L}``'s, and PEFT
     loads them onto transformers' model of L + 1 layers (its layer L is the module's): the
-    float64 oracle of that model gives the MTP logits jaxops computes with the adapters.
+    float64 oracle of that model gives the MTP logits jaxops computes with the adapters (on
+    transformers' L-layer model PEFT leaves them unused: the trunk's logits the same).
     merge_adapter folds them in (the merged model's MTP logits the same) and load_adapter reads
     them back bit for bit; a model whose modules are frozen refuses them."""
     peft = pytest.importorskip("peft")
@@ -294,6 +295,15 @@ def test_lora_adapts_the_modules_layers_as_peft_does(made, family, tmp_path):
     assert err < 1e-4
     unadapted = _oracle(torch_model, mtp, ids, 1)[:, : SEQ - 1]
     assert max_rel_err(got, unadapted) > 20 * max(err, 1e-6)  # the adapters matter
+    # transformers' own L-layer model (no MTP layers): PEFT leaves the modules' adapters unused
+    cut = _float64(build(family, num_hidden_layers=LAYERS))
+    cut.load_state_dict(
+        {k: v for k, v in torch_model.state_dict().items() if f"layers.{LAYERS}." not in k}
+    )
+    cut = peft.PeftModel.from_pretrained(cut, str(out)).eval()
+    with torch.no_grad():
+        ref = cut(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    assert max_rel_err(jax.jit(model.logits)(params, ids), ref) < 1e-4
     merged_model, merged = models.merge_adapter(model, params)
     np.testing.assert_allclose(
         jax.jit(merged_model.mtp_logits)(merged, ids)[:, : SEQ - 1], got, rtol=2e-5, atol=2e-5
@@ -311,35 +321,36 @@ def test_lora_adapts_the_modules_layers_as_peft_does(made, family, tmp_path):
 
 
 def test_qlora_trains_the_modules_adapters_on_an_fp8_layer(made):
-    """base="fp8" with LoRA and the MTP loss: the modules' layers stay FP8 bytes (bit for bit
-    through adamw steps) while their adapters train; the loss is the merged (dequantized)
-    model's; with weight 0 the modules carry no adapters and nothing of them moves."""
+    """base="fp8" with LoRA (attention, shared and routed experts) and the MTP loss: the
+    modules' layers stay FP8 bytes (bit for bit through an adamw step) while their adapters
+    train; the loss is the merged (dequantized) model's. With weight 0 the modules carry no
+    adapters and nothing of them is trained."""
     path, _, _ = made["deepseek_v3"]
-    plain, _ = _load(path)
     ids = random_tokens(2, SEQ, seed=12)
     targets = np.roll(ids, -1, axis=1)
+    adapted = ("q_b_proj", "kv_b_proj", "shared_experts.down_proj", "experts.gate_up_proj")
+    lora = jaxops.Lora(4, 8.0, adapted)
+    model, params = _load(path, lora=lora, base="fp8", mtp_loss_weight=0.3)
+    block = params["mtp"]["block"]
+    assert block["w_q_b"].dtype == block["moe"]["w_in"].dtype == np.uint8
+    params = randomized_adapters(model, params, seed=13)
+    merged_model, merged = models.merge_adapter(model, params)
+    np.testing.assert_allclose(
+        jax.jit(model.loss)(params, ids, targets),
+        jax.jit(merged_model.loss)(merged, ids, targets),
+        rtol=2e-5,
+    )
+    before = jax.tree.map(np.asarray, params["mtp"])
     opt = optax.adam(1e-2)
-    for weight in (0.3, 0.0):
-        model, params = _load(path, **_lora(plain.config, base="fp8", mtp_loss_weight=weight))
-        block = params["mtp"]["block"]
-        assert block["w_q_b"].dtype == block["moe"]["w_in"].dtype == np.uint8
-        params = randomized_adapters(model, params, seed=13)
-        merged_model, merged = models.merge_adapter(model, params)
-        np.testing.assert_allclose(
-            model.loss(params, ids, targets), merged_model.loss(merged, ids, targets), rtol=2e-5
-        )
-        before = jax.tree.map(np.asarray, params["mtp"])
-        state = model.init_optimizer(opt, params)
-        step = model.train_step(opt)
-        for _ in range(2):
-            params, state, _ = step(params, state, ids, targets)
-        for (where, a), b in zip(
-            jax.tree_util.tree_leaves_with_path(params["mtp"]),
-            jax.tree.leaves(before),
-            strict=True,
-        ):
-            moved = not np.array_equal(a, b)
-            assert moved == (weight > 0 and "_lora_" in jax.tree_util.keystr(where)), where
+    params, _, _ = model.train_step(opt)(params, model.init_optimizer(opt, params), ids, targets)
+    for (where, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(params["mtp"]), jax.tree.leaves(before), strict=True
+    ):
+        assert (not np.array_equal(a, b)) == ("_lora_" in jax.tree_util.keystr(where)), where
+    frozen, fparams = _load(path, lora=lora, base="fp8")
+    assert fparams["mtp"]["block"]["w_q_b"].dtype == np.uint8
+    assert not any("_lora_" in k for k in fparams["mtp"]["block"])
+    assert not jax.tree.leaves(frozen.trainable(fparams)["mtp"])
 
 
 def test_lora_meshes_give_the_one_device_loss_and_gradients(made):
@@ -392,8 +403,8 @@ def test_loss_adds_the_weighted_depth_loss_within_documents(made):
     targets[0, 2] = -100  # an ignored target stays ignored for the depth that reads it
     segments = np.array([[1] * 5 + [2] * 7, [1] * 9 + [0] * 3], np.int32)  # packed; padding
     batch = dict(segment_ids=segments)
-    main = float(frozen.loss(params, ids, targets, **batch))
-    got = float(model.loss(params, ids, targets, **batch))
+    main = float(jax.jit(frozen.loss)(params, ids, targets, **batch))
+    got = float(jax.jit(model.loss)(params, ids, targets, **batch))
     logits = np.asarray(jax.jit(frozen.mtp_logits)(params, ids, **batch))[:, :, 0]
     want_t = np.full_like(targets, -100)
     for b in range(2):
@@ -407,7 +418,7 @@ def test_loss_adds_the_weighted_depth_loss_within_documents(made):
     np.testing.assert_allclose(got, main + 0.3 * total / count, rtol=2e-6)
     # one row per microbatch: each depth's count is still the whole batch's
     micro, _ = _load(path, mtp_loss_weight=0.3, num_microbatches=2)
-    np.testing.assert_allclose(micro.loss(params, ids, targets, **batch), got, rtol=2e-6)
+    np.testing.assert_allclose(jax.jit(micro.loss)(params, ids, targets, **batch), got, rtol=2e-6)
 
 
 def test_train_step_updates_the_modules_only_with_a_weight(made):
