@@ -75,6 +75,7 @@ __all__ = [
     "Table",
     "time_fn",
     "time_interleaved",
+    "time_train_steps",
     "Timing",
     "tokens_columns",
     "tokens_fields",
@@ -217,6 +218,31 @@ def time_interleaved(
             calls, sync_each, _ = plans[name]
             samples[name].append(_sample(fn, args, calls, sync_each))
     return {name: Timing(tuple(samples[name]), plans[name][0], plans[name][2]) for name in cases}
+
+
+def time_train_steps(
+    steps: Mapping[str, Callable[..., Any]],
+    params: dict[str, Any],
+    states: dict[str, Any],
+    batch: Sequence[Any],
+    *,
+    repeats: int = 20,
+) -> dict[str, Timing]:
+    """Times donating training steps, interleaved (:func:`time_interleaved`).
+
+    `steps`: name -> ``(params, state, *batch) -> (params, state, loss)``. Each call takes
+    and returns its parameters and state (`params` and `states`, name -> tree, keep the
+    newest), so the timed calls are real training steps.
+    """
+
+    def stepper(name: str) -> Callable[[], Any]:
+        def call():
+            params[name], states[name], loss = steps[name](params[name], states[name], *batch)
+            return loss
+
+        return call
+
+    return time_interleaved({name: (stepper(name), ()) for name in steps}, repeats=repeats)
 
 
 def time_fn(

@@ -113,18 +113,7 @@ def run(args) -> H.Result:
         }
         params = {"full": base, "lora": adapted, "qlora": quantized}
 
-        # Donating steps: each call takes and returns its parameters and state (a closure
-        # keeps the newest), so the timed calls are real training steps.
-        def stepper(name, params=params, states=states, steps=steps, batch=batch):
-            def call():
-                params[name], states[name], loss = steps[name](params[name], states[name], *batch)
-                return loss
-
-            return call
-
-        timings = H.time_interleaved(
-            {name: (stepper(name), ()) for name in steps}, repeats=args.repeats
-        )
+        timings = H.time_train_steps(steps, params, states, batch, repeats=args.repeats)
         grads = {"full": _nbytes(base), "lora": _nbytes(lora.trainable(adapted))}
         state = {k: grads[k] + _nbytes(states[k]) for k in grads}
         row = {

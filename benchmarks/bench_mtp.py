@@ -142,18 +142,7 @@ def run(args) -> H.Result:
         tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (b, s)).astype(np.int32)
         batch = models["trunk"].place_batch(tokens, np.roll(tokens, -1, axis=1))
 
-        # Donating steps: each call takes and returns its parameters and state (a closure
-        # keeps the newest), so the timed calls are real training steps.
-        def stepper(name, params=params, states=states, steps=steps, batch=batch):
-            def call():
-                params[name], states[name], loss = steps[name](params[name], states[name], *batch)
-                return loss
-
-            return call
-
-        timings = H.time_interleaved(
-            {name: (stepper(name), ()) for name in steps}, repeats=args.repeats
-        )
+        timings = H.time_train_steps(steps, params, states, batch, repeats=args.repeats)
         ms = {k: 1e3 * t.median for k, t in timings.items()}
         row = {
             "case": case,
