@@ -601,14 +601,17 @@ class Layout(Settings):
     def mtp_layout(self) -> Layout:
         """The layout the MTP modules' layers run on (:mod:`~jaxops.models._mtp`).
 
-        This one, its quantized base included (a module's linear weights are base weights
-        like the trunk's: ``mtp/block/...`` of :data:`~jaxops.models._base.BASE_WEIGHTS`);
-        its LoRA adapters only when the MTP loss trains the modules (``mtp_loss_weight >
-        0``): frozen modules carry none.
+        This one, its FP8 base included (a module's linear weights are base weights like the
+        trunk's: ``mtp/block/...`` of :data:`~jaxops.models._base.BASE_WEIGHTS`; an MXFP4 base
+        packs the trunk's routed experts only, as gpt-oss publishes them, and leaves the
+        modules' layers unquantized); its LoRA adapters only when the MTP loss trains the
+        modules (``mtp_loss_weight > 0``): frozen modules carry none.
         """
-        if self.lora is None or self.mtp_trained:
+        lora = self.lora if self.mtp_trained else None
+        base = None if self.base == "mxfp4" else self.base
+        if (lora, base) == (self.lora, self.base):
             return self
-        return dataclasses.replace(self, lora=None)
+        return dataclasses.replace(self, lora=lora, base=base)
 
     @property
     def mtp_trained(self) -> bool:

@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -283,10 +284,12 @@ def load_adapter(
     the model's ``lora`` (its ``adapter_config.json`` is checked), and PEFT features jaxops does
     not build (another adapter type, DoRA, LoRA biases, per-module ranks or alphas, trained
     copies of whole modules, a layer subset) are refused naming the key; every adapter tensor
-    the model has must be there with its shape (CheckpointError naming it), and adapters of
-    layers past the trunk that the model has none of (an MTP module's, for a model whose
-    modules are frozen) are refused (ConfigError). The adapters are placed as the parameters
-    are.
+    the model has must be there with its shape (CheckpointError naming it), but for a
+    trunk-only adapter read into a model that trains its MTP modules' adapters: theirs in
+    `params` are kept (with a warning), so a LoRA trained without the MTP loss goes on with it.
+    Adapters of layers past the trunk that the model has none of (an MTP module's, for a model
+    whose modules are frozen) are refused (ConfigError). The adapters are placed as the
+    parameters are.
     """
     op = "jaxops.models.load_adapter"
     _check_lora(op, model)
@@ -326,6 +329,15 @@ def load_adapter(
     stored = load_file(str(root / ADAPTER_WEIGHTS))
     expected = _peft_tensors(model, params)
     missing = sorted(set(expected) - set(stored))
+    past_trunk = [k for k in expected if _layer_of(k) >= model.config.num_layers]
+    keep_mtp = bool(past_trunk) and not any(k in stored for k in past_trunk)
+    if keep_mtp:  # a trunk-only adapter, into a model that trains its MTP modules' adapters too
+        warnings.warn(
+            f"{op}: {root} holds no adapters of the MTP modules' layers (model.layers."
+            f"{model.config.num_layers}..); theirs in params are kept (fresh ones add nothing)",
+            stacklevel=3,
+        )
+        missing = [k for k in missing if k not in past_trunk]
     if missing:
         raise checkpoint.CheckpointError(
             f"{op}: {root} lacks {len(missing)} adapter tensor(s), e.g. {missing[:3]}"
@@ -339,11 +351,11 @@ def load_adapter(
             "them into a model with mtp_loss_weight > 0 (and mtp_layers as trained)"
         )
     for k, v in expected.items():
-        if stored[k].shape != v.shape:
+        if k in stored and stored[k].shape != v.shape:
             raise checkpoint.CheckpointError(
                 f"{op}: {k} has shape {stored[k].shape} in {root}, the model's is {v.shape}"
             )
-    return _place(model, params, stored)
+    return _place(model, params, stored, keep_mtp)
 
 
 def _layer_of(name: str) -> int:
@@ -353,8 +365,13 @@ def _layer_of(name: str) -> int:
     return int(head) if rest != name and head.isdigit() else -1
 
 
-def _place(model: MoEDecoder, params: dict[str, Any], stored: dict[str, np.ndarray]):
-    """`params` with the adapter leaves built from PEFT's tensors `stored`, on their shardings."""
+def _place(
+    model: MoEDecoder, params: dict[str, Any], stored: dict[str, np.ndarray], keep_mtp: bool
+):
+    """`params` with the adapter leaves built from PEFT's tensors `stored`, on their shardings.
+
+    `keep_mtp`: the MTP modules' layers keep the adapters they have in `params`.
+    """
     out = jax.tree.map(lambda x: x, params)
     shardings = model.shardings()
 
@@ -366,7 +383,12 @@ def _place(model: MoEDecoder, params: dict[str, Any], stored: dict[str, np.ndarr
     def put(node: dict, where: Any, leaf: str, value: np.ndarray) -> None:
         node[leaf] = jax.device_put(value.astype(node[leaf].dtype), where[leaf])
 
-    for stack, layers in _layer_stacks(model).items():
+    stacks = _layer_stacks(model)
+    moe_stacks = _moe_stacks(model)
+    if keep_mtp:
+        stacks.pop(BLOCK, None)
+        moe_stacks.pop(BLOCK, None)
+    for stack, layers in stacks.items():
         p, where = _stack(out, stack), _stack(shardings, stack)
         for name in attention_targets(model.config):
             if f"{name}_lora_a" not in p:
@@ -382,7 +404,7 @@ def _place(model: MoEDecoder, params: dict[str, Any], stored: dict[str, np.ndarr
         put(mlp, shardings["dense_layers"]["mlp"], f"{name}_lora_b", b)
     swapped = fam.peft_swapped
     e = model.config.moe.num_experts
-    for stack, layers in _moe_stacks(model).items():
+    for stack, layers in moe_stacks.items():
         moe, where = _stack(out, stack)["moe"], _stack(shardings, stack)["moe"]
         for weight, module in _shared_names(model).items():
             a, b = stacked(f"{_PREFIX}.{{}}.{module}", layers)

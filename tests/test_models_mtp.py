@@ -31,6 +31,7 @@ import jaxops
 from jaxops import models
 
 torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
 
 FAMILIES = ("deepseek_v3", "glm4_moe")
 LAYERS = 3  # the tiny configs' num_hidden_layers (layer 0 dense, 1 and 2 MoE)
@@ -262,9 +263,9 @@ def test_unannounced_or_mismatched_modules_are_refused(made, tmp_path):
         _load(bad)
 
 
-def _lora(model_config, **options) -> dict:
-    """LoRA on every target the family has (the MTP layers' included), rank 4."""
-    return dict(lora=jaxops.Lora(4, 8.0, lora_targets(model_config)), **options)
+def _lora(path, **options) -> dict:
+    """LoRA on every target the family of the checkpoint at `path` has, rank 4."""
+    return dict(lora=jaxops.Lora(4, 8.0, lora_targets(models.read_config(path))), **options)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -274,12 +275,13 @@ def test_lora_adapts_the_modules_layers_as_peft_does(made, family, tmp_path):
     loads them onto transformers' model of L + 1 layers (its layer L is the module's): the
     float64 oracle of that model gives the MTP logits jaxops computes with the adapters (on
     transformers' L-layer model PEFT leaves them unused: the trunk's logits the same).
-    merge_adapter folds them in (the merged model's MTP logits the same) and load_adapter reads
-    them back bit for bit; a model whose modules are frozen refuses them."""
+    merge_adapter folds them in (the merged model's MTP logits the same; its saved checkpoint's
+    layer L, loaded by transformers, gives them to the oracle too) and load_adapter reads them
+    back bit for bit; a model whose modules are frozen refuses them, and a trunk-only adapter
+    read into the model keeps the modules' own."""
     peft = pytest.importorskip("peft")
     path, torch_model, mtp = made[family]
-    plain, _ = _load(path)
-    model, params = _load(path, **_lora(plain.config, mtp_loss_weight=0.3))
+    model, params = _load(path, **_lora(path, mtp_loss_weight=0.3))
     params = randomized_adapters(model, params, seed=4)
     block = params["mtp"]["block"]
     assert any("_lora_" in k for k in block) and any("_lora_" in k for k in block["moe"])
@@ -308,16 +310,50 @@ def test_lora_adapts_the_modules_layers_as_peft_does(made, family, tmp_path):
     np.testing.assert_allclose(
         jax.jit(merged_model.mtp_logits)(merged, ids)[:, : SEQ - 1], got, rtol=2e-5, atol=2e-5
     )
+    # the merged checkpoint: transformers' layer L (the module's) holds the merged weights
+    models.save_pretrained(merged_model, merged, tmp_path / "merged")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "merged", num_hidden_layers=LAYERS + 1
+    )
+    want = _oracle(_float64(reloaded), mtp, ids, 1)[:, : SEQ - 1]
+    assert max_rel_err(got, want) < 1e-4
     fresh = model.add_adapters(jax.tree.map(lambda x: x, params), jax.random.key(7))
     back = models.load_adapter(model, fresh, out)
     for (where, a), b in zip(
         jax.tree_util.tree_leaves_with_path(back), jax.tree.leaves(params), strict=True
     ):
         np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(where))
-    frozen, fparams = _load(path, **_lora(plain.config))
+    frozen, fparams = _load(path, **_lora(path))
     assert not any("_lora_" in k for k in fparams["mtp"]["block"])
     with pytest.raises(models.ConfigError, match=r"layers past the trunk's 3.*mtp_loss_weight > 0"):
         models.load_adapter(frozen, fparams, out)
+    # a trunk-only adapter into the model that trains the modules: theirs kept, the trunk's read
+    fparams = randomized_adapters(frozen, fparams, seed=6)
+    trunk_only = models.save_adapter(frozen, fparams, tmp_path / "trunk")
+    with pytest.warns(UserWarning, match="no adapters of the MTP modules' layers"):
+        mixed = models.load_adapter(model, params, trunk_only)
+    for key in fparams:
+        want = params[key] if key == "mtp" else fparams[key]
+        for (where, a), b in zip(
+            jax.tree_util.tree_leaves_with_path(mixed[key]), jax.tree.leaves(want), strict=True
+        ):
+            np.testing.assert_array_equal(a, b, err_msg=key + jax.tree_util.keystr(where))
+
+
+def test_an_mxfp4_base_leaves_the_modules_layers_unpacked():
+    """base="mxfp4" packs the trunk's routed experts only (gpt-oss's published format): the
+    modules' layers stay in the parameters' dtype, their adapters train with the MTP loss."""
+    hf = models.family("deepseek_v3").tiny_config(num_nextn_predict_layers=1)
+    cfg = models.DecoderConfig.from_hf(hf)
+    lora = jaxops.Lora(4, 8.0, ("q_b_proj", "experts.down_proj"))
+    model = models.MoEDecoder(cfg, mesh("1dev"), lora=lora, base="mxfp4", mtp_loss_weight=0.3)
+    params = model.init(jax.random.key(0))
+    assert params["layers"]["moe"]["w_in"].dtype == np.uint8
+    block = params["mtp"]["block"]
+    assert block["moe"]["w_in"].dtype == np.float32 and "w_in_scales" not in block["moe"]
+    ids = random_tokens(2, SEQ, seed=2)
+    _, grads = jax.jit(model.loss_and_grads)(params, ids, np.roll(ids, -1, axis=1))
+    assert np.abs(grads["mtp"]["block"]["moe"]["w_out_lora_b"]).max() > 0  # (B fresh: 0)
 
 
 def test_qlora_trains_the_modules_adapters_on_an_fp8_layer(made):
@@ -359,15 +395,14 @@ def test_lora_through_a_pipeline_gives_the_one_device_loss_and_gradients(made):
     and adapter gradients, the modules' adapters' included. (Data x expert's flat gradients of
     adapters and of the MTP modules are the other tests'.)"""
     path, _, _ = made["glm4_moe"]
-    plain, _ = _load(path)
     ids = random_tokens(8, 16, seed=14)
     targets = np.roll(ids, -1, axis=1)
-    one, params = _load(path, **_lora(plain.config, mtp_loss_weight=0.5))
+    one, params = _load(path, **_lora(path, mtp_loss_weight=0.5))
     params = randomized_adapters(one, params, seed=15)
     want_loss, want = jax.jit(one.loss_and_grads)(params, ids, targets)
     assert any(np.abs(g).max() > 0 for g in jax.tree.leaves(want["mtp"]))
     mesh = jax.make_mesh((2, 2, 2), ("pipe", "data", "expert"), devices=jax.devices()[:8])
-    options = _lora(plain.config, mtp_loss_weight=0.5, num_microbatches=2)
+    options = _lora(path, mtp_loss_weight=0.5, num_microbatches=2)
     model, p = _load(path, mesh=mesh, **options)
     p = jax.tree.map(lambda a, s: jax.device_put(np.asarray(a), s), params, model.shardings())
     loss, grads = jax.jit(model.loss_and_grads)(p, *model.place_batch(ids, targets))
