@@ -68,6 +68,8 @@ napoleon_use_ivar = True
 
 html_theme = "sphinx_book_theme"
 html_title = f"jaxops {release}"
+html_static_path = ["_static"]
+html_css_files = ["front_page.css"]
 html_theme_options = {
     "show_toc_level": 2,
     "navigation_with_keys": False,
