@@ -5,6 +5,8 @@ An argsort + gather, as MaxText does; differentiated by JAX itself.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -14,6 +16,9 @@ from jaxops._rows import take_rows
 __all__ = ["permute_rows_reference", "route_reference", "unpermute_rows_reference"]
 
 
+# The twins are jitted: called eagerly (the tests' oracle, impl="xla" outside jit), each of their
+# jnp operations would be dispatched and compiled on its own; under an outer jit they are inlined.
+@functools.partial(jax.jit, static_argnums=(0,))
 def route_reference(cfg: Route, ids: jax.Array):
     """The routing of int32 ``ids [T, K]``.
 
@@ -46,6 +51,7 @@ def route_reference(cfg: Route, ids: jax.Array):
     return row_map, source, sizes, offsets, offsets[e], counts[:e] - kept
 
 
+@functools.partial(jax.jit, static_argnames=("top_k",))
 def permute_rows_reference(tokens, source, scales, probs, top_k: int):
     """Rows ``[R, ...]`` of tokens, scales (or None) and flat probs (or None) by `source`."""
     valid = source >= 0
@@ -56,6 +62,7 @@ def permute_rows_reference(tokens, source, scales, probs, top_k: int):
     return out, out_scales, out_probs
 
 
+@jax.jit
 def unpermute_rows_reference(expert_out, row_map, probs):
     """``out[t] = sum_k probs[t, k] * expert_out[row_map[t, k]]``, float32 accumulation."""
     valid = (row_map >= 0) & (row_map < expert_out.shape[0])

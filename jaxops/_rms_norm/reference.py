@@ -7,6 +7,7 @@ the batched-weight vmap rule uses.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -41,6 +42,9 @@ def effective_weight(weight: jax.Array | None, zero_centered: bool) -> jax.Array
     return 1.0 + w if zero_centered else w
 
 
+# The twins are jitted: called eagerly (the tests' oracle, impl="xla" outside jit), each of their
+# jnp operations would be dispatched and compiled on its own; under an outer jit they are inlined.
+@functools.partial(jax.jit, static_argnums=(0,))
 def reference_fwd(cfg: Config, x: jax.Array, weight: jax.Array | None):
     """``(y, rstd)``: y in x's dtype, rstd float32 ``x.shape[:-1]``."""
     x32 = x.astype(jnp.float32)
@@ -80,6 +84,7 @@ def residual_add(x: jax.Array, residual: jax.Array) -> jax.Array:
     return (x.astype(jnp.float32) + residual.astype(jnp.float32)).astype(x.dtype)
 
 
+@functools.partial(jax.jit, static_argnums=(0,))
 def reference_add_fwd(cfg: Config, x: jax.Array, residual: jax.Array, weight: jax.Array | None):
     """``(y, h, rstd)`` of the fused residual add + RMSNorm."""
     h = residual_add(x, residual)
@@ -87,6 +92,7 @@ def reference_add_fwd(cfg: Config, x: jax.Array, residual: jax.Array, weight: ja
     return y, h, rstd
 
 
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("reduce_axes",))
 def reference_bwd(cfg, dy, x, rstd, weight, dh, *, reduce_axes=None):
     """Dx and fp32 dweight from the closed-form backward, in XLA (vmap fallback)."""
     x32 = x.astype(jnp.float32)
