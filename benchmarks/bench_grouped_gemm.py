@@ -28,6 +28,10 @@ by default; accumulation float32):
   traced with ``JAXOPS_GPU_GROUPED_GEMM=cublaslt``, the calls on cuBLASLt's grouped matmul
   (``jaxops_grouped_gemm_lt``, ``jaxops_grouped_gemm_wgrad_lt``); where cuBLASLt refuses the case
   the row says why (``lt_error``) and the rest is timed;
+- ``ffi_cutlass`` (on an sm_90 GPU with a CUDA module built with CUTLASS, ``--dtype bfloat16``):
+  ``ffi`` traced with ``JAXOPS_GPU_GROUPED_GEMM=cutlass``, the calls on CUTLASS's Hopper grouped
+  GEMM (``jaxops_grouped_gemm_cutlass``, ``jaxops_grouped_gemm_wgrad_cutlass``); a failure is
+  reported the same way (``cutlass_error``);
 - ``dense``: the lower bound of XLA's own dot on the same FLOPs: one dense ``x @ w_in[0]`` and
   ``a @ w_out[0]`` over the U rows in groups (no grouping at all), with its backward.
 
@@ -42,7 +46,8 @@ each, GFLOP/s of each on ``3 x 2 x U x (D x 2F + F x D)`` (forward + backward), 
 xla/ffi and dense/ffi. The goal lines: the custom calls are faster than the loop of XLA dots
 (xla/ffi >= 1) on every case; on a GPU also at least half as fast as the one dense dot
 (dense/ffi >= 0.5), and the default cases there are ``GPU_CASES`` (real models' expert shapes);
-the columns ffi/lt and dense/lt compare cuBLASLt's grouped matmul with them.
+the columns ffi/lt and dense/lt compare cuBLASLt's grouped matmul with them, ffi/cutlass and
+dense/cutlass CUTLASS's grouped GEMM.
 
 On the CPU a second table times the activation between the GEMMs (swiglu, forward + backward:
 ``a`` in ``--dtype`` and the gradient of h) per ``--act-cases`` case ``RxCxU`` (h float32
@@ -95,7 +100,19 @@ GROUPED_VARIABLE = "JAXOPS_GPU_GROUPED_GEMM"
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-2}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 CALLS = {"jaxops_grouped_gemm", "jaxops_grouped_gemm_wgrad"}
-LT_CALLS = {"jaxops_grouped_gemm_lt", "jaxops_grouped_gemm_wgrad_lt"}
+# The library variants: (JAXOPS_GPU_GROUPED_GEMM's value, the dtypes it takes, its calls).
+LIBRARIES = {
+    "lt": (
+        "cublaslt",
+        ("bfloat16", "float16"),
+        {"jaxops_grouped_gemm_lt", "jaxops_grouped_gemm_wgrad_lt"},
+    ),
+    "cutlass": (
+        "cutlass",
+        ("bfloat16",),
+        {"jaxops_grouped_gemm_cutlass", "jaxops_grouped_gemm_wgrad_cutlass"},
+    ),
+}
 # h's rows x columns x the rows in groups: the expert buffers of bench_models' default step
 # while the CPU groups were padded to 32 rows (until 2026-11-29; now 2076 rows with about 526
 # in groups on 2 x 4, 4208 with about 4152 on one device).
@@ -127,6 +144,9 @@ COLUMNS = [
     H.Column("lt_ratio", "ffi/lt", "{:.2f}x"),
     H.Column("dense_ratio", "dense/ffi", "{:.2f}x"),
     H.Column("dense_lt_ratio", "dense/lt", "{:.2f}x"),
+    H.Column("ffi_cutlass_ms", "ffi cutlass ms", "{:.3f}"),
+    H.Column("cutlass_ratio", "ffi/cutlass", "{:.2f}x"),
+    H.Column("dense_cutlass_ratio", "dense/cutlass", "{:.2f}x"),
 ]
 
 
@@ -265,9 +285,15 @@ class _WithEnv:
         return self._run(self.fn, *args)
 
 
-def _lt_available() -> bool:
-    """Whether cuBLASLt's grouped matmul runs here (a GPU, and a libcublasLt that has it)."""
-    return H.is_gpu() and bool(jaxops.build_info().get("CUDA", {}).get("cublaslt_grouped"))
+def _library_available(name: str) -> bool:
+    """Whether a library variant runs here: cuBLASLt's grouped matmul (a GPU and a libcublasLt
+    that has it), CUTLASS's grouped GEMM (an sm_90 GPU and a CUDA module built with CUTLASS)."""
+    if not H.is_gpu():
+        return False
+    info = jaxops.build_info().get("CUDA", {})
+    if name == "lt":
+        return bool(info.get("cublaslt_grouped"))
+    return bool(info.get("cutlass")) and jax.devices()[0].compute_capability == "9.0"
 
 
 @jax.jit
@@ -288,7 +314,11 @@ def _check(case: str, fns, operands, tolerance: float) -> None:
     for impl in grouped:
         text = fns[impl].lower(*operands[impl]).as_text()
         calls = set(re.findall(r"jaxops_grouped_gemm\w*", text))
-        want = LT_CALLS if impl == "ffi_lt" else CALLS if impl.startswith("ffi") else set()
+        library = impl.removeprefix("ffi_")
+        if library in LIBRARIES:
+            want = LIBRARIES[library][2]
+        else:
+            want = CALLS if impl.startswith("ffi") else set()
         if calls != want:
             raise AssertionError(f"{case}: the {impl} program calls {sorted(calls)}, not {want}")
     outs = {impl: jax.block_until_ready(fns[impl](*operands[impl])) for impl in grouped}
@@ -302,6 +332,11 @@ def _check(case: str, fns, operands, tolerance: float) -> None:
                 raise AssertionError(
                     f"{case}: {name} of impl='ffi' and {impl} differ (relative error {err:.3g})"
                 )
+
+
+def _ratio(seconds: dict[str, float], slower: str, faster: str) -> float | None:
+    """seconds[slower] / seconds[faster], or None where `faster` did not run."""
+    return seconds[slower] / seconds[faster] if faster in seconds else None
 
 
 def _case(args, case: str) -> dict[str, Any]:
@@ -327,16 +362,18 @@ def _case(args, case: str) -> dict[str, Any]:
     if H.is_gpu() and args.dtype != "float32":  # both pipelines, each call waited for
         fns["ffi_async"] = _WithEnv(fns["ffi"], {PIPELINE_VARIABLE: "async"})
         fns["ffi"] = _WithEnv(fns["ffi"], {PIPELINE_VARIABLE: "registers"})
-    lt_error = None
-    if _lt_available() and args.dtype != "float32":  # cuBLASLt's grouped matmul: 16-bit only
-        lt = jax.jit(jax.value_and_grad(_ffn_loss("ffi", tile), **grad))
-        fns["ffi_lt"] = _WithEnv(lt, {GROUPED_VARIABLE: "cublaslt"})
-        try:  # a refusal of cuBLASLt's (no algorithm, ...) is reported, not fatal
-            fns["ffi_lt"](x, w_in, w_out, groups)
+    errors: dict[str, str | None] = dict.fromkeys(LIBRARIES)
+    for library, (setting, dtypes, _) in LIBRARIES.items():
+        if not _library_available(library) or args.dtype not in dtypes:
+            continue
+        fn = jax.jit(jax.value_and_grad(_ffn_loss("ffi", tile), **grad))
+        fns[f"ffi_{library}"] = _WithEnv(fn, {GROUPED_VARIABLE: setting})
+        try:  # a library's refusal (no algorithm, ...) is reported, not fatal
+            fns[f"ffi_{library}"](x, w_in, w_out, groups)
         except jax.errors.JaxRuntimeError as e:
-            lt_error = f"{type(e).__name__}: {e}"[:500]
-            print(f"{case}: cuBLASLt's grouped matmul failed: {lt_error}", file=sys.stderr)
-            del fns["ffi_lt"]
+            errors[library] = f"{type(e).__name__}: {e}"[:500]
+            print(f"{case}: {setting}'s grouped GEMM failed: {errors[library]}", file=sys.stderr)
+            del fns[f"ffi_{library}"]
     fns["dense"] = jax.jit(jax.value_and_grad(_dense_loss, **grad))
     dense_in = (jnp.array(x[:used]), jnp.array(w_in[0]), jnp.array(w_out[0]))
     operands = dict.fromkeys(fns, (x, w_in, w_out, groups))
@@ -364,9 +401,15 @@ def _case(args, case: str) -> dict[str, Any]:
         "ragged_ratio": seconds["ragged_dot"] / seconds["ffi"] if "ragged_dot" in seconds else None,
         "dense_ratio": seconds["dense"] / seconds["ffi"],
         "async_ratio": seconds["ffi"] / seconds["ffi_async"] if "ffi_async" in seconds else None,
-        "lt_ratio": seconds["ffi"] / seconds["ffi_lt"] if "ffi_lt" in seconds else None,
-        "dense_lt_ratio": seconds["dense"] / seconds["ffi_lt"] if "ffi_lt" in seconds else None,
-        "lt_error": lt_error,
+        **{
+            key: value
+            for library in LIBRARIES
+            for key, value in (
+                (f"{library}_ratio", _ratio(seconds, "ffi", f"ffi_{library}")),
+                (f"dense_{library}_ratio", _ratio(seconds, "dense", f"ffi_{library}")),
+                (f"{library}_error", errors[library]),
+            )
+        },
         "timings": {impl: t.to_json() for impl, t in timings.items()},
     }
     H.log_row(row, COLUMNS)

@@ -40,6 +40,10 @@
 #     those sections, its report as text in ncu_<name>.log (ncu_<name>_<i>.log for the i-th of
 #     several argument sets, from 1),
 #   BUILD (1): 0 skips the build and tests the jaxops already installed for $PYTHON,
+#   WHEELS (<repo>/build/gpu_wheels): wheels the machine cannot download (it has no network),
+#     carried with the working tree, each installed without dependencies before the build: the
+#     nvidia-cutlass wheel gives the build CUTLASS's headers (the sm_90a grouped GEMM); without it
+#     the CUDA module is built without that kernel (the build log warns),
 #   DEADLINE (0: none): seconds after the start past which no further step starts, and each step's
 #     limit is cut to the time left (a lent GPU machine's call has a hard limit).
 # The sanitizer instruments only jaxops' own kernels (their names hold "jaxops"; initcheck: every
@@ -127,6 +131,13 @@ nvcc --version || echo "(nvcc not on PATH)"
 "$PYTHON" -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)" \
   || echo "(jax import failed)"
 echo "nproc: $(nproc)"
+
+WHEELS="${WHEELS:-$REPO/build/gpu_wheels}"
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  section "carried wheels ($WHEELS)"
+  "$PYTHON" -m pip install --no-deps --no-index "$WHEELS"/*.whl 2>&1 | tail -n 3 \
+    || echo "!! installing the carried wheels failed" >&2
+fi
 
 if [[ "${BUILD:-1}" != "0" ]]; then
   section "build (JAXOPS_CUDA=$JAXOPS_CUDA JAXOPS_CUDA_ARCHITECTURES=$JAXOPS_CUDA_ARCHITECTURES)"

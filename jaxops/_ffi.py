@@ -181,9 +181,10 @@ GPU_GEMM_PIPELINES = ("registers", "async")
 
 #: JAXOPS_GPU_GROUPED_GEMM's values: what the CUDA grouped GEMM calls run, read when a call is
 #: traced ("kernel", the default: jaxops' kernels; "cublaslt": cuBLASLt's grouped matmul for
-#: bfloat16 and float16, needs a CUDA module built with cuBLASLt and cuBLAS 13.4 or newer; not yet
-#: run on a GPU).
-GPU_GROUPED_GEMMS = ("kernel", "cublaslt")
+#: bfloat16 and float16, needs a CUDA module built with cuBLASLt and cuBLAS 13.4 or newer;
+#: "cutlass": CUTLASS's Hopper grouped GEMM for bfloat16, needs a CUDA module built for sm_90a
+#: with CUTLASS's headers and an sm_90 GPU; neither has run on a GPU yet).
+GPU_GROUPED_GEMMS = ("kernel", "cublaslt", "cutlass")
 _GROUPED_GEMM_CHOICE = "what the CUDA grouped GEMM calls run"
 
 
@@ -496,7 +497,9 @@ def build_info() -> dict[str, dict[str, Any]]:
       cuBLASLt comes from (``cublaslt``: "wheel", "toolkit" or None), the loaded libcublasLt's
       ``cublaslt_version`` (e.g. 130400 for 13.4.0; None without cuBLASLt) and
       ``cublaslt_grouped``, whether it has the grouped matmul ``JAXOPS_GPU_GROUPED_GEMM=cublaslt``
-      runs on (cuBLAS 13.4 or newer); for the CPU also
+      runs on (cuBLAS 13.4 or newer), and ``cutlass``, the version of the CUTLASS headers its
+      sm_90a grouped GEMM (``JAXOPS_GPU_GROUPED_GEMM=cutlass``) was built with, or None; for the
+      CPU also
       ``grouped_gemm_kernel``, the micro-kernel of the grouped GEMM calls on this machine
       ("avx512", "avx2" or "portable": the widest the CPU has, at most
       ``JAXOPS_CPU_GEMM_KERNEL``'s). And ``"paths"``: per op family (rms_norm, fp8, moe,

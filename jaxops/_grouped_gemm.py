@@ -25,6 +25,17 @@ and takes bfloat16 and float16 calls whose x, w (dy) and output start 16-byte al
 multiples of 8; other calls (float32 among them: cuBLASLt's grouped matmul has none) run jaxops'
 kernels. Each call has a uint8 workspace (the per-group arrays and 32 MiB for cuBLASLt).
 
+``JAXOPS_GPU_GROUPED_GEMM=cutlass`` runs them on CUTLASS's Hopper grouped GEMM instead
+(``xla_ffi/grouped_gemm/cutlass_sm90.cu``, targets :data:`TARGET_GROUPED_GEMM_CUTLASS` and
+:data:`TARGET_WGRAD_CUTLASS`; compiled, not yet run on a GPU): TMA loads and warp-specialized GMMA
+with CUTLASS's persistent cooperative schedule, the problem shapes and matrix pointers in device
+arrays that a setup kernel fills from the device-side sizes, fp32 accumulation and output. It
+needs a CUDA module built for sm_90a with CUTLASS's headers (the nvidia-cutlass wheel at build
+time: ``jaxops.build_info()["CUDA"]["cutlass"]`` names the version) and an sm_90 GPU (H100,
+H200), and takes bfloat16 calls whose x, w (dy) and output start 16-byte aligned with K and N
+multiples of 8; other calls run jaxops' kernels. Its workspace holds the per-group arrays and
+CUTLASS's own (TMA descriptors per SM).
+
 The rows of group g are rows ``[start_g, start_g + group_sizes[g])``, from row 0 in order. The
 kernels clip the sizes, which are device data: a negative size counts as 0, and no group reaches
 past the last row. Outputs are float32 (fp32 accumulation), whatever the inputs' dtype (float32,
@@ -81,8 +92,10 @@ __all__ = [
     "TARGET_ACTIVATION_BWD",
     "TARGET_ACTIVATION_FWD",
     "TARGET_GROUPED_GEMM",
+    "TARGET_GROUPED_GEMM_CUTLASS",
     "TARGET_GROUPED_GEMM_LT",
     "TARGET_WGRAD",
+    "TARGET_WGRAD_CUTLASS",
     "TARGET_WGRAD_LT",
     "activation_kernel_available",
     "activation_reference",
@@ -101,6 +114,8 @@ TARGET_GROUPED_GEMM = "jaxops_grouped_gemm"
 TARGET_WGRAD = "jaxops_grouped_gemm_wgrad"
 TARGET_GROUPED_GEMM_LT = "jaxops_grouped_gemm_lt"
 TARGET_WGRAD_LT = "jaxops_grouped_gemm_wgrad_lt"
+TARGET_GROUPED_GEMM_CUTLASS = "jaxops_grouped_gemm_cutlass"
+TARGET_WGRAD_CUTLASS = "jaxops_grouped_gemm_wgrad_cutlass"
 TARGET_ACTIVATION_FWD = "jaxops_grouped_activation_fwd"
 TARGET_ACTIVATION_BWD = "jaxops_grouped_activation_bwd"
 
@@ -185,10 +200,11 @@ def grouped_gemm(
     group_sizes = _check_sizes(op, group_sizes, w.shape[0])
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     attrs = {"transpose_w": bool(transpose_w), "zero_tail": bool(zero_tail)}
-    workspace = _lt_workspace(op, TARGET_GROUPED_GEMM_LT, x.dtype, k, n, w.shape[0])
-    if workspace is None:
+    library = _library_target(op, False, x.dtype, k, n, w.shape[0])
+    if library is None:
         return _ffi.ffi_call(TARGET_GROUPED_GEMM, out, x, w, group_sizes, **attrs)
-    y, _ = _ffi.ffi_call(TARGET_GROUPED_GEMM_LT, (out, workspace), x, w, group_sizes, **attrs)
+    target, workspace = library
+    y, _ = _ffi.ffi_call(target, (out, workspace), x, w, group_sizes, **attrs)
     return y
 
 
@@ -219,38 +235,60 @@ def grouped_gemm_wgrad(x, dy, group_sizes) -> jax.Array:
         )
     group_sizes = _check(op, "group_sizes", group_sizes, 1, jnp.int32)
     out = jax.ShapeDtypeStruct((group_sizes.shape[0], x.shape[1], dy.shape[1]), jnp.float32)
-    workspace = _lt_workspace(
-        op, TARGET_WGRAD_LT, x.dtype, x.shape[1], dy.shape[1], group_sizes.shape[0]
-    )
-    if workspace is None:
+    library = _library_target(op, True, x.dtype, x.shape[1], dy.shape[1], group_sizes.shape[0])
+    if library is None:
         return _ffi.ffi_call(TARGET_WGRAD, out, x, dy, group_sizes)
-    dw, _ = _ffi.ffi_call(TARGET_WGRAD_LT, (out, workspace), x, dy, group_sizes)
+    target, workspace = library
+    dw, _ = _ffi.ffi_call(target, (out, workspace), x, dy, group_sizes)
     return dw
 
 
-def _lt_workspace(
-    op: str, target: str, dtype, k: int, n: int, groups: int
-) -> jax.ShapeDtypeStruct | None:
-    """The workspace of cuBLASLt's grouped matmul (`target`), or None: jaxops' own calls run.
+# JAXOPS_GPU_GROUPED_GEMM's library choices: (forward target, weight-gradient target, the CUDA
+# module's workspace-size function, the dtypes the library takes, what the module needs).
+_LIBRARIES = {
+    "cublaslt": (
+        TARGET_GROUPED_GEMM_LT,
+        TARGET_WGRAD_LT,
+        "grouped_gemm_lt_workspace_bytes",
+        (jnp.bfloat16, jnp.float16),
+        "cuBLASLt grouped GEMM",
+    ),
+    "cutlass": (
+        TARGET_GROUPED_GEMM_CUTLASS,
+        TARGET_WGRAD_CUTLASS,
+        "grouped_gemm_cutlass_workspace_bytes",
+        (jnp.bfloat16,),
+        "CUTLASS grouped GEMM (it is built for sm_90a with CUTLASS's headers)",
+    ),
+}
 
-    cuBLASLt's target runs where ``JAXOPS_GPU_GROUPED_GEMM=cublaslt`` is set when the call is
-    traced, jax's default backend is a GPU and the call is one it takes: 16-bit operands whose
-    rows (K and N) are whole 16-byte multiples (the handler also runs the kernels on operands
-    that start unaligned). A CUDA module without it is then an error.
+
+def _library_target(
+    op: str, wgrad: bool, dtype, k: int, n: int, groups: int
+) -> tuple[str, jax.ShapeDtypeStruct] | None:
+    """The library target of the call and its workspace, or None: jaxops' own calls run.
+
+    A library's target runs where ``JAXOPS_GPU_GROUPED_GEMM`` names it when the call is traced,
+    jax's default backend is a GPU and the call is one it takes: operands of a dtype it has whose
+    rows (K and N) are whole 16-byte multiples (the handlers also run the kernels on operands that
+    start unaligned). A CUDA module without it is then an error.
     """
-    if _ffi.gpu_grouped_gemm() != "cublaslt" or jax.default_backend() != "gpu":
+    choice = _ffi.gpu_grouped_gemm()
+    if choice not in _LIBRARIES or jax.default_backend() != "gpu":
         return None
-    if np.dtype(dtype) == np.float32 or k % 8 or n % 8:
+    forward, backward, size_function, dtypes, what = _LIBRARIES[choice]
+    if np.dtype(dtype) not in tuple(np.dtype(d) for d in dtypes) or k % 8 or n % 8:
         return None
-    workspace_bytes = _ffi.cuda_module_function("grouped_gemm_lt_workspace_bytes")
+    workspace_bytes = _ffi.cuda_module_function(size_function)
     if workspace_bytes is None:
         raise RuntimeError(
-            f"{op}: JAXOPS_GPU_GROUPED_GEMM=cublaslt, but jaxops' CUDA module has no cuBLASLt "
-            f"grouped GEMM ({_ffi.build_info().get('CUDA', 'no CUDA module')}); unset it to run "
-            "jaxops' kernels"
+            f"{op}: JAXOPS_GPU_GROUPED_GEMM={choice}, but jaxops' CUDA module has no {what} "
+            f"({_ffi.build_info().get('CUDA', 'no CUDA module')}); unset it to run jaxops' "
+            "kernels"
         )
+    target = backward if wgrad else forward
     _ffi.ensure_registered(target)
-    return jax.ShapeDtypeStruct((int(workspace_bytes(groups)),), jnp.uint8)
+    return target, jax.ShapeDtypeStruct((int(workspace_bytes(groups)),), jnp.uint8)
 
 
 def _clipped(group_sizes: jax.Array, rows: int) -> jax.Array:

@@ -14,6 +14,7 @@ and NaN inputs.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -124,9 +125,14 @@ GPU_SHAPES = {
 
 
 # What every GPU test runs: the CUDA kernels' pipelines (JAXOPS_GPU_GEMM_PIPELINE, read at each
-# call; float32 always runs "registers") and cuBLASLt's grouped matmul (JAXOPS_GPU_GROUPED_GEMM,
-# read at trace time; calls it does not take run the kernels).
-GPU_VARIANTS = [*_ffi.GPU_GEMM_PIPELINES, "cublaslt"]
+# call; float32 always runs "registers"), cuBLASLt's grouped matmul and CUTLASS's grouped GEMM
+# (JAXOPS_GPU_GROUPED_GEMM, read at trace time; calls a library does not take run the kernels).
+GPU_VARIANTS = [*_ffi.GPU_GEMM_PIPELINES, "cublaslt", "cutlass"]
+# Per library: its forward and weight-gradient targets, and the dtypes it takes.
+LIBRARY_TARGETS = {
+    "cublaslt": (gg.TARGET_GROUPED_GEMM_LT, gg.TARGET_WGRAD_LT, (jnp.bfloat16, jnp.float16)),
+    "cutlass": (gg.TARGET_GROUPED_GEMM_CUTLASS, gg.TARGET_WGRAD_CUTLASS, (jnp.bfloat16,)),
+}
 
 
 def _require_lt():
@@ -138,11 +144,23 @@ def _require_lt():
         )
 
 
+def _require_cutlass():
+    info = _ffi.build_info().get("CUDA", {})
+    if not info.get("cutlass"):
+        pytest.skip(f"no CUTLASS grouped GEMM in this CUDA module ({info})")
+    if jax.devices("gpu")[0].compute_capability != "9.0":
+        pytest.skip("CUTLASS's grouped GEMM is built for sm_90a (H100, H200) only")
+
+
+def _require_library(library: str):
+    _require_lt() if library == "cublaslt" else _require_cutlass()
+
+
 @pytest.fixture(params=GPU_VARIANTS)
 def gpu_pipeline(request, monkeypatch):
-    if request.param == "cublaslt":
-        _require_lt()
-        monkeypatch.setenv("JAXOPS_GPU_GROUPED_GEMM", "cublaslt")
+    if request.param in LIBRARY_TARGETS:
+        _require_library(request.param)
+        monkeypatch.setenv("JAXOPS_GPU_GROUPED_GEMM", request.param)
     else:
         monkeypatch.setenv("JAXOPS_GPU_GEMM_PIPELINE", request.param)
     return request.param
@@ -158,11 +176,12 @@ def test_gpu_kernels_match_float64(shape, dtype, gpu_pipeline):
     x, w, dy, gs = jax.device_put(_inputs(rows, k, n, sizes, dtype), gpu)
     y_ref, dw_ref = _oracle(x, w, dy, sizes)
     assert gg.kernel_available("gpu")
-    if gpu_pipeline == "cublaslt":  # cuBLASLt's targets where they take the call
+    if gpu_pipeline in LIBRARY_TARGETS:  # the library's targets where it takes the call
         text = jax.jit(gg.grouped_gemm).lower(x, w, gs).as_text()
         text += jax.jit(gg.grouped_gemm_wgrad).lower(x, dy, gs).as_text()
-        takes = dtype != jnp.float32 and k % 8 == 0 and n % 8 == 0
-        for target in (gg.TARGET_GROUPED_GEMM_LT, gg.TARGET_WGRAD_LT):
+        *targets, dtypes = LIBRARY_TARGETS[gpu_pipeline]
+        takes = np.dtype(dtype) in [np.dtype(d) for d in dtypes] and k % 8 == 0 and n % 8 == 0
+        for target in targets:
             assert (f"@{target}(" in text) == takes, text[-2000:]
     y = jax.jit(gg.grouped_gemm)(x, w, gs)
     y_t = jax.jit(lambda x, w, gs: gg.grouped_gemm(x, w, gs, transpose_w=True))(
@@ -423,7 +442,7 @@ _BAD_SETTINGS = (
     [("JAXOPS_CPU_THREADS", v, "must be a positive integer") for v in ("0", "-2", "two", "1.5")]
     + [("JAXOPS_CPU_GEMM_KERNEL", v, "must be one of") for v in ("AVX2", "sse", "1", "")]
     + [("JAXOPS_GPU_GEMM_PIPELINE", v, "must be one of") for v in ("Async", "wgmma", "4", "")]
-    + [("JAXOPS_GPU_GROUPED_GEMM", v, "must be one of") for v in ("cuBLASLt", "cutlass", "")]
+    + [("JAXOPS_GPU_GROUPED_GEMM", v, "must be one of") for v in ("cuBLASLt", "CUTLASS", "")]
 )
 
 
@@ -470,15 +489,43 @@ def test_cuda_module_has_the_cublaslt_grouped_targets():
         assert workspace(groups) == arrays + (32 << 20)
 
 
-def test_cublaslt_setting_leaves_the_cpu_calls_alone(monkeypatch):
-    """JAXOPS_GPU_GROUPED_GEMM=cublaslt picks cuBLASLt's targets on a GPU only; a bad value set
-    after import is refused when a call is traced, on any backend."""
-    monkeypatch.setenv("JAXOPS_GPU_GROUPED_GEMM", "cublaslt")
-    x, w, dy, gs = _inputs(8, 8, 8, [4, 4], jnp.bfloat16)  # a call cuBLASLt takes on a GPU
+@pytest.mark.skipif(
+    _ffi.cuda_module_function("grouped_gemm_cutlass_workspace_bytes") is None,
+    reason="no CUDA module built for sm_90a with CUTLASS's headers in this install",
+)
+def test_cuda_module_has_the_cutlass_grouped_targets():
+    """The CUDA module built with CUTLASS (it loads without a GPU) names the CUTLASS version,
+    registers both CUTLASS targets (stateless) and sizes their workspace without a GPU: at least
+    the per-group arrays (three pointers, three int32, a shape and three strides of 8 bytes or
+    more a group, each region 256-byte aligned), a region of scalars, and CUTLASS's own."""
+    module = _ffi._modules["CUDA"]
+    assert re.fullmatch(r"\d+\.\d+\.\d+", module.build_info()["cutlass"])
+    stateless = {name for name, _, is_stateful in module.registrations() if not is_stateful}
+    assert {gg.TARGET_GROUPED_GEMM_CUTLASS, gg.TARGET_WGRAD_CUTLASS} <= stateless
+    workspace = _ffi.cuda_module_function("grouped_gemm_cutlass_workspace_bytes")
+
+    def aligned(n):
+        return -(-n // 256) * 256
+
+    counts = (1, 63, 1000, 2400)
+    sizes = [workspace(groups) for groups in counts]
+    assert sizes == sorted(set(sizes)) and all(s % 256 == 0 for s in sizes), sizes
+    for groups, size in zip(counts, sizes, strict=True):
+        arrays = 6 * aligned(8 * groups) + 3 * aligned(4 * groups) + aligned(12 * groups)
+        assert size > arrays + 256, (groups, size)
+
+
+@pytest.mark.parametrize("library", list(LIBRARY_TARGETS))
+def test_library_setting_leaves_the_cpu_calls_alone(monkeypatch, library):
+    """JAXOPS_GPU_GROUPED_GEMM=cublaslt or cutlass picks the library's targets on a GPU only; a
+    bad value set after import is refused when a call is traced, on any backend."""
+    monkeypatch.setenv("JAXOPS_GPU_GROUPED_GEMM", library)
+    x, w, dy, gs = _inputs(8, 8, 8, [4, 4], jnp.bfloat16)  # a call both take on a GPU
     text = jax.jit(gg.grouped_gemm).lower(x, w, gs).as_text()
     text += jax.jit(gg.grouped_gemm_wgrad).lower(x, dy, gs).as_text()
     assert gg.TARGET_GROUPED_GEMM in text and gg.TARGET_WGRAD in text
-    assert gg.TARGET_GROUPED_GEMM_LT not in text and gg.TARGET_WGRAD_LT not in text
+    for target in LIBRARY_TARGETS[library][:2]:
+        assert target not in text
     _close(gg.grouped_gemm(x, w, gs), _oracle(x, w, dy, [4, 4])[0])
     monkeypatch.setenv("JAXOPS_GPU_GROUPED_GEMM", "cuBLASLt")
     with pytest.raises(ValueError, match=r"JAXOPS_GPU_GROUPED_GEMM must be one of .*'cuBLASLt'"):
@@ -736,11 +783,12 @@ def test_gpu_zero_tail_false_leaves_the_rows_past_the_groups_as_they_were(op, ze
 @pytest.mark.gpu
 @pytest.mark.parametrize("zero_tail", [True, False], ids=["zeroed", "unwritten"])
 @pytest.mark.parametrize("transpose_w", [False, True], ids=["w_kn", "w_nk"])
-def test_gpu_cublaslt_zero_tail(transpose_w, zero_tail):
-    """cuBLASLt's target (bfloat16, K = N = 48: a call it takes) zeros the rows past the groups
-    with a kernel of its own, or leaves them. Its output is the donated buffer of float32 rows
-    (no operand of the call has y's dtype to alias), so that it holds those rows before."""
-    _require_lt()
+@pytest.mark.parametrize("library", list(LIBRARY_TARGETS))
+def test_gpu_library_zero_tail(library, transpose_w, zero_tail):
+    """A library's target (bfloat16, K = N = 48: a call both take) zeros the rows past the
+    groups with a kernel of its own, or leaves them. Its output is the donated buffer of float32
+    rows (no operand of the call has y's dtype to alias), so that it holds those rows before."""
+    _require_library(library)
     device = jax.devices("gpu")[0]
     rows, k, sizes, used = 90, 48, [30, 0, 25], 55
     rng = np.random.default_rng(5)
@@ -748,9 +796,10 @@ def test_gpu_cublaslt_zero_tail(transpose_w, zero_tail):
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((len(sizes), k, k)), jnp.bfloat16)
     want = _oracle(x, jnp.swapaxes(w, 1, 2) if transpose_w else w, np.zeros_like(held), sizes)[0]
-    target = gg.TARGET_GROUPED_GEMM_LT
+    target = LIBRARY_TARGETS[library][0]
     _ffi.ensure_registered(target)
-    workspace = _ffi.cuda_module_function("grouped_gemm_lt_workspace_bytes")(len(sizes))
+    size_function = f"grouped_gemm_{'lt' if library == 'cublaslt' else library}_workspace_bytes"
+    workspace = _ffi.cuda_module_function(size_function)(len(sizes))
     outs = (
         jax.ShapeDtypeStruct(held.shape, jnp.float32),
         jax.ShapeDtypeStruct((workspace,), jnp.uint8),

@@ -35,6 +35,11 @@ std::vector<Registration> Registrations() {
   registrations.push_back(RegisterStateful("jaxops_grouped_gemm_wgrad_lt",
                                            GroupedGemmLtInstantiateCuda, GroupedGemmWgradLtCuda));
 #endif
+#ifdef JAXOPS_HAVE_CUTLASS
+  registrations.push_back(Register("jaxops_grouped_gemm_cutlass", GroupedGemmCutlassCuda));
+  registrations.push_back(
+      Register("jaxops_grouped_gemm_wgrad_cutlass", GroupedGemmWgradCutlassCuda));
+#endif
   return registrations;
 }
 
@@ -61,6 +66,10 @@ NB_MODULE(_jaxops_cuda, m) {
   m.def("grouped_gemm_lt_workspace_bytes", &jaxops::grouped_gemm::LtWorkspaceBytes,
         "Bytes of the cuBLASLt grouped GEMM handlers' workspace for a number of groups.");
 #endif
+#ifdef JAXOPS_HAVE_CUTLASS
+  m.def("grouped_gemm_cutlass_workspace_bytes", &jaxops::grouped_gemm::CutlassWorkspaceBytes,
+        "Bytes of the CUTLASS grouped GEMM handlers' workspace for a number of groups.");
+#endif
   m.def("types", &jaxops::Types,
         "List of (type name, jax.ffi.register_ffi_type registration) of the handlers' state.");
   m.def("build_info", [] {
@@ -75,6 +84,11 @@ NB_MODULE(_jaxops_cuda, m) {
     info["cublaslt"] = nanobind::none();
     info["cublaslt_version"] = nanobind::none();
     info["cublaslt_grouped"] = false;
+#endif
+#ifdef JAXOPS_HAVE_CUTLASS
+    info["cutlass"] = jaxops::grouped_gemm::CutlassVersion();
+#else
+    info["cutlass"] = nanobind::none();
 #endif
     return info;
   });

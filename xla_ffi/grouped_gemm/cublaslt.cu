@@ -5,8 +5,8 @@
 // and jaxops_grouped_gemm_wgrad (checks.h) plus a uint8 workspace result (WorkspaceBytes).
 //
 // One call, on the XLA stream, never synchronizing with the host:
-//   1. GroupedSetupKernel (one CTA, lt_kernels.cuh) turns the group sizes into cuBLASLt's per-group
-//   arrays in the
+//   1. GroupedSetupKernel (one CTA, setup_kernels.cuh) turns the group sizes into cuBLASLt's
+//   per-group arrays in the
 //      workspace: each group's rows (clipped as jaxops' kernels clip them), the fixed sizes
 //      (also the leading dimensions) and each group's matrix pointers; and alpha = 1, beta = 0
 //      (one device scalar each: Hopper takes no per-group alpha and beta).
@@ -56,7 +56,7 @@
 #include "xla_ffi/grouped_gemm/checks.h"
 #include "xla_ffi/grouped_gemm/cuda_kernels.h"
 #include "xla_ffi/grouped_gemm/handlers.h"
-#include "xla_ffi/grouped_gemm/lt_kernels.cuh"
+#include "xla_ffi/grouped_gemm/setup_kernels.cuh"
 
 namespace jaxops::grouped_gemm {
 

@@ -9,6 +9,11 @@
 //                      <-> jaxops._grouped_gemm.TARGET_WGRAD_LT
 //     (CUDA only, with cuBLASLt: cuBLASLt's grouped matmul, cublaslt.cu; stateful, with
 //     GroupedGemmLtInstantiateCuda and the state type GroupedLtState)
+//   GroupedGemmCutlass      <-> "jaxops_grouped_gemm_cutlass"
+//                           <-> jaxops._grouped_gemm.TARGET_GROUPED_GEMM_CUTLASS
+//   GroupedGemmWgradCutlass <-> "jaxops_grouped_gemm_wgrad_cutlass"
+//                           <-> jaxops._grouped_gemm.TARGET_WGRAD_CUTLASS
+//     (CUDA only, sm_90a, with CUTLASS's headers: CUTLASS's Hopper grouped GEMM, cutlass_sm90.cu)
 //   GroupedActivationFwd <-> "jaxops_grouped_activation_fwd"
 //                        <-> jaxops._grouped_gemm.TARGET_ACTIVATION_FWD (CPU only)
 //   GroupedActivationBwd <-> "jaxops_grouped_activation_bwd"
@@ -17,6 +22,7 @@
 #define JAXOPS_XLA_FFI_GROUPED_GEMM_HANDLERS_H_
 
 #include <cstdint>
+#include <string>
 
 #include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
@@ -32,6 +38,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmWgradCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmLtInstantiateCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmLtCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmWgradLtCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmCutlassCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmWgradCutlassCuda);
 
 namespace jaxops::grouped_gemm {
 // The micro-kernel the CPU calls run on this machine: "avx512", "avx2" or "portable" (the widest
@@ -49,6 +57,14 @@ int64_t LtWorkspaceBytes(int64_t groups);
 bool LtGroupedAvailable();
 // cublasLtGetVersion() of the loaded libcublasLt, e.g. 131000 for 13.1.0.
 int64_t LtVersion();
+
+// cutlass_sm90.cu (built with CUTLASS's headers only, for sm_90a).
+// Bytes of the CUTLASS handlers' workspace for `groups` groups (the per-group arrays and CUTLASS's
+// own, sized for up to 256 SMs), exported by the CUDA module as
+// grouped_gemm_cutlass_workspace_bytes.
+int64_t CutlassWorkspaceBytes(int64_t groups);
+// The version of the CUTLASS headers the kernels were built with, e.g. "4.2.0".
+std::string CutlassVersion();
 }  // namespace jaxops::grouped_gemm
 
 #endif  // JAXOPS_XLA_FFI_GROUPED_GEMM_HANDLERS_H_

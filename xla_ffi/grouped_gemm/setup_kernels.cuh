@@ -1,8 +1,10 @@
-// The device kernels of the grouped GEMM's cuBLASLt handlers (cublaslt.cu): the setup that turns
-// the device-side group sizes into cuBLASLt's per-group arrays, and the two zero fills (the
-// forward's rows past the groups, the weight gradient's groups without rows).
-#ifndef JAXOPS_XLA_FFI_GROUPED_GEMM_LT_KERNELS_CUH_
-#define JAXOPS_XLA_FFI_GROUPED_GEMM_LT_KERNELS_CUH_
+// The device kernels of the grouped GEMM's library handlers (cuBLASLt's, cublaslt.cu; CUTLASS's,
+// cutlass_sm90.cu): the setup that turns the device-side group sizes into per-group arrays (rows,
+// matrix pointers), and the two zero fills (the forward's rows past the groups, the weight
+// gradient's groups without rows). The kernels have internal linkage (an anonymous namespace):
+// each .cu file that includes this header gets its own copy, and the two never collide at link.
+#ifndef JAXOPS_XLA_FFI_GROUPED_GEMM_SETUP_KERNELS_CUH_
+#define JAXOPS_XLA_FFI_GROUPED_GEMM_SETUP_KERNELS_CUH_
 
 #include <cuda_runtime.h>
 
@@ -39,6 +41,8 @@ struct SetupParams {
 };
 
 constexpr int kSetupThreads = 1024;
+
+namespace {
 
 __device__ __forceinline__ const void* GroupPointer(const PointerRule& rule, int64_t g,
                                                     long long start) {
@@ -99,6 +103,8 @@ __global__ void __launch_bounds__(kFillThreads)
   }
 }
 
+}  // namespace
+
 }  // namespace jaxops::grouped_gemm
 
-#endif  // JAXOPS_XLA_FFI_GROUPED_GEMM_LT_KERNELS_CUH_
+#endif  // JAXOPS_XLA_FFI_GROUPED_GEMM_SETUP_KERNELS_CUH_
