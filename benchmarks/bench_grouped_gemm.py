@@ -32,6 +32,9 @@ by default; accumulation float32):
   ``ffi`` traced with ``JAXOPS_GPU_GROUPED_GEMM=cutlass``, the calls on CUTLASS's Hopper grouped
   GEMM (``jaxops_grouped_gemm_cutlass``, ``jaxops_grouped_gemm_wgrad_cutlass``); a failure is
   reported the same way (``cutlass_error``);
+- ``tokamax`` (on a GPU where ``tokamax`` is installed): both projections on
+  ``tokamax.ragged_dot`` (its Mosaic GPU kernel, ``implementation="mosaic"``) and its VJP, the
+  JAX peer's grouped GEMM; a failure is reported (``tokamax_error``);
 - ``dense``: the lower bound of XLA's own dot on the same FLOPs: one dense ``x @ w_in[0]`` and
   ``a @ w_out[0]`` over the U rows in groups (no grouping at all), with its backward.
 
@@ -47,7 +50,7 @@ xla/ffi and dense/ffi. The goal lines: the custom calls are faster than the loop
 (xla/ffi >= 1) on every case; on a GPU also at least half as fast as the one dense dot
 (dense/ffi >= 0.5), and the default cases there are ``GPU_CASES`` (real models' expert shapes);
 the columns ffi/lt and dense/lt compare cuBLASLt's grouped matmul with them, ffi/cutlass and
-dense/cutlass CUTLASS's grouped GEMM.
+dense/cutlass CUTLASS's grouped GEMM, tokamax/ffi and tokamax/cutlass tokamax's ragged_dot.
 
 On the CPU a second table times the activation between the GEMMs (swiglu, forward + backward:
 ``a`` in ``--dtype`` and the gradient of h) per ``--act-cases`` case ``RxCxU`` (h float32
@@ -70,6 +73,7 @@ there).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import re
 import sys
@@ -147,7 +151,12 @@ COLUMNS = [
     H.Column("ffi_cutlass_ms", "ffi cutlass ms", "{:.3f}"),
     H.Column("cutlass_ratio", "ffi/cutlass", "{:.2f}x"),
     H.Column("dense_cutlass_ratio", "dense/cutlass", "{:.2f}x"),
+    H.Column("tokamax_ms", "tokamax ms", "{:.3f}"),
+    H.Column("tokamax_ratio", "tokamax/ffi", "{:.2f}x"),
+    H.Column("tokamax_cutlass_ratio", "tokamax/cutlass", "{:.2f}x"),
 ]
+# tokamax.ragged_dot's implementation timed as the JAX peer: its Mosaic GPU (sm_90) kernel.
+TOKAMAX_IMPLEMENTATION = "mosaic"
 
 
 ACT_COLUMNS = [
@@ -248,6 +257,26 @@ def _ffn_loss(impl: str, tile: int):
     return loss
 
 
+def _tokamax_loss(x, w_in, w_out, groups):
+    """``sum(y * y)`` of the grouped FFN with both projections on ``tokamax.ragged_dot``."""
+    import tokamax  # an optional peer, installed on the GPU machine only
+
+    def linear(a, w):
+        return tokamax.ragged_dot(
+            a,
+            w,
+            groups[0],
+            preferred_element_type=jnp.float32,
+            implementation=TOKAMAX_IMPLEMENTATION,
+        )
+
+    h = linear(x, w_in)
+    f = h.shape[1] // 2
+    a = (jax.nn.silu(h[:, :f]) * h[:, f:]).astype(x.dtype)
+    y = linear(a, w_out)
+    return jnp.sum(y * y)
+
+
 def _dense_loss(x, w_in, w_out):
     """The same math as one dense GEMM per projection over every row of x."""
     h = jnp.dot(x, w_in, preferred_element_type=jnp.float32)
@@ -335,8 +364,8 @@ def _check(case: str, fns, operands, tolerance: float) -> None:
 
 
 def _ratio(seconds: dict[str, float], slower: str, faster: str) -> float | None:
-    """seconds[slower] / seconds[faster], or None where `faster` did not run."""
-    return seconds[slower] / seconds[faster] if faster in seconds else None
+    """seconds[slower] / seconds[faster], or None where either did not run."""
+    return seconds[slower] / seconds[faster] if slower in seconds and faster in seconds else None
 
 
 def _case(args, case: str) -> dict[str, Any]:
@@ -374,6 +403,15 @@ def _case(args, case: str) -> dict[str, Any]:
             errors[library] = f"{type(e).__name__}: {e}"[:500]
             print(f"{case}: {setting}'s grouped GEMM failed: {errors[library]}", file=sys.stderr)
             del fns[f"ffi_{library}"]
+    errors["tokamax"] = None
+    if H.is_gpu() and importlib.util.find_spec("tokamax") is not None:
+        fns["tokamax"] = jax.jit(jax.value_and_grad(_tokamax_loss, **grad))
+        try:  # the peer's refusal (a shape or dtype its kernel lacks) is reported, not fatal
+            jax.block_until_ready(fns["tokamax"](x, w_in, w_out, groups))
+        except Exception as e:  # any failure of the optional peer
+            errors["tokamax"] = f"{type(e).__name__}: {e}"[:500]
+            print(f"{case}: tokamax's ragged_dot failed: {errors['tokamax']}", file=sys.stderr)
+            del fns["tokamax"]
     fns["dense"] = jax.jit(jax.value_and_grad(_dense_loss, **grad))
     dense_in = (jnp.array(x[:used]), jnp.array(w_in[0]), jnp.array(w_out[0]))
     operands = dict.fromkeys(fns, (x, w_in, w_out, groups))
@@ -410,6 +448,9 @@ def _case(args, case: str) -> dict[str, Any]:
                 (f"{library}_error", errors[library]),
             )
         },
+        "tokamax_ratio": _ratio(seconds, "tokamax", "ffi"),
+        "tokamax_cutlass_ratio": _ratio(seconds, "tokamax", "ffi_cutlass"),
+        "tokamax_error": errors["tokamax"],
         "timings": {impl: t.to_json() for impl, t in timings.items()},
     }
     H.log_row(row, COLUMNS)
