@@ -107,6 +107,9 @@ JAXOPS_CUTLASS_GROUPED(Wgrad, ColumnMajor, RowMajor);              // x_g^T @ dy
 // H100 and H200 have 132.
 constexpr int kMaxSms = 256;
 constexpr int64_t kRegionAlign = 256;
+// CUTLASS keeps TMA descriptors (CUtensorMap: 64-byte aligned) in its part of the workspace, which
+// starts at a multiple of kRegionAlign: the workspace itself must be so aligned.
+constexpr int64_t kWorkspaceAlign = 64;
 
 int64_t Region(int64_t bytes) { return CeilDiv(bytes, kRegionAlign) * kRegionAlign; }
 
@@ -262,10 +265,11 @@ ffi::ErrorOr<Prepared> Prepare(const char* op, const Problem& p, int32_t device,
   out.layout = Layout(p.groups, OwnBytes(static_cast<int>(p.groups), out.sms));
   if (workspace->element_type() != ffi::DataType::U8 ||
       static_cast<int64_t>(workspace->size_bytes()) < out.layout.bytes ||
-      !IsAligned(workspace->untyped_data(), 16)) {
-    return Bad(std::string(op) + " (CUTLASS): the workspace must be 16-byte-aligned uint8 [>= " +
-               std::to_string(out.layout.bytes) + "] for " + std::to_string(p.groups) +
-               " groups, got " + ShapeString(*workspace));
+      !IsAligned(workspace->untyped_data(), kWorkspaceAlign)) {
+    return Bad(std::string(op) + " (CUTLASS): the workspace must be " +
+               std::to_string(kWorkspaceAlign) +
+               "-byte-aligned uint8 [>= " + std::to_string(out.layout.bytes) + "] for " +
+               std::to_string(p.groups) + " groups, got " + ShapeString(*workspace));
   }
   out.base = static_cast<char*>(workspace->untyped_data());
   const Layout& l = out.layout;
