@@ -209,7 +209,7 @@ def attend(
         )  # [b, sq, Hq, Dh]
         seen = jnp.any(mask, axis=-1)[:, :, None, None]  # a query that sees no key: zeros
         return jnp.where(seen, out, jnp.zeros((), out.dtype)).reshape(b, sq, hq * dv)
-    q = q.reshape(b, sq, hkv, hq // hkv, dh)
+    q = _group_heads(q, hkv)
     scale = dh**-0.5 if scale is None else scale
     block = ops.attention_block
     if ops.context > 1 or (ops.attention != "xla" and max(sq, sk) > block):
@@ -256,10 +256,25 @@ def attend_expanded(
     b, sq, hq, dh = q.shape
     k, v = jax.eval_shape(expand, params, kv)
     hkv, dv = k.shape[2], v.shape[-1]
-    q = q.reshape(b, sq, hkv, hq // hkv, dh)
+    q = _group_heads(q, hkv)
     scale = dh**-0.5 if scale is None else scale
     out = _attend_blockwise(ops, c, q, kv, visible, scale, None, expand, params)
     return out.reshape(b, sq, hq * dv)
+
+
+def _group_heads(q: jax.Array, hkv: int) -> jax.Array:
+    """``q [b, s, Hq, Dh]`` as ``[b, s, Hkv, Hq / Hkv, Dh]``: each KV head's query heads.
+
+    With one query head per KV head (MLA's expanded keys, multi-head attention) the group axis
+    is inserted, not reshaped in: jax's reshape drops the sharding of a batch axis of size 1
+    when it also inserts an axis of size 1 (``[1@(data,expert), s, H, D] -> [1, s, H, 1, D]``),
+    and the attention then ran on an unsharded batch (a one-sequence DeepSeek-V3 step failed to
+    trace past one attention block).
+    """
+    b, s, hq, dh = q.shape
+    if hq == hkv:
+        return q[:, :, :, None]
+    return q.reshape(b, s, hkv, hq // hkv, dh)
 
 
 def _attend_blockwise(

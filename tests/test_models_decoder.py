@@ -379,6 +379,26 @@ def test_dot_product_attention_equals_the_jnp_softmax():
         models.MoEDecoder(cfg, mesh, attention_impl="flash")
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"], ids=["mla", "gqa"])
+def test_one_sequence_batch_keeps_its_sharding_through_blockwise_attention(family):
+    """A batch of one sequence, longer than an attention block, on an Explicit mesh: loss and
+    gradients equal those of the same sequence twice. With one query head per KV head (MLA
+    expands its keys so) jax's reshape that groups the query heads dropped the size-1 batch
+    axis's sharding, and a one-sequence DeepSeek-V3 step failed to trace (the plan CLI with
+    --batch 1 too)."""
+    cfg = models.DecoderConfig.from_hf(models.family(family).tiny_config(num_hidden_layers=2))
+    model = models.MoEDecoder(cfg, _mesh((1, 1), ("data", "expert")), attention_block=8)
+    params = model.init(jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 24)).astype(np.int32)
+    targets = np.roll(tokens, -1, axis=1)
+    step = jax.jit(model.loss_and_grads)
+    loss, grads = step(params, *model.place_batch(tokens, targets))
+    twice = step(params, *model.place_batch(np.repeat(tokens, 2, 0), np.repeat(targets, 2, 0)))
+    np.testing.assert_allclose(float(loss), float(twice[0]), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(twice[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize(
     ("dense", "period"),
     [
