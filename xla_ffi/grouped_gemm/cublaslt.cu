@@ -460,10 +460,8 @@ ffi::Error ForwardLtDispatch(cudaStream_t stream, GroupedLtState* state, int32_t
   if (auto e = LaunchSetup(kOp, s, stream); e.failure()) return e;
   if (auto e = Execute(state, device, c, stream); e.failure()) return e;
   if (!zero_tail) return ffi::Error::Success();
-  const int64_t row_vecs = p.n / 4;
-  ZeroTailKernel<<<GridCtas(p.rows * row_vecs, kFillThreads * 4, 4096), kFillThreads, 0, stream>>>(
-      reinterpret_cast<float4*>(y->typed_data()), s.total, p.rows, row_vecs);
-  return LastLaunchError("grouped_gemm (cuBLASLt) tail zeroing kernel");
+  return ZeroTail(stream, y->typed_data(), s.total, p.rows, p.n,
+                  "grouped_gemm (cuBLASLt) tail zeroing kernel");
 }
 
 ffi::Error WgradLtDispatch(cudaStream_t stream, GroupedLtState* state, int32_t device,
@@ -494,18 +492,12 @@ ffi::Error WgradLtDispatch(cudaStream_t stream, GroupedLtState* state, int32_t d
   c.avg_d_rows = Clamp32(p.n);
   c.avg_d_cols = Clamp32(p.k);
   c.avg_reduction = Clamp32(p.rows / p.groups);
-  const int64_t group_vecs = p.k * p.n / 4;
-  const int chunks =
-      static_cast<int>(std::clamp<int64_t>(CeilDiv(group_vecs, int64_t{kFillThreads} * 8), 1, 64));
-  if (p.groups * chunks > int64_t{0x7fffffff}) {
-    return InvalidArgument(std::string(kOp) + ": " + std::to_string(p.groups) +
-                           " groups are past CUDA's grid limit");
-  }
+  auto chunks = EmptyGroupChunks(kOp, p.groups, p.k, p.n);
+  if (chunks.has_error()) return chunks.error();
   if (auto e = LaunchSetup(kOp, s, stream); e.failure()) return e;
   if (auto e = Execute(state, device, c, stream); e.failure()) return e;
-  ZeroEmptyGroupsKernel<<<static_cast<unsigned>(p.groups * chunks), kFillThreads, 0, stream>>>(
-      reinterpret_cast<float4*>(dw->typed_data()), s.m, group_vecs, chunks);
-  return LastLaunchError("grouped_gemm_wgrad (cuBLASLt) empty-group zeroing kernel");
+  return ZeroEmptyGroups(stream, dw->typed_data(), s.m, p.groups, p.k, p.n, *chunks,
+                         "grouped_gemm_wgrad (cuBLASLt) empty-group zeroing kernel");
 }
 
 ffi::ErrorOr<std::unique_ptr<GroupedLtState>> GroupedLtInstantiate() {

@@ -362,10 +362,8 @@ ffi::Error ForwardDispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer x
                cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, n, 1}), device, stream);
   }
   if (error.failure() || !zero_tail) return error;
-  const int64_t row_vecs = p.n / 4;
-  ZeroTailKernel<<<GridCtas(p.rows * row_vecs, kFillThreads * 4, 4096), kFillThreads, 0, stream>>>(
-      reinterpret_cast<float4*>(y->typed_data()), s.total, p.rows, row_vecs);
-  return LastLaunchError("grouped_gemm (CUTLASS) tail zeroing kernel");
+  return ZeroTail(stream, y->typed_data(), s.total, p.rows, p.n,
+                  "grouped_gemm (CUTLASS) tail zeroing kernel");
 }
 
 ffi::Error WgradDispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer dy,
@@ -378,13 +376,8 @@ ffi::Error WgradDispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, 
   if (!Eligible(p, x.element_type(), x.untyped_data(), dy.untyped_data(), dw->untyped_data())) {
     return KernelWgrad(stream, p, x, dy, sizes, dw->typed_data());
   }
-  const int64_t group_vecs = p.k * p.n / 4;
-  const int chunks =
-      static_cast<int>(std::clamp<int64_t>(CeilDiv(group_vecs, int64_t{kFillThreads} * 8), 1, 64));
-  if (p.groups * chunks > int64_t{0x7fffffff}) {
-    return InvalidArgument(std::string(kOp) + ": " + std::to_string(p.groups) +
-                           " groups are past CUDA's grid limit");
-  }
+  auto chunks = EmptyGroupChunks(kOp, p.groups, p.k, p.n);
+  if (chunks.has_error()) return chunks.error();
   auto prepared = Prepare(kOp, p, device, workspace, sizes);
   if (prepared.has_error()) return prepared.error();
   SetupParams& s = prepared->setup;
@@ -405,9 +398,8 @@ ffi::Error WgradDispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, 
       e.failure()) {
     return e;
   }
-  ZeroEmptyGroupsKernel<<<static_cast<unsigned>(p.groups * chunks), kFillThreads, 0, stream>>>(
-      reinterpret_cast<float4*>(dw->typed_data()), s.m, group_vecs, chunks);
-  return LastLaunchError("grouped_gemm_wgrad (CUTLASS) empty-group zeroing kernel");
+  return ZeroEmptyGroups(stream, dw->typed_data(), s.m, p.groups, p.k, p.n, *chunks,
+                         "grouped_gemm_wgrad (CUTLASS) empty-group zeroing kernel");
 }
 
 }  // namespace

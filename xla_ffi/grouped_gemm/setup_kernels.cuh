@@ -8,7 +8,9 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <string>
 
 #include "xla_ffi/common/cuda_util.cuh"
 
@@ -101,6 +103,37 @@ __global__ void __launch_bounds__(kFillThreads)
        i += step) {
     out[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
+}
+
+// Host side of the two fills, on the stream. ZeroTail: rows [*total, rows) of y [rows, n] (n a
+// multiple of 4); `what` names the launch in an error.
+inline ffi::Error ZeroTail(cudaStream_t stream, float* y, const long long* total, int64_t rows,
+                           int64_t n, const char* what) {
+  const int64_t row_vecs = n / 4;
+  ZeroTailKernel<<<GridCtas(rows * row_vecs, kFillThreads * 4, 4096), kFillThreads, 0, stream>>>(
+      reinterpret_cast<float4*>(y), total, rows, row_vecs);
+  return LastLaunchError(what);
+}
+
+// The CTAs per group of ZeroEmptyGroups for dw [groups, k, n] (k * n a multiple of 4), or an
+// error past CUDA's grid limit: ask before enqueueing anything.
+inline ffi::ErrorOr<int> EmptyGroupChunks(const char* op, int64_t groups, int64_t k, int64_t n) {
+  const int64_t group_vecs = k * n / 4;
+  const int chunks =
+      static_cast<int>(std::clamp<int64_t>(CeilDiv(group_vecs, int64_t{kFillThreads} * 8), 1, 64));
+  if (groups * chunks > int64_t{0x7fffffff}) {
+    return Bad(std::string(op) + ": " + std::to_string(groups) +
+               " groups are past CUDA's grid limit");
+  }
+  return chunks;
+}
+
+// Zeros dw[g] of every group g whose m[g] is 0, with EmptyGroupChunks' `chunks`.
+inline ffi::Error ZeroEmptyGroups(cudaStream_t stream, float* dw, const int32_t* m, int64_t groups,
+                                  int64_t k, int64_t n, int chunks, const char* what) {
+  ZeroEmptyGroupsKernel<<<static_cast<unsigned>(groups * chunks), kFillThreads, 0, stream>>>(
+      reinterpret_cast<float4*>(dw), m, k * n / 4, chunks);
+  return LastLaunchError(what);
 }
 
 }  // namespace
