@@ -79,6 +79,7 @@ __all__ = [
     "Timing",
     "tokens_columns",
     "tokens_fields",
+    "weight_counts",
     "worst_goal",
     "write_results",
 ]
@@ -218,6 +219,30 @@ def time_interleaved(
             calls, sync_each, _ = plans[name]
             samples[name].append(_sample(fn, args, calls, sync_each))
     return {name: Timing(tuple(samples[name]), plans[name][0], plans[name][2]) for name in cases}
+
+
+def weight_counts(model) -> dict[str, int]:
+    """Weights of a ``jaxops.models.MoEDecoder``: ``total`` (every weight), and ``trunk`` and
+    ``mtp``, the weights a token multiplies by in the decoder and in its multi-token-prediction
+    modules, as the peers count a step's ``6 x active x tokens``: the routed experts'
+    (``moe/w_in``, ``moe/w_out``) counted ``top_k / E``, the embedding (a lookup) not at all
+    unless it is the tied output head."""
+    cfg = model.config
+    share = cfg.moe.top_k / cfg.moe.num_experts
+    counts = {"total": 0.0, "trunk": 0.0, "mtp": 0.0}
+    leaves = jax.tree_util.tree_leaves_with_path(
+        model.layout.weight_shapes(), is_leaf=lambda x: isinstance(x, tuple)
+    )
+    for path, shape in leaves:
+        keys = [getattr(k, "key", None) for k in path]
+        n = float(math.prod(shape))
+        counts["total"] += n
+        if keys[0] == "embed" and not cfg.tie_word_embeddings:
+            continue
+        if "moe" in keys and keys[-1] in ("w_in", "w_out"):
+            n *= share
+        counts["mtp" if keys[0] == "mtp" else "trunk"] += n
+    return {k: int(v) for k, v in counts.items()}
 
 
 def time_train_steps(

@@ -102,24 +102,6 @@ def _hf_config(name: str, layers: int) -> dict[str, Any]:
     return hf
 
 
-def _active(model) -> tuple[int, int]:
-    """``(weights, active)``: every weight of the decoder, and those a token multiplies by."""
-    cfg = model.config
-    share = cfg.moe.top_k / cfg.moe.num_experts
-    total = active = 0.0
-    leaves = jax.tree_util.tree_leaves_with_path(
-        model.layout.weight_shapes(), is_leaf=lambda x: isinstance(x, tuple)
-    )
-    for path, shape in leaves:
-        keys = [getattr(k, "key", None) for k in path]
-        n = float(np.prod(shape))
-        total += n
-        if keys[0] == "embed" and not cfg.tie_word_embeddings:
-            continue
-        active += n * share if "moe" in keys and keys[-1] in ("w_in", "w_out") else n
-    return int(total), int(active)
-
-
 def _attention_flops(cfg, seq: int) -> float:
     """Attention's FLOPs per token of a step (forward and backward), summed over the layers."""
     a = cfg.attention
@@ -205,7 +187,8 @@ def _case(args, case: str, mesh) -> dict[str, Any]:
         repeats=args.repeats,
     )["step"]
     seconds = timing.median
-    weights, active = _active(model)
+    counts = H.weight_counts(model)  # no MTP modules here: the decoder's weights alone
+    weights, active = counts["total"], counts["trunk"]
     n = batch * seq
     flops = 6.0 * active * n + _attention_flops(cfg, seq) * n
     tflops = flops / seconds / 1e12

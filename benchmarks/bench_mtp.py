@@ -78,30 +78,6 @@ def _config(family_name: str, depth: int, layers: int):
     return DecoderConfig.from_hf(hf)
 
 
-def _active(model) -> tuple[int, int, int]:
-    """``(trunk, modules, head)``: the weights a token multiplies by, of each part.
-
-    The routed experts' weights (``moe/w_in``, ``moe/w_out``) count ``top_k / E``; the
-    embedding (a lookup) none unless it is the tied output head.
-    """
-    cfg = model.config
-    share = cfg.moe.top_k / cfg.moe.num_experts
-    counts = {"trunk": 0.0, "mtp": 0.0}
-    leaves = jax.tree_util.tree_leaves_with_path(
-        model.layout.weight_shapes(), is_leaf=lambda x: isinstance(x, tuple)
-    )
-    for path, shape in leaves:
-        keys = [getattr(k, "key", None) for k in path]
-        if keys[0] == "embed" and not cfg.tie_word_embeddings:
-            continue
-        n = float(np.prod(shape))
-        if "moe" in keys and keys[-1] in ("w_in", "w_out"):
-            n *= share
-        counts["mtp" if keys[0] == "mtp" else "trunk"] += n
-    head = cfg.hidden_size * cfg.vocab_size
-    return int(counts["trunk"]), int(counts["mtp"]), head
-
-
 def run(args) -> H.Result:
     from jaxops.models import MoEDecoder
     from jaxops.models._adapters import lora_targets
@@ -151,7 +127,8 @@ def run(args) -> H.Result:
             "beyond": ms["mtp"] / ms["deeper"],
             "lora_ratio": ms["lora_mtp"] / ms["lora"],
         }
-        trunk, modules, head = _active(models["mtp"])
+        counts = H.weight_counts(models["mtp"])
+        trunk, modules, head = counts["trunk"], counts["mtp"], cfg.hidden_size * cfg.vocab_size
         row["flops"] = (trunk + modules + depth * head) / trunk
         rows.append(row)
         H.log_row(row, COLUMNS)
