@@ -75,16 +75,30 @@ class SplitQuantized:
 
     def dequantize(self, dtype: Any = jnp.bfloat16) -> jax.Array:
         """The rows of x back, ``[M, K]`` in `dtype` (rows past the experts' total are zero)."""
-        layout = _row_layout(
-            self.sizes, self.col_offsets, self.scale_offsets, self.num_rows, self.group
+        return _dequantize_split(
+            self.data,
+            self.scale,
+            self.col_offsets,
+            self.scale_offsets,
+            self.sizes,
+            self.num_rows,
+            self.group,
+            jnp.dtype(dtype),
         )
-        col, scol, valid = layout
-        cols = jnp.where(valid, col, 0)
-        scols = jnp.where(valid, scol, 0)
-        values = self.data[:, cols].astype(jnp.float32) * self.scale[:, scols]
-        return jnp.where(valid[:, None], values.T, 0).astype(dtype)
 
 
+# The pure-JAX paths below are jitted (one program per shape and setting, not one per jnp op
+# when called eagerly); inside a user's jit they inline.
+@functools.partial(jax.jit, static_argnums=(5, 6, 7))
+def _dequantize_split(data, scale, col_offsets, scale_offsets, sizes, m: int, g: int, dtype):
+    col, scol, valid = _row_layout(sizes, col_offsets, scale_offsets, m, g)
+    cols = jnp.where(valid, col, 0)
+    scols = jnp.where(valid, scol, 0)
+    values = data[:, cols].astype(jnp.float32) * scale[:, scols]
+    return jnp.where(valid[:, None], values.T, 0).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
 def _clamped_sizes(group_sizes: jax.Array, m: int) -> jax.Array:
     sizes = jnp.clip(group_sizes, 0, m)
     ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, m), sizes)
@@ -115,6 +129,7 @@ def _split_shapes(m: int, k: int, e: int, g: int) -> tuple[int, int]:
     return columns, m // g + e
 
 
+@functools.partial(jax.jit, static_argnums=(0,))
 def _split_reference(cfg: _Config, x: jax.Array, group_sizes: jax.Array):
     m, k = x.shape
     e = group_sizes.shape[0]
