@@ -411,7 +411,8 @@ def test_moe_stages():
             total += mse(None, xi, ti) / m
         return total
 
-    ref_loss, (dparams, dx) = jax.value_and_grad(sequential, argnums=(0, 1))(params, x, t)
+    # Jitted: one program, not one per op of the unrolled reference.
+    ref_loss, (dparams, dx) = jax.jit(jax.value_and_grad(sequential, argnums=(0, 1)))(params, x, t)
     step = jax.jit(
         lambda p, x, t: pl.pipeline_step(
             stage,
@@ -684,9 +685,10 @@ def test_deprecated_axis_keyword():
     ):
         assert str(old(params)) == want
     fkw = dict(mesh=mesh, num_microbatches=2)
-    out = pl.pipeline_forward(_stage, params, x, pipe_axis="stages", **fkw)
+    # Jitted (the warning is raised while tracing): one program each, not one per op.
+    out = jax.jit(lambda p: pl.pipeline_forward(_stage, p, x, pipe_axis="stages", **fkw))(params)
     with pytest.warns(DeprecationWarning, match=r"pipeline_forward: the keyword axis= is renamed"):
-        old_out = pl.pipeline_forward(_stage, params, x, axis="stages", **fkw)
+        old_out = jax.jit(lambda p: pl.pipeline_forward(_stage, p, x, axis="stages", **fkw))(params)
     np.testing.assert_array_equal(np.asarray(old_out), np.asarray(out))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the new name does not warn
