@@ -79,7 +79,8 @@ def _attention(visible, block, scale=0.3, dtype=jnp.float64):
             q, k, v, visible, scale=scale, sinks=sinks, dtype=dtype, block=block
         )
 
-    return f
+    # Jitted: one program per shape (the models run it inside their jitted steps), not one per op.
+    return jax.jit(f)
 
 
 @pytest.mark.parametrize("name", list(CASES))
