@@ -16,6 +16,7 @@ sequence order (an all-gather over the context axis).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -42,7 +43,6 @@ def to_rows(layout: Any, batch: _batch.Batch) -> _batch.Batch:
     global time steps, positions and documents of its tokens (``attention_mask`` folded into
     the documents).
     """
-    c, axis = layout.context, layout.context_axis
     where = _batch.placement(batch)
     fields = {
         "tokens": batch.tokens,
@@ -54,26 +54,16 @@ def to_rows(layout: Any, batch: _batch.Batch) -> _batch.Batch:
         "mtp_targets": batch.mtp_targets,
     }
     fields = {k: v for k, v in fields.items() if v is not None}
-    chunks = jnp.asarray(_pairs(c))
-
-    def cut(fields):
-        mine = chunks[jax.lax.axis_index(axis)]
-
-        def one(a):  # [n, S, ...] -> [n, S / C, ...]: this device's two chunks
-            n, s, *rest = a.shape
-            a = a.reshape(n, 2 * c, s // (2 * c), *rest)[:, mine]
-            return a.reshape(n, s // c, *rest)
-
-        return jax.tree.map(one, fields)
-
-    inputs, rows = P(layout.input_axes), P(layout.batch_axes)
-    out = jax.shard_map(
-        cut,
-        mesh=layout.mesh,
-        in_specs=(jax.tree.map(lambda _: inputs, fields),),
-        out_specs=jax.tree.map(lambda _: rows, fields),
-        check_vma=False,
-    )(place(fields, layout.mesh, jax.tree.map(lambda _: inputs, fields)))
+    cut = _cutter(
+        layout.mesh,
+        layout.context,
+        layout.context_axis,
+        layout.input_axes,
+        layout.batch_axes,
+        tuple(sorted(fields)),
+    )
+    inputs = P(layout.input_axes)
+    out = cut(place(fields, layout.mesh, jax.tree.map(lambda _: inputs, fields)))
     return _batch.Batch(
         out["tokens"],
         out.get("targets"),
@@ -91,7 +81,45 @@ def from_rows(layout: Any, x: jax.Array) -> jax.Array:
 
     Split over ``layout.input_axes``: every context device gathers its rows' chunks.
     """
-    c, axis = layout.context, layout.context_axis
+    join = _joiner(
+        layout.mesh, layout.context, layout.context_axis, layout.input_axes, layout.batch_axes
+    )
+    return join(place(x, layout.mesh, P(layout.batch_axes)))
+
+
+# The two shard_maps, jitted and built once per mesh and setting: called eagerly (a batch placed
+# outside the step), an unjitted shard_map would run its body op by op, one small program per
+# op, field and shape.
+@functools.lru_cache(maxsize=64)
+def _cutter(mesh, c: int, axis: str, input_axes, batch_axes, names: tuple[str, ...]):
+    """Each device cuts its chunk pair out of the rows it holds: no collective."""
+    chunks = _pairs(c)
+
+    def cut(fields):
+        mine = jnp.asarray(chunks)[jax.lax.axis_index(axis)]
+
+        def one(a):  # [n, S, ...] -> [n, S / C, ...]: this device's two chunks
+            n, s, *rest = a.shape
+            a = a.reshape(n, 2 * c, s // (2 * c), *rest)[:, mine]
+            return a.reshape(n, s // c, *rest)
+
+        return jax.tree.map(one, fields)
+
+    inputs, rows = P(input_axes), P(batch_axes)
+    return jax.jit(
+        jax.shard_map(
+            cut,
+            mesh=mesh,
+            in_specs=({n: inputs for n in names},),
+            out_specs={n: rows for n in names},
+            check_vma=False,
+        )
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _joiner(mesh, c: int, axis: str, input_axes, batch_axes):
+    """Every context device gathers its rows' chunks and puts them in sequence order."""
     order = np.argsort(_pairs(c).reshape(-1))  # chunk k's place among the gathered ones
 
     def join(a):  # [n, S / C, ...] -> [n, S, ...]
@@ -101,7 +129,8 @@ def from_rows(layout: Any, x: jax.Array) -> jax.Array:
         every = jnp.moveaxis(every, 1, 0).reshape(n, 2 * c, half, *a.shape[2:])
         return every[:, order].reshape(n, 2 * c * half, *a.shape[2:])
 
-    rows = P(layout.batch_axes)
-    return jax.shard_map(
-        join, mesh=layout.mesh, in_specs=(rows,), out_specs=P(layout.input_axes), check_vma=False
-    )(place(x, layout.mesh, rows))
+    return jax.jit(
+        jax.shard_map(
+            join, mesh=mesh, in_specs=(P(batch_axes),), out_specs=P(input_axes), check_vma=False
+        )
+    )
