@@ -32,6 +32,15 @@ by default; accumulation float32):
   ``ffi`` traced with ``JAXOPS_GPU_GROUPED_GEMM=cutlass``, the calls on CUTLASS's Hopper grouped
   GEMM (``jaxops_grouped_gemm_cutlass``, ``jaxops_grouped_gemm_wgrad_cutlass``); a failure is
   reported the same way (``cutlass_error``);
+- ``fp8`` and ``fp8_cutlass`` (on an sm_90 GPU with a CUDA module built with CUTLASS,
+  ``--dtype bfloat16``): the layer's ``fp8="block"`` GEMMs, activation quantization included
+  (x and dy in 1 x 128 groups, w in 128 x 128 tiles, the wgrad's per-expert 128-row groups):
+  ``fp8`` dequantizes the FP8 operands and runs jaxops' kernels in float32 (the path without the
+  FP8 kernel), ``fp8_cutlass`` traced with ``JAXOPS_GPU_GROUPED_GEMM=cutlass`` runs the forward
+  and the input gradient on CUTLASS's block-scaled FP8 grouped GEMM
+  (``jaxops_grouped_gemm_fp8_cutlass``; the wgrad stays jaxops' float32 kernel). fp8_cutlass is
+  checked against fp8 (the same quantized values: 2e-2) and both against ``ffi`` within FP8's
+  resolution (``FP8_TOLERANCE``); a failure is reported (``fp8_cutlass_error``);
 - ``tokamax`` (on a GPU where ``tokamax`` is installed): both projections on
   ``tokamax.ragged_dot`` (its Mosaic GPU kernel, ``implementation="mosaic"``) and its VJP, the
   JAX peer's grouped GEMM; a failure is reported (``tokamax_error``);
@@ -50,7 +59,9 @@ xla/ffi and dense/ffi. The goal lines: the custom calls are faster than the loop
 (xla/ffi >= 1) on every case; on a GPU also at least half as fast as the one dense dot
 (dense/ffi >= 0.5), and the default cases there are ``GPU_CASES`` (real models' expert shapes);
 the columns ffi/lt and dense/lt compare cuBLASLt's grouped matmul with them, ffi/cutlass and
-dense/cutlass CUTLASS's grouped GEMM, tokamax/ffi and tokamax/cutlass tokamax's ragged_dot.
+dense/cutlass CUTLASS's grouped GEMM, tokamax/ffi and tokamax/cutlass tokamax's ragged_dot, and
+cutlass/fp8 the block-scaled FP8 layer on CUTLASS's FP8 kernel against the bfloat16 one on
+CUTLASS's (goal >= 1.4x, activation quantization included).
 
 On the CPU a second table times the activation between the GEMMs (swiglu, forward + backward:
 ``a`` in ``--dtype`` and the gradient of h) per ``--act-cases`` case ``RxCxU`` (h float32
@@ -102,6 +113,9 @@ SPARE_ROWS = 64
 PIPELINE_VARIABLE = "JAXOPS_GPU_GEMM_PIPELINE"
 GROUPED_VARIABLE = "JAXOPS_GPU_GROUPED_GEMM"
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-2}
+# The fp8 variants against the bfloat16 ffi: FP8's resolution (e4m3: 2^-4 relative per element).
+FP8_TOLERANCE = 0.1
+FP8_CALLS = {"jaxops_grouped_gemm_fp8_cutlass", "jaxops_grouped_gemm_wgrad"}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 CALLS = {"jaxops_grouped_gemm", "jaxops_grouped_gemm_wgrad"}
 # The library variants: (JAXOPS_GPU_GROUPED_GEMM's value, the dtypes it takes, its calls).
@@ -151,6 +165,10 @@ COLUMNS = [
     H.Column("ffi_cutlass_ms", "ffi cutlass ms", "{:.3f}"),
     H.Column("cutlass_ratio", "ffi/cutlass", "{:.2f}x"),
     H.Column("dense_cutlass_ratio", "dense/cutlass", "{:.2f}x"),
+    H.Column("fp8_ms", "fp8 ms", "{:.3f}"),
+    H.Column("fp8_cutlass_ms", "fp8 cutlass ms", "{:.3f}"),
+    H.Column("fp8_ratio", "cutlass/fp8 cutlass", "{:.2f}x"),
+    H.Column("fp8_dequant_ratio", "fp8/fp8 cutlass", "{:.2f}x"),
     H.Column("tokamax_ms", "tokamax ms", "{:.3f}"),
     H.Column("tokamax_ratio", "tokamax/ffi", "{:.2f}x"),
     H.Column("tokamax_cutlass_ratio", "tokamax/cutlass", "{:.2f}x"),
@@ -243,15 +261,15 @@ def group_sizes(experts: int, per_expert: int, seed: int, tile: int) -> np.ndarr
     return (sizes // tile * tile).astype(np.int32)
 
 
-def _ffn_loss(impl: str, tile: int):
+def _ffn_loss(impl: str, tile: int, fp8: bool = False):
     """``sum(y * y)`` of the grouped FFN with the grouped GEMMs of `impl` ("ffi" or "xla"; with
-    tile 0, ragged_dot)."""
+    tile 0, ragged_dot), block-scaled FP8 with `fp8`."""
 
     def loss(x, w_in, w_out, groups):
-        h = _ffn._grouped_linear(tile, False, impl, x, w_in, groups)
+        h = _ffn._grouped_linear(tile, fp8, impl, x, w_in, groups)
         f = h.shape[1] // 2
         a = (jax.nn.silu(h[:, :f]) * h[:, f:]).astype(x.dtype)
-        y = _ffn._grouped_linear(tile, False, impl, a, w_out, groups)
+        y = _ffn._grouped_linear(tile, fp8, impl, a, w_out, groups)
         return jnp.sum(y * y)
 
     return loss
@@ -346,20 +364,27 @@ def _check(case: str, fns, operands, tolerance: float) -> None:
         library = impl.removeprefix("ffi_")
         if library in LIBRARIES:
             want = LIBRARIES[library][2]
+        elif impl == "fp8_cutlass":
+            want = FP8_CALLS
+        elif impl == "fp8":
+            want = CALLS
         else:
             want = CALLS if impl.startswith("ffi") else set()
         if calls != want:
             raise AssertionError(f"{case}: the {impl} program calls {sorted(calls)}, not {want}")
     outs = {impl: jax.block_until_ready(fns[impl](*operands[impl])) for impl in grouped}
-    loss_ffi, grads_ffi = outs["ffi"]
     names = ("loss", "dx", "dw_in", "dw_out")
-    for impl in grouped[1:]:
-        loss, grads = outs[impl]
-        for name, got, want in zip(names, (loss, *grads), (loss_ffi, *grads_ffi), strict=True):
+    pairs = [("ffi", impl, tolerance) for impl in grouped[1:] if not impl.startswith("fp8")]
+    pairs += [("ffi", impl, FP8_TOLERANCE) for impl in grouped if impl.startswith("fp8")]
+    if "fp8_cutlass" in outs:  # the same quantized values, on the FP8 kernel or dequantized
+        pairs.append(("fp8", "fp8_cutlass", tolerance))
+    for base, impl, bound in pairs:
+        (loss, grads), (loss_base, grads_base) = outs[impl], outs[base]
+        for name, got, want in zip(names, (loss, *grads), (loss_base, *grads_base), strict=True):
             err = _rel_error(got, want)
-            if not err < tolerance:
+            if not err < bound:
                 raise AssertionError(
-                    f"{case}: {name} of impl='ffi' and {impl} differ (relative error {err:.3g})"
+                    f"{case}: {name} of {base} and {impl} differ (relative error {err:.3g})"
                 )
 
 
@@ -403,6 +428,18 @@ def _case(args, case: str) -> dict[str, Any]:
             errors[library] = f"{type(e).__name__}: {e}"[:500]
             print(f"{case}: {setting}'s grouped GEMM failed: {errors[library]}", file=sys.stderr)
             del fns[f"ffi_{library}"]
+    errors["fp8_cutlass"] = None
+    if _library_available("cutlass") and args.dtype == "bfloat16":
+        fp8_loss = _ffn_loss("ffi", tile, fp8=True)
+        fns["fp8"] = jax.jit(jax.value_and_grad(fp8_loss, **grad))
+        fn = jax.jit(jax.value_and_grad(fp8_loss, **grad))
+        fns["fp8_cutlass"] = _WithEnv(fn, {GROUPED_VARIABLE: "cutlass"})
+        try:  # reported, not fatal, as the libraries
+            fns["fp8_cutlass"](x, w_in, w_out, groups)
+        except jax.errors.JaxRuntimeError as e:
+            errors["fp8_cutlass"] = f"{type(e).__name__}: {e}"[:500]
+            print(f"{case}: the FP8 grouped GEMM failed: {errors['fp8_cutlass']}", file=sys.stderr)
+            del fns["fp8_cutlass"]
     errors["tokamax"] = None
     if H.is_gpu() and importlib.util.find_spec("tokamax") is not None:
         fns["tokamax"] = jax.jit(jax.value_and_grad(_tokamax_loss, **grad))
@@ -448,6 +485,9 @@ def _case(args, case: str) -> dict[str, Any]:
                 (f"{library}_error", errors[library]),
             )
         },
+        "fp8_ratio": _ratio(seconds, "ffi_cutlass", "fp8_cutlass"),
+        "fp8_dequant_ratio": _ratio(seconds, "fp8", "fp8_cutlass"),
+        "fp8_cutlass_error": errors["fp8_cutlass"],
         "tokamax_ratio": _ratio(seconds, "tokamax", "ffi"),
         "tokamax_cutlass_ratio": _ratio(seconds, "tokamax", "ffi_cutlass"),
         "tokamax_error": errors["tokamax"],
@@ -473,6 +513,13 @@ def run(args) -> H.Result:
     if gpu:
         text = "on GPU, half the speed of one dense dot of the same FLOPs (dense/ffi >= 0.5)"
         goals.append(H.worst_goal(rows, "dense_ratio", 0.5, text, lambda r: r["case"]))
+        fp8_rows = [r for r in rows if r["fp8_ratio"] is not None]
+        if fp8_rows:
+            text = (
+                "block-scaled FP8 on CUTLASS's FP8 grouped GEMM, quantization included, vs "
+                "bfloat16 on CUTLASS's (cutlass/fp8 cutlass >= 1.4)"
+            )
+            goals.append(H.worst_goal(fp8_rows, "fp8_ratio", 1.4, text, lambda r: r["case"]))
     tables = []
     if _grouped_gemm.activation_kernel_available():
         act_rows = [_act_case(args, case) for case in args.act_case_list]

@@ -36,6 +36,15 @@ H200), and takes bfloat16 calls whose x, w (dy) and output start 16-byte aligned
 multiples of 8; other calls run jaxops' kernels. Its workspace holds the per-group arrays and
 CUTLASS's own (TMA descriptors per SM).
 
+:func:`grouped_gemm_fp8` multiplies block-scaled FP8 operands (DeepSeek-V3's recipe: x in 1 x 128
+groups along K, w in 128 x 128 tiles) on CUTLASS's Hopper grouped GEMM with blockwise scaling
+(``xla_ffi/grouped_gemm/cutlass_fp8_sm90.cu``, target :data:`TARGET_GROUPED_GEMM_FP8_CUTLASS`;
+compiled, not yet run on a GPU), chosen as the bfloat16 CUTLASS kernels are
+(``JAXOPS_GPU_GROUPED_GEMM=cutlass``, an sm_90 GPU; :func:`fp8_kernel_available`); elsewhere its
+pure-JAX twin (:func:`grouped_gemm_fp8_reference`: dequantize, ``ragged_dot`` in float32) runs.
+The kernel reads each group's scales of x as one packed M-major matrix
+(:func:`group_packed_scales`).
+
 The rows of group g are rows ``[start_g, start_g + group_sizes[g])``, from row 0 in order. The
 kernels clip the sizes, which are device data: a negative size counts as 0, and no group reaches
 past the last row. Outputs are float32 (fp32 accumulation), whatever the inputs' dtype (float32,
@@ -84,7 +93,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxops import _checks, _ffi
-from jaxops._errors import InvalidArgumentError
+from jaxops._config import resolve_impl
+from jaxops._errors import ArgumentTypeError, InvalidArgumentError
+from jaxops._fp8.scales import QuantizedArray, dequantize
 from jaxops._sharding import vary_like
 
 __all__ = [
@@ -92,7 +103,9 @@ __all__ = [
     "TARGET_ACTIVATION_BWD",
     "TARGET_ACTIVATION_FWD",
     "TARGET_GROUPED_GEMM",
+    "FP8_BLOCK",
     "TARGET_GROUPED_GEMM_CUTLASS",
+    "TARGET_GROUPED_GEMM_FP8_CUTLASS",
     "TARGET_GROUPED_GEMM_LT",
     "TARGET_WGRAD",
     "TARGET_WGRAD_CUTLASS",
@@ -103,7 +116,12 @@ __all__ = [
     "grouped_activation_bwd",
     "grouped_activation_bwd_reference",
     "grouped_activation_reference",
+    "fp8_kernel_available",
+    "fp8_kernel_runs",
+    "group_packed_scales",
     "grouped_gemm",
+    "grouped_gemm_fp8",
+    "grouped_gemm_fp8_reference",
     "grouped_gemm_reference",
     "grouped_gemm_wgrad",
     "grouped_gemm_wgrad_reference",
@@ -116,6 +134,7 @@ TARGET_GROUPED_GEMM_LT = "jaxops_grouped_gemm_lt"
 TARGET_WGRAD_LT = "jaxops_grouped_gemm_wgrad_lt"
 TARGET_GROUPED_GEMM_CUTLASS = "jaxops_grouped_gemm_cutlass"
 TARGET_WGRAD_CUTLASS = "jaxops_grouped_gemm_wgrad_cutlass"
+TARGET_GROUPED_GEMM_FP8_CUTLASS = "jaxops_grouped_gemm_fp8_cutlass"
 TARGET_ACTIVATION_FWD = "jaxops_grouped_activation_fwd"
 TARGET_ACTIVATION_BWD = "jaxops_grouped_activation_bwd"
 
@@ -126,6 +145,8 @@ TARGET_ACTIVATION_BWD = "jaxops_grouped_activation_bwd"
 ACTIVATIONS = ("swiglu", "clamped_swiglu", "silu")
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+#: The FP8 grouped GEMM's block: x in 1 x 128 groups along K, w in 128 x 128 tiles.
+FP8_BLOCK = 128
 
 
 def kernel_available(backend: str | None = None) -> bool:
@@ -315,6 +336,218 @@ def grouped_gemm_wgrad_reference(x, dy, group_sizes) -> jax.Array:
         vary_like(jnp.zeros(shape, x.dtype), x, dy, group_sizes),
     )
     return vjp(dy.astype(jnp.float32))[0].astype(jnp.float32)
+
+
+# -------------------------------------------------------------------------------------------------
+# The block-scaled FP8 grouped GEMM (DeepSeek-V3's recipe) on CUTLASS's Hopper kernel.
+
+
+def fp8_kernel_available(backend: str | None = None) -> bool:
+    """Whether :func:`grouped_gemm_fp8`'s CUTLASS kernel runs on `backend` (default: jax's).
+
+    True on an sm_90 GPU (H100, H200) when jaxops' CUDA module was built for sm_90a with
+    CUTLASS's headers and ``JAXOPS_GPU_GROUPED_GEMM=cutlass`` (read when a call is traced: the
+    kernel has not run on a GPU yet, so it is chosen as the bfloat16 CUTLASS kernels are);
+    everywhere else the call runs its pure-JAX twin.
+    """
+    backend = jax.default_backend() if backend is None else backend
+    if backend not in ("gpu", "cuda") or _ffi.gpu_grouped_gemm() != "cutlass":
+        return False
+    if not kernel_available(backend):
+        return False
+    if _ffi.cuda_module_function("grouped_gemm_fp8_cutlass_workspace_bytes") is None:
+        return False
+    return getattr(jax.devices(backend)[0], "compute_capability", None) == "9.0"
+
+
+def fp8_kernel_runs(shape: tuple[int, int, int, int], impl=None, op: str = "grouped_gemm_fp8"):
+    """Whether :func:`grouped_gemm_fp8` of float8_e4m3fn operands runs its CUTLASS kernel.
+
+    shape: ``(R, K, N, G)``. The kernel runs where :func:`fp8_kernel_available` and `impl`
+    allows it (None: where it runs; "ffi": required, an error where it does not run at all),
+    for problems with K and N multiples of 16 (TMA's 16-byte rows) and every size of 1 to
+    ``2**31 - 1``; otherwise the twin runs.
+    """
+    if resolve_impl(impl, kernel_available=fp8_kernel_available(), op=op) == "xla":
+        return False
+    _, k, n, _ = shape
+    return min(shape) > 0 and max(shape) < 2**31 and k % 16 == 0 and n % 16 == 0
+
+
+def _check_quantized(op: str, name: str, q, ndim: int, block: tuple[int, int]) -> QuantizedArray:
+    if not isinstance(q, QuantizedArray):
+        raise ArgumentTypeError(
+            f"{op}: {name} must be a jaxops.fp8.QuantizedArray, got {type(q).__name__}"
+        )
+    if q.ndim != ndim or q.block != block:
+        raise InvalidArgumentError(
+            f"{op}: {name} must be {ndim}-D, quantized in {block[0]} x {block[1]} blocks of its "
+            f"data; got shape {q.shape}, block={q.block}"
+        )
+    return q
+
+
+def _fp8_rows_first(q: QuantizedArray) -> tuple[jax.Array, jax.Array]:
+    """The data ``[R, K]`` and scales ``[R, KB]`` of x (1 x 128 groups along K)."""
+    rows, kb = q.data.shape[0], -(-q.data.shape[1] // FP8_BLOCK)
+    scale = jnp.swapaxes(q.scale, 0, 1)[:rows] if q.scale_layout == "col_tma" else q.scale
+    return q.data, scale.reshape(rows, kb)
+
+
+def _fp8_k_major(q: QuantizedArray) -> tuple[jax.Array, jax.Array]:
+    """The data ``[G, N, K]`` and tile scales ``[G, KB, NB]`` of w, as CUTLASS reads them.
+
+    The data K-major (transposed by XLA when w's is ``[G, K, N]``), the scales N-major.
+    """
+    data, scale = q.data, q.scale
+    grid = (-(-data.shape[1] // FP8_BLOCK), -(-data.shape[2] // FP8_BLOCK))  # data's tile grid
+    if q.scale_layout == "col_tma":  # [G, cols, pad4(rows)] -> [G, rows, cols]
+        scale = jnp.swapaxes(scale, 1, 2)[:, : grid[0]]
+    # scale is now [G, data rows / 128, data cols / 128]
+    if q.transposed:  # data [G, N, K]: tiles [G, NB, KB]
+        return data, jnp.swapaxes(scale, 1, 2)
+    return jnp.swapaxes(data, 1, 2), scale  # data [G, K, N]: tiles [G, KB, NB] already
+
+
+def group_packed_scales(scale: jax.Array, sizes: jax.Array) -> jax.Array:
+    """Row scales ``[R, KB]`` laid out as CUTLASS's grouped kernel reads them: ``[R * KB]``.
+
+    Each group's scales form one packed M-major matrix: the scale of the group's row i (counting
+    from its first row, ``start``) and K block b is at ``start * KB + b * m + i``, m the group's
+    rows. `sizes` are the clipped group sizes (:func:`_clipped`); rows past the groups keep
+    their row-major places, so the layout is a permutation of the ``R * KB`` scales.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxops._grouped_gemm import group_packed_scales
+      >>> s = jnp.arange(8.0).reshape(4, 2)  # 4 rows, 2 K blocks
+      >>> group_packed_scales(s, jnp.array([3, 0], jnp.int32)).tolist()
+      [0.0, 2.0, 4.0, 1.0, 3.0, 5.0, 6.0, 7.0]
+    """
+    rows, kb = scale.shape
+    if sizes.shape[0] == 0 or rows == 0:
+        return scale.reshape(-1)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    row = jnp.arange(rows, dtype=jnp.int32)
+    group = jnp.searchsorted(ends, row, side="right")
+    inside = group < sizes.shape[0]
+    group = jnp.minimum(group, sizes.shape[0] - 1)
+    start, m = starts[group][:, None], sizes[group][:, None]
+    block = jnp.arange(kb, dtype=jnp.int32)[None, :]
+    packed = start * kb + block * m + (row[:, None] - start)
+    dst = jnp.where(inside[:, None], packed, row[:, None] * kb + block)
+    flat = jnp.zeros((rows * kb,), scale.dtype)
+    return flat.at[dst.reshape(-1)].set(scale.reshape(-1), unique_indices=True, mode="drop")
+
+
+def grouped_gemm_fp8(
+    x: QuantizedArray,
+    w: QuantizedArray,
+    group_sizes,
+    *,
+    zero_tail: bool = True,
+    impl: str | None = None,
+) -> jax.Array:
+    """``y[rows of g] = dequant(x)[rows of g] @ dequant(w)[g]`` on FP8 tensor cores, float32.
+
+    DeepSeek-V3's block scaling: x in 1 x 128 groups along K, w in 128 x 128 tiles. On an sm_90
+    GPU with jaxops' CUDA module built with CUTLASS (:func:`fp8_kernel_available`), CUTLASS's
+    Hopper grouped GEMM with blockwise scaling (``xla_ffi/grouped_gemm/cutlass_fp8_sm90.cu``,
+    :data:`TARGET_GROUPED_GEMM_FP8_CUTLASS`): every 128-deep slice of K is accumulated in fp32 and
+    promoted through its two scales; the group sizes stay on the device. It takes float8_e4m3fn
+    operands with K and N multiples of 16; other calls, and other platforms, run the twin
+    (:func:`grouped_gemm_fp8_reference`: dequantize, multiply in float32).
+
+    Hopper's FP8 tensor cores read both operands K-major: give w transposed (data
+    ``[G, N, K]``, as ``quantize(w, block=(128, 128), transpose=True)[1]`` gives it). A w whose
+    data is ``[G, K, N]`` is transposed by XLA first (one pass over w); the data ``[G, K, N]``
+    with ``transposed=True`` is the K-major operand of the product with ``w[g]ᵀ`` (a backward
+    input gradient).
+
+    Args:
+      x: :class:`jaxops.fp8.QuantizedArray`, logical ``[R, K]``, block ``(1, 128)``, not
+        transposed (scale layout "row" or "col_tma").
+      w: QuantizedArray, logical ``[G, K, N]``, block ``(128, 128)``.
+      group_sizes: int32 ``[G]``; group g is the next ``group_sizes[g]`` rows of x (clipped as
+        :func:`grouped_gemm` clips them).
+      zero_tail: write zeros to the rows past the groups (False: unspecified, for a caller that
+        never reads them).
+      impl: None (the kernel where it runs, else the twin), "ffi" (the kernel, required) or
+        "xla" (the twin).
+
+    Returns:
+      float32 ``[R, N]``; rows past the groups are zero.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxops
+      >>> from jaxops._grouped_gemm import grouped_gemm_fp8
+      >>> x = jaxops.fp8.quantize(jnp.ones((5, 128)), block=(1, 128))
+      >>> w = jaxops.fp8.quantize(jnp.ones((2, 128, 16)), block=(128, 128), transpose=True)[1]
+      >>> grouped_gemm_fp8(x, w, jnp.array([2, 2], jnp.int32))[:, 0].tolist()
+      [128.0, 128.0, 128.0, 128.0, 0.0]
+    """
+    op = "grouped_gemm_fp8"
+    x = _check_quantized(op, "x", x, 2, (1, FP8_BLOCK))
+    w = _check_quantized(op, "w", w, 3, (FP8_BLOCK, FP8_BLOCK))
+    if x.transposed:
+        raise InvalidArgumentError(
+            f"{op}: x must hold its own data [R, K] (1 x 128 groups along K), not its transpose"
+        )
+    (rows, k), (groups, wk, n) = x.shape, w.shape
+    if wk != k:
+        raise InvalidArgumentError(
+            f"{op}: w must be logically [G, K, N] with K = x.shape[1] = {k}; got {w.shape}"
+        )
+    group_sizes = _check_sizes(op, group_sizes, groups)
+    e4m3 = np.dtype(jnp.float8_e4m3fn)
+    kernel = fp8_kernel_runs((rows, k, n, groups), impl, op)
+    if not kernel or x.dtype != e4m3 or w.dtype != e4m3:
+        return _fp8_twin(x, w, group_sizes)
+    x_data, x_scale = _fp8_rows_first(x)
+    w_data, w_scale = _fp8_k_major(w)
+    sizes = _clipped(group_sizes, rows)
+    x_scale = group_packed_scales(x_scale.astype(jnp.float32), sizes)
+    size_function = _ffi.cuda_module_function("grouped_gemm_fp8_cutlass_workspace_bytes")
+    workspace = jax.ShapeDtypeStruct((int(size_function(groups)),), jnp.uint8)
+    out = jax.ShapeDtypeStruct((rows, n), jnp.float32)
+    _ffi.ensure_registered(TARGET_GROUPED_GEMM_FP8_CUTLASS)
+    y, _ = _ffi.ffi_call(
+        TARGET_GROUPED_GEMM_FP8_CUTLASS,
+        (out, workspace),
+        x_data,
+        x_scale,
+        w_data,
+        w_scale.astype(jnp.float32),
+        group_sizes,
+        zero_tail=bool(zero_tail),
+    )
+    return y
+
+
+def _fp8_twin(x: QuantizedArray, w: QuantizedArray, group_sizes: jax.Array) -> jax.Array:
+    sizes = _clipped(group_sizes, x.shape[0])
+    return jax.lax.ragged_dot(
+        dequantize(x, jnp.float32),
+        dequantize(w, jnp.float32),
+        sizes,
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def grouped_gemm_fp8_reference(
+    x: QuantizedArray, w: QuantizedArray, group_sizes, *, zero_tail: bool = True
+) -> jax.Array:
+    """The pure-JAX twin of :func:`grouped_gemm_fp8` (its arguments but `impl`).
+
+    Dequantizes both operands and multiplies them with ``jax.lax.ragged_dot`` in float32 at full
+    precision.
+    """
+    return grouped_gemm_fp8(x, w, group_sizes, zero_tail=zero_tail, impl="xla")
+
+
+_checks.twin_signature(grouped_gemm_fp8_reference, grouped_gemm_fp8)
 
 
 # -------------------------------------------------------------------------------------------------

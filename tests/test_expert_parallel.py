@@ -25,7 +25,7 @@ from jaxops.parallel.expert import (
 )
 
 import jaxops
-from jaxops import ConfigError
+from jaxops import ConfigError, _ffi, _grouped_gemm
 from jaxops.testing import (
     assert_allclose,
     collective_bytes,
@@ -612,6 +612,80 @@ def test_fp8_block():
     assert rel_error(grads[0]["router"], grads8[0]["router"]) < 1e-4
     # And it is really quantized: far from the fp32 result at FP8's resolution.
     assert rel_error(y, y32) > 1e-3
+
+
+@pytest.fixture
+def fp8_gemm_path(monkeypatch):
+    """A function that sends the expert layer down its FP8-kernel path (FP8 operands into
+    grouped_gemm_fp8, w quantized again in the backward) while grouped_gemm_fp8 itself runs its
+    twin: the path's operands and gradients, checked where the CUTLASS kernel cannot run. jax's
+    caches are cleared when it is taken and after the test, so no trace crosses the patch."""
+    runs = _grouped_gemm.fp8_kernel_runs
+
+    def take():
+        monkeypatch.setattr(
+            _grouped_gemm,
+            "fp8_kernel_runs",
+            lambda shape, impl=None, op="": (
+                op == "jaxops.parallel.expert.moe_layer" or runs(shape, impl, op)
+            ),
+        )
+        jax.clear_caches()
+
+    yield take
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize("dispatch", ["dtype", "fp8"])
+def test_fp8_block_through_the_fp8_gemm_path_equals_the_dequantized_one(fp8_gemm_path, dispatch):
+    """The FP8-kernel path multiplies the same quantized rows and tiles as the dequantized path
+    (forward and input gradient; the weight gradient is the same call): equal to f32 rounding."""
+    kw = {"hidden_size": 256, "expert_ffn": 128, "fp8": "block", "dtype": jnp.bfloat16}
+    cfg = _config("d2e4", **kw, dispatch=dispatch)
+    params = init_moe_params(jax.random.key(14), cfg)
+    x = jax.random.normal(jax.random.key(15), (8, 10, 256), jnp.bfloat16)
+    mesh = _mesh("d2e4")
+    (y, aux), grads = _run(cfg, mesh, params, x)
+    forward = jax.jit(lambda p, x: moe_layer(p, x, cfg, mesh=mesh))
+    call = f"@{_grouped_gemm.TARGET_GROUPED_GEMM}("
+    assert forward.lower(params, x).as_text().count(call) == 2
+    fp8_gemm_path()
+    # grouped_gemm_fp8 (its twin here) took both forward GEMMs: the path was taken
+    assert call not in forward.lower(params, x).as_text()
+    (y8, aux8), grads8 = _run(cfg, mesh, params, x)
+    assert rel_error(y8, y) < 1e-2  # bf16 outputs: a rounding apart at most
+    np.testing.assert_array_equal(aux8.tokens_per_expert, aux.tokens_per_expert)
+    for g8, g in zip(jax.tree.leaves(grads8), jax.tree.leaves(grads), strict=True):
+        assert rel_error(g8, g) < 1e-2
+    # And both are FP8: far from the float32 layer at FP8's resolution.
+    (y32, _), _ = _reference(dataclasses.replace(cfg, fp8=None, dispatch="dtype"), params, x)
+    assert 1e-3 < rel_error(y8, y32) < 0.1
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_block_on_the_cutlass_fp8_kernel(monkeypatch):
+    """On an H100/H200 with JAXOPS_GPU_GROUPED_GEMM=cutlass the expert GEMMs of fp8="block" run
+    CUTLASS's FP8 grouped GEMM (forward and input gradient): within f32 rounding of the
+    dequantized path (jaxops' own kernels on the same quantized values)."""
+    if not _ffi.build_info().get("CUDA", {}).get("cutlass"):
+        pytest.skip("no CUTLASS grouped GEMM in this CUDA module")
+    if jax.devices()[0].compute_capability != "9.0":
+        pytest.skip("CUTLASS's FP8 grouped GEMM is built for sm_90a only")
+    n = len(jax.devices())
+    kw = {"hidden_size": 512, "expert_ffn": 256, "fp8": "block", "dtype": jnp.bfloat16}
+    kw.update(data_axes=(), exchange="ragged", num_experts=16 * n)
+    cfg = _config("d2e4", **kw)
+    mesh = jax.make_mesh((n,), ("expert",))
+    params = init_moe_params(jax.random.key(16), cfg)
+    x = jax.random.normal(jax.random.key(17), (8 * n, 64, 512), jnp.bfloat16)
+    (y, _), grads = _run(cfg, mesh, params, x)
+    monkeypatch.setenv("JAXOPS_GPU_GROUPED_GEMM", "cutlass")
+    text = jax.jit(lambda p, x: moe_layer(p, x, cfg, mesh=mesh)).lower(params, x).as_text()
+    assert f"@{_grouped_gemm.TARGET_GROUPED_GEMM_FP8_CUTLASS}(" in text
+    (y8, _), grads8 = _run(cfg, mesh, params, x)
+    assert rel_error(y8, y) < 1e-2
+    for g8, g in zip(jax.tree.leaves(grads8), jax.tree.leaves(grads), strict=True):
+        assert rel_error(g8, g) < 1e-2
 
 
 # -------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ and NaN inputs.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -28,6 +29,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jaxops
 from jaxops import _ffi
 from jaxops import _grouped_gemm as gg
 from jaxops.testing import count_collectives
@@ -495,7 +497,7 @@ def test_cuda_module_has_the_cublaslt_grouped_targets():
 )
 def test_cuda_module_has_the_cutlass_grouped_targets():
     """The CUDA module built with CUTLASS (it loads without a GPU) names the CUTLASS version,
-    registers both CUTLASS targets (stateless) and sizes their workspace without a GPU: at least
+    registers the CUTLASS targets (stateless) and sizes their workspaces without a GPU: at least
     the per-group arrays (three pointers, three int32, a shape and three strides of 8 bytes or
     more a group, each region 256-byte aligned), a region of scalars, and CUTLASS's own."""
     module = _ffi._modules["CUDA"]
@@ -512,6 +514,15 @@ def test_cuda_module_has_the_cutlass_grouped_targets():
     assert sizes == sorted(set(sizes)) and all(s % 256 == 0 for s in sizes), sizes
     for groups, size in zip(counts, sizes, strict=True):
         arrays = 6 * aligned(8 * groups) + 3 * aligned(4 * groups) + aligned(12 * groups)
+        assert size > arrays + 256, (groups, size)
+    # The block-scaled FP8 target: five pointers, three int32, a shape, three strides and two
+    # scale layouts (8 bytes or more each) a group, then the scalars and CUTLASS's own.
+    assert gg.TARGET_GROUPED_GEMM_FP8_CUTLASS in stateless
+    workspace = _ffi.cuda_module_function("grouped_gemm_fp8_cutlass_workspace_bytes")
+    sizes = [workspace(groups) for groups in counts]
+    assert sizes == sorted(set(sizes)) and all(s % 256 == 0 for s in sizes), sizes
+    for groups, size in zip(counts, sizes, strict=True):
+        arrays = 10 * aligned(8 * groups) + 3 * aligned(4 * groups) + aligned(12 * groups)
         assert size > arrays + 256, (groups, size)
 
 
@@ -819,3 +830,140 @@ def test_gpu_library_zero_tail(library, transpose_w, zero_tail):
         assert not y[used:].any()
     else:
         np.testing.assert_array_equal(y[used:], held[used:])
+
+
+# -------------------------------------------------------------------------------------------------
+# The block-scaled FP8 grouped GEMM (grouped_gemm_fp8): x in 1 x 128 groups, w in 128 x 128 tiles.
+
+# Rows, K, N and the group sizes: whole and partial 128-blocks of K and N, an empty group,
+# negative and oversized sizes (clipped), one row, no rows.
+FP8_SHAPES = {
+    "blocks-300x256x384": (300, 256, 384, [100, 0, 150, 20]),
+    "partial-blocks-130x200x72": (130, 200, 72, [60, 70]),
+    "clipped-60x128x64": (60, 128, 64, [25, -4, 50, 9]),
+    "one-row": (1, 128, 16, [1]),
+    "no-rows": (0, 128, 32, [0, 0]),
+}
+# The CUTLASS kernel's edges besides those: more groups than the setup's 1024-wide scan with
+# empty ones among them, gpt-oss's K and N (2880: 22.5 blocks of 128), sizes past the last row,
+# and K = 200 and N = 72 (not multiples of 16: the twin runs).
+FP8_GPU_SHAPES = {
+    **FP8_SHAPES,
+    "many-groups-2600x256x128": (2600, 256, 128, [2, 0, 1, 3] * 325),
+    "gpt-oss-200x2880x2880": (200, 2880, 2880, [64, 0, 100, 36]),
+    "clipped-past-rows-300x384x256": (300, 384, 256, [100, 150, 2**30, 7]),
+    "aligned-1024x512x256": (1024, 512, 256, [256, 512, 128, 128]),
+}
+
+
+def _fp8_operands(rows, k, n, sizes, seed=0, *, transposed=True, layout="row"):
+    """(x, w) quantized as the expert layer quantizes them, the sizes, and float64 oracles of
+    the dequantized operands built from the row-layout scales with numpy alone."""
+    rng = np.random.default_rng(seed)
+    # Rows and experts of different magnitudes: the scales, not one range, carry them.
+    x = rng.standard_normal((rows, k)) * np.exp(rng.uniform(-4, 4, (rows, 1)))
+    w = rng.standard_normal((len(sizes), k, n)) * np.exp(rng.uniform(-2, 2, (len(sizes), 1, 1)))
+    x, w = jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32)
+    xq = jaxops.fp8.quantize(x, block=(1, 128), scale_layout=layout)
+    pair = jaxops.fp8.quantize(w, block=(128, 128), transpose=True, scale_layout=layout)
+    wq = pair[1] if transposed else pair[0]
+    x_row = jaxops.fp8.quantize(x, block=(1, 128))
+    w_row = jaxops.fp8.quantize(w, block=(128, 128))
+    x64 = np.asarray(x_row.data, np.float64) * np.repeat(np.asarray(x_row.scale), 128, 1)[:, :k]
+    tiles = np.repeat(np.repeat(np.asarray(w_row.scale), 128, 1), 128, 2)[:, :k, :n]
+    w64 = np.asarray(w_row.data, np.float64) * tiles
+    return xq, wq, jnp.asarray(sizes, jnp.int32), x64, w64
+
+
+def _fp8_oracle(x64, w64, sizes):
+    y = np.zeros((x64.shape[0], w64.shape[2]))
+    for g, (b, e) in enumerate(_rows(sizes, x64.shape[0])):
+        y[b:e] = x64[b:e] @ w64[g]
+    return y
+
+
+@pytest.mark.parametrize("layout", ["row", "col_tma"])
+@pytest.mark.parametrize("transposed", [True, False], ids=["w-k-major", "w-n-major"])
+@pytest.mark.parametrize("shape", list(FP8_SHAPES), ids=list(FP8_SHAPES))
+def test_fp8_twin_matches_float64(shape, transposed, layout):
+    rows, k, n, sizes = FP8_SHAPES[shape]
+    xq, wq, gs, x64, w64 = _fp8_operands(rows, k, n, sizes, transposed=transposed, layout=layout)
+    y = jax.jit(gg.grouped_gemm_fp8)(xq, wq, gs)
+    _close(y, _fp8_oracle(x64, w64, sizes))
+    assert not np.asarray(y)[_rows(sizes, rows)[-1][1] :].any()
+    np.testing.assert_array_equal(y, gg.grouped_gemm_fp8_reference(xq, wq, gs))
+
+
+def test_fp8_input_gradient_operand_is_w_data_marked_transposed():
+    """dx = dy @ w[g]ᵀ takes w's own quantized data [G, K, N] marked transposed: logically
+    [G, N, K], K-major for that product, no copy."""
+    dy, _, gs, dy64, _ = _fp8_operands(40, 256, 128, [15, 25])  # dy [R, N] with N = 256
+    _, wq, _, _, w64 = _fp8_operands(40, 128, 256, [15, 25], seed=1, transposed=False)
+    w_t = dataclasses.replace(wq, transposed=True)
+    assert w_t.shape == (2, 256, 128)
+    _close(gg.grouped_gemm_fp8(dy, w_t, gs), _fp8_oracle(dy64, np.swapaxes(w64, 1, 2), [15, 25]))
+
+
+_PACK_ROWS, _PACK_BLOCKS = 37, 3
+_pack = jax.jit(gg.group_packed_scales)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sizes=st.lists(st.integers(-6, 25), min_size=5, max_size=5))
+def test_group_packed_scales_are_cutlass_grouped_layout(sizes):
+    """Row scales laid out as CUTLASS's grouped blockwise kernel reads them (each group one
+    packed M-major matrix from its first row's place): a permutation of the scales."""
+    scale = np.arange(_PACK_ROWS * _PACK_BLOCKS, dtype=np.float32).reshape(_PACK_ROWS, -1)
+    spans = _rows(sizes, _PACK_ROWS)
+    clipped = jnp.asarray([e - b for b, e in spans], jnp.int32)
+    got = np.asarray(_pack(jnp.asarray(scale), clipped))
+    assert sorted(got) == sorted(scale.ravel())
+    for b, e in spans:
+        for i in range(e - b):
+            for block in range(_PACK_BLOCKS):
+                assert got[b * _PACK_BLOCKS + block * (e - b) + i] == scale[b + i, block]
+
+
+def test_fp8_bad_input_is_named_at_trace_time():
+    xq, wq, gs, _, _ = _fp8_operands(8, 128, 16, [4, 4])
+    with pytest.raises(TypeError, match=r"grouped_gemm_fp8: x must be a jaxops.fp8.Quantized"):
+        gg.grouped_gemm_fp8(xq.dequantize(), wq, gs)
+    with pytest.raises(ValueError, match=r"grouped_gemm_fp8: w must be 3-D, quantized in 128 x"):
+        gg.grouped_gemm_fp8(xq, jaxops.fp8.quantize(jnp.ones((2, 16, 128))), gs)
+    with pytest.raises(ValueError, match=r"grouped_gemm_fp8: x must be 2-D, quantized in 1 x 128"):
+        gg.grouped_gemm_fp8(wq, wq, gs)
+    with pytest.raises(ValueError, match=r"w must be logically \[G, K, N\] with K = .* 128"):
+        gg.grouped_gemm_fp8(xq, dataclasses.replace(wq, transposed=False), gs)
+    with pytest.raises(ValueError, match=r"x must hold its own data"):
+        gg.grouped_gemm_fp8(dataclasses.replace(xq, transposed=True), wq, gs)
+    with pytest.raises(ValueError, match=r"grouped_gemm_fp8: group_sizes must be int32 \[2\]"):
+        gg.grouped_gemm_fp8(xq, wq, gs[:1])
+    with pytest.raises(ValueError, match=r"grouped_gemm_fp8: impl='ffi' requires a custom call"):
+        gg.grouped_gemm_fp8(xq, wq, gs, impl="ffi")  # no GPU here, or not opted in
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(FP8_GPU_SHAPES), ids=list(FP8_GPU_SHAPES))
+def test_gpu_fp8_cutlass_kernel_matches_float64(shape, monkeypatch):
+    """CUTLASS's block-scaled FP8 grouped GEMM against float64: both layouts of w and of the
+    scales, the rows past the groups zero (or, zero_tail=False, the groups' rows the same)."""
+    _require_cutlass()
+    monkeypatch.setenv("JAXOPS_GPU_GROUPED_GEMM", "cutlass")
+    assert gg.fp8_kernel_available("gpu")
+    gpu = jax.devices("gpu")[0]
+    rows, k, n, sizes = FP8_GPU_SHAPES[shape]
+    spans = _rows(sizes, rows)
+    takes = rows > 0 and k % 16 == 0 and n % 16 == 0
+    for transposed, layout in [(True, "row"), (False, "col_tma")]:
+        *operands, x64, w64 = _fp8_operands(rows, k, n, sizes, transposed=transposed, layout=layout)
+        xq, wq, gs = jax.device_put(operands, gpu)
+        text = jax.jit(gg.grouped_gemm_fp8).lower(xq, wq, gs).as_text()
+        assert (f"@{gg.TARGET_GROUPED_GEMM_FP8_CUTLASS}(" in text) == takes
+        y = jax.jit(gg.grouped_gemm_fp8)(xq, wq, gs)
+        assert y.devices() == {gpu}
+        _close(y, _fp8_oracle(x64, w64, sizes))
+        assert not np.asarray(y)[spans[-1][1] :].any()
+        open_tail = jax.jit(lambda x, w, s: gg.grouped_gemm_fp8(x, w, s, zero_tail=False))
+        np.testing.assert_array_equal(
+            np.asarray(open_tail(xq, wq, gs))[: spans[-1][1]], np.asarray(y)[: spans[-1][1]]
+        )

@@ -39,6 +39,7 @@ std::vector<Registration> Registrations() {
   registrations.push_back(Register("jaxops_grouped_gemm_cutlass", GroupedGemmCutlassCuda));
   registrations.push_back(
       Register("jaxops_grouped_gemm_wgrad_cutlass", GroupedGemmWgradCutlassCuda));
+  registrations.push_back(Register("jaxops_grouped_gemm_fp8_cutlass", GroupedGemmFp8CutlassCuda));
 #endif
   return registrations;
 }
@@ -69,6 +70,9 @@ NB_MODULE(_jaxops_cuda, m) {
 #ifdef JAXOPS_HAVE_CUTLASS
   m.def("grouped_gemm_cutlass_workspace_bytes", &jaxops::grouped_gemm::CutlassWorkspaceBytes,
         "Bytes of the CUTLASS grouped GEMM handlers' workspace for a number of groups.");
+  m.def("grouped_gemm_fp8_cutlass_workspace_bytes", &jaxops::grouped_gemm::CutlassFp8WorkspaceBytes,
+        "Bytes of the CUTLASS block-scaled FP8 grouped GEMM handler's workspace for a number of "
+        "groups.");
 #endif
   m.def("types", &jaxops::Types,
         "List of (type name, jax.ffi.register_ffi_type registration) of the handlers' state.");

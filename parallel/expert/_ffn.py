@@ -14,17 +14,21 @@ non-empty groups slices each group's weights once and runs one GEMM per chunk (d
 counts: the work follows the rows actually received, not the buffer's worst-case size), and the
 backward computes a chunk's input and weight gradients in the same trip, each group's weight
 gradient summed in a ``[K, N]`` carry and written once. With ``fp8="block"`` the GEMMs use
-DeepSeek-V3's block-scaled FP8 numerics. Expert biases (``MoEConfig.expert_bias``) are
-added in float32 to the GEMMs' float32 outputs, each row taking its group's bias; padding rows
-take none, so they stay zero as without biases. On XLA:CPU the activation between the GEMMs (the
-SiLU family: swiglu, clamped_swiglu, silu) runs as jaxops' grouped activation calls, on the
-groups' rows only (the buffer is sized for the routing's worst case: on 8 simulated devices the
-gather exchange's buffer held about 526 rows of groups in 2076); elsewhere, and for gelu, XLA's
-fusion computes it on every row.
+DeepSeek-V3's block-scaled FP8 numerics: on an sm_90 GPU with ``JAXOPS_GPU_GROUPED_GEMM=cutlass``
+the forward and input-gradient GEMMs run on FP8 tensor cores (CUTLASS's block-scaled grouped GEMM,
+:func:`jaxops._grouped_gemm.grouped_gemm_fp8`; compiled, not yet run on a GPU), elsewhere the
+quantized operands are dequantized and multiplied in float32. Expert biases
+(``MoEConfig.expert_bias``) are added in float32 to the GEMMs' float32 outputs, each row taking
+its group's bias; padding rows take none, so they stay zero as without biases. On XLA:CPU the
+activation between the GEMMs (the SiLU family: swiglu, clamped_swiglu, silu) runs as jaxops'
+grouped activation calls, on the groups' rows only (the buffer is sized for the routing's worst
+case: on 8 simulated devices the gather exchange's buffer held about 526 rows of groups in 2076);
+elsewhere, and for gelu, XLA's fusion computes it on every row.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -314,8 +318,31 @@ def _linear_vjp(tile: int, quantized: bool | str, impl, tails, x, w, groups):
     return _linear_fwd(tile, quantized, impl, tails, x, w, groups)[0]
 
 
+def _fp8_kernel(tile: int, quantized: bool | str, impl, x, w) -> bool:
+    """Whether the block-scaled GEMMs of x ``[R, K]`` and w ``[L, K, N]`` run on FP8 tensor cores.
+
+    That is :func:`jaxops._grouped_gemm.grouped_gemm_fp8`'s kernel, for the forward and the input
+    gradient (w read transposed); otherwise the quantized operands are dequantized and the
+    grouped GEMM runs in float32.
+    """
+    if not quantized or not _kernel(tile, impl):
+        return False
+    shape = (x.shape[0], x.shape[1], w.shape[2], w.shape[0])
+    return _grouped_gemm.fp8_kernel_runs(shape, impl, "jaxops.parallel.expert.moe_layer")
+
+
 def _linear_fwd(tile: int, quantized: bool | str, impl, tails, x, w, groups):
     like = x[:0]  # x's dtype and varying axes, for its cotangent
+    if _fp8_kernel(tile, quantized, impl, x, w):
+        # FP8 operands into the kernel: x (given rows too: their FP8 values times their scales
+        # requantize to themselves) in 1 x 128 groups, w in 128 x 128 tiles (its data
+        # transposed by XLA to the kernel's K-major). w itself is the residual (the backward
+        # quantizes it again): an FP8 or float32 copy per layer would outlive the forward.
+        xq = fp8.quantize(x, block=(1, FP8_BLOCK), impl=impl)
+        wq = fp8.quantize(w, block=(FP8_BLOCK, FP8_BLOCK), impl=impl)
+        y = _grouped_gemm.grouped_gemm_fp8(xq, wq, groups[0], zero_tail=tails[0], impl=impl)
+        saved = x.astype(w.dtype) if quantized == "given" else x
+        return y, ((saved, like), w, groups)
     if quantized:
         xq = x if quantized == "given" else _fp8_rows(impl, x)
         # Given rows are float32 (FP8 values times their scales); the wgrad requantizes them,
@@ -329,6 +356,18 @@ def _linear_fwd(tile: int, quantized: bool | str, impl, tails, x, w, groups):
 
 def _linear_bwd(tile: int, quantized: bool | str, impl, tails, saved, dy):
     (x, x_like), w, groups = saved
+    if _fp8_kernel(tile, quantized, impl, x, w):
+        # dgrad on the FP8 kernel: dy's 1 x 128 groups times w's tiles, whose data [L, K, N] is
+        # already K-major for dy @ w[l]ᵀ; the wgrad from the per-expert split transposes, as below.
+        dyq = fp8.quantize(dy, block=(1, FP8_BLOCK), amax_floor=GRAD_AMAX_FLOOR, impl=impl)
+        wq = fp8.quantize(w, block=(FP8_BLOCK, FP8_BLOCK), impl=impl)
+        w_t = dataclasses.replace(wq, transposed=True)  # logically [L, N, K]
+        dx = _grouped_gemm.grouped_gemm_fp8(dyq, w_t, groups[0], zero_tail=tails[1], impl=impl)
+        xs = _fp8_split(impl, x, groups[0])
+        dys = _fp8_split(impl, dy, groups[0], grad=True)
+        dw = _grouped_gemm.grouped_gemm_wgrad(xs, dys, groups[0])
+        dx = cotangent_like(dx.astype(x_like.dtype), x_like)
+        return dx, cotangent_like(dw.astype(w.dtype), w), None
     if quantized:
         # dgrad from 1 x 128 gradient groups and w's tiles read transposed; wgrad from
         # per-expert transposes quantized in 128-token groups (DeepSeek-V3's recipe).

@@ -43,13 +43,13 @@
 // clang-format on
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <string>
 
 #include "xla_ffi/common/cuda_vec.cuh"
 #include "xla_ffi/grouped_gemm/checks.h"
 #include "xla_ffi/grouped_gemm/cuda_kernels.h"
+#include "xla_ffi/grouped_gemm/cutlass_util.cuh"
 #include "xla_ffi/grouped_gemm/handlers.h"
 #include "xla_ffi/grouped_gemm/setup_kernels.cuh"
 
@@ -103,16 +103,6 @@ JAXOPS_CUTLASS_GROUPED(ForwardTransposed, RowMajor, ColumnMajor);  // x_g @ w[g]
 JAXOPS_CUTLASS_GROUPED(Wgrad, ColumnMajor, RowMajor);              // x_g^T @ dy_g
 #undef JAXOPS_CUTLASS_GROUPED
 
-// Workspace sizes are computed for up to this many SMs (CUTLASS keeps TMA descriptors per SM);
-// H100 and H200 have 132.
-constexpr int kMaxSms = 256;
-constexpr int64_t kRegionAlign = 256;
-// CUTLASS keeps TMA descriptors (CUtensorMap: 64-byte aligned) in its part of the workspace, which
-// starts at a multiple of kRegionAlign: the workspace itself must be so aligned.
-constexpr int64_t kWorkspaceAlign = 64;
-
-int64_t Region(int64_t bytes) { return CeilDiv(bytes, kRegionAlign) * kRegionAlign; }
-
 template <typename G>
 typename G::Gemm::Arguments MakeArguments(int groups, Shape3* shapes, const void** a,
                                           typename G::StrideA* sa, const void** b,
@@ -164,47 +154,23 @@ struct Layout {
   int64_t bytes;                   // the whole
 
   Layout(int64_t groups, int64_t own_bytes) {
-    const int64_t pointers = Region(groups * 8);
-    const int64_t words = Region(groups * 4);
-    const int64_t strides = Region(groups * static_cast<int64_t>(kStrideBytes));
-    a_ptrs = 0;
-    b_ptrs = a_ptrs + pointers;
-    d_ptrs = b_ptrs + pointers;
-    m = d_ptrs + pointers;
-    n = m + words;
-    k = n + words;
-    shapes = k + words;
-    sa = shapes + Region(groups * static_cast<int64_t>(sizeof(Shape3)));
-    sb = sa + strides;
-    sd = sb + strides;
-    scalars = sd + strides;
-    own = scalars + kRegionAlign;
-    bytes = own + Region(own_bytes);
+    const int64_t strides = groups * static_cast<int64_t>(kStrideBytes);
+    Carve c;
+    a_ptrs = c.Take(groups * 8);
+    b_ptrs = c.Take(groups * 8);
+    d_ptrs = c.Take(groups * 8);
+    m = c.Take(groups * 4);
+    n = c.Take(groups * 4);
+    k = c.Take(groups * 4);
+    shapes = c.Take(groups * static_cast<int64_t>(sizeof(Shape3)));
+    sa = c.Take(strides);
+    sb = c.Take(strides);
+    sd = c.Take(strides);
+    scalars = c.Take(kRegionAlign);
+    own = c.Take(own_bytes);
+    bytes = c.end;
   }
 };
-
-// The device's SM count, queried once per device (the first 64 ordinals), or 0.
-int SmCount(int device) {
-  static std::atomic<int> cache[64] = {};
-  if (device >= 0 && device < 64) {
-    if (const int known = cache[device].load(std::memory_order_relaxed); known > 0) return known;
-  }
-  int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    return 0;
-  }
-  if (device >= 0 && device < 64) cache[device].store(sms, std::memory_order_relaxed);
-  return sms;
-}
-
-// Whether the device is an sm_90 (Hopper) one: the only one these kernels run on.
-bool IsSm90(int device) {
-  int major = 0;
-  int minor = 0;
-  return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
-         major == 9 && minor == 0;
-}
 
 // CUTLASS's problem (M, N, K) and the strides of every group; a group without rows gets M = 0.
 template <typename SA, typename SB, typename SD>
@@ -220,11 +186,6 @@ __global__ void __launch_bounds__(kFillThreads)
     sb[g] = vb;
     sd[g] = vd;
   }
-}
-
-ffi::Error CutlassError(cutlass::Status status, const std::string& what) {
-  if (status == cutlass::Status::kSuccess) return ffi::Error::Success();
-  return Internal(what + " failed: " + cutlassGetStatusString(status));
 }
 
 // Whether CUTLASS takes the call: bfloat16, 16-byte-aligned starts and rows of whole 16-byte
@@ -250,28 +211,13 @@ ffi::ErrorOr<Prepared> Prepare(const char* op, const Problem& p, int32_t device,
                                ffi::Result<ffi::AnyBuffer>& workspace,
                                const ffi::Buffer<ffi::S32>& sizes) {
   Prepared out;
-  if (!IsSm90(device)) {
-    return Bad(std::string(op) +
-               " (CUTLASS): the kernels are built for sm_90a (H100, H200); "
-               "device " +
-               std::to_string(device) + " is not one: unset JAXOPS_GPU_GROUPED_GEMM");
-  }
-  out.sms = SmCount(device);
-  if (out.sms <= 0 || out.sms > kMaxSms) {
-    return Bad(std::string(op) + " (CUTLASS): device " + std::to_string(device) + " has " +
-               std::to_string(out.sms) + " SMs; the workspace is sized for 1 to " +
-               std::to_string(kMaxSms));
-  }
+  auto sms = CutlassSms(op, device, "unset JAXOPS_GPU_GROUPED_GEMM");
+  if (sms.has_error()) return ffi::Unexpected(sms.error());
+  out.sms = *sms;
   out.layout = Layout(p.groups, OwnBytes(static_cast<int>(p.groups), out.sms));
-  if (workspace->element_type() != ffi::DataType::U8 ||
-      static_cast<int64_t>(workspace->size_bytes()) < out.layout.bytes ||
-      !IsAligned(workspace->untyped_data(), kWorkspaceAlign)) {
-    return Bad(std::string(op) + " (CUTLASS): the workspace must be " +
-               std::to_string(kWorkspaceAlign) +
-               "-byte-aligned uint8 [>= " + std::to_string(out.layout.bytes) + "] for " +
-               std::to_string(p.groups) + " groups, got " + ShapeString(*workspace));
-  }
-  out.base = static_cast<char*>(workspace->untyped_data());
+  auto base = CutlassWorkspace(op, *workspace, out.layout.bytes, p.groups);
+  if (base.has_error()) return ffi::Unexpected(base.error());
+  out.base = *base;
   const Layout& l = out.layout;
   SetupParams& s = out.setup;
   s.sizes = sizes.typed_data();
@@ -279,15 +225,7 @@ ffi::ErrorOr<Prepared> Prepare(const char* op, const Problem& p, int32_t device,
   s.rows = p.rows;
   s.n = static_cast<int32_t>(p.n);
   s.k = static_cast<int32_t>(p.k);
-  s.a_ptrs = reinterpret_cast<const void**>(out.base + l.a_ptrs);
-  s.b_ptrs = reinterpret_cast<const void**>(out.base + l.b_ptrs);
-  s.d_ptrs = reinterpret_cast<const void**>(out.base + l.d_ptrs);
-  s.m = reinterpret_cast<int32_t*>(out.base + l.m);
-  s.ns = reinterpret_cast<int32_t*>(out.base + l.n);
-  s.ks = reinterpret_cast<int32_t*>(out.base + l.k);
-  s.alpha = reinterpret_cast<float*>(out.base + l.scalars);
-  s.beta = reinterpret_cast<float*>(out.base + l.scalars + 4);
-  s.total = reinterpret_cast<long long*>(out.base + l.scalars + 8);
+  PointSetup(s, out.base, l);
   return out;
 }
 

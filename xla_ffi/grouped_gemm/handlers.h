@@ -14,6 +14,10 @@
 //   GroupedGemmWgradCutlass <-> "jaxops_grouped_gemm_wgrad_cutlass"
 //                           <-> jaxops._grouped_gemm.TARGET_WGRAD_CUTLASS
 //     (CUDA only, sm_90a, with CUTLASS's headers: CUTLASS's Hopper grouped GEMM, cutlass_sm90.cu)
+//   GroupedGemmFp8Cutlass <-> "jaxops_grouped_gemm_fp8_cutlass"
+//                         <-> jaxops._grouped_gemm.TARGET_GROUPED_GEMM_FP8_CUTLASS
+//     (CUDA only, sm_90a, with CUTLASS's headers: the block-scaled FP8 grouped GEMM,
+//     cutlass_fp8_sm90.cu)
 //   GroupedActivationFwd <-> "jaxops_grouped_activation_fwd"
 //                        <-> jaxops._grouped_gemm.TARGET_ACTIVATION_FWD (CPU only)
 //   GroupedActivationBwd <-> "jaxops_grouped_activation_bwd"
@@ -40,6 +44,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmLtCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmWgradLtCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmCutlassCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmWgradCutlassCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmFp8CutlassCuda);
 
 namespace jaxops::grouped_gemm {
 // The micro-kernel the CPU calls run on this machine: "avx512", "avx2" or "portable" (the widest
@@ -63,6 +68,9 @@ int64_t LtVersion();
 // own, sized for up to 256 SMs), exported by the CUDA module as
 // grouped_gemm_cutlass_workspace_bytes.
 int64_t CutlassWorkspaceBytes(int64_t groups);
+// cutlass_fp8_sm90.cu: bytes of the FP8 handler's workspace for `groups` groups (sized as
+// CutlassWorkspaceBytes'), exported as grouped_gemm_fp8_cutlass_workspace_bytes.
+int64_t CutlassFp8WorkspaceBytes(int64_t groups);
 // The version of the CUTLASS headers the kernels were built with, e.g. "4.2.0".
 std::string CutlassVersion();
 }  // namespace jaxops::grouped_gemm

@@ -1,8 +1,9 @@
 // The device kernels of the grouped GEMM's library handlers (cuBLASLt's, cublaslt.cu; CUTLASS's,
-// cutlass_sm90.cu): the setup that turns the device-side group sizes into per-group arrays (rows,
-// matrix pointers), and the two zero fills (the forward's rows past the groups, the weight
-// gradient's groups without rows). The kernels have internal linkage (an anonymous namespace):
-// each .cu file that includes this header gets its own copy, and the two never collide at link.
+// cutlass_sm90.cu and cutlass_fp8_sm90.cu): the setup that turns the device-side group sizes into
+// per-group arrays (rows, matrix pointers), and the two zero fills (the forward's rows past the
+// groups, the weight gradient's groups without rows). The kernels have internal linkage (an
+// anonymous namespace): each .cu file that includes this header gets its own copy, and the
+// copies never collide at link.
 #ifndef JAXOPS_XLA_FFI_GROUPED_GEMM_SETUP_KERNELS_CUH_
 #define JAXOPS_XLA_FFI_GROUPED_GEMM_SETUP_KERNELS_CUH_
 
@@ -40,6 +41,10 @@ struct SetupParams {
   int32_t* ns = nullptr;
   int32_t* ks = nullptr;
   long long* total = nullptr;
+  // The block-scaled FP8 handler's scale pointers (cutlass_fp8_sm90.cu); null arrays: none.
+  PointerRule sfa, sfb;
+  const void** sfa_ptrs = nullptr;
+  const void** sfb_ptrs = nullptr;
 };
 
 constexpr int kSetupThreads = 1024;
@@ -69,6 +74,10 @@ __global__ void __launch_bounds__(kSetupThreads) GroupedSetupKernel(SetupParams 
       s.a_ptrs[g] = GroupPointer(s.a, g, start);
       s.b_ptrs[g] = GroupPointer(s.b, g, start);
       s.d_ptrs[g] = GroupPointer(s.d, g, start);
+      if (s.sfa_ptrs != nullptr) {
+        s.sfa_ptrs[g] = GroupPointer(s.sfa, g, start);
+        s.sfb_ptrs[g] = GroupPointer(s.sfb, g, start);
+      }
     }
     carry += chunk;
   }
