@@ -36,9 +36,9 @@ by default; accumulation float32):
   ``--dtype bfloat16``): the layer's ``fp8="block"`` GEMMs, activation quantization included
   (x and dy in 1 x 128 groups, w in 128 x 128 tiles, the wgrad's per-expert 128-row groups):
   ``fp8`` dequantizes the FP8 operands and runs jaxops' kernels in float32 (the path without the
-  FP8 kernel), ``fp8_cutlass`` traced with ``JAXOPS_GPU_GROUPED_GEMM=cutlass`` runs the forward
-  and the input gradient on CUTLASS's block-scaled FP8 grouped GEMM
-  (``jaxops_grouped_gemm_fp8_cutlass``; the wgrad stays jaxops' float32 kernel). fp8_cutlass is
+  FP8 kernels), ``fp8_cutlass`` traced with ``JAXOPS_GPU_GROUPED_GEMM=cutlass`` runs the three
+  GEMMs on CUTLASS's block-scaled FP8 grouped GEMMs (``jaxops_grouped_gemm_fp8_cutlass``,
+  ``jaxops_grouped_gemm_fp8_wgrad_cutlass``). fp8_cutlass is
   checked against fp8 (the same quantized values: 2e-2) and both against ``ffi`` within FP8's
   resolution (``FP8_TOLERANCE``); a failure is reported (``fp8_cutlass_error``);
 - ``tokamax`` (on a GPU where ``tokamax`` is installed): both projections on
@@ -115,7 +115,7 @@ GROUPED_VARIABLE = "JAXOPS_GPU_GROUPED_GEMM"
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-2}
 # The fp8 variants against the bfloat16 ffi: FP8's resolution (e4m3: 2^-4 relative per element).
 FP8_TOLERANCE = 0.1
-FP8_CALLS = {"jaxops_grouped_gemm_fp8_cutlass", "jaxops_grouped_gemm_wgrad"}
+FP8_CALLS = {"jaxops_grouped_gemm_fp8_cutlass", "jaxops_grouped_gemm_fp8_wgrad_cutlass"}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 CALLS = {"jaxops_grouped_gemm", "jaxops_grouped_gemm_wgrad"}
 # The library variants: (JAXOPS_GPU_GROUPED_GEMM's value, the dtypes it takes, its calls).

@@ -38,12 +38,13 @@ CUTLASS's own (TMA descriptors per SM).
 
 :func:`grouped_gemm_fp8` multiplies block-scaled FP8 operands (DeepSeek-V3's recipe: x in 1 x 128
 groups along K, w in 128 x 128 tiles) on CUTLASS's Hopper grouped GEMM with blockwise scaling
-(``xla_ffi/grouped_gemm/cutlass_fp8_sm90.cu``, target :data:`TARGET_GROUPED_GEMM_FP8_CUTLASS`;
-compiled, not yet run on a GPU), chosen as the bfloat16 CUTLASS kernels are
-(``JAXOPS_GPU_GROUPED_GEMM=cutlass``, an sm_90 GPU; :func:`fp8_kernel_available`); elsewhere its
-pure-JAX twin (:func:`grouped_gemm_fp8_reference`: dequantize, ``ragged_dot`` in float32) runs.
-The kernel reads each group's scales of x as one packed M-major matrix
-(:func:`group_packed_scales`).
+(``xla_ffi/grouped_gemm/cutlass_fp8_sm90.cu``, target :data:`TARGET_GROUPED_GEMM_FP8_CUTLASS`),
+and :func:`grouped_gemm_fp8_wgrad` its weight gradient from the per-expert transposes in
+128-token groups (:data:`TARGET_WGRAD_FP8_CUTLASS`); compiled, not yet run on a GPU. They are
+chosen as the bfloat16 CUTLASS kernels are (``JAXOPS_GPU_GROUPED_GEMM=cutlass``, an sm_90 GPU:
+:func:`fp8_kernel_available`); elsewhere their pure-JAX twins (dequantize, ``ragged_dot`` and its
+weight gradient in float32) run. The forward's kernel reads each group's scales of x as one
+packed M-major matrix (:func:`group_packed_scales`).
 
 The rows of group g are rows ``[start_g, start_g + group_sizes[g])``, from row 0 in order. The
 kernels clip the sizes, which are device data: a negative size counts as 0, and no group reaches
@@ -88,6 +89,8 @@ oracles besides float64 numpy.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -96,6 +99,7 @@ from jaxops import _checks, _ffi
 from jaxops._config import resolve_impl
 from jaxops._errors import ArgumentTypeError, InvalidArgumentError
 from jaxops._fp8.scales import QuantizedArray, dequantize
+from jaxops._fp8.split import SplitQuantized
 from jaxops._sharding import vary_like
 
 __all__ = [
@@ -106,6 +110,7 @@ __all__ = [
     "FP8_BLOCK",
     "TARGET_GROUPED_GEMM_CUTLASS",
     "TARGET_GROUPED_GEMM_FP8_CUTLASS",
+    "TARGET_WGRAD_FP8_CUTLASS",
     "TARGET_GROUPED_GEMM_LT",
     "TARGET_WGRAD",
     "TARGET_WGRAD_CUTLASS",
@@ -122,6 +127,8 @@ __all__ = [
     "grouped_gemm",
     "grouped_gemm_fp8",
     "grouped_gemm_fp8_reference",
+    "grouped_gemm_fp8_wgrad",
+    "grouped_gemm_fp8_wgrad_reference",
     "grouped_gemm_reference",
     "grouped_gemm_wgrad",
     "grouped_gemm_wgrad_reference",
@@ -135,6 +142,7 @@ TARGET_WGRAD_LT = "jaxops_grouped_gemm_wgrad_lt"
 TARGET_GROUPED_GEMM_CUTLASS = "jaxops_grouped_gemm_cutlass"
 TARGET_WGRAD_CUTLASS = "jaxops_grouped_gemm_wgrad_cutlass"
 TARGET_GROUPED_GEMM_FP8_CUTLASS = "jaxops_grouped_gemm_fp8_cutlass"
+TARGET_WGRAD_FP8_CUTLASS = "jaxops_grouped_gemm_fp8_wgrad_cutlass"
 TARGET_ACTIVATION_FWD = "jaxops_grouped_activation_fwd"
 TARGET_ACTIVATION_BWD = "jaxops_grouped_activation_bwd"
 
@@ -548,6 +556,117 @@ def grouped_gemm_fp8_reference(
 
 
 _checks.twin_signature(grouped_gemm_fp8_reference, grouped_gemm_fp8)
+
+
+def _check_split(op: str, name: str, q) -> SplitQuantized:
+    if not isinstance(q, SplitQuantized):
+        raise ArgumentTypeError(
+            f"{op}: {name} must be a jaxops.fp8.SplitQuantized "
+            f"(jaxops.fp8.quantize_split_transpose), got {type(q).__name__}"
+        )
+    if q.group != FP8_BLOCK:
+        raise InvalidArgumentError(
+            f"{op}: {name} must be quantized in groups of {FP8_BLOCK} tokens, got {q.group}"
+        )
+    return q
+
+
+def grouped_gemm_fp8_wgrad(xs, dys, *, impl: str | None = None) -> jax.Array:
+    """``dw[g] = dequant(x)[rows of g]ᵀ @ dequant(dy)[rows of g]`` on FP8 tensor cores, float32.
+
+    The weight gradient of DeepSeek-V3's recipe: x and dy transposed per expert and quantized in
+    groups of 128 of the expert's tokens (:func:`jaxops.fp8.quantize_split_transpose`, split by the
+    same group sizes: the kernel reads xs's offsets and sizes for both). On an sm_90 GPU with
+    ``JAXOPS_GPU_GROUPED_GEMM=cutlass`` (:func:`fp8_kernel_available`), CUTLASS's blockwise-scaled
+    grouped GEMM (:data:`TARGET_WGRAD_FP8_CUTLASS`; each expert a problem ``K x N`` reduced over
+    its tokens, every 128 of them promoted through their scales); it takes float8_e4m3fn splits
+    with K and N multiples of 16. Other calls, and other platforms, run the twin
+    (:func:`grouped_gemm_fp8_wgrad_reference`).
+
+    Args:
+      xs: :class:`jaxops.fp8.SplitQuantized` of x ``[M, K]`` in groups of 128 tokens.
+      dys: the same of dy ``[M, N]``, split by the same group sizes.
+      impl: None (the kernel where it runs, else the twin), "ffi" (the kernel, required) or
+        "xla" (the twin).
+
+    Returns:
+      float32 ``[G, K, N]``; experts without rows get zeros.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxops
+      >>> from jaxops._grouped_gemm import grouped_gemm_fp8_wgrad
+      >>> sizes = jnp.array([3, 0], jnp.int32)
+      >>> xs = jaxops.fp8.quantize_split_transpose(jnp.ones((4, 16)), sizes)
+      >>> dys = jaxops.fp8.quantize_split_transpose(jnp.ones((4, 32)), sizes)
+      >>> grouped_gemm_fp8_wgrad(xs, dys)[:, 0, 0].tolist()
+      [3.0, 0.0]
+    """
+    op = "grouped_gemm_fp8_wgrad"
+    xs = _check_split(op, "xs", xs)
+    dys = _check_split(op, "dys", dys)
+    if (
+        dys.num_rows != xs.num_rows
+        or dys.sizes.shape != xs.sizes.shape
+        or dys.data.shape[1:] != xs.data.shape[1:]
+    ):
+        raise InvalidArgumentError(
+            f"{op}: xs and dys must split the same rows by the same groups; got xs of "
+            f"{xs.num_rows} rows in {xs.sizes.shape[0]} groups (data {xs.data.shape}), dys of "
+            f"{dys.num_rows} rows in {dys.sizes.shape[0]} groups (data {dys.data.shape})"
+        )
+    # dy's layout read through x's offsets and sizes, in the twin as in the kernel.
+    dys = dataclasses.replace(
+        dys, col_offsets=xs.col_offsets, scale_offsets=xs.scale_offsets, sizes=xs.sizes
+    )
+    (k, columns), n, groups = xs.data.shape, dys.data.shape[0], xs.sizes.shape[0]
+    e4m3 = np.dtype(jnp.float8_e4m3fn)
+    kernel = fp8_kernel_runs((columns, k, n, groups), impl, op)
+    if not kernel or xs.data.dtype != e4m3 or dys.data.dtype != e4m3 or xs.num_rows == 0:
+        return _fp8_wgrad_twin(xs, dys)
+    size_function = _ffi.cuda_module_function("grouped_gemm_fp8_cutlass_workspace_bytes")
+    workspace = jax.ShapeDtypeStruct((int(size_function(groups)),), jnp.uint8)
+    out = jax.ShapeDtypeStruct((groups, k, n), jnp.float32)
+    _ffi.ensure_registered(TARGET_WGRAD_FP8_CUTLASS)
+    dw, _ = _ffi.ffi_call(
+        TARGET_WGRAD_FP8_CUTLASS,
+        (out, workspace),
+        xs.data,
+        jnp.swapaxes(xs.scale, 0, 1).astype(jnp.float32),  # [S, K]: M-major, packed per group
+        dys.data,
+        jnp.swapaxes(dys.scale, 0, 1).astype(jnp.float32),
+        xs.col_offsets,
+        xs.scale_offsets,
+        xs.sizes,
+    )
+    return dw
+
+
+def _fp8_wgrad_twin(xs: SplitQuantized, dys: SplitQuantized) -> jax.Array:
+    x, dy = xs.dequantize(jnp.float32), dys.dequantize(jnp.float32)
+    shape = (xs.sizes.shape[0], x.shape[1], dy.shape[1])
+    _, vjp = jax.vjp(
+        lambda w: jax.lax.ragged_dot(
+            x,
+            w,
+            xs.sizes,
+            precision=jax.lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
+        ),
+        vary_like(jnp.zeros(shape, jnp.float32), x, dy, xs.sizes),
+    )
+    return vjp(dy)[0]
+
+
+def grouped_gemm_fp8_wgrad_reference(xs, dys) -> jax.Array:
+    """The pure-JAX twin of :func:`grouped_gemm_fp8_wgrad` (its arguments but `impl`).
+
+    Dequantizes both splits back to rows and takes ``jax.lax.ragged_dot``'s weight gradient in
+    float32 at full precision.
+    """
+    return grouped_gemm_fp8_wgrad(xs, dys, impl="xla")
+
+
+_checks.twin_signature(grouped_gemm_fp8_wgrad_reference, grouped_gemm_fp8_wgrad)
 
 
 # -------------------------------------------------------------------------------------------------

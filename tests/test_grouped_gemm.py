@@ -515,9 +515,9 @@ def test_cuda_module_has_the_cutlass_grouped_targets():
     for groups, size in zip(counts, sizes, strict=True):
         arrays = 6 * aligned(8 * groups) + 3 * aligned(4 * groups) + aligned(12 * groups)
         assert size > arrays + 256, (groups, size)
-    # The block-scaled FP8 target: five pointers, three int32, a shape, three strides and two
+    # The block-scaled FP8 targets: five pointers, three int32, a shape, three strides and two
     # scale layouts (8 bytes or more each) a group, then the scalars and CUTLASS's own.
-    assert gg.TARGET_GROUPED_GEMM_FP8_CUTLASS in stateless
+    assert {gg.TARGET_GROUPED_GEMM_FP8_CUTLASS, gg.TARGET_WGRAD_FP8_CUTLASS} <= stateless
     workspace = _ffi.cuda_module_function("grouped_gemm_fp8_cutlass_workspace_bytes")
     sizes = [workspace(groups) for groups in counts]
     assert sizes == sorted(set(sizes)) and all(s % 256 == 0 for s in sizes), sizes
@@ -967,3 +967,81 @@ def test_gpu_fp8_cutlass_kernel_matches_float64(shape, monkeypatch):
         np.testing.assert_array_equal(
             np.asarray(open_tail(xq, wq, gs))[: spans[-1][1]], np.asarray(y)[: spans[-1][1]]
         )
+
+
+# The weight gradient from per-expert split transposes (rows, K, N, group sizes): 128-token
+# blocks crossed and partial, an empty expert, sizes past the rows (clamped), one row.
+FP8_WGRAD_SHAPES = {
+    "blocks-420x256x128": (420, 256, 128, [200, 0, 57, 130]),
+    "clipped-90x128x64": (90, 128, 64, [40, -3, 70]),
+    "one-row": (1, 16, 32, [1]),
+}
+FP8_WGRAD_GPU_SHAPES = {
+    **FP8_WGRAD_SHAPES,
+    "many-experts-3000x256x128": (3000, 256, 128, [5, 0, 11, 2] * 150),
+    "gpt-oss-600x2880x2880": (600, 2880, 2880, [300, 0, 129, 171]),
+    "long-expert-4100x512x256": (4100, 512, 256, [4000, 100]),
+}
+
+
+def _split64(q) -> list[np.ndarray]:
+    """Each expert's dequantized transpose [K, m_e], float64, from the split's own layout."""
+    data, scale = np.asarray(q.data, np.float64), np.asarray(q.scale, np.float64)
+    cols, scols, sizes = (np.asarray(a) for a in (q.col_offsets, q.scale_offsets, q.sizes))
+    out = []
+    for c, sc, m in zip(cols[:-1], scols[:-1], sizes, strict=True):
+        blocks = np.repeat(scale[:, sc : sc + -(-m // 128)], 128, axis=1)[:, :m]
+        out.append(data[:, c : c + m] * blocks)
+    return out
+
+
+def _fp8_wgrad_operands(rows, k, n, sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, k)) * np.exp(rng.uniform(-3, 3, (rows, 1)))
+    dy = rng.standard_normal((rows, n)) * np.exp(rng.uniform(-8, 0, (rows, 1)))
+    gs = jnp.asarray(sizes, jnp.int32)
+    xs = jaxops.fp8.quantize_split_transpose(jnp.asarray(x, jnp.float32), gs)
+    dys = jaxops.fp8.quantize_split_transpose(jnp.asarray(dy, jnp.float32), gs, amax_floor=1e-30)
+    want = np.stack([a @ b.T for a, b in zip(_split64(xs), _split64(dys), strict=True)])
+    return xs, dys, want
+
+
+@pytest.mark.parametrize("shape", list(FP8_WGRAD_SHAPES), ids=list(FP8_WGRAD_SHAPES))
+def test_fp8_wgrad_twin_matches_float64(shape):
+    xs, dys, want = _fp8_wgrad_operands(*FP8_WGRAD_SHAPES[shape])
+    dw = jax.jit(gg.grouped_gemm_fp8_wgrad)(xs, dys)
+    _close(dw, want)
+    np.testing.assert_array_equal(dw, gg.grouped_gemm_fp8_wgrad_reference(xs, dys))
+
+
+def test_fp8_wgrad_bad_input_is_named_at_trace_time():
+    xs, dys, _ = _fp8_wgrad_operands(40, 16, 32, [20, 20])
+    with pytest.raises(TypeError, match=r"grouped_gemm_fp8_wgrad: xs must be a jaxops.fp8.Split"):
+        gg.grouped_gemm_fp8_wgrad(xs.dequantize(), dys)
+    other = jaxops.fp8.quantize_split_transpose(jnp.ones((40, 32)), jnp.asarray([40], jnp.int32))
+    with pytest.raises(ValueError, match=r"xs and dys must split the same rows by the same groups"):
+        gg.grouped_gemm_fp8_wgrad(xs, other)
+    small = jaxops.fp8.quantize_split_transpose(
+        jnp.ones((40, 32)), jnp.asarray([20, 20], jnp.int32), block=64
+    )
+    with pytest.raises(ValueError, match=r"dys must be quantized in groups of 128 tokens, got 64"):
+        gg.grouped_gemm_fp8_wgrad(xs, small)
+    with pytest.raises(ValueError, match=r"grouped_gemm_fp8_wgrad: impl='ffi' requires"):
+        gg.grouped_gemm_fp8_wgrad(xs, dys, impl="ffi")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(FP8_WGRAD_GPU_SHAPES), ids=list(FP8_WGRAD_GPU_SHAPES))
+def test_gpu_fp8_wgrad_cutlass_kernel_matches_float64(shape, monkeypatch):
+    """CUTLASS's FP8 weight gradient against float64; experts without rows exactly zero."""
+    _require_cutlass()
+    monkeypatch.setenv("JAXOPS_GPU_GROUPED_GEMM", "cutlass")
+    rows, k, n, sizes = FP8_WGRAD_GPU_SHAPES[shape]
+    xs, dys, want = _fp8_wgrad_operands(rows, k, n, sizes)
+    xs, dys = jax.device_put((xs, dys), jax.devices("gpu")[0])
+    text = jax.jit(gg.grouped_gemm_fp8_wgrad).lower(xs, dys).as_text()
+    assert (f"@{gg.TARGET_WGRAD_FP8_CUTLASS}(" in text) == (k % 16 == 0 and n % 16 == 0)
+    dw = jax.jit(gg.grouped_gemm_fp8_wgrad)(xs, dys)
+    _close(dw, want)
+    empty = [g for g, (b, e) in enumerate(_rows(sizes, rows)) if b == e]
+    assert not np.asarray(dw)[empty].any()

@@ -40,6 +40,8 @@ std::vector<Registration> Registrations() {
   registrations.push_back(
       Register("jaxops_grouped_gemm_wgrad_cutlass", GroupedGemmWgradCutlassCuda));
   registrations.push_back(Register("jaxops_grouped_gemm_fp8_cutlass", GroupedGemmFp8CutlassCuda));
+  registrations.push_back(
+      Register("jaxops_grouped_gemm_fp8_wgrad_cutlass", GroupedGemmFp8WgradCutlassCuda));
 #endif
   return registrations;
 }
@@ -71,7 +73,7 @@ NB_MODULE(_jaxops_cuda, m) {
   m.def("grouped_gemm_cutlass_workspace_bytes", &jaxops::grouped_gemm::CutlassWorkspaceBytes,
         "Bytes of the CUTLASS grouped GEMM handlers' workspace for a number of groups.");
   m.def("grouped_gemm_fp8_cutlass_workspace_bytes", &jaxops::grouped_gemm::CutlassFp8WorkspaceBytes,
-        "Bytes of the CUTLASS block-scaled FP8 grouped GEMM handler's workspace for a number of "
+        "Bytes of the CUTLASS block-scaled FP8 grouped GEMM handlers' workspace for a number of "
         "groups.");
 #endif
   m.def("types", &jaxops::Types,

@@ -15,15 +15,15 @@ counts: the work follows the rows actually received, not the buffer's worst-case
 backward computes a chunk's input and weight gradients in the same trip, each group's weight
 gradient summed in a ``[K, N]`` carry and written once. With ``fp8="block"`` the GEMMs use
 DeepSeek-V3's block-scaled FP8 numerics: on an sm_90 GPU with ``JAXOPS_GPU_GROUPED_GEMM=cutlass``
-the forward and input-gradient GEMMs run on FP8 tensor cores (CUTLASS's block-scaled grouped GEMM,
-:func:`jaxops._grouped_gemm.grouped_gemm_fp8`; compiled, not yet run on a GPU), elsewhere the
-quantized operands are dequantized and multiplied in float32. Expert biases
-(``MoEConfig.expert_bias``) are added in float32 to the GEMMs' float32 outputs, each row taking
-its group's bias; padding rows take none, so they stay zero as without biases. On XLA:CPU the
-activation between the GEMMs (the SiLU family: swiglu, clamped_swiglu, silu) runs as jaxops'
-grouped activation calls, on the groups' rows only (the buffer is sized for the routing's worst
-case: on 8 simulated devices the gather exchange's buffer held about 526 rows of groups in 2076);
-elsewhere, and for gelu, XLA's fusion computes it on every row.
+the three GEMMs run on FP8 tensor cores (CUTLASS's block-scaled grouped GEMMs,
+:func:`jaxops._grouped_gemm.grouped_gemm_fp8` and ``grouped_gemm_fp8_wgrad``; compiled, not yet
+run on a GPU), elsewhere the quantized operands are dequantized and multiplied in float32.
+Expert biases (``MoEConfig.expert_bias``) are added in float32 to the GEMMs' float32 outputs, each
+row taking its group's bias; padding rows take none, so they stay zero as without biases. On
+XLA:CPU the activation between the GEMMs (the SiLU family: swiglu, clamped_swiglu, silu) runs as
+jaxops' grouped activation calls, on the groups' rows only (the buffer is sized for the routing's
+worst case: on 8 simulated devices the gather exchange's buffer held about 526 rows of groups in
+2076); elsewhere, and for gelu, XLA's fusion computes it on every row.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from jaxops import _grouped_gemm, fp8
 from jaxops._config import resolve_impl
-from jaxops._fp8.scales import GRAD_AMAX_FLOOR
+from jaxops._fp8.scales import AMAX_FLOOR, GRAD_AMAX_FLOOR
 from jaxops._sharding import cotangent_like, vary_like
 
 from ._config import FP8_BLOCK, MoEConfig
@@ -290,13 +290,13 @@ def _gmm_bwd(
 
 
 def _fp8_rows(impl, x, grad: bool = False) -> jax.Array:
-    floor = GRAD_AMAX_FLOOR if grad else 1e-4
+    floor = GRAD_AMAX_FLOOR if grad else AMAX_FLOOR
     q = fp8.quantize(x, block=(1, FP8_BLOCK), amax_floor=floor, impl=impl)
     return fp8.dequantize(q, jnp.float32)
 
 
 def _fp8_split(impl, x, group_sizes, grad: bool = False) -> jax.Array:
-    floor = GRAD_AMAX_FLOOR if grad else 1e-4
+    floor = GRAD_AMAX_FLOOR if grad else AMAX_FLOOR
     q = fp8.quantize_split_transpose(x, group_sizes, amax_floor=floor, impl=impl)
     return q.dequantize(jnp.float32)
 
@@ -321,9 +321,10 @@ def _linear_vjp(tile: int, quantized: bool | str, impl, tails, x, w, groups):
 def _fp8_kernel(tile: int, quantized: bool | str, impl, x, w) -> bool:
     """Whether the block-scaled GEMMs of x ``[R, K]`` and w ``[L, K, N]`` run on FP8 tensor cores.
 
-    That is :func:`jaxops._grouped_gemm.grouped_gemm_fp8`'s kernel, for the forward and the input
-    gradient (w read transposed); otherwise the quantized operands are dequantized and the
-    grouped GEMM runs in float32.
+    That is :func:`jaxops._grouped_gemm.grouped_gemm_fp8`'s kernel for the forward and the input
+    gradient (w read transposed) and :func:`jaxops._grouped_gemm.grouped_gemm_fp8_wgrad`'s for
+    the weight gradient; otherwise the quantized operands are dequantized and the grouped GEMMs
+    run in float32.
     """
     if not quantized or not _kernel(tile, impl):
         return False
@@ -357,15 +358,16 @@ def _linear_fwd(tile: int, quantized: bool | str, impl, tails, x, w, groups):
 def _linear_bwd(tile: int, quantized: bool | str, impl, tails, saved, dy):
     (x, x_like), w, groups = saved
     if _fp8_kernel(tile, quantized, impl, x, w):
-        # dgrad on the FP8 kernel: dy's 1 x 128 groups times w's tiles, whose data [L, K, N] is
-        # already K-major for dy @ w[l]ᵀ; the wgrad from the per-expert split transposes, as below.
+        # Both on the FP8 kernels: the dgrad from dy's 1 x 128 groups and w's tiles, whose data
+        # [L, K, N] is already K-major for dy @ w[l]ᵀ; the wgrad from the per-expert transposes
+        # of x and dy in 128-token groups (the same quantization as below).
         dyq = fp8.quantize(dy, block=(1, FP8_BLOCK), amax_floor=GRAD_AMAX_FLOOR, impl=impl)
         wq = fp8.quantize(w, block=(FP8_BLOCK, FP8_BLOCK), impl=impl)
         w_t = dataclasses.replace(wq, transposed=True)  # logically [L, N, K]
         dx = _grouped_gemm.grouped_gemm_fp8(dyq, w_t, groups[0], zero_tail=tails[1], impl=impl)
-        xs = _fp8_split(impl, x, groups[0])
-        dys = _fp8_split(impl, dy, groups[0], grad=True)
-        dw = _grouped_gemm.grouped_gemm_wgrad(xs, dys, groups[0])
+        xs = fp8.quantize_split_transpose(x, groups[0], amax_floor=AMAX_FLOOR, impl=impl)
+        dys = fp8.quantize_split_transpose(dy, groups[0], amax_floor=GRAD_AMAX_FLOOR, impl=impl)
+        dw = _grouped_gemm.grouped_gemm_fp8_wgrad(xs, dys, impl=impl)
         dx = cotangent_like(dx.astype(x_like.dtype), x_like)
         return dx, cotangent_like(dw.astype(w.dtype), w), None
     if quantized:

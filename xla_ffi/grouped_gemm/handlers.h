@@ -16,7 +16,9 @@
 //     (CUDA only, sm_90a, with CUTLASS's headers: CUTLASS's Hopper grouped GEMM, cutlass_sm90.cu)
 //   GroupedGemmFp8Cutlass <-> "jaxops_grouped_gemm_fp8_cutlass"
 //                         <-> jaxops._grouped_gemm.TARGET_GROUPED_GEMM_FP8_CUTLASS
-//     (CUDA only, sm_90a, with CUTLASS's headers: the block-scaled FP8 grouped GEMM,
+//   GroupedGemmFp8WgradCutlass <-> "jaxops_grouped_gemm_fp8_wgrad_cutlass"
+//                              <-> jaxops._grouped_gemm.TARGET_WGRAD_FP8_CUTLASS
+//     (CUDA only, sm_90a, with CUTLASS's headers: the block-scaled FP8 grouped GEMMs,
 //     cutlass_fp8_sm90.cu)
 //   GroupedActivationFwd <-> "jaxops_grouped_activation_fwd"
 //                        <-> jaxops._grouped_gemm.TARGET_ACTIVATION_FWD (CPU only)
@@ -45,6 +47,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmWgradLtCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmCutlassCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmWgradCutlassCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmFp8CutlassCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedGemmFp8WgradCutlassCuda);
 
 namespace jaxops::grouped_gemm {
 // The micro-kernel the CPU calls run on this machine: "avx512", "avx2" or "portable" (the widest
@@ -68,7 +71,7 @@ int64_t LtVersion();
 // own, sized for up to 256 SMs), exported by the CUDA module as
 // grouped_gemm_cutlass_workspace_bytes.
 int64_t CutlassWorkspaceBytes(int64_t groups);
-// cutlass_fp8_sm90.cu: bytes of the FP8 handler's workspace for `groups` groups (sized as
+// cutlass_fp8_sm90.cu: bytes of the FP8 handlers' workspace for `groups` groups (sized as
 // CutlassWorkspaceBytes'), exported as grouped_gemm_fp8_cutlass_workspace_bytes.
 int64_t CutlassFp8WorkspaceBytes(int64_t groups);
 // The version of the CUTLASS headers the kernels were built with, e.g. "4.2.0".
