@@ -24,7 +24,9 @@
 #     BENCH_ARGS_fp8) replaces them for one benchmark,
 #   STEPS ("tests_gpu tests_all bench"): which steps run after the build, in this order; "sanitize"
 #     runs compute-sanitizer over the GPU tests (below), "profile" Nsight Compute over benchmarks,
-#   BENCHES (every bench_*.py): benchmark names without the bench_ prefix, e.g. "rms_norm fp8",
+#   BENCHES (every bench_*.py): benchmark names without the bench_ prefix, e.g. "rms_norm fp8";
+#     name@variant runs one again with BENCH_ARGS_<name>_<variant>, its tables in OUT/<variant>/
+#     (e.g. "gpu_step gpu_step@fp8" with BENCH_ARGS_gpu_step_fp8="--fp8 ..."),
 #   PYTEST_GPU_ARGS: extra arguments for the tests_gpu step (e.g. "-n 8" with pytest-xdist),
 #   GPU_TEST_FILES (every test file): test files, relative to tests/, that tests_gpu and sanitize
 #     collect (the GPU tests live in test_{rms_norm,fp8,moe,gemm,expert_parallel}.py and
@@ -212,13 +214,19 @@ run_bench() {
       names+=("${name#bench_}")
     done
   fi
-  for name in "${names[@]}"; do
+  local entry out
+  for entry in "${names[@]}"; do
+    # name@variant: the benchmark once more with BENCH_ARGS_<name>_<variant>, its tables under
+    # OUT/<variant>/ and its log bench_<name>@<variant>.log
+    name="${entry%%@*}"
+    out="$OUT"
+    if [[ "$entry" == *@* ]]; then out="$OUT/${entry#*@}"; mkdir -p "$out"; fi
     bench="$REPO/benchmarks/bench_$name.py"
-    own="BENCH_ARGS_$name"
+    own="BENCH_ARGS_${entry//@/_}"
     extra=("${BENCH_EXTRA[@]+"${BENCH_EXTRA[@]}"}")
     if [[ -n "${!own:-}" ]]; then read -r -a extra <<< "${!own}"; fi
-    step "bench_$name" "$OUT/bench_$name.log" "$BENCH_TIMEOUT" \
-      "$PYTHON" "$bench" --out "$OUT" ${extra[@]+"${extra[@]}"}
+    step "bench_$entry" "$OUT/bench_$entry.log" "$BENCH_TIMEOUT" \
+      "$PYTHON" "$bench" --out "$out" ${extra[@]+"${extra[@]}"}
   done
 }
 
