@@ -136,10 +136,11 @@ struct Layout {
   int64_t m, n, k;                                     // int32 [G] (the setup's; m: rows)
   int64_t shapes;                                      // Shape3 [G]
   int64_t sa, sb, sd;                                  // strides [G]
-  int64_t lsfa, lsfb;                                  // scale layouts [G]
-  int64_t scalars;  // alpha, beta (the setup's, unused), rows in groups (int64)
-  int64_t own;      // CUTLASS's workspace
-  int64_t bytes;    // the whole
+  int64_t lsfa, lsfb;  // scale layouts [G] (filled; CUTLASS 4.2's grouped mainloop
+                       // recomputes each group's from its problem shape)
+  int64_t scalars;     // alpha, beta (the setup's, unused), rows in groups (int64)
+  int64_t own;         // CUTLASS's workspace
+  int64_t bytes;       // the whole
 
   Layout(int64_t groups, int64_t own_bytes) {
     Carve c;
@@ -231,6 +232,8 @@ struct WgradSetup {
   float* dw = nullptr;  // [G, K, N]
   int64_t groups = 0;
   int32_t k = 0, n = 0;
+  int64_t columns = 0;       // C
+  int64_t scale_blocks = 0;  // S
   const void** a_ptrs = nullptr;
   const void** b_ptrs = nullptr;
   const void** d_ptrs = nullptr;
@@ -249,13 +252,18 @@ struct WgradSetup {
 };
 
 // dw[g] (K x N) = A (K x m_g: the group's columns of xs) times B (m_g x N: dy's, read from the
-// [N, m_g] rows of dys); a group without rows gets M = 0 (no tiles; zeroed afterwards).
+// [N, m_g] rows of dys); a group without rows gets M = 0 (no tiles; zeroed afterwards). The
+// offsets and sizes are device data: a group that would reach past C columns or S scale blocks,
+// or start off a 16-column boundary (TMA), is cut to what fits, or to no rows, so no read leaves
+// the buffers whatever they hold (jaxops.fp8.quantize_split_transpose's are always in bounds).
 __global__ void __launch_bounds__(kFillThreads) WgradSetupKernel(WgradSetup s) {
   const int64_t step = static_cast<int64_t>(gridDim.x) * kFillThreads;
   for (int64_t g = blockIdx.x * int64_t{kFillThreads} + threadIdx.x; g < s.groups; g += step) {
-    const int rows = max(s.sizes[g], 0);
-    const int64_t col = s.col_offsets[g];
-    const int64_t scol = s.scale_offsets[g];
+    const int64_t col = min(max(int64_t{s.col_offsets[g]}, int64_t{0}), s.columns);
+    const int64_t scol = min(max(int64_t{s.scale_offsets[g]}, int64_t{0}), s.scale_blocks);
+    int64_t fit = min(s.columns - col, (s.scale_blocks - scol) * kBlock);
+    if (col % kAlignFp8 != 0) fit = 0;
+    const int rows = static_cast<int>(min(max(int64_t{s.sizes[g]}, int64_t{0}), fit));
     s.a_ptrs[g] = s.xs + col;
     s.b_ptrs[g] = s.dys + col;
     s.d_ptrs[g] = s.dw + g * int64_t{s.k} * s.n;
@@ -502,6 +510,8 @@ ffi::Error WgradDispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer xs,
   s.groups = p.groups;
   s.k = static_cast<int32_t>(p.k);
   s.n = static_cast<int32_t>(p.n);
+  s.columns = p.rows;
+  s.scale_blocks = xs_scale.dimensions()[0];
   s.a_ptrs = reinterpret_cast<const void**>(base + l.a_ptrs);
   s.b_ptrs = reinterpret_cast<const void**>(base + l.b_ptrs);
   s.d_ptrs = reinterpret_cast<const void**>(base + l.d_ptrs);
