@@ -30,8 +30,17 @@ causal, about the window on a sliding layer (``W - W(W - 1) / 2S``), half a chun
 one. MFU divides by the device's dense bfloat16 peak (``--peak-tflops``; by default 989.4 for
 an H100 SXM or H200, 756 for an H100 PCIe; none on a CPU).
 
+The peer, in the same run on the same device: transformers + torch training the same decoder
+(``_torch_step.py``: ``AutoModelForCausalLM.from_config`` of the same config.json, parameters and
+AdamW moments in the same dtype, autocast to the compute dtype, gradient checkpointing with
+``--remat full``, transformers' fastest expert implementation that runs, ``grouped_mm`` first;
+SDPA attention, else eager). The peer's steps run in one subprocess before jax starts on the
+device (XLA's allocator keeps what it takes); their tokens/s, peak memory and implementations go
+in the rows, and ``jaxops/torch`` is jaxops' tokens/s over the peer's. ``--no-torch`` skips the
+peer; so does a missing torch or transformers (``torch_error`` says why).
+
 Goals (on an H100 / H200, the Qwen3-30B-A3B-shaped step in bfloat16): >= 300 model TFLOP/s;
-the peak memory within 1.2x of the plan's estimate.
+the peak memory within 1.2x of the plan's estimate; every step >= 2x the peer's tokens/s.
 
 Usage, from the repository root: ``python benchmarks/bench_gpu_step.py`` on a GPU (the default
 cases), ``--quick`` for a smoke test on a CPU (tiny configs), ``--cases`` to pick (the common
@@ -41,6 +50,7 @@ flags: ``_harness.parser``).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import pathlib
@@ -74,7 +84,12 @@ COLUMNS = [
     H.Column("peak_gb", "peak GB", "{:.1f}"),
     H.Column("plan_gb", "plan GB", "{:.3g}"),
     H.Column("memory_ratio", "peak/plan", "{:.2f}x"),
+    H.Column("torch_tokens_per_s", "torch tokens/s", "{:,.0f}"),
+    H.Column("torch_peak_gb", "torch peak GB", "{:.1f}"),
+    H.Column("torch_ratio", "jaxops/torch", "{:.2f}x"),
 ]
+# The peer's rows by case, measured before jax starts (see torch_peers).
+TORCH_ROWS: dict[str, dict[str, Any]] = {}
 
 
 def _hf_config(name: str, layers: int) -> dict[str, Any]:
@@ -162,13 +177,62 @@ def _plan_bytes(args, hf: dict[str, Any], batch: int, seq: int, param_dtype: str
     return int(json.loads(run.stdout.strip().splitlines()[-1])["bytes_per_device"]["total"])
 
 
+def _parse_case(args, case: str) -> tuple[str, int, int, int, str]:
+    """(config name, layers, batch, sequence, parameter dtype) of a case."""
+    name, layers, shape, *rest = case.split(":")
+    batch, seq = (int(v) for v in shape.split("x"))
+    return name, int(layers), batch, seq, rest[0] if rest else args.param_dtype
+
+
+def torch_peers(args) -> None:
+    """The transformers + torch step of every case (``_torch_step.py``, one subprocess for all)
+    into :data:`TORCH_ROWS`; run before jax starts on the device."""
+    if args.no_torch:
+        return
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        TORCH_ROWS.update({case: {"error": f"not installed: {missing}"} for case in args.case_list})
+        return
+    device = "cpu" if os.environ.get("JAX_PLATFORMS", "").startswith("cpu") else "auto"
+    specs = []
+    for case in args.case_list:
+        name, layers, batch, seq, param_dtype = _parse_case(args, case)
+        specs.append(
+            {
+                "hf": _hf_config(name, layers),
+                "batch": batch,
+                "seq": seq,
+                "dtype": args.dtype,
+                "param_dtype": param_dtype,
+                "remat": args.remat,
+                "repeats": args.repeats,
+                "device": device,
+            }
+        )
+    script = pathlib.Path(__file__).with_name("_torch_step.py")
+    limit = args.torch_timeout * len(specs)
+    try:
+        run = subprocess.run(
+            [sys.executable, str(script), json.dumps(specs)],
+            capture_output=True,
+            text=True,
+            timeout=limit,
+        )
+        lines = run.stdout.strip().splitlines()
+        failure = None if run.returncode == 0 else f"exit {run.returncode}: {run.stderr[-1500:]}"
+    except subprocess.TimeoutExpired as e:
+        lines = (e.stdout or b"").decode().strip().splitlines() if e.stdout else []
+        failure = f"timed out after {limit:.0f} s"
+    for i, case in enumerate(args.case_list):
+        TORCH_ROWS[case] = json.loads(lines[i]) if i < len(lines) else {"error": failure}
+        print(f"{case}: torch peer {json.dumps(TORCH_ROWS[case])[:400]}", file=sys.stderr)
+
+
 def _case(args, case: str, mesh) -> dict[str, Any]:
     from jaxops.models import DecoderConfig, MoEDecoder
 
-    name, layers, shape, *rest = case.split(":")
-    param_dtype = rest[0] if rest else args.param_dtype
-    batch, seq = (int(v) for v in shape.split("x"))
-    hf = _hf_config(name, int(layers))
+    name, layers, batch, seq, param_dtype = _parse_case(args, case)
+    hf = _hf_config(name, layers)
     cfg = DecoderConfig.from_hf(hf)
     model = MoEDecoder(
         cfg, mesh, dtype=args.dtype, remat=args.remat, fp8="block" if args.fp8 else None
@@ -196,6 +260,8 @@ def _case(args, case: str, mesh) -> dict[str, Any]:
     stats = jax.devices()[0].memory_stats() if H.is_gpu() else None
     peak_bytes = None if not stats else stats.get("peak_bytes_in_use")
     plan_bytes = None if args.no_plan else _plan_bytes(args, hf, batch, seq, param_dtype)
+    peer = TORCH_ROWS.get(case, {"error": "not run (--no-torch)"})
+    peer_tokens = peer.get("tokens_per_s")
     row = {
         "case": case,
         "params_b": weights / 1e9,
@@ -211,6 +277,11 @@ def _case(args, case: str, mesh) -> dict[str, Any]:
         "param_dtype": param_dtype,
         "grouped_gemm": os.environ.get("JAXOPS_GPU_GROUPED_GEMM", "kernel"),
         "timing": timing.to_json(),
+        "torch_tokens_per_s": peer_tokens,
+        "torch_peak_gb": peer.get("peak_gb"),
+        "torch_ratio": None if not peer_tokens else n / seconds / peer_tokens,
+        "torch_error": peer.get("error"),
+        "torch": peer,
     }
     H.log_row(row, COLUMNS)
     return row
@@ -227,6 +298,10 @@ def run(args) -> H.Result:
     if H.is_gpu() and qwen and args.dtype == "bfloat16" and not args.fp8:
         text = "Qwen3-30B-A3B-shaped bf16 step >= 300 model TFLOP/s"
         goals.append(H.worst_goal(qwen, "tflops", 300.0, text, lambda r: r["case"], "{:.1f}"))
+    compared = [r for r in rows if r["torch_ratio"] is not None]
+    if H.is_gpu() and compared:
+        text = "every step >= 2x transformers + torch's tokens/s on the same device"
+        goals.append(H.worst_goal(compared, "torch_ratio", 2.0, text, lambda r: r["case"]))
     measured = [r for r in rows if r["memory_ratio"] is not None]
     if measured:
         text = "peak memory within 1.2x of the plan's estimate"
@@ -263,8 +338,13 @@ def parse_args(argv: Sequence[str] | None = None):
     )
     p.add_argument("--peak-tflops", type=float, default=None, help="the MFU's denominator")
     p.add_argument("--no-plan", action="store_true", help="skip the plan CLI's estimate")
+    p.add_argument("--no-torch", action="store_true", help="skip the transformers + torch peer")
+    p.add_argument(
+        "--torch-timeout", type=float, default=900, help="seconds for each case's peer step"
+    )
     return p.parse_args(argv)
 
 
 if __name__ == "__main__":
+    torch_peers(parse_args(sys.argv[1:]))  # before jax starts on the device
     sys.exit(H.main(parse_args, run, cpu_devices=1))
