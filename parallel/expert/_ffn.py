@@ -329,7 +329,9 @@ def _fp8_kernel(tile: int, quantized: bool | str, impl, x, w) -> bool:
     if not quantized or not _kernel(tile, impl):
         return False
     shape = (x.shape[0], x.shape[1], w.shape[2], w.shape[0])
-    return _grouped_gemm.fp8_kernel_runs(shape, impl, "jaxops.parallel.expert.moe_layer")
+    # Preferred where it runs, never required: impl="ffi" asks for jaxops' custom calls, which
+    # the dequantized path runs too.
+    return _grouped_gemm.fp8_kernel_runs(shape, ("ffi", "xla"), "jaxops.parallel.expert.moe_layer")
 
 
 def _linear_fwd(tile: int, quantized: bool | str, impl, tails, x, w, groups):
