@@ -75,18 +75,13 @@ namespace {
 using cute::_1;
 using cute::_128;
 
-using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
-using Shape3 = ProblemShape::UnderlyingProblemShape;
 using Fp8 = cutlass::float_e4m3_t;
 constexpr int kBlock = 128;    // the scale blocks' width along K (and N for w)
 constexpr int kAlignFp8 = 16;  // e4m3s in 16 bytes
-constexpr int kAlignD = 4;     // floats in 16 bytes
 // Example 68's tile; clusters of one CTA as the bfloat16 kernels' (no TMA multicast: a group's
 // last N tile never waits on a partner; 1 x 2 is a tuning to measure).
 using Tile = cute::Shape<_128, _128, _128>;
 using Cluster = cute::Shape<_1, _1, _1>;
-using RowMajor = cutlass::layout::RowMajor;
-using ColumnMajor = cutlass::layout::ColumnMajor;
 
 // D = accumulator (alpha 1, no C), fp32, row-major, stored by TMA.
 using Epilogue = cutlass::epilogue::collective::CollectiveBuilder<

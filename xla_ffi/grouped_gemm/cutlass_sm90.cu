@@ -60,16 +60,10 @@ using cute::_1;
 using cute::_128;
 using cute::_64;
 
-// The problem shape of one group: (M, N, K), ints, in device memory.
-using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
-using Shape3 = ProblemShape::UnderlyingProblemShape;
 using Element = cutlass::bfloat16_t;
-constexpr int kAlign = 8;   // bfloat16s in 16 bytes
-constexpr int kAlignD = 4;  // floats in 16 bytes
+constexpr int kAlign = 8;  // bfloat16s in 16 bytes
 using Tile = cute::Shape<_128, _128, _64>;
 using Cluster = cute::Shape<_1, _1, _1>;
-using RowMajor = cutlass::layout::RowMajor;
-using ColumnMajor = cutlass::layout::ColumnMajor;
 
 // The epilogue: D = accumulator (alpha 1, no C), fp32, row-major, stored by TMA.
 using Epilogue = cutlass::epilogue::collective::CollectiveBuilder<

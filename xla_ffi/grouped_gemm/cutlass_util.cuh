@@ -1,7 +1,7 @@
 // What the CUTLASS grouped GEMM handlers share (cutlass_sm90.cu: bfloat16; cutlass_fp8_sm90.cu:
-// block-scaled FP8): the workspace's layout rules and the setup's arrays in it, the device check
-// (an sm_90 GPU with at most kMaxSms SMs, the count the workspace is sized for) and CUTLASS's
-// status as an ffi::Error.
+// block-scaled FP8): the group problem shape and layouts both use, the workspace's layout rules and
+// the setup's arrays in it, the device check (an sm_90 GPU with at most kMaxSms SMs, the count the
+// workspace is sized for) and CUTLASS's status as an ffi::Error.
 #ifndef JAXOPS_XLA_FFI_GROUPED_GEMM_CUTLASS_UTIL_CUH_
 #define JAXOPS_XLA_FFI_GROUPED_GEMM_CUTLASS_UTIL_CUH_
 
@@ -12,11 +12,20 @@
 #include <string>
 
 #include "cutlass/cutlass.h"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/layout/matrix.h"
 #include "xla_ffi/common/cuda_util.cuh"
 #include "xla_ffi/common/cuda_vec.cuh"
 #include "xla_ffi/grouped_gemm/setup_kernels.cuh"
 
 namespace jaxops::grouped_gemm {
+
+// The problem shape of one group: (M, N, K), ints, in device memory.
+using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+using Shape3 = ProblemShape::UnderlyingProblemShape;
+using RowMajor = cutlass::layout::RowMajor;
+using ColumnMajor = cutlass::layout::ColumnMajor;
+inline constexpr int kAlignD = 4;  // float outputs: 4 in 16 bytes (TMA's rows)
 
 // Workspace sizes are computed for up to this many SMs (CUTLASS keeps TMA descriptors per SM);
 // H100 and H200 have 132.
